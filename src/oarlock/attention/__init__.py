@@ -1,0 +1,1 @@
+"""oarlock.attention (see README.md)."""

@@ -1,0 +1,19 @@
+"""Errors of :mod:`oarlock.checkpoint`. Every message names the file, key, shape or statement at fault."""
+
+from oarlock.errors import OarlockError
+
+
+class CheckpointError(OarlockError):
+    """Base of every checkpoint error."""
+
+
+class CheckpointFormatError(CheckpointError):
+    """A file or directory is not a readable checkpoint: missing, truncated, corrupt, mixed formats."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """What the caller asks for does not match what was saved (shape, dtype, missing or unexpected keys)."""
+
+
+class UnsafePickleError(CheckpointFormatError):
+    """A foreign pickle references a class outside the admitted set (it could run code if unpickled)."""

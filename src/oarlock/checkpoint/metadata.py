@@ -1,0 +1,147 @@
+"""Checkpoint metadata: what is stored, where, in which box.
+
+One model serves every source format (oarlock, HuggingFace, PaddlePaddle FlexCheckpoint, a lone safetensors
+file): readers turn each into a :class:`CheckpointMetadata`, and the load planner only ever sees that.
+
+Terms (FlexCheckpoint spec, section 1): a tensor *key* has a *global shape*; a *shard* is an axis-aligned box
+given by its *global offset* and *local shape*. A *flattened* shard holds only elements
+``[flattened_range[0], flattened_range[1])`` of the row-major flattening of its box (ZeRO flat buffers).
+oarlock's own on-disk metadata is JSON (``metadata.json``), never pickle.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from oarlock.checkpoint.errors import CheckpointFormatError
+from oarlock.utils import dtype_itemsize, dtype_name, numel
+
+FORMAT_NAME = "oarlock.flexcheckpoint"
+FORMAT_VERSION = 1
+METADATA_FILE = "metadata.json"
+
+
+@dataclass(frozen=True)
+class ShardMeta:
+    """One stored shard of a tensor.
+
+    Attributes:
+        global_offset: start of the box in each dimension of the global tensor (``()`` for scalars).
+        local_shape: extent of the box in each dimension.
+        file: data file, relative to the checkpoint directory.
+        name: name of the tensor inside that file.
+        flattened_range: ``(start, stop)`` element range of the box's row-major flattening that the stored
+            1-D tensor holds, or ``None`` for a regular (whole-box) shard.
+        replica_id: ``None`` or ``0`` for the primary copy; ``>= 1`` for extra copies kept for warm restart.
+    """
+
+    global_offset: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    file: str
+    name: str
+    flattened_range: tuple[int, int] | None = None
+    replica_id: int | None = None
+
+    @property
+    def numel(self) -> int:
+        """Elements actually stored (the flat range's length for flattened shards)."""
+        if self.flattened_range is not None:
+            return self.flattened_range[1] - self.flattened_range[0]
+        return numel(self.local_shape)
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"global_offset": list(self.global_offset), "local_shape": list(self.local_shape),
+                             "file": self.file, "name": self.name}
+        if self.flattened_range is not None:
+            d["flattened_range"] = list(self.flattened_range)
+        if self.replica_id is not None:
+            d["replica_id"] = self.replica_id
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "ShardMeta":
+        fr = d.get("flattened_range")
+        return cls(tuple(d["global_offset"]), tuple(d["local_shape"]), d["file"], d["name"],
+                   tuple(fr) if fr is not None else None, d.get("replica_id"))
+
+
+@dataclass
+class TensorMeta:
+    """A stored tensor: global shape, dtype (canonical name, see :func:`oarlock.utils.dtype_name`), shards."""
+
+    key: str
+    global_shape: tuple[int, ...]
+    dtype: str
+    shards: list[ShardMeta] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole (global) tensor."""
+        return numel(self.global_shape) * dtype_itemsize(self.dtype)
+
+    def primary_shards(self) -> list[ShardMeta]:
+        """Shards that are not extra replicas (``replica_id`` None or 0)."""
+        return [s for s in self.shards if not s.replica_id]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"global_shape": list(self.global_shape), "dtype": self.dtype,
+                "shards": [s.to_json() for s in self.shards]}
+
+
+@dataclass
+class CheckpointMetadata:
+    """Everything a loader needs to plan reads: per key its global shape, dtype and shards.
+
+    Attributes:
+        format: ``"oarlock"``, ``"huggingface"``, ``"paddle"`` or ``"safetensors"``.
+        tensors: key -> :class:`TensorMeta`, in save order.
+        objects: small non-tensor values (ints, floats, strings, lists) saved as JSON.
+        nested: flat key -> path (list of str/int) to rebuild nested state dicts.
+        extra: format-specific information (for example the HF index's ``metadata`` block).
+    """
+
+    format: str
+    tensors: dict[str, TensorMeta] = field(default_factory=dict)
+    objects: dict[str, Any] = field(default_factory=dict)
+    nested: dict[str, list] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def files(self) -> list[str]:
+        """Data files referenced by any shard, sorted."""
+        return sorted({s.file for t in self.tensors.values() for s in t.shards})
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": FORMAT_NAME, "version": FORMAT_VERSION,
+                "tensors": {k: t.to_json() for k, t in self.tensors.items()},
+                "objects": self.objects, "nested": self.nested, "extra": self.extra}
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=1, sort_keys=False)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any], *, source: str = METADATA_FILE) -> "CheckpointMetadata":
+        """Parse oarlock's ``metadata.json`` content; raises :class:`CheckpointFormatError` naming ``source``
+        and the key at fault on any malformed entry."""
+        if not isinstance(d, dict) or d.get("format") != FORMAT_NAME:
+            raise CheckpointFormatError(f"{source}: not an oarlock checkpoint metadata file "
+                                        f"(expected \"format\": \"{FORMAT_NAME}\")")
+        if d.get("version") != FORMAT_VERSION:
+            raise CheckpointFormatError(f"{source}: unsupported metadata version {d.get('version')!r} "
+                                        f"(this oarlock reads version {FORMAT_VERSION})")
+        meta = cls("oarlock", objects=dict(d.get("objects", {})), nested=dict(d.get("nested", {})),
+                   extra=dict(d.get("extra", {})))
+        for key, t in d.get("tensors", {}).items():
+            try:
+                tm = TensorMeta(key, tuple(int(x) for x in t["global_shape"]), dtype_name(t["dtype"]),
+                                [ShardMeta.from_json(s) for s in t["shards"]])
+            except (KeyError, TypeError, ValueError) as e:
+                raise CheckpointFormatError(f"{source}: malformed entry for key {key!r}: {e}") from None
+            meta.tensors[key] = tm
+        return meta

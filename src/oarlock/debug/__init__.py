@@ -1,0 +1,1 @@
+"""oarlock.debug (see README.md)."""

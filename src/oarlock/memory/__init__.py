@@ -1,0 +1,1 @@
+"""oarlock.memory (see README.md)."""

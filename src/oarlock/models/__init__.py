@@ -1,0 +1,1 @@
+"""oarlock.models (see README.md)."""

