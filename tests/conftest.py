@@ -10,6 +10,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO = Path(__file__).resolve().parents[1]
+# Subprocesses (CLI tests, torchrun launches) must import this checkout's code, not another install.
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO / "src"), os.environ.get("PYTHONPATH", "")] if p)
 
 
 @pytest.fixture(scope="session")

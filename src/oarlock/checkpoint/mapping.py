@@ -1,0 +1,105 @@
+"""The contract between a mapping program (identity, or a compiled AOA config) and the load planner.
+
+A program says, for each destination (model) key, which slices of which source (checkpoint) tensors fill it:
+``dst[dst_box] = cast(permute(src[src_box], permute), dtype)``. Boxes are global coordinates, one
+``(start, stop)`` pair per dimension (``()`` for scalars). The planner intersects these boxes with the shards
+a rank owns and with the shards stored on disk, so no full tensor is ever materialised
+(FlexCheckpoint spec, sections 2.7 and 4.3.6).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Protocol, Sequence
+
+import torch
+
+from oarlock.utils import torch_dtype
+
+Box = tuple[tuple[int, int], ...]
+
+
+def full_box(shape: Sequence[int]) -> Box:
+    """The box covering a whole tensor of ``shape``."""
+    return tuple((0, int(n)) for n in shape)
+
+
+def box_slices(box: Box) -> tuple[slice, ...]:
+    """``box`` as a tuple of slices, for indexing a tensor whose origin is the box's coordinate origin."""
+    return tuple(slice(a, b) for a, b in box)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Global shape and dtype (canonical name, e.g. ``"float32"``) of a tensor."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class SliceMapping:
+    """``dst[dst_box] = cast(permute(src[src_box], permute), dtype)``.
+
+    ``permute`` is a dimension order in ``torch.permute`` semantics applied to the source slice (``None`` =
+    identity); after it, the slice's shape equals the extent of ``dst_box``. ``dtype`` is the cast target
+    (``None`` = keep the source dtype).
+    """
+
+    dst_key: str
+    dst_box: Box
+    src_key: str
+    src_box: Box
+    permute: tuple[int, ...] | None = None
+    dtype: str | None = None
+
+
+class MappingProgram(Protocol):
+    """What the load planner asks of a compiled AOA config (or of :class:`IdentityProgram`)."""
+
+    def destination_keys(self) -> list[str]:
+        """Every destination key the program can produce."""
+
+    def destination_spec(self, key: str) -> TensorSpec:
+        """Global shape and dtype of destination ``key``."""
+
+    def mappings_for(self, key: str) -> list[SliceMapping]:
+        """Slice mappings whose ``dst_box`` regions exactly tile destination ``key``."""
+
+
+class IdentityProgram:
+    """Every source key maps onto the destination key of the same name, unchanged."""
+
+    def __init__(self, source: Mapping[str, TensorSpec]):
+        self.source = dict(source)
+
+    def destination_keys(self) -> list[str]:
+        return list(self.source)
+
+    def destination_spec(self, key: str) -> TensorSpec:
+        return self.source[key]
+
+    def mappings_for(self, key: str) -> list[SliceMapping]:
+        spec = self.source[key]
+        box = full_box(spec.shape)
+        return [SliceMapping(key, box, key, box)]
+
+
+def apply_mapping(m: SliceMapping, src_slice: torch.Tensor) -> torch.Tensor:
+    """Apply a mapping's permute and cast to the source slice ``src[m.src_box]``."""
+    t = src_slice.permute(*m.permute) if m.permute is not None else src_slice
+    return t.to(torch_dtype(m.dtype)) if m.dtype is not None else t
+
+
+def execute_on_full_tensors(program: MappingProgram, source: Mapping[str, torch.Tensor],
+                            keys: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
+    """Reference executor on whole tensors (tests and small single-process use): build every destination
+    tensor from full source tensors. The sharded loader must give bit-identical results."""
+    out = {}
+    for key in keys if keys is not None else program.destination_keys():
+        spec = program.destination_spec(key)
+        dst = torch.empty(spec.shape, dtype=torch_dtype(spec.dtype))
+        for m in program.mappings_for(key):
+            dst[box_slices(m.dst_box)] = apply_mapping(m, source[m.src_key][box_slices(m.src_box)])
+        out[key] = dst
+    return out
