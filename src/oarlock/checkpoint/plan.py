@@ -20,37 +20,37 @@ from __future__ import annotations
 import bisect
 import itertools
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 from oarlock.checkpoint.errors import CheckpointError, CheckpointMismatchError, CheckpointTilingError
 from oarlock.checkpoint.mapping import Box, IdentityProgram, MappingProgram, SliceMapping, TensorSpec
 from oarlock.checkpoint.metadata import CheckpointMetadata, TensorMeta
-from oarlock.checkpoint.sharded import (ShardDesc, box_intersection, box_shift, box_volume, flat_range_boxes,
+from oarlock.checkpoint.sharded import (ShardDesc, box_intersection, box_volume, flat_range_boxes,
                                         make_box)
 from oarlock.utils import numel
 
 
-@dataclass(frozen=True)
-class StoredPiece:
+class StoredPiece(NamedTuple):
     """A regular box of stored data.
 
-    ``box`` is in global coordinates. The data is a C-contiguous array of shape ``shape`` (= the box extent)
-    stored as tensor ``name`` of ``file``, starting ``flat_start`` elements into that tensor (0 for regular
-    shards; the piece's place in the 1-D tensor for flattened shards).
+    ``box`` is in global coordinates (``origin`` its start, ``shape`` its extent). The data is a C-contiguous
+    array of shape ``shape`` stored as tensor ``name`` of ``file``, starting ``flat_start`` elements into that
+    tensor (0 for regular shards; the piece's place in the 1-D tensor for flattened shards).
     """
 
     box: Box
     file: str
     name: str
-    flat_start: int = 0
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(b - a for a, b in self.box)
+    flat_start: int
+    origin: tuple[int, ...]
+    shape: tuple[int, ...]
 
 
-@dataclass(frozen=True)
-class ReadItem:
+def _piece(box: Box, file: str, name: str, flat_start: int = 0) -> StoredPiece:
+    return StoredPiece(box, file, name, flat_start, tuple(a for a, _ in box), tuple(b - a for a, b in box))
+
+
+class ReadItem(NamedTuple):
     """Copy ``stored[src_box]`` (of the array ``file``/``name``, ``src_flat_start`` elements in, shape
     ``src_shape``) into ``target[dst_box]``, where ``target`` is the requested local tensor viewed as a
     ``dst_shape`` array starting ``dst_flat_start`` elements in (the whole local tensor for regular targets).
@@ -105,12 +105,12 @@ class KeyIndex:
         for s in meta.primary_shards():
             if s.flattened_range is None:
                 if numel(s.local_shape):
-                    self.pieces.append(StoredPiece(make_box(s.global_offset, s.local_shape), s.file, s.name))
+                    self.pieces.append(_piece(make_box(s.global_offset, s.local_shape), s.file, s.name))
             else:
                 for off, ext, fs in flat_range_boxes(s.local_shape, *s.flattened_range):
                     if numel(ext):
                         gb = make_box([o + a for o, a in zip(s.global_offset, off)], ext)
-                        self.pieces.append(StoredPiece(gb, s.file, s.name, fs))
+                        self.pieces.append(_piece(gb, s.file, s.name, fs))
         self._grid: list[list[int]] | None = None
         self._cells: dict[tuple[int, ...], StoredPiece] = {}
         self._check_bounds()
@@ -343,14 +343,19 @@ class Planner:
         sub = tuple((m.src_box[j][0] + inter[inv[j]][0] - m.dst_box[inv[j]][0],
                      m.src_box[j][0] + inter[inv[j]][1] - m.dst_box[inv[j]][0]) for j in range(nd))
         permute = m.permute if m.permute is not None and tuple(m.permute) != tuple(range(nd)) else None
+        shift = [m.dst_box[i][0] - m.src_box[perm[i]][0] for i in range(nd)]  # src coordinate -> dst coordinate
+        same_frame = permute is None and not any(shift)
         for piece in self.index(m.src_key).query(sub):
             ov = box_intersection(piece.box, sub)
             if ov is None:
                 continue
-            dst = tuple((m.dst_box[i][0] + ov[perm[i]][0] - m.src_box[perm[i]][0],
-                         m.dst_box[i][0] + ov[perm[i]][1] - m.src_box[perm[i]][0]) for i in range(nd))
-            out.append(ReadItem(key, tflat, tshape, box_shift(dst, torigin), m.src_key, piece.file, piece.name,
-                                piece.flat_start, piece.shape, box_shift(ov, [a for a, _ in piece.box]),
+            if same_frame:
+                dst = tuple((a - o, b - o) for (a, b), o in zip(ov, torigin))
+            else:
+                dst = tuple((ov[perm[i]][0] + shift[i] - torigin[i], ov[perm[i]][1] + shift[i] - torigin[i])
+                            for i in range(nd))
+            out.append(ReadItem(key, tflat, tshape, dst, m.src_key, piece.file, piece.name, piece.flat_start,
+                                piece.shape, tuple((a - o, b - o) for (a, b), o in zip(ov, piece.origin)),
                                 permute, m.dtype))
 
 
