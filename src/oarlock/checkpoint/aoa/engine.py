@@ -396,10 +396,10 @@ class AOAProgram:
             lines.append(f"{k}  (source-less: '_ -> {k}', keeps its initial value)")
         for k, why in self.missing.items():
             lines.append(f"{k}  MISSING: {why}")
-        if self.deleted:
-            lines.append(f"# deleted source keys: {', '.join(self.deleted)}")
-        if self.unused_sources:
-            lines.append(f"# unused source keys: {', '.join(self.unused_sources)}")
+        for what, names in (("deleted", self.deleted), ("unused", self.unused_sources)):
+            if names:
+                more = f" ... ({len(names) - 10} more)" if len(names) > 10 else ""
+                lines.append(f"# {len(names)} {what} source key(s): {', '.join(names[:10])}{more}")
         return "\n".join(lines)
 
 
