@@ -45,26 +45,31 @@ class _Plan:
             cls = cls.masked_fill(drop, TILE_SKIP)
         live = (cls != TILE_SKIP).any(1)  # [B, Tr, Tc]
         full = (cls == TILE_FULL).all(1)
-        self.runs: list[list[list[tuple[int, int, bool]]]] = []
+        # runs[b][i] = [(c0, c1, [(p0, p1), ...]), ...]: live key columns [c0, c1) of query block i, with the
+        # column segments that hold partial tiles (the only ones that need the element mask).
+        self.runs: list[list[list[tuple[int, int, list[tuple[int, int]]]]]] = []
         live_l, full_l = live.tolist(), full.tolist()
         self.live_tiles = int(live.sum())
         for bb in range(b):
             per_row = []
-            for i in range(len(live_l[bb])):
-                runs: list[tuple[int, int, bool]] = []
-                lrow, frow = live_l[bb][i], full_l[bb][i]
-                start, masked = -1, False
-                for j, alive in enumerate(lrow):
-                    if alive and start >= 0 and (j - start) * BLOCK_N < MAX_RUN:
-                        masked = masked or not frow[j]
-                        continue
-                    if start >= 0:
-                        runs.append((start * BLOCK_N, min(j * BLOCK_N, sk), masked))
-                        start = -1
+            for lrow, frow in zip(live_l[bb], full_l[bb]):
+                runs: list[tuple[int, int, list[tuple[int, int]]]] = []
+                start = -1
+                segs: list[tuple[int, int]] = []
+                for j in range(len(lrow) + 1):
+                    alive = j < len(lrow) and lrow[j]
+                    if start >= 0 and (not alive or (j - start) * BLOCK_N >= MAX_RUN):
+                        runs.append((start * BLOCK_N, min(j * BLOCK_N, sk), segs))
+                        start, segs = -1, []
                     if alive:
-                        start, masked = j, not frow[j]
-                if start >= 0:
-                    runs.append((start * BLOCK_N, sk, masked))
+                        if start < 0:
+                            start = j
+                        if not frow[j]:
+                            c0, c1 = j * BLOCK_N, min((j + 1) * BLOCK_N, sk)
+                            if segs and segs[-1][1] == c0:
+                                segs[-1] = (segs[-1][0], c1)
+                            else:
+                                segs.append((c0, c1))
                 per_row.append(runs)
             self.runs.append(per_row)
         lts, lte, uts, ute = (canon[..., k].contiguous() for k in range(4))
@@ -75,8 +80,9 @@ class _Plan:
         self.ute = ute if has_ut else None
         self.block_mask = block_mask
 
-    def masked(self, b: int, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor:
-        """bool ``[Hm, r1 - r0, c1 - c0]``, True where the element is masked."""
+    def bias(self, b: int, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor:
+        """fp32 ``[Hm, r1 - r0, 1, c1 - c0]``: ``-inf`` where the element is masked, else 0 (an add is several
+        times cheaper than ``masked_fill`` on CPU, and the bias is G x Hk / Hm times smaller than the scores)."""
         rows = torch.arange(r0, r1).view(1, -1, 1)
         m = rows >= self.lts[b, :, c0:c1].unsqueeze(1)
         if self.lte is not None:
@@ -88,7 +94,13 @@ class _Plan:
         if self.block_mask is not None:
             bm = self.block_mask[b][:, (torch.arange(r0, r1) // 128)][:, :, (torch.arange(c0, c1) // 128)]
             m |= bm == 0
-        return m
+        return torch.zeros(m.shape, dtype=torch.float32).masked_fill_(m, float("-inf")).unsqueeze(2)
+
+    def apply(self, s: torch.Tensor, b: int, r0: int, r1: int, c0: int, segs, hk: int, g: int) -> None:
+        """Add the mask of the partial column segments to scores ``s`` ``[Hk, (r1 - r0) * G, c1 - c0]``."""
+        sv = s.view(hk, r1 - r0, g, s.shape[-1])
+        for p0, p1 in segs:
+            sv[..., p0 - c0:p1 - c0].add_(self.bias(b, r0, r1, p0, p1))
 
 
 def _trivial_canon(b: int, sk: int, sq: int) -> torch.Tensor:
@@ -109,10 +121,6 @@ def _kv_layout(x: torch.Tensor) -> torch.Tensor:
     """``[B, S, Hk, D]`` -> fp32 ``[B, Hk, S, D]`` contiguous."""
     view = x.transpose(1, 2)
     return torch.empty(view.shape, dtype=torch.float32).copy_(view)
-
-
-def _apply_mask(s: torch.Tensor, masked: torch.Tensor, hk: int, rows: int, g: int) -> None:
-    s.view(hk, rows, g, s.shape[-1]).masked_fill_(masked.unsqueeze(2), float("-inf"))
 
 
 def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, canon: torch.Tensor | None, *,
@@ -139,10 +147,9 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, canon: 
             n = r1 - r0
             qb = q[bb, :, r0:r1].reshape(hk, n * g, d)
             m_i = l_i = acc = None
-            for c0, c1, msk in runs:
+            for c0, c1, segs in runs:
                 s = torch.matmul(qb, k[bb, :, c0:c1].transpose(-1, -2))
-                if msk:
-                    _apply_mask(s, plan.masked(bb, r0, r1, c0, c1), hk, n, g)
+                plan.apply(s, bb, r0, r1, c0, segs, hk, g)
                 m_new = s.amax(-1, keepdim=True)
                 if m_i is not None:
                     m_new = torch.maximum(m_new, m_i)
@@ -195,11 +202,10 @@ def backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, val
             lb = lse_l[bb, :, r0:r1].reshape(hk, n * g, 1)
             db = delta[bb, :, r0:r1].reshape(hk, n * g, 1)
             dqb = dq[bb, :, r0:r1].view(hk, n * g, d)
-            for c0, c1, msk in runs:
+            for c0, c1, segs in runs:
                 kb, vb = k[bb, :, c0:c1], v[bb, :, c0:c1]
                 s = torch.matmul(qb, kb.transpose(-1, -2))
-                if msk:
-                    _apply_mask(s, plan.masked(bb, r0, r1, c0, c1), hk, n, g)
+                plan.apply(s, bb, r0, r1, c0, segs, hk, g)
                 p = s.sub_(lb).exp_()
                 dv[bb, :, c0:c1].baddbmm_(p.transpose(-1, -2), dob)
                 ds = torch.matmul(dob, vb.transpose(-1, -2)).sub_(db).mul_(p)

@@ -99,11 +99,13 @@ def block_bounds(canon: torch.Tensor, block_n: int) -> tuple[torch.Tensor, torch
     b, hm, sk, _ = canon.shape
     tc = -(-sk // block_n)
     pad = tc * block_n - sk
-    big = torch.iinfo(torch.int64).max
-    small = torch.iinfo(torch.int64).min
-    lo = torch.nn.functional.pad(canon.transpose(-1, -2), (0, pad), value=big).view(b, hm, 4, tc, block_n)
-    hi = torch.nn.functional.pad(canon.transpose(-1, -2), (0, pad), value=small).view(b, hm, 4, tc, block_n)
-    return lo.amin(-1).transpose(-1, -2), hi.amax(-1).transpose(-1, -2)
+    if pad == 0:
+        blocks = canon.transpose(-1, -2).reshape(b, hm, 4, tc, block_n)
+        return blocks.amin(-1).transpose(-1, -2), blocks.amax(-1).transpose(-1, -2)
+    # pad the tail block with its own first column so it reduces over valid columns only
+    filler = canon[:, :, (tc - 1) * block_n:(tc - 1) * block_n + 1].expand(b, hm, pad, 4)
+    blocks = torch.cat([canon, filler], 2).transpose(-1, -2).reshape(b, hm, 4, tc, block_n)
+    return blocks.amin(-1).transpose(-1, -2), blocks.amax(-1).transpose(-1, -2)
 
 
 def classify_tiles(canon: torch.Tensor, *, causal: bool, seqlen_q: int, block_m: int, block_n: int,
