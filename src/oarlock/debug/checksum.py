@@ -89,8 +89,8 @@ def rounded_hash(t: torch.Tensor, decimals: int) -> torch.Tensor:
     """Fingerprint (as :func:`fast_hash`) of ``t``'s values rounded to ``decimals`` decimal places.
 
     Floating values are scaled by ``10**decimals`` in float64, rounded half-to-even, and converted to int64
-    (NaN and +-inf map to fixed sentinels, magnitudes are clamped to 2**62); integer tensors are hashed as
-    they are. Returns a 0-dim int64 tensor on ``t``'s device.
+    (magnitudes are clamped to 2**62, so +-inf hash like huge values; NaN maps to 2**63 - 1024); integer
+    tensors are hashed as they are. Returns a 0-dim int64 tensor on ``t``'s device.
     """
     t = t.detach()
     if t.is_complex():
@@ -98,8 +98,8 @@ def rounded_hash(t: torch.Tensor, decimals: int) -> torch.Tensor:
     if not t.is_floating_point():
         return fast_hash(t)
     big = float(1 << 62)
-    x = torch.round(t.to(torch.float64) * (10.0 ** decimals))
-    x = torch.nan_to_num(x, nan=big - 1, posinf=big, neginf=-big).clamp_(-big, big)
+    x = torch.round(t.to(torch.float64) * (10.0 ** decimals)).clamp_(-big, big)  # clamp keeps NaN
+    x = torch.nan_to_num(x, nan=float((1 << 63) - 1024))  # a float64-exact int64 above the clamp range
     return _fingerprint_int64(x.reshape(-1).to(torch.int64))
 
 
