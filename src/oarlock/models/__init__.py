@@ -1,1 +1,21 @@
-"""oarlock.models (see README.md)."""
+"""oarlock.models: a plain Llama/GQA (dense and MoE) model, its parallel layouts, ZeRO-1, and real weights.
+
+Public names:
+
+* :class:`Llama`, :class:`LlamaConfig` (``oarlock.models.llama``): single-device model with fused ``qkv_proj`` /
+  ``gate_up_proj`` in the FlexCheckpoint ``fused_qkv`` / ``fused_ffn`` layouts; ``hf_aoa_config`` /
+  ``hf_export_aoa_config`` (AOA statements) and ``convert_hf_state_dict`` / ``to_hf_state_dict`` (plain torch).
+* ``ensure_hf_checkpoint`` (``oarlock.models.smollm2``): SmolLM2-135M-Instruct as an HF fp32 directory.
+"""
+
+from oarlock.models.errors import ModelError, ParallelLayoutError
+from oarlock.models.llama import (Llama, LlamaConfig, causal_document_mask, causal_lm_loss, convert_hf_state_dict,
+                                  document_position_ids, hf_aoa_config, hf_export_aoa_config, to_hf_state_dict,
+                                  tp_relayout_aoa_config)
+from oarlock.models.smollm2 import MissingModelPackageError, ensure_hf_checkpoint
+
+__all__ = [
+    "Llama", "LlamaConfig", "ModelError", "ParallelLayoutError", "MissingModelPackageError", "causal_document_mask",
+    "causal_lm_loss", "convert_hf_state_dict", "document_position_ids", "ensure_hf_checkpoint", "hf_aoa_config",
+    "hf_export_aoa_config", "to_hf_state_dict", "tp_relayout_aoa_config",
+]
