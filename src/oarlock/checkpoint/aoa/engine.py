@@ -27,6 +27,9 @@ from oarlock.utils import dtype_name
 _ATTRS = ("axis", "dtype", "permute", "src_dtype", "dst_dtype")
 
 
+_BOXES: dict[tuple[int, ...], Box] = {}  # full boxes by shape: most keys of a model share a few shapes
+
+
 class Ref:
     """``tensor[dst_box] = cast(permute(source[src_key][src_box], perm), cast)``; ``src_box`` in the source's
     native axis order, ``perm`` maps this tensor's axis i to source axis ``perm[i]`` (None = identity)."""
@@ -48,8 +51,11 @@ class TensorDesc:
 
     @classmethod
     def source(cls, key: str, spec: TensorSpec) -> "TensorDesc":
-        box = full_box(spec.shape)
-        return cls(tuple(spec.shape), spec.dtype, [Ref(key, box, box, None, None)])
+        shape = tuple(spec.shape)
+        box = _BOXES.get(shape)
+        if box is None:
+            box = _BOXES[shape] = full_box(shape)
+        return cls(shape, spec.dtype, [Ref(key, box, box, None, None)])
 
     def slice(self, axis: int, a: int, b: int, expr: Expr | None = None) -> "TensorDesc":
         """Sub-tensor ``[a, b)`` along ``axis``."""
@@ -89,18 +95,19 @@ class TensorDesc:
         ident = tuple(range(len(q)))
         refs = []
         for r in self.refs:
-            p = r.perm if r.perm is not None else ident
-            perm = tuple(p[i] for i in q)
-            refs.append(Ref(r.src_key, r.src_box, tuple(r.dst_box[i] for i in q), None if perm == ident else perm,
-                            r.cast))
-        return TensorDesc(tuple(self.shape[i] for i in q), self.dtype, refs, expr)
+            p = r.perm
+            perm = q if p is None else tuple([p[i] for i in q])
+            db = r.dst_box
+            refs.append(Ref(r.src_key, r.src_box, tuple([db[i] for i in q]), None if perm == ident else perm, r.cast))
+        shape = self.shape
+        return TensorDesc(tuple([shape[i] for i in q]), self.dtype, refs, expr)
 
     def cast(self, dtype: str, expr: Expr | None = None) -> "TensorDesc":
         return TensorDesc(self.shape, dtype,
                           [Ref(r.src_key, r.src_box, r.dst_box, r.perm, dtype) for r in self.refs], expr)
 
 
-@dataclass
+@dataclass(slots=True)
 class Primitive:
     """A primitive statement: ``kind`` in rename, split, concat, permute, cast, delete, create.
 
@@ -153,13 +160,23 @@ def _parse_perm(e: Expr, value: object) -> tuple[int, ...] | None:
         raise AOASyntaxError(f"permute={value!r}: expected integers", e, name="permute") from None
 
 
-def classify(e: Expr) -> Primitive:
-    """Check a macro-expanded statement against the primitive forms of spec section 2.4.
+def classify(e: Expr, memo: dict | None = None) -> Primitive:
+    """Check a macro-expanded statement against the primitive forms of spec section 2.4. ``memo`` caches the
+    verdict per attribute list and arity (macro expansions repeat a few forms tens of thousands of times).
 
     Raises:
         AOASyntaxError: N -> M with N, M >= 2, unsupported attribute, bad attribute value.
         AOAError: split/concat without exactly one ``axis``; two operators in a 1 -> 1 statement.
     """
+    lhs, rhs = e.lhs, e.rhs
+    if memo is not None and VOID not in lhs and VOID not in rhs:
+        key = (tuple(e.attrs), len(lhs) >= 2, len(rhs) >= 2)
+        hit = memo.get(key)
+        if hit is None:
+            p = classify(e)
+            memo[key] = (p.kind, p.axis, p.perm, p.dtype, p.src_dtype)
+            return p
+        return Primitive(hit[0], lhs, rhs, e, hit[1], hit[2], hit[3], hit[4])
     names = [k for k, _ in e.attrs]
     for k in names:
         if k not in _ATTRS:
@@ -452,6 +469,12 @@ class _Executor:
             self.fresh[name] = None
 
     def run(self, p: Primitive) -> None:
+        if p.kind == "rename" and p.axis is None:  # the most common statement: a fast path
+            b = self.env.get(p.lhs[0], _MISSING)
+            d = b if isinstance(b, TensorDesc) else self.get(p.lhs[0], p)
+            self.fresh.pop(p.lhs[0], None)
+            self.bind(p.rhs[0], d)
+            return
         e = p.expr
         if p.kind == "create":
             for r in p.rhs:
@@ -559,7 +582,8 @@ def compile_aoa(aoa_config: object, source: Mapping[str, TensorSpec],
         dst_model = [split_optimizer_suffix(k)[0] for k in destination]
     exprs = expand_statements(aoa_config, list(source), dst_model, source_shards=source_shards,
                               destination_shards=destination_shards)
-    prims = [classify(e) for e in exprs]
+    memo: dict = {}
+    prims = [classify(e, memo) for e in exprs]
     if reverse:
         prims = invert(prims)
     prog = AOAProgram(source, reverse, prims)
@@ -601,7 +625,7 @@ def compile_aoa(aoa_config: object, source: Mapping[str, TensorSpec],
             else:
                 base, suf = split_optimizer_suffix(k)
                 wanted.append((k, base, suf) if suf else (k, k, ""))
-    used: set[str] = set()
+    reached: set[str] = set()
     for key, model_key, suf in wanted:
         d = resolve(model_key)
         if d is None:
@@ -633,7 +657,7 @@ def compile_aoa(aoa_config: object, source: Mapping[str, TensorSpec],
                                f"{srcs[0]!r} has shape {list(sspec.shape)}")
             prog._entries[key] = _Entry(d, suf, TensorSpec(tuple(spec.shape), spec.dtype),
                                         spec.dtype if spec.dtype != sspec.dtype else None)
-            used.add(model_key)
+            reached.update(r.src_key for r in d.refs)
             continue
         if suf:
             for r in d.refs:
@@ -661,7 +685,7 @@ def compile_aoa(aoa_config: object, source: Mapping[str, TensorSpec],
         else:
             dtype = state_dtype if suf else d.dtype
         prog._entries[key] = _Entry(d, suf, TensorSpec(tuple(d.shape), dtype), cast_all)
-        used.add(model_key)
-    reached = {r.src_key for k in used for r in (resolve(k).refs if isinstance(resolve(k), TensorDesc) else ())}
+        for r in d.refs:
+            reached.add(r.src_key)
     prog.unused_sources = [k for k in model_src if k not in reached and k not in ex.deleted]
     return prog
