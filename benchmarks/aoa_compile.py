@@ -7,13 +7,15 @@ Config: PaddleFormers-style statements with $LAYER_ID / $EXPERT_ID, ^T, fused ga
 Anchor: build the same checkpoint-key -> model-key rename dict with a plain Python loop and ``re`` (what a
 hand-written conversion script does; no shapes, no slicing, no checks).
 
-Run: ``python benchmarks/aoa_compile.py`` (pins itself to one core). Appends to benchmarks/RESULTS.md with
+Run: ``python benchmarks/aoa_compile.py`` (pins itself to one core; times are CPU time of this process, best
+of --repeat runs, so other load on the machine inflates them less). Appends to benchmarks/RESULTS.md with
 ``--record``.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import re
 import sys
@@ -99,6 +101,7 @@ def anchor(keys) -> dict[str, str]:
 def best_of(fn, n):
     ts = []
     for _ in range(n):
+        gc.collect()  # start every run from the same collector state (garbage of the previous run collected)
         t0 = time.process_time()
         r = fn()
         ts.append(time.process_time() - t0)
@@ -117,6 +120,7 @@ def main() -> None:
     t_sinks, prog = best_of(lambda: compile_aoa(CONFIG, src), args.repeat)
     dst = {k: prog.destination_spec(k) for k in prog.destination_keys()}
     t_dst, prog2 = best_of(lambda: compile_aoa(CONFIG, src, dst), args.repeat)
+    gc.collect()
     t0 = time.process_time()
     n_maps = sum(len(prog2.mappings_for(k)) for k in prog2.destination_keys())
     t_maps = time.process_time() - t0

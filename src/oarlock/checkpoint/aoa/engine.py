@@ -117,8 +117,8 @@ class Primitive:
     against the tensor before a reversible cast."""
 
     kind: str
-    lhs: list[str]
-    rhs: list[str]
+    lhs: tuple[str, ...]
+    rhs: tuple[str, ...]
     expr: Expr
     axis: int | None = None
     perm: tuple[int, ...] | None = None
@@ -137,7 +137,7 @@ class Primitive:
         elif self.kind == "cast":
             attrs.append(f"src_dtype='{self.src_dtype}', dst_dtype='{self.dtype}'" if self.src_dtype
                          else f"dtype='{self.dtype}'" if self.dtype else "dtype=<destination dtype>")
-        return f"{', '.join(self.lhs)} -> {', '.join(self.rhs + attrs)}"
+        return f"{', '.join(self.lhs)} -> {', '.join(list(self.rhs) + attrs)}"
 
 
 def _dtype_attr(e: Expr, name: str, value: object) -> str:
@@ -182,12 +182,12 @@ def classify(e: Expr, memo: dict | None = None) -> Primitive:
     for k in names:
         if k not in _ATTRS:
             raise AOASyntaxError(f"Unsupported attribute {k!r} (supported: {', '.join(_ATTRS)})", e, name=k)
-    if e.lhs == [VOID] or e.rhs == [VOID]:
+    if e.lhs == (VOID,) or e.rhs == (VOID,):
         if e.attrs:
             raise AOASyntaxError("a statement with '_' takes no attributes", e, name=names[0])
-        if e.lhs == [VOID] and e.rhs == [VOID]:
+        if e.lhs == (VOID,) and e.rhs == (VOID,):
             raise AOASyntaxError("'_ -> _' means nothing", e)
-        return Primitive("create", [], e.rhs, e) if e.lhs == [VOID] else Primitive("delete", e.lhs, [], e)
+        return Primitive("create", (), e.rhs, e) if e.lhs == (VOID,) else Primitive("delete", e.lhs, (), e)
     for n in e.names():
         if n == VOID:
             raise AOASyntaxError("'_' must stand alone on its side of '->'", e, name=n)
@@ -236,7 +236,7 @@ def invert(prims: list[Primitive]) -> list[Primitive]:
                     inv[a] = i
             perm = tuple(inv) if sorted(perm) == list(range(len(perm))) else perm
         dtype, src = (p.src_dtype, p.dtype) if p.src_dtype else (None, None)
-        out.append(Primitive(kind, list(p.rhs), list(p.lhs), p.expr, p.axis, perm, dtype, src, inverted=True))
+        out.append(Primitive(kind, p.rhs, p.lhs, p.expr, p.axis, perm, dtype, src, inverted=True))
     return out
 
 
@@ -577,7 +577,9 @@ def compile_aoa(aoa_config: object, source: Mapping[str, TensorSpec],
         naming the statement, column and macro expansion chain.
     """
     # Compilation allocates ~10 small acyclic objects per key; the cyclic GC would rescan them all again and
-    # again (a third of the time on 50,000 keys), so it is paused while compiling.
+    # again (a third of the time on 50,000 keys), so it is paused while compiling. One young-generation pass at
+    # the end moves the program's objects out of the young generations at once; otherwise the first calls of
+    # mappings_for() would pay for that, several times over.
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -585,6 +587,7 @@ def compile_aoa(aoa_config: object, source: Mapping[str, TensorSpec],
     finally:
         if enabled:
             gc.enable()
+            gc.collect(1)
 
 
 def _compile(aoa_config: object, source: Mapping[str, TensorSpec], destination: Mapping[str, TensorSpec] | None,
