@@ -140,10 +140,12 @@ def test_newline_and_joined_literals():
 
 def test_cast_and_layer_transpose_and_permute():
     src = {"embedding.weight": rand(4, 3, dtype=torch.bfloat16),
-           "model.layers.0.self_attn.o_proj.weight": rand(3, 5), "model.layers.1.self_attn.o_proj.weight": rand(3, 5, seed=1),
+           "model.layers.0.self_attn.o_proj.weight": rand(3, 5),
+           "model.layers.1.self_attn.o_proj.weight": rand(3, 5, seed=1),
            "s": rand(2, 3, 4)}
     prog, out = run(["embedding.weight -> embedding.weight, dtype = 'float32'",
-                     "model.layers.$LAYER_ID.self_attn.o_proj.weight^T -> model.layers.$LAYER_ID.self_attn.o_proj.weight",
+                     "model.layers.$LAYER_ID.self_attn.o_proj.weight^T -> "
+                     "model.layers.$LAYER_ID.self_attn.o_proj.weight",
                      "s -> a, permute = '[2, 0, 1]'"], src)
     assert torch.equal(out["embedding.weight"], src["embedding.weight"].float())
     for i in (0, 1):

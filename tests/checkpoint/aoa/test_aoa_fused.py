@@ -85,7 +85,8 @@ def test_fused_qkv_old_relayout(h, kv, t_src, t_dst):
     assert torch.equal(out["qq"], q) and torch.equal(out["kk"], k) and torch.equal(out["vv"], v)
     # 3 -> 1: build the TP-blocked layout for T_dst from plain q, k, v
     prog = compile_aoa([f"qq, kk, vv -> y, fused_qkv_old, num_heads={h}, num_key_value_groups={kv}"],
-                       {"qq": spec(q), "kk": spec(k), "vv": spec(v)}, {"y": spec(x_dst)}, destination_shards={"y": t_dst})
+                       {"qq": spec(q), "kk": spec(k), "vv": spec(v)}, {"y": spec(x_dst)},
+                       destination_shards={"y": t_dst})
     loaded = load_shards(prog, {"qq": shard(q, even_boxes(q.shape, 0, 1)), "kk": shard(k, even_boxes(k.shape, 0, 1)),
                                 "vv": shard(v, even_boxes(v.shape, 0, 1))}, {"y": even_boxes(x_dst.shape, axis, t_dst)})
     assert_shards_equal(loaded, {"y": x_dst})
@@ -119,7 +120,8 @@ def test_fused_ffn_relayout(t_src, t_dst, axis):
 
 def _qwen_like_checkpoint(layers=2, experts=2, h=4, g=2, d=2, hid=8, inter=6, vocab=10):
     torch.manual_seed(0)
-    ck = {"model.embed_tokens.weight": torch.randn(vocab, hid).to(torch.bfloat16), "model.norm.weight": torch.randn(hid)}
+    ck = {"model.embed_tokens.weight": torch.randn(vocab, hid).to(torch.bfloat16),
+          "model.norm.weight": torch.randn(hid)}
     for i in range(layers):
         p = f"model.layers.{i}"
         ck[f"{p}.input_layernorm.weight"] = torch.randn(hid)

@@ -41,7 +41,8 @@ def test_llama_paddleformers_config():  # 6.1, model_prefix = "model."
     assert torch.equal(out["lm_head.weight"], ck["model.embed_tokens.weight"])
     assert torch.equal(out["model.embed_tokens.weight"], ck["model.embed_tokens.weight"])
     for i in range(2):
-        assert torch.equal(out[f"model.layers.{i}.self_attn.k_proj.weight"], ck[f"model.layers.{i}.self_attn.k_proj.weight"].T)
+        k = f"model.layers.{i}.self_attn.k_proj.weight"
+        assert torch.equal(out[k], ck[k].T)
 
 
 def test_qwen3_moe_grouped_gemm_with_joined_literals():  # 6.3: two f-strings adjacent without a comma
@@ -54,7 +55,8 @@ def test_qwen3_moe_grouped_gemm_with_joined_literals():  # 6.3: two f-strings ad
     g1 = ", ".join(f"model.layers.0.mlp.experts.{e}.up_proj.weight^T" for e in range(experts))
     g2 = ", ".join(f"model.layers.0.mlp.experts.{e}.down_proj.weight^T" for e in range(experts))
     tgt = "layers.0"
-    cfg = [f"{g1} -> {tgt}.mlp.grouped_gemm_experts.weight1, axis=0" f"{g2} -> {tgt}.mlp.grouped_gemm_experts.weight2, axis=0",
+    cfg = [f"{g1} -> {tgt}.mlp.grouped_gemm_experts.weight1, axis=0"
+           f"{g2} -> {tgt}.mlp.grouped_gemm_experts.weight2, axis=0",
            "model.layers.$LAYER_ID.mlp.gate.weight^T -> layers.$LAYER_ID.mlp.gate.weight, dtype='float32'",
            "model.layers.$LAYER_ID.self_attn.q_norm.weight -> layers.$LAYER_ID.self_attn.q_layernorm.weight"]
     _, out = run(cfg, ck)
@@ -114,7 +116,8 @@ def test_gpt_oss_sourceless_buffers_and_deepseek_inverse():  # 6.6 and 6.4
            "rotary_emb.inv_freq": TensorSpec((2,), "float32")}
     cfg = ["_ -> rotary_emb.inv_freq",
            "layers.$LAYER_ID.mlp.gate.weight -> model.layers.$LAYER_ID.mlp.gate.weight, dtype='bfloat16'",
-           "layers.0.mlp.up_gate_proj.weight -> model.layers.0.mlp.gate_proj.weight, model.layers.0.mlp.up_proj.weight, "
+           "layers.0.mlp.up_gate_proj.weight -> model.layers.0.mlp.gate_proj.weight, "
+           "model.layers.0.mlp.up_proj.weight, "
            "fused_ffn"]
     prog, out = run(cfg, ck, dst)
     assert prog.skipped == ["rotary_emb.inv_freq"]

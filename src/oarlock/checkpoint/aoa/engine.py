@@ -363,9 +363,11 @@ class AOAProgram:
         self._cache: dict[str, list[SliceMapping]] = {}
 
     def destination_keys(self) -> list[str]:
+        """Destination keys this program fills (model keys, then their optimizer states where present)."""
         return list(self._entries)
 
     def destination_spec(self, key: str) -> TensorSpec:
+        """Global shape and dtype of destination ``key``; raises :class:`AOAError` for an unknown key."""
         return self._entry(key).spec
 
     def _entry(self, key: str) -> _Entry:
@@ -377,6 +379,7 @@ class AOAProgram:
                            + (f" ({why})" if why else "")) from None
 
     def mappings_for(self, key: str) -> list[SliceMapping]:
+        """Slice mappings tiling destination ``key`` (computed on first request, then cached)."""
         got = self._cache.get(key)
         if got is not None:
             return got
@@ -590,10 +593,28 @@ def compile_aoa(aoa_config: object, source: Mapping[str, TensorSpec],
             gc.collect(1)
 
 
+def _canonical_specs(specs: Mapping[str, TensorSpec], what: str) -> dict[str, TensorSpec]:
+    """Specs with canonical dtype names (``"float32"``, not ``"F32"`` or ``"torch.float32"``)."""
+    names: dict[str, str] = {}
+    out = {}
+    for k, sp in specs.items():
+        dt = names.get(sp.dtype)
+        if dt is None:
+            try:
+                dt = names[sp.dtype] = dtype_name(sp.dtype)
+            except ValueError as e:
+                raise AOAError(f"{what} key {k!r}: {e}") from None
+        out[k] = sp if dt == sp.dtype else TensorSpec(tuple(sp.shape), dt)
+    return out
+
+
 def _compile(aoa_config: object, source: Mapping[str, TensorSpec], destination: Mapping[str, TensorSpec] | None,
              source_shards: Mapping[str, int] | None, destination_shards: Mapping[str, int] | None,
              allow_cast: bool) -> AOAProgram:
     _, reverse = normalize_config(aoa_config)
+    source = _canonical_specs(source, "source")
+    if destination is not None:
+        destination = _canonical_specs(destination, "destination")
     model_src, states = fold_optimizer_keys(source)
     dst_model = None
     if destination is not None:
