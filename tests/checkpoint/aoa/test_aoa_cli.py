@@ -70,6 +70,14 @@ def test_explain_with_target_json_reverse_and_errors(minilm_dir, tmp_path, capsy
     assert "current model param slice range: (slice(0, 384), slice(0, 1152))" in err
     assert "preloaded weights param slice range: (slice(0, 1152), slice(0, 384))" in err
     assert "[statement] encoder.layer.$LAYER_ID.attention.self.query.weight" in err
+    # a dtype mismatch is reported unless --allow-cast
+    keys["encoder.layer.0.attention.self.qkv.weight"] = {"shape": [1152, 384], "dtype": "bfloat16"}
+    target.write_text(json.dumps(keys))
+    assert main(["aoa", "explain", str(cfg), "--source", str(minilm_dir), "--target", str(target)]) == 2
+    assert "direct assignment of tensors of different types is prohibited" in capsys.readouterr().err
+    assert main(["aoa", "explain", str(cfg), "--source", str(minilm_dir), "--target", str(target),
+                 "--allow-cast"]) == 0
+    assert "<- encoder.layer.0.attention.self.key.weight[0:384, 0:384]  cast=bfloat16" in capsys.readouterr().out
     # a typo in the pattern: exit 2 naming the closest key
     cfg.write_text(json.dumps([QKV.replace("query", "qurey")]))
     assert main(["aoa", "explain", str(cfg), "--source", str(minilm_dir)]) == 2

@@ -130,10 +130,11 @@ def test_ids_ignore_optimizer_suffixes_and_follow_checkpoint():
                                                                        "a.7.w_transpose_tmp->b.7"]
 
 
-def test_newline_and_joined_literals():
-    # "a -> b, axis=1" "c -> d" concatenated by accident: two statements (Paddle's greedy parser)
+def test_newline_and_joined_literals(caplog):
+    # "a -> b, axis=1" "c -> d" concatenated by accident: two statements (Paddle's greedy parser), with a warning
     assert expanded(["a -> b, axis=1" "c -> d", "e -> f\n\ng -> h"], ["a", "c", "e", "g"]) == [
         "a->b,axis=1", "c->d", "e->f", "g->h"]
+    assert "aoa_statements[0]" in caplog.text and "without a newline" in caplog.text
 
 
 # ---- section 2.10 examples, numerically -------------------------------------------------------------------
