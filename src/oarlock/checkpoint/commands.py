@@ -97,8 +97,7 @@ def read_target_keys(path: str) -> dict:
 def cmd_aoa_explain(args: argparse.Namespace) -> int:
     import fnmatch
 
-    from oarlock.checkpoint.aoa import AOAError, compile_aoa, shard_counts
-    from oarlock.checkpoint.mapping import TensorSpec
+    from oarlock.checkpoint.aoa import AOAError, compile_aoa, shard_counts, source_specs
     from oarlock.checkpoint.storage import open_checkpoint
 
     config = read_aoa_config(args.config)
@@ -107,7 +106,7 @@ def cmd_aoa_explain(args: argparse.Namespace) -> int:
         config["aoa_config_reverse"] = True
     with open_checkpoint(args.source) as reader:
         meta = reader.metadata
-    source = {k: TensorSpec(t.global_shape, t.dtype) for k, t in meta.tensors.items()}
+    source = source_specs(meta)
     target = read_target_keys(args.target) if args.target else None
     try:
         prog = compile_aoa(config, source, target, source_shards=shard_counts(meta), allow_cast=args.allow_cast)

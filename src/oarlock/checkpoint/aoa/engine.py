@@ -325,6 +325,12 @@ def fold_shard_counts(counts: Mapping[str, int] | None) -> dict[str, int]:
     return out
 
 
+def source_specs(metadata) -> dict[str, TensorSpec]:
+    """``{key: TensorSpec(global_shape, dtype)}`` of a :class:`~oarlock.checkpoint.CheckpointMetadata`: the
+    ``source`` argument of :func:`compile_aoa` for a checkpoint on disk."""
+    return {k: TensorSpec(tuple(t.global_shape), t.dtype) for k, t in metadata.tensors.items()}
+
+
 def shard_counts(metadata) -> dict[str, int]:
     """TP shard count of every key of a :class:`~oarlock.checkpoint.CheckpointMetadata`: the number of distinct
     global offsets among its primary shards (as Paddle derives it for ``fused_qkv_old``/``fused_ffn``)."""
