@@ -192,3 +192,25 @@ def test_reverse_plain_cast_uses_destination_dtype():
                       {"w": spec(model["w"])}, {"w": spec(w)})
     back = execute_on_full_tensors(rev, model)
     assert back["w"].dtype == torch.bfloat16 and torch.equal(back["w"], w)
+
+
+def test_shard_counts_from_metadata_drive_fused_ffn():
+    from oarlock.checkpoint.aoa import shard_counts, source_specs
+    from oarlock.checkpoint.metadata import CheckpointMetadata, ShardMeta, TensorMeta
+
+    gate, up = rand(3, 8, seed=1), rand(3, 8, seed=2)
+    x = tp_blocked_ffn(gate, up, 2, 1)
+    meta = CheckpointMetadata("oarlock")
+    # TP 2 x DP 2: two distinct offsets, each stored twice (a replica); the moment is flattened per TP box
+    meta.tensors["w"] = TensorMeta("w", (3, 16), "float32", [
+        ShardMeta((0, 0), (3, 8), "0.safetensors", "w"), ShardMeta((0, 8), (3, 8), "1.safetensors", "w"),
+        ShardMeta((0, 0), (3, 8), "2.safetensors", "w", replica_id=1)])
+    meta.tensors["w.exp_avg"] = TensorMeta("w.exp_avg", (3, 16), "float32", [
+        ShardMeta((0, 0), (3, 8), "0.safetensors", "m", (0, 12)),
+        ShardMeta((0, 0), (3, 8), "2.safetensors", "m", (12, 24)),
+        ShardMeta((0, 8), (3, 8), "1.safetensors", "m")])
+    assert shard_counts(meta) == {"w": 2, "w.exp_avg": 2}
+    prog = compile_aoa(["w -> g, u, fused_ffn"], source_specs(meta), source_shards=shard_counts(meta))
+    out = execute_on_full_tensors(prog, {"w": x, "w.exp_avg": x * 2})
+    assert torch.equal(out["g"], gate) and torch.equal(out["u"], up)
+    assert torch.equal(out["g.exp_avg"], gate * 2) and torch.equal(out["u.exp_avg"], up * 2)
