@@ -132,7 +132,7 @@ def rank_main(rank: int, world: int, port: int, root: str, reps: int) -> None:
     for layout, pl in (("same-layout load", src_pl), ("reshard load", dst_pl)):
         for lib in ("dcp", "oarlock"):
             for temp in ("cold", "hot"):
-                for r in range(reps if temp == "hot" else 1):
+                for r in range(reps):
                     gc.collect()
                     base0 = PeakRSS().now()
                     tgt = targets(pl)
@@ -245,7 +245,7 @@ def planner_benchmark() -> list[tuple[str, float, float, str]]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temporary one, removed)")
-    ap.add_argument("--reps", type=int, default=2, help="repetitions of saves and hot loads (the best counts)")
+    ap.add_argument("--reps", type=int, default=2, help="repetitions of every row (the best counts)")
     ap.add_argument("--append-results", action="store_true", help="append the tables to benchmarks/RESULTS.md")
     args = ap.parse_args(argv)
     import torch.multiprocessing as mp
@@ -298,7 +298,7 @@ def main(argv=None) -> int:
         with open(res, "a") as f:
             f.write(f"\n## FlexCheckpoint core: save / load / reshard vs torch.distributed.checkpoint\n\n"
                     f"Command: `{cmd.strip()}` ({time.strftime('%Y-%m-%d', time.gmtime())}, 4 gloo ranks on "
-                    f"{os.cpu_count()} cores, torch {torch.__version__}; best of {args.reps} for saves and hot loads). "
+                    f"{os.cpu_count()} cores, torch {torch.__version__}; best of {args.reps} per row). "
                     "1 GiB fp32, 32 x [4096, 2048], saved as 2x2 mesh [Shard(0), Shard(1)]; reshard load into "
                     "[Shard(1), Replicate()].\n\n" + text + "\n")
     return 0

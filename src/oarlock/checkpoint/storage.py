@@ -157,6 +157,17 @@ class CheckpointReader:
             f.close()
         self._st_files.clear()
 
+    def data_offset(self, file: str, name: str) -> int:
+        """Byte offset of tensor ``name`` inside ``file`` (0 where unknown): lets callers read in file order."""
+        if file.endswith(".distcp"):
+            return 0
+        f = self._st_files.get(file)
+        if f is None:
+            f = self._st_files[file] = SafetensorsFile(self.path_of(file))
+            self.files_opened.append(file)
+        e = f.entries.get(name)
+        return e[2] if e is not None else 0
+
     def read_box(self, key: str, file: str, name: str, flat_start: int, shape: tuple[int, ...],
                  box: tuple[tuple[int, int], ...], out: torch.Tensor | None = None) -> torch.Tensor:
         """Read ``array[box]`` of stored key ``key``, where ``array`` is the C-contiguous ``shape`` array starting
