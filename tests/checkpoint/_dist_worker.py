@@ -187,6 +187,13 @@ def _run(rank: int, root: Path) -> None:
                        flattened_range=slice(bounds[rank], bounds[rank + 1]))
     load_state_dict({"sw": fl}, root / "sw")
     assert torch.equal(fl.local_tensor, f.reshape(-1)[bounds[rank]:bounds[rank + 1]])
+    # flattened shards saved (ZeRO flat buffers: one box, a flat range per rank) -> regular uneven rows
+    fsave = ShardedWeight("flat", f.reshape(-1)[bounds[rank]:bounds[rank + 1]].clone(), (10, 3), (10, 3), (0, 0),
+                          flattened_range=(bounds[rank], bounds[rank + 1]))
+    save_state_dict({"flat": fsave}, root / "flat")
+    tw = ShardedWeight.shard_along_axis("flat", torch.zeros(sizes_b[rank], 3), 0, sizes=sizes_b)
+    load_state_dict({"flat": tw}, root / "flat")
+    assert torch.equal(tw.local_tensor, f[b0:b0 + sizes_b[rank]])
 
     # ---- sharded_state_dict of a module with DTensor parameters, loaded into other placements
     torch.manual_seed(0)
