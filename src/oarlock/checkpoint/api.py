@@ -226,10 +226,10 @@ def save_state_dict(state_dict: Mapping[str, Any], path: str | os.PathLike, *, p
     try:
         tmp.mkdir(parents=True, exist_ok=True)
         (tmp / INCOMPLETE_MARKER).touch()  # before any data file: a partial directory must never load
-        ids = {(i[0], i[1]) for i in writes.get(rank, [])}
-        if ids:
-            mine = {sw.key: sw for sw in leaves.shards}
-            write_safetensors(tmp / _data_file(rank), {k: mine[k].local_tensor for k, _ in sorted(ids)})
+        keys = {i[0] for i in writes.get(rank, [])}
+        if keys:  # in state-dict order, which is the order loads usually read in
+            write_safetensors(tmp / _data_file(rank), {sw.key: sw.local_tensor for sw in leaves.shards
+                                                       if sw.key in keys})
     except Exception as e:
         err = _err(e)
     errs = _all_gather_objects(err, process_group)
@@ -396,8 +396,11 @@ def load_state_dict(state_dict: Mapping[str, Any], path: str | os.PathLike, *, p
 
     report = LoadReport(all_missing, unexpected)
     with reader, torch.no_grad():
-        for sw, items in zip(leaves.shards, plans):
-            report.bytes_read += _execute(reader, sw.local_tensor, items)
+        work = [(it, sw.local_tensor) for sw, items in zip(leaves.shards, plans) for it in items]
+        # file order, then position in the file: sequential reads keep the kernel's read-ahead useful
+        work.sort(key=lambda w: (w[0].file, reader.data_offset(w[0].file, w[0].name), w[0].src_flat_start,
+                                 w[0].src_box))
+        report.bytes_read = _execute(reader, work)
         for k, value in ((k, reader.metadata.objects[k]) for k in leaves.objects if k in reader.metadata.objects):
             _set_path(state_dict, leaves.object_paths[k], value)
     return report
@@ -417,11 +420,10 @@ def _set_path(root: Any, path: tuple, value: Any) -> None:
     node[path[-1]] = value
 
 
-def _execute(reader: CheckpointReader, target: torch.Tensor, items: list[ReadItem]) -> int:
-    """Run one target's read items; returns the bytes read."""
+def _execute(reader: CheckpointReader, work: list[tuple[ReadItem, torch.Tensor]]) -> int:
+    """Run read items, each into its target tensor; returns the bytes read."""
     nbytes = 0
-    items = sorted(items, key=lambda it: (it.file, it.name, it.src_flat_start, it.src_box))
-    for it in items:
+    for it, target in work:
         if it.dst_flat_start or target.dim() != len(it.dst_shape):
             view = target.reshape(-1)[it.dst_flat_start:it.dst_flat_start + numel(it.dst_shape)].view(it.dst_shape)
         else:
