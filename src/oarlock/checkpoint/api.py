@@ -472,9 +472,6 @@ def load_state_dict(state_dict: Mapping[str, Any], path: str | os.PathLike, *, p
     report = LoadReport(all_missing, unexpected)
     with reader, torch.no_grad():
         work = [(it, sw.local_tensor) for sw, items in zip(leaves.shards, plans) for it in items]
-        # file order, then position in the file: sequential reads keep the kernel's read-ahead useful
-        work.sort(key=lambda w: (w[0].file, reader.data_offset(w[0].file, w[0].name), w[0].src_flat_start,
-                                 w[0].src_box))
         st = comm.execute(reader, work, comm_method=comm_method, view=view, group=process_group, direct=_execute)
         report.bytes_read, report.comm_method, report.files_read = st.bytes_read, st.method, st.files_read
         report.bytes_sent, report.bytes_received, report.messages_sent = st.bytes_sent, st.bytes_received, st.messages_sent
@@ -499,6 +496,9 @@ def _set_path(root: Any, path: tuple, value: Any) -> None:
 
 def _execute(reader: CheckpointReader, work: list[tuple[ReadItem, torch.Tensor]]) -> int:
     """Run read items, each into its target tensor; returns the bytes read."""
+    # file order, then position in the file: sequential reads keep the kernel's read-ahead useful
+    work = sorted(work, key=lambda w: (w[0].file, reader.data_offset(w[0].file, w[0].name), w[0].src_flat_start,
+                                       w[0].src_box))
     nbytes = 0
     for it, target in work:
         if it.dst_flat_start or target.dim() != len(it.dst_shape):

@@ -235,7 +235,7 @@ def execute(reader: CheckpointReader, work: list[tuple[Any, torch.Tensor]], *, c
             _grouped(remote, readers, consumers, mine, rank, group, stats, read, alloc, pbytes)
         # pieces only this rank needs, from a file it reads itself: straight into the targets
         local = [w for p in order if readers[p[0]] == rank and consumers[p] == [rank] for w in mine[p]]
-        stats.bytes_read += direct(reader, sorted(local, key=lambda w: _piece(w[0])))
+        stats.bytes_read += direct(reader, local)
     stats.files_read = list(reader.files_opened)
     return stats
 
