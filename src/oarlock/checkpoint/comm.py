@@ -51,7 +51,7 @@ from oarlock.checkpoint.storage import INCOMPLETE_MARKER, CheckpointReader, Safe
 from oarlock.utils import dtype_itemsize, numel, torch_dtype
 
 COMM_METHODS = ("auto", "grouped_send_recv", "broadcast")
-BATCH_BYTES = 256 * 1024 * 1024  # bytes of pieces per grouped send/recv batch (bounds receive buffers)
+BATCH_BYTES = 128 * 1024 * 1024  # bytes of pieces per grouped send/recv batch (bounds receive buffers)
 SHARDS_HEADER = "oarlock.shards"  # safetensors __metadata__ entry: {name: [offset, local shape, flat range]}
 WORLD_HEADER = "oarlock.world_size"  # ... and the size of the group that saved
 
@@ -166,14 +166,33 @@ def _piece(it: Any) -> tuple:
     return (it.file, it.name, it.src_key, it.src_flat_start, tuple(it.src_shape), tuple(it.src_box))
 
 
-def _apply(buf: torch.Tensor, it: Any, target: torch.Tensor) -> None:
-    """Copy a received piece (the item's source box) into its place in ``target`` (permute and cast on the way)."""
+def _dst(it: Any, target: torch.Tensor) -> torch.Tensor:
     if it.dst_flat_start or target.dim() != len(it.dst_shape):
         view = target.reshape(-1)[it.dst_flat_start:it.dst_flat_start + numel(it.dst_shape)].view(it.dst_shape)
     else:
         view = target
+    return view[box_slices(it.dst_box)]
+
+
+def _direct_view(entries: list | None, device: torch.device) -> torch.Tensor | None:
+    """The target region a piece lands in unchanged, when it is this rank's only use of the piece, needs no
+    permutation or cast, and is contiguous memory on ``device`` (then reads and receives go straight there)."""
+    if not entries or len(entries) != 1:
+        return None
+    it, target = entries[0]
+    if it.permute is not None or it.dtype is not None or target.device != device:
+        return None
+    v = _dst(it, target)
+    return v if v.is_contiguous() else None
+
+
+def _apply(buf: torch.Tensor, it: Any, target: torch.Tensor) -> None:
+    """Copy a received piece (the item's source box) into its place in ``target`` (permute and cast on the way)."""
+    view = _dst(it, target)
+    if view.data_ptr() == buf.data_ptr() and view.shape == buf.shape:
+        return  # received or read in place
     t = buf.permute(*it.permute) if it.permute is not None else buf
-    view[box_slices(it.dst_box)].copy_(t.to(torch_dtype(it.dtype)) if it.dtype is not None else t)
+    view.copy_(t.to(torch_dtype(it.dtype)) if it.dtype is not None else t)
 
 
 def execute(reader: CheckpointReader, work: list[tuple[Any, torch.Tensor]], *, comm_method: str, view: View | None,
@@ -221,11 +240,16 @@ def execute(reader: CheckpointReader, work: list[tuple[Any, torch.Tensor]], *, c
     device = _comm_device(group)
 
     def read(p: tuple) -> torch.Tensor:
-        t = reader.read_box(p[2], p[0], p[1], p[3], p[4], p[5])
+        # straight into this rank's own target when it needs the piece as is; the target region is then sent
+        out = _direct_view(mine.get(p), torch.device("cpu"))
+        t = reader.read_box(p[2], p[0], p[1], p[3], p[4], p[5], out=out)
         stats.bytes_read += pbytes[p]
         return t.to(device) if t.device != device else t
 
     def alloc(p: tuple) -> torch.Tensor:
+        v = _direct_view(mine.get(p), device)  # receive straight into the target when possible
+        if v is not None:
+            return v
         return torch.empty([b - a for a, b in p[5]], dtype=torch_dtype(tensors[p[2]].dtype), device=device)
 
     with torch.no_grad():
@@ -241,41 +265,55 @@ def execute(reader: CheckpointReader, work: list[tuple[Any, torch.Tensor]], *, c
 
 
 def _grouped(remote, readers, consumers, mine, rank, group, stats, read, alloc, pbytes) -> None:
-    import torch.distributed as dist
+    from concurrent.futures import ThreadPoolExecutor
 
     batches: list[list[tuple]] = []
     size = 0
-    for p in remote:
+    for p in remote:  # the same cut on every rank: computed from all-gathered data only
         if not batches or size + pbytes[p] > BATCH_BYTES:
             batches.append([])
             size = 0
         batches[-1].append(p)
         size += pbytes[p]
-    for batch in batches:
-        bufs: dict[tuple, torch.Tensor] = {}
-        ops = []
-        for p in batch:
-            src = readers[p[0]]
-            if src == rank:
-                bufs[p] = read(p)
-                for c in consumers[p]:
-                    if c != rank:
-                        ops.append(dist.P2POp(dist.isend, bufs[p], _global_rank(group, c), group))
-                        stats.messages_sent += 1
-                        stats.bytes_sent += pbytes[p]
-            elif rank in consumers[p]:
-                bufs[p] = alloc(p)
-                ops.append(dist.P2POp(dist.irecv, bufs[p], _global_rank(group, src), group))
-                stats.bytes_received += pbytes[p]
-        if ops:
-            for req in dist.batch_isend_irecv(ops):
-                req.wait()
-        for p in batch:
-            buf = bufs.pop(p, None)
-            if buf is not None and p in mine:
-                for it, target in mine[p]:
-                    _apply(buf, it, target)
-            del buf  # freed as soon as its key's slices are placed
+
+    def read_batch(batch: list[tuple]) -> dict[tuple, torch.Tensor]:
+        return {p: read(p) for p in batch if readers[p[0]] == rank}
+
+    # the next batch is read in a thread (preads release the GIL) while this one is on the wire
+    with ThreadPoolExecutor(1) as pool:
+        nxt = pool.submit(read_batch, batches[0]) if batches else None
+        for k, batch in enumerate(batches):
+            bufs = nxt.result()
+            nxt = pool.submit(read_batch, batches[k + 1]) if k + 1 < len(batches) else None
+            _exchange(batch, bufs, readers, consumers, mine, rank, group, stats, alloc, pbytes)
+
+
+def _exchange(batch, bufs, readers, consumers, mine, rank, group, stats, alloc, pbytes) -> None:
+    """One batch: post every send and receive of this rank together, wait, place the received pieces."""
+    import torch.distributed as dist
+
+    ops = []
+    for p in batch:
+        src = readers[p[0]]
+        if src == rank:
+            for c in consumers[p]:
+                if c != rank:
+                    ops.append(dist.P2POp(dist.isend, bufs[p], _global_rank(group, c), group))
+                    stats.messages_sent += 1
+                    stats.bytes_sent += pbytes[p]
+        elif rank in consumers[p]:
+            bufs[p] = alloc(p)  # allocated when its batch starts
+            ops.append(dist.P2POp(dist.irecv, bufs[p], _global_rank(group, src), group))
+            stats.bytes_received += pbytes[p]
+    if ops:
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+    for p in batch:
+        buf = bufs.pop(p, None)
+        if buf is not None and p in mine:
+            for it, target in mine[p]:
+                _apply(buf, it, target)
+        del buf  # freed as soon as its slices are placed
 
 
 def _broadcast(remote, readers, consumers, mine, rank, group, stats, read, alloc, pbytes) -> None:
