@@ -18,8 +18,9 @@ from oarlock.models.llama import (Llama, LlamaConfig, causal_document_mask, caus
                                   document_position_ids, hf_aoa_config, hf_export_aoa_config, to_hf_state_dict,
                                   tp_relayout_aoa_config)
 from oarlock.models.parallel import (ParallelLayout, ParallelState, build_mesh, check_layout, expert_range,
-                                     forward_backward, single_device_grads, single_device_state_dict, load_single_device_state_dict,
-                                     parallelize_llama, stage_layer_range, valid_tp_degrees)
+                                     forward_backward, load_single_device_state_dict, parallelize_llama,
+                                     single_device_grads, single_device_state_dict, stage_layer_range,
+                                     valid_tp_degrees)
 from oarlock.models.smollm2 import MissingModelPackageError, ensure_hf_checkpoint
 from oarlock.models.zero import FlatShard, ZeroRedundancyAdamW
 
@@ -27,7 +28,8 @@ __all__ = [
     "Llama", "LlamaConfig", "ModelError", "ParallelLayoutError", "MissingModelPackageError", "causal_document_mask",
     "causal_lm_loss", "convert_hf_state_dict", "document_position_ids", "ensure_hf_checkpoint", "hf_aoa_config",
     "hf_export_aoa_config", "to_hf_state_dict", "tp_relayout_aoa_config",
-    "ParallelLayout", "ParallelState", "build_mesh", "check_layout", "expert_range", "forward_backward", "single_device_grads",
-    "single_device_state_dict", "load_single_device_state_dict", "parallelize_llama", "stage_layer_range", "valid_tp_degrees",
+    "ParallelLayout", "ParallelState", "build_mesh", "check_layout", "expert_range", "forward_backward",
+    "single_device_grads", "single_device_state_dict", "load_single_device_state_dict", "parallelize_llama",
+    "stage_layer_range", "valid_tp_degrees",
     "FlatShard", "ZeroRedundancyAdamW", "pack_documents",
 ]

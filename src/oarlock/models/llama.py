@@ -623,7 +623,8 @@ def convert_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], config: LlamaConfig
         return src[k]
 
     h, g = config.num_attention_heads, config.num_key_value_heads
-    out: dict[str, torch.Tensor] = {"embed_tokens.weight": take("embed_tokens.weight"), "norm.weight": take("norm.weight")}
+    out: dict[str, torch.Tensor] = {"embed_tokens.weight": take("embed_tokens.weight"),
+                                    "norm.weight": take("norm.weight")}
     for i in range(config.num_hidden_layers):
         a, o = f"layers.{i}.self_attn", f"layers.{i}."
         for n in ("input_layernorm", "post_attention_layernorm"):
@@ -650,7 +651,8 @@ def convert_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], config: LlamaConfig
         else:
             for e in range(config.num_experts):
                 x = f"{m}.experts.{e}"
-                out[f"{x}.gate_up_proj.weight"] = torch.cat([take(f"{x}.gate_proj.weight"), take(f"{x}.up_proj.weight")])
+                out[f"{x}.gate_up_proj.weight"] = torch.cat([take(f"{x}.gate_proj.weight"),
+                                                             take(f"{x}.up_proj.weight")])
                 out[f"{x}.down_proj.weight"] = take(f"{x}.down_proj.weight")
         if config.shared_expert_intermediate_size:
             x = f"{m}.shared_expert"

@@ -334,8 +334,8 @@ def load_single_device_state_dict(model: Llama, state_dict: Mapping[str, torch.T
             raise ParallelLayoutError(f"load_single_device_state_dict: key {name!r} is missing from the state dict")
         full = state_dict[name]
         if tuple(full.shape) != tuple(t.shape):
-            raise ParallelLayoutError(f"load_single_device_state_dict: {name!r} has shape {tuple(full.shape)}, the model "
-                                      f"expects {tuple(t.shape)}")
+            raise ParallelLayoutError(f"load_single_device_state_dict: {name!r} has shape {tuple(full.shape)}, "
+                                      f"the model expects {tuple(t.shape)}")
         tp = _tp_degree(t)
         if tp > 1 and _is_gate_up(name):
             full = full[ffn_fused_permutation(full.shape[0] // 2, tp)]
