@@ -146,6 +146,23 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, canon: 
             r0, r1 = i * BLOCK_M, min((i + 1) * BLOCK_M, sq)
             n = r1 - r0
             qb = q[bb, :, r0:r1].reshape(hk, n * g, d)
+            if len(runs) == 1:
+                # One softmax step: the fused softmax kernel does max/exp/sum/div in one sweep; since the
+                # row maximum becomes exp(0) / l, log l = -log(max p).
+                c0, c1, segs = runs[0]
+                s = torch.matmul(qb, k[bb, :, c0:c1].transpose(-1, -2))
+                plan.apply(s, bb, r0, r1, c0, segs, hk, g)
+                m = s.amax(-1, keepdim=True)
+                p = torch.softmax(s, -1)
+                o = torch.matmul(p, v[bb, :, c0:c1])
+                row_lse = m - p.amax(-1, keepdim=True).log()
+                if segs:  # rows that see nothing: softmax gave NaN
+                    empty = torch.isneginf(m)
+                    o.masked_fill_(empty, 0.0)
+                    row_lse.masked_fill_(empty, float("-inf"))
+                out[bb, :, r0:r1] = o.view(hk, n, g, dv)
+                lse[bb, :, r0:r1] = row_lse.view(hk, n, g)
+                continue
             m_i = l_i = acc = None
             for c0, c1, segs in runs:
                 s = torch.matmul(qb, k[bb, :, c0:c1].transpose(-1, -2))
