@@ -123,13 +123,14 @@ def main(argv=None) -> int:
                   f"(SDPA x{t_sd_fb / t_fm_fb:5.2f})", flush=True)
     table = ["| mask | S | tile sparsity | live tiles | oarlock fwd ms | SDPA-dense fwd ms | flex compiled fwd ms | "
              "SDPA/oarlock fwd | flex/oarlock fwd | oarlock fwd+bwd ms | SDPA-dense fwd+bwd ms | SDPA/oarlock fwd+bwd "
-             "| mask bytes: indices / dense bool / flex BlockMask |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| oarlock fwd+bwd us per live tile | mask bytes: indices / dense bool / flex BlockMask |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         table.append(f"| {r['mask']} | {r['S']} | {r['sparsity']:.1%} | {r['live']} | {r['fm'] * 1e3:.1f} | "
                      f"{r['sdpa'] * 1e3:.1f} | {r['flex'] * 1e3:.1f} | {r['sdpa'] / r['fm']:.2f} | "
                      f"{r['flex'] / r['fm']:.2f} | {r['fm_fb'] * 1e3:.1f} | {r['sdpa_fb'] * 1e3:.1f} | "
-                     f"{r['sdpa_fb'] / r['fm_fb']:.2f} | {r['idx_bytes']:,} / {r['dense_bytes']:,} / "
+                     f"{r['sdpa_fb'] / r['fm_fb']:.2f} | {r['fm_fb'] / r['live'] * 1e6:.0f} | "
+                     f"{r['idx_bytes']:,} / {r['dense_bytes']:,} / "
                      f"{r['bm_bytes']:,} |")
     print("\n".join(table))
     if not args.no_write:
