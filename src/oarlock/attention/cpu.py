@@ -87,6 +87,9 @@ class _Plan:
                 per_row_partial.append(ptiles)
             self.runs.append(per_row)
             self.partial.append(per_row_partial)
+        # steps[b][i]: runs grouped so each softmax step covers at most MAX_RUN keys; one step (the usual case)
+        # needs no online-softmax rescaling and uses the fused softmax kernel
+        self.steps = [[_group_runs(runs) for runs in row] for row in self.runs]
         # pad the vectors with "masked for every row" columns (LTS = 0, LTE = Sq)
         pad = self.sk_pad - sk
         vec = canon
@@ -129,14 +132,45 @@ class _Plan:
         return torch.zeros(m.shape, dtype=torch.float32).masked_fill_(m, float("-inf"))
 
     @staticmethod
-    def apply(s: torch.Tensor, bias: torch.Tensor | None, c0: int, segs, hk: int, n: int, g: int) -> None:
-        """Add the partial tiles' masks to scores ``s`` ``[Hk, n * G, c1 - c0]``."""
-        if not segs:
-            return
-        sv = s.view(hk, n, g, s.shape[-1])
-        for p0, p1, first, cnt in segs:
-            part = bias[:, first:first + cnt].transpose(1, 2).unsqueeze(2)  # [Hm, n, 1, cnt, BN]
-            sv[..., p0 - c0:p1 - c0].view(hk, n, g, cnt, BLOCK_N).add_(part)
+    def apply(s: torch.Tensor, bias: torch.Tensor | None, step, hk: int, n: int, g: int) -> None:
+        """Add the partial tiles' masks to the scores ``s`` ``[Hk, n * G, W]`` of a step (its runs side by side)."""
+        sv = None
+        off = 0
+        for c0, c1, segs in step:
+            for p0, p1, first, cnt in segs:
+                if sv is None:
+                    sv = s.view(hk, n, g, s.shape[-1])
+                part = bias[:, first:first + cnt].transpose(1, 2).unsqueeze(2)  # [Hm, n, 1, cnt, BN]
+                sv[..., off + p0 - c0:off + p1 - c0].view(hk, n, g, cnt, BLOCK_N).add_(part)
+            off += c1 - c0
+
+
+def _group_runs(runs: list) -> list[list]:
+    steps: list[list] = []
+    width = 0
+    for r in runs:
+        w = r[1] - r[0]
+        if not steps or width + w > MAX_RUN:
+            steps.append([])
+            width = 0
+        steps[-1].append(r)
+        width += w
+    return steps
+
+
+def _gather(x: torch.Tensor, bb: int, step: list) -> torch.Tensor:
+    """Keys/values of a step ``[Hk, W, D]``: a view for one run, a copy for several."""
+    if len(step) == 1:
+        return x[bb, :, step[0][0]:step[0][1]]
+    return torch.cat([x[bb, :, c0:c1] for c0, c1, _ in step], 1)
+
+
+def _scatter_add(dst: torch.Tensor, bb: int, step: list, src: torch.Tensor) -> None:
+    """``dst[bb, :, run columns] += src`` for the runs of a step laid side by side in ``src`` ``[Hk, W, D]``."""
+    off = 0
+    for c0, c1, _ in step:
+        dst[bb, :, c0:c1].add_(src[:, off:off + c1 - c0])
+        off += c1 - c0
 
 
 def _trivial_canon(b: int, sk: int, sq: int) -> torch.Tensor:
@@ -180,24 +214,24 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, canon: 
     lse = torch.full((b, hk, sq, g), float("-inf"), dtype=torch.float32)
     tiny = torch.finfo(torch.float32).tiny
     for bb in range(b):
-        for i, runs in enumerate(plan.runs[bb]):
-            if not runs:
+        for i, steps in enumerate(plan.steps[bb]):
+            if not steps:
                 continue
             r0, r1 = i * BLOCK_M, min((i + 1) * BLOCK_M, sq)
             n = r1 - r0
             qb = q[bb, :, r0:r1].reshape(hk, n * g, d)
             bias = plan.bias(bb, i, r0, r1)
-            if len(runs) == 1:
+            if len(steps) == 1:
                 # One softmax step: the fused softmax kernel does max/exp/sum/div in one sweep; since the
                 # row maximum becomes exp(0) / l, log l = -log(max p).
-                c0, c1, segs = runs[0]
-                s = torch.matmul(qb, k[bb, :, c0:c1].transpose(-1, -2))
-                plan.apply(s, bias, c0, segs, hk, n, g)
+                step = steps[0]
+                s = torch.matmul(qb, _gather(k, bb, step).transpose(-1, -2))
+                plan.apply(s, bias, step, hk, n, g)
                 m = s.amax(-1, keepdim=True)
                 p = torch.softmax(s, -1)
-                o = torch.matmul(p, v[bb, :, c0:c1])
+                o = torch.matmul(p, _gather(v, bb, step))
                 row_lse = m - p.amax(-1, keepdim=True).log()
-                if segs:  # rows that see nothing: softmax gave NaN
+                if bias is not None:  # rows that see nothing: softmax gave NaN
                     empty = torch.isneginf(m)
                     o.masked_fill_(empty, 0.0)
                     row_lse.masked_fill_(empty, float("-inf"))
@@ -205,9 +239,9 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, canon: 
                 lse[bb, :, r0:r1] = row_lse.view(hk, n, g)
                 continue
             m_i = l_i = acc = None
-            for c0, c1, segs in runs:
-                s = torch.matmul(qb, k[bb, :, c0:c1].transpose(-1, -2))
-                plan.apply(s, bias, c0, segs, hk, n, g)
+            for step in steps:  # online softmax over steps (FlashAttention-2 recurrence)
+                s = torch.matmul(qb, _gather(k, bb, step).transpose(-1, -2))
+                plan.apply(s, bias, step, hk, n, g)
                 m_new = s.amax(-1, keepdim=True)
                 if m_i is not None:
                     m_new = torch.maximum(m_new, m_i)
@@ -215,11 +249,11 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, canon: 
                 p = s.sub_(m_new).exp_()
                 if m_i is None:
                     l_i = p.sum(-1, keepdim=True)
-                    acc = torch.matmul(p, v[bb, :, c0:c1])
+                    acc = torch.matmul(p, _gather(v, bb, step))
                 else:
                     alpha = torch.exp(m_i - m_new)
                     l_i = l_i.mul_(alpha).add_(p.sum(-1, keepdim=True))
-                    acc = acc.mul_(alpha).baddbmm_(p, v[bb, :, c0:c1])
+                    acc = acc.mul_(alpha).baddbmm_(p, _gather(v, bb, step))
                 m_i = m_new
             out[bb, :, r0:r1] = acc.div_(l_i.clamp(min=tiny)).view(hk, n, g, dv)
             lse[bb, :, r0:r1] = (m_i + l_i.log()).view(hk, n, g)
@@ -250,8 +284,8 @@ def backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, val
     dk = torch.zeros(b, hk, plan.sk_pad, d, dtype=torch.float32)
     dv = torch.zeros(b, hk, plan.sk_pad, dv_, dtype=torch.float32)
     for bb in range(b):
-        for i, runs in enumerate(plan.runs[bb]):
-            if not runs:
+        for i, steps in enumerate(plan.steps[bb]):
+            if not steps:
                 continue
             r0, r1 = i * BLOCK_M, min((i + 1) * BLOCK_M, sq)
             n = r1 - r0
@@ -261,15 +295,20 @@ def backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, val
             db = delta[bb, :, r0:r1].reshape(hk, n * g, 1)
             dqb = dq[bb, :, r0:r1].view(hk, n * g, d)
             bias = plan.bias(bb, i, r0, r1)
-            for c0, c1, segs in runs:
-                kb, vb = k[bb, :, c0:c1], v[bb, :, c0:c1]
+            for step in steps:
+                kb, vb = _gather(k, bb, step), _gather(v, bb, step)
                 s = torch.matmul(qb, kb.transpose(-1, -2))
-                plan.apply(s, bias, c0, segs, hk, n, g)
+                plan.apply(s, bias, step, hk, n, g)
                 p = s.sub_(lb).exp_()
-                dv[bb, :, c0:c1].baddbmm_(p.transpose(-1, -2), dob)
                 ds = torch.matmul(dob, vb.transpose(-1, -2)).sub_(db).mul_(p)
                 dqb.baddbmm_(ds, kb)
-                dk[bb, :, c0:c1].baddbmm_(ds.transpose(-1, -2), qb)
+                if len(step) == 1:  # accumulate straight into the column slice
+                    c0, c1, _ = step[0]
+                    dv[bb, :, c0:c1].baddbmm_(p.transpose(-1, -2), dob)
+                    dk[bb, :, c0:c1].baddbmm_(ds.transpose(-1, -2), qb)
+                else:
+                    _scatter_add(dv, bb, step, torch.matmul(p.transpose(-1, -2), dob))
+                    _scatter_add(dk, bb, step, torch.matmul(ds.transpose(-1, -2), qb))
     dq = dq.mul_(scale).permute(0, 2, 1, 3, 4).reshape(b, sq, h, d).to(query.dtype)
     dk = dk[:, :, :sk].transpose(1, 2).to(key.dtype).contiguous()
     dv = dv[:, :, :sk].transpose(1, 2).to(value.dtype).contiguous()
