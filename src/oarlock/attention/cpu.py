@@ -6,11 +6,13 @@ Algorithm (spec sections 3.1-3.4, FlashMask paper arXiv 2410.01359, adapted to a
    tile is classified skip / partial / full (:func:`oarlock.attention.masks.classify_tiles`), united over
    mask heads (a tile is skipped only if every mask head skips it).
 2. For each batch row and query block, the live key blocks are merged into *runs* of contiguous columns
-   (documents and windows give one or two runs). Each run is one step of an online softmax (FlashAttention-2
-   recurrence): one batched matmul over all heads for ``Q K^T``, the element mask only when the run has a
-   partial tile, ``exp``, one matmul for ``P V``. Skipped tiles cost nothing; Python overhead is per run, not
-   per tile, so the kernel stays fast with small tiles.
-3. Backward recomputes ``P = exp(S - LSE)`` run by run (row-parallel, so dK/dV accumulate into column slices
+   (documents and windows give one or two runs), and the runs are gathered side by side into one softmax step
+   (up to ``MAX_RUN`` keys; longer rows take several steps joined by the online-softmax recurrence of
+   FlashAttention-2). A step is one batched matmul over all heads for ``Q K^T``, one broadcast add of the
+   element masks of its partial tiles (built for all partial tiles of the query block at once), the fused
+   softmax, one matmul for ``P V``. Skipped tiles cost nothing, and Python overhead is per query block, not per
+   tile, so small tiles stay cheap.
+3. Backward recomputes ``P = exp(S - LSE)`` step by step (row-parallel, so dK/dV accumulate into column slices
    without atomics): ``dV += P^T dO``, ``dP = dO V^T``, ``dS = P (dP - rowsum(dO O))``, ``dQ += scale dS K``,
    ``dK += scale dS^T Q``.
 
