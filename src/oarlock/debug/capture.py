@@ -63,8 +63,22 @@ _SAFETENSORS_DTYPES = {torch.float64, torch.float32, torch.float16, torch.bfloat
 _ACC = "torch::autograd::AccumulateGrad"
 
 
+_DTYPE_STR: dict[torch.dtype, str] = {}
+_OP_STR: dict[Any, str] = {}
+
+
 def _dtype_str(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    s = _DTYPE_STR.get(dtype)
+    if s is None:
+        s = _DTYPE_STR[dtype] = str(dtype).removeprefix("torch.")
+    return s
+
+
+def _op_str(func) -> str:
+    s = _OP_STR.get(func)
+    if s is None:
+        s = _OP_STR[func] = str(func)
+    return s
 
 
 def _meta(x: Any) -> list | None:
@@ -164,7 +178,7 @@ class Capture:
         self._file = open(self.path, "w", encoding="utf-8")
         self._token = object()  # tags from other (earlier) captures are ignored
         self._buf: list[dict] = []
-        self._pending: list[tuple[list, int, torch.Tensor]] = []
+        self._pending: list[tuple[list, int, torch.Tensor, int]] = []
         self._saved: dict[str, torch.Tensor] = {}
         self._stack_ids: dict[tuple, int] = {}
         self._user_code: dict[Any, bool] = {}
@@ -341,14 +355,14 @@ class Capture:
         if node is None:
             mod = self._mod_stack[-1] if self._mod_stack else None
             rg = self._regions[-1] if self._regions else None
-            rec = {"k": "op", "i": 0, "op": str(func), "ph": "f", "mod": mod}
+            rec = {"k": "op", "i": 0, "op": _op_str(func), "ph": "f", "mod": mod}
         else:
             tag = node.metadata.get(_KEY)
             if tag is not None and tag[0] is self._token:
                 _, nid, fst, mod, rg = tag
             else:  # a node this capture never saw created (graph built before the capture)
                 nid = fst = mod = rg = None
-            rec = {"k": "op", "i": 0, "op": str(func), "ph": "b", "mod": mod, "node": nid, "nname": node.name()}
+            rec = {"k": "op", "i": 0, "op": _op_str(func), "ph": "b", "mod": mod, "node": nid, "nname": node.name()}
             if fst is not None:
                 rec["fst"] = fst
         if not self._keep(mod, rg):
@@ -381,7 +395,7 @@ class Capture:
                 if isinstance(h, str):
                     hs[j] = h
                 else:
-                    self._pending.append((hs, j, h))
+                    self._pending.append((hs, j, h[0], h[1]))
             if (self.save_tensors and t.numel() <= self.save_tensors and t.dtype in _SAFETENSORS_DTYPES
                     and _ck.hashable(t)):
                 self._saved[key] = t.detach().to("cpu", copy=True).contiguous()
@@ -409,9 +423,9 @@ class Capture:
             for item in self._pending:
                 by_dev.setdefault(item[2].device, []).append(item)
             for items in by_dev.values():  # one device-to-host read per device and batch
-                values = torch.stack([h for _, _, h in items]).tolist()
-                for (hs, j, _), v in zip(items, values):
-                    hs[j] = _ck.format_hash(v)
+                values = torch.stack([item[2] for item in items]).tolist()
+                for (hs, j, _, n), v in zip(items, values):
+                    hs[j] = _ck.format_hash(v, n)
             self._pending = []
         dumps = json.dumps
         self._file.write("".join(dumps(r, separators=(",", ":")) + "\n" for r in self._buf))
