@@ -42,6 +42,11 @@ def test_fast_hash_matches_pure_python_reference(dtype):
     assert hash_hex("fast", t.t()) == reference_fast(t.t().contiguous())
 
 
+def test_fast_hash_long_path_matches_reference():
+    t = torch.randn(40_000, generator=torch.Generator().manual_seed(4))  # above the torch.mv size limit
+    assert hash_hex("fast", t) == reference_fast(t)
+
+
 def test_fast_hash_sees_one_ulp_and_permutations():
     t = torch.randn(1000, generator=torch.Generator().manual_seed(2))
     u = t.clone()

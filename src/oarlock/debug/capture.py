@@ -61,6 +61,7 @@ _SKIP_NAMESPACES = ("profiler",)
 _SAFETENSORS_DTYPES = {torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
                        torch.int16, torch.int8, torch.uint8, torch.bool}
 _ACC = "torch::autograd::AccumulateGrad"
+_ACTIVE: "Capture | None" = None  # the capture running now (captures do not nest)
 
 
 _DTYPE_STR: dict[torch.dtype, str] = {}
@@ -168,12 +169,14 @@ class Capture:
         self._model = model
         self.num_ops = 0
         self.num_nodes = 0
-        self._active = False
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> "Capture":
-        if self._active:
-            raise DebugError("this capture is already active; create a new oarlock.debug.capture(...)")
+        global _ACTIVE
+        if _ACTIVE is not None:
+            # The outer capture's dispatch mode would also record this one's checksum ops.
+            raise DebugError(f"a capture into {_ACTIVE.path} is already active; captures do not nest (use "
+                             "modules=[...] or region() to narrow one capture instead)")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "w", encoding="utf-8")
         self._token = object()  # tags from other (earlier) captures are ignored
@@ -206,16 +209,17 @@ class Capture:
         self._fmode, self._dmode = _FunctionTagger(self), _OpRecorder(self)
         self._fmode.__enter__()
         self._dmode.__enter__()
-        self._active = True
+        _ACTIVE = self
         logger.info("capture started: %s (checksum=%s, stacks=%s)", self.path, self.checksum, self.stacks)
         return self
 
     def __exit__(self, *exc) -> None:
         self._dmode.__exit__(*exc)
         self._fmode.__exit__(*exc)
+        global _ACTIVE
         for h in self._hooks:
             h.remove()
-        self._active = False
+        _ACTIVE = None
         try:
             self._emit({"k": "end", "ops": self.num_ops, "nodes": self.num_nodes})
             self._flush()
