@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from oarlock.checkpoint import load_sharded_optimizer_state_dict, save_state_dict, sharded_optimizer_state_dict
-from oarlock.checkpoint import sharded_state_dict
+from oarlock.checkpoint import ShardedWeight, read_metadata, sharded_state_dict
 from oarlock.models.llama import Llama, LlamaConfig, tp_relayout_aoa_config
 from oarlock.models.parallel import forward_backward, parallelize_llama
 from oarlock.models.zero import ZeroRedundancyAdamW
@@ -100,6 +100,14 @@ class Layout:
 
     def save(self, path: Path) -> None:
         msd = sharded_state_dict(self.model)
+        if self.kind == "dp2tp2_zero":
+            # Stage-3 style: every DP rank writes only the flat range of each (TP-sharded) parameter whose optimizer
+            # state it owns, as a flattened shard; the load reassembles the parameters from these 1-D pieces.
+            for name, fs in self.opt.flat_shards().items():
+                sw = msd[name]
+                a, b = fs.flattened_range
+                msd[name] = ShardedWeight(name, sw.local_tensor.reshape(-1)[a:b], sw.local_shape, sw.global_shape,
+                                          sw.global_offset, (a, b))
         save_state_dict({**msd, **sharded_optimizer_state_dict(self.opt, msd)}, path, process_group=self.save_group)
 
     def load(self, path: Path, aoa) -> None:
@@ -110,7 +118,7 @@ class Layout:
 SCENARIOS = [
     ("dp2_zero", "dp4_zero", None),
     ("tp2", "plain", tp_relayout_aoa_config(CFG)),
-    ("dp2tp2_zero", "tp4", tp_relayout_aoa_config(CFG)),
+    ("dp2tp2_zero", "tp4", tp_relayout_aoa_config(CFG)),  # parameters saved as flattened shards too
     ("plain", "fsdp2", None),
 ]
 
@@ -123,6 +131,11 @@ def scenario(a_kind: str, b_kind: str, aoa, root: Path, meshes: dict, groups: di
     path = root / (f"{name}.{rank // 2}" if a.save_group is not None else name)
     a.save(path)
     dist.barrier()  # the DP2 pairs save separately; B reads the pair {0, 1}'s checkpoint on every rank
+    if a_kind.endswith("zero"):  # ZeRO states (and stage-3 style parameters) are stored as flattened pieces
+        meta = read_metadata(path)
+        keys = ["norm.weight.exp_avg"] + (["layers.1.mlp.gate_up_proj.weight"] if a_kind == "dp2tp2_zero" else [])
+        for k in keys:
+            assert all(s.flattened_range is not None for s in meta.tensors[k].shards), (k, meta.tensors[k].shards)
     losses_a += [a.step(s) for s in range(K, K + M)]  # the uninterrupted run
     del a
     b = Layout(b_kind, 1, meshes, groups)
