@@ -15,7 +15,7 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import torch
 from safetensors.torch import save_file
@@ -72,7 +72,8 @@ def commit_directory(tmp: Path, final: Path) -> None:
 
 def save_hf_checkpoint(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str | Path, *,
                        max_shard_size: int | str = "5GB", total: int | None = None,
-                       show_progress: bool | None = None) -> Path:
+                       show_progress: bool | None = None,
+                       extra_files: Mapping[str, str | os.PathLike] | None = None) -> Path:
     """Stream ``(key, full_tensor)`` pairs into a HuggingFace safetensors directory.
 
     Args:
@@ -81,6 +82,8 @@ def save_hf_checkpoint(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str
         max_shard_size: bytes per shard file (int or ``"5GB"``-style string); a tensor larger than this gets a
             shard of its own.
         total: number of tensors, for the progress bar only.
+        extra_files: ``{name: path}`` of side files (``config.json``, tokenizer files) copied into the directory
+            before it is published.
 
     Returns the directory. Raises :class:`CheckpointError` for a key seen twice (nothing is published).
     """
@@ -127,6 +130,10 @@ def save_hf_checkpoint(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str
                 weight_map.update({k: name for k in keys})
             (tmp / HF_INDEX).write_text(json.dumps({"metadata": {"total_size": total_size},
                                                     "weight_map": weight_map}, indent=2))
+        for name, src in (extra_files or {}).items():
+            if name in (HF_INDEX, "model.safetensors") or name.startswith("model-"):
+                raise CheckpointError(f"extra file {name!r} would overwrite a checkpoint file of the export")
+            shutil.copyfile(src, tmp / name)
         commit_directory(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
