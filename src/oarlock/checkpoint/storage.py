@@ -49,6 +49,34 @@ def _safe_open(path: Path):
         raise CheckpointFormatError(f"{path}: invalid safetensors file: {msg}") from None
 
 
+def _check_dtype_codes(path: Path) -> None:
+    """Name the tensor when a header holds a dtype code oarlock does not know (the safetensors library's own
+    message names neither the tensor nor the code). Malformed headers are left to the library's checks."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return
+            (n,) = struct.unpack("<Q", head)
+            if n > 100 * 1024 * 1024:
+                return
+            header = json.loads(f.read(n))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return
+    if not isinstance(header, dict):
+        return
+    for name, e in header.items():
+        if name == "__metadata__" or not isinstance(e, dict):
+            continue
+        code = e.get("dtype")
+        try:
+            dtype_name(str(code))
+        except ValueError:
+            raise CheckpointFormatError(f"{path}: tensor {name!r} has dtype {code!r}, which oarlock does not "
+                                        "support (safetensors codes: F64 F32 F16 BF16 F8_E4M3 F8_E5M2 I64 I32 I16 "
+                                        "I8 U64 U32 U16 U8 BOOL C64)") from None
+
+
 def safetensors_header(path: str | Path) -> dict[str, tuple[tuple[int, ...], str]]:
     """Validated header of one safetensors file: ``{tensor name: (shape, dtype name)}`` in file order.
 
@@ -57,6 +85,7 @@ def safetensors_header(path: str | Path) -> dict[str, tuple[tuple[int, ...], str
             file, or a dtype oarlock does not know (naming the file and the tensor).
     """
     path = Path(path)
+    _check_dtype_codes(path)
     out: dict[str, tuple[tuple[int, ...], str]] = {}
     with _safe_open(path) as f:
         for name in f.keys():
