@@ -354,19 +354,26 @@ class MLP(nn.Module):
 
 
 class _EnterExpertParallel(torch.autograd.Function):
-    """Identity forward; backward sums the gradient over the expert-parallel group (each rank's local experts
-    contribute a part of the gradient of the replicated input)."""
+    """Identity forward on (tokens, routing weights); backward sums both gradients over the expert-parallel
+    group (each rank's local experts contribute part of the gradient of these replicated inputs). One fused
+    ``all_reduce``: two separate ones could run in a different order on ranks whose graphs differ."""
 
     @staticmethod
-    def forward(ctx, x, group):  # type: ignore[override]
+    def forward(ctx, tokens, weights, group):  # type: ignore[override]
         ctx.group = group
-        return x.view_as(x)
+        ctx.shapes = (tokens.shape, weights.shape)
+        ctx.kinds = ((tokens.dtype, tokens.device), (weights.dtype, weights.device))
+        return tokens.view_as(tokens), weights.view_as(weights)
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        grad = grad.contiguous()
-        torch.distributed.all_reduce(grad, group=ctx.group)
-        return grad, None
+    def backward(ctx, g_tokens, g_weights):  # type: ignore[override]
+        (ts, ws), ((tdt, tdev), (wdt, wdev)) = ctx.shapes, ctx.kinds
+        g_tokens = torch.zeros(ts, dtype=tdt, device=tdev) if g_tokens is None else g_tokens
+        g_weights = torch.zeros(ws, dtype=wdt, device=wdev) if g_weights is None else g_weights
+        flat = torch.cat([g_tokens.reshape(-1), g_weights.reshape(-1).to(g_tokens.dtype)])
+        torch.distributed.all_reduce(flat, group=ctx.group)
+        n = g_tokens.numel()
+        return flat[:n].view(ts), flat[n:].view(ws).to(g_weights.dtype), None
 
 
 class _ExitExpertParallel(torch.autograd.Function):
@@ -423,8 +430,7 @@ class MoE(nn.Module):
         top_w = top_w.to(x.dtype)
         tokens = flat
         if self.ep_group is not None:
-            tokens = _EnterExpertParallel.apply(flat, self.ep_group)
-            top_w = _EnterExpertParallel.apply(top_w, self.ep_group)
+            tokens, top_w = _EnterExpertParallel.apply(flat, top_w, self.ep_group)
         out = torch.zeros_like(flat)
         for key, expert in self.experts.items():
             tok, slot = torch.where(top_i == int(key))
