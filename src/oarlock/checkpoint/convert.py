@@ -26,6 +26,7 @@ keys outside layers go to stage 0 when they name an embedding, else to the last 
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import json
 import os
@@ -320,6 +321,19 @@ def plan_conversion(source: str | os.PathLike, *, to: str = "oarlock", aoa_confi
 
 # ---------------------------------------------------------------- reading destination tensors
 
+@contextlib.contextmanager
+def single_threaded_copies() -> Iterator[None]:
+    """Run tensor copies on one intra-op thread: the copies of a conversion are memory bound, and waking an
+    OpenMP team for each of thousands of small slices costs more than it saves (tens of ms per copy on a busy
+    machine). The previous thread count is restored on exit."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
 def read_destination(reader: CheckpointReader, planner: Planner, key: str, *, offset: Sequence[int] | None = None,
                      local_shape: Sequence[int] | None = None) -> torch.Tensor:
     """The box ``[offset, offset + local_shape)`` (default: all) of destination ``key`` of ``planner``'s program,
@@ -384,7 +398,7 @@ def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike, *, aoa_conf
         CheckpointError: unreadable source (naming file and key), a bad AOA config, I/O errors (nothing is
             published).
     """
-    with open_checkpoint(source) as reader:
+    with open_checkpoint(source) as reader, single_threaded_copies():
         planner = Planner(reader.metadata, compile_program(reader.metadata, aoa_config))
         keys = planner.program.destination_keys()
         gen = ((k, read_destination(reader, planner, k)) for k in keys)
@@ -495,7 +509,7 @@ def convert_checkpoint(source: str | os.PathLike, out_dir: str | os.PathLike, *,
     if out_dir.exists() and not (out_dir.is_dir() and ((out_dir / METADATA_FILE).is_file()
                                                       or not any(out_dir.iterdir()))):
         raise CheckpointError(f"{out_dir}: exists and is not an oarlock checkpoint; refusing to replace it")
-    with open_checkpoint(source) as reader:
+    with open_checkpoint(source) as reader, single_threaded_copies():
         program, axes = _program_for_layout(reader.metadata, aoa_config, layout)
         tensors, writes = _assign_writes(rank_descriptions(program, axes, layout))
         for t in tensors.values():

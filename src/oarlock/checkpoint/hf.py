@@ -96,6 +96,7 @@ def save_hf_checkpoint(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str
         shards: list[list[str]] = []
         pending: dict[str, torch.Tensor] = {}
         pending_bytes = 0
+        pending_ptrs: set[int] = set()  # storages already held by `pending`
         total_size = 0
         seen: set[str] = set()
 
@@ -105,6 +106,7 @@ def save_hf_checkpoint(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str
                 save_file(pending, tmp / f"shard-{len(shards):05d}.safetensors", metadata={"format": "pt"})
                 shards.append(list(pending))
                 pending, pending_bytes = {}, 0
+                pending_ptrs.clear()
 
         for key, t in progress(tensors, desc="export", total=total, disable=show_progress is False or None):
             if key in seen:
@@ -113,8 +115,14 @@ def save_hf_checkpoint(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str
             nbytes = t.numel() * t.element_size()
             if pending and pending_bytes + nbytes > limit:
                 flush()
-            # clone: safetensors refuses tensors sharing storage (tied weights, views of fused buffers)
-            pending[key] = t.detach().to("cpu", copy=True).contiguous()
+            t = t.detach()
+            storage = t.untyped_storage() if t.device.type == "cpu" else None
+            if (storage is None or not t.is_contiguous() or t.storage_offset() or storage.nbytes() != nbytes
+                    or storage.data_ptr() in pending_ptrs):
+                # copy: safetensors refuses tensors sharing storage (tied weights, views of fused buffers)
+                t = t.to("cpu", copy=True).contiguous()
+            pending_ptrs.add(t.untyped_storage().data_ptr())
+            pending[key] = t
             pending_bytes += nbytes
             total_size += nbytes
         flush()
