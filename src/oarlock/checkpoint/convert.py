@@ -4,8 +4,9 @@ written from one process, and the plan behind ``oarlock convert`` (FlexCheckpoin
 Every conversion goes through the same two pieces as a load: a mapping program (identity, or a compiled AOA config)
 and the load planner. Each output tensor -- a whole HF tensor, or one simulated rank's shard of an oarlock tensor --
 is built by reading exactly the byte ranges of the source it needs, written to disk, and dropped before the next one
-starts, so peak memory is one output tensor (plus, for HF export, one output file's worth of pending tensors),
-never the model.
+starts (file headers are written first: shapes and dtypes are known from the program), so peak memory is one output
+tensor, never the model. The live export of a running job (:func:`export_hf_sharded`) holds at most one output
+file's worth of tensors on rank 0.
 
 TP/PP simulation (:func:`convert_checkpoint`): a job of ``world = tp * dp * pp`` ranks is described rank by rank
 (rank order ``tp`` fastest, then ``dp``, then ``pp``: ``rank = tp_i + tp * (dp_i + dp * pp_i)``, Megatron's default),
@@ -386,25 +387,51 @@ def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike, *, aoa_conf
               max_shard_size: int | str = "5GB", copy_side_files: bool = True,
               show_progress: bool | None = None) -> Path:
     """Export a checkpoint on disk (oarlock in any layout, Paddle, HF) to a HuggingFace directory:
-    ``model.safetensors`` or ``model-0000i-of-0000N.safetensors`` + ``model.safetensors.index.json``.
+    ``model.safetensors`` or ``model-0000i-of-0000N.safetensors`` + ``model.safetensors.index.json`` (files of at
+    most ``max_shard_size`` bytes of tensor data, a larger tensor alone in its file).
 
     Each destination tensor is read once through the planner (only the source bytes it needs), optionally through
-    ``aoa_config`` (typically the forward HF -> model statements with ``aoa_config_reverse: True``), handed to
-    :func:`~oarlock.checkpoint.hf.save_hf_checkpoint` and freed when its shard is written: peak memory is about
-    ``max_shard_size`` plus the largest tensor. ``copy_side_files`` copies ``config.json``, tokenizer files etc.
-    from the source directory. The output appears atomically; the source is never written.
+    ``aoa_config`` (typically the forward HF -> model statements with ``aoa_config_reverse: True``), and written
+    straight into its output file: shapes and dtypes are known from the program, so every file's header is written
+    first and tensors follow one at a time. Peak memory is one tensor, whatever ``max_shard_size``.
+    ``copy_side_files`` copies ``config.json``, tokenizer files etc. from the source directory. The output appears
+    atomically (an existing directory is replaced only when the new one is complete); the source is never written.
 
     Raises:
         CheckpointError: unreadable source (naming file and key), a bad AOA config, I/O errors (nothing is
             published).
     """
-    with open_checkpoint(source) as reader, single_threaded_copies():
-        planner = Planner(reader.metadata, compile_program(reader.metadata, aoa_config))
-        keys = planner.program.destination_keys()
-        gen = ((k, read_destination(reader, planner, k)) for k in keys)
-        return save_hf_checkpoint(gen, out_dir, max_shard_size=max_shard_size, total=len(keys),
-                                  show_progress=show_progress,
-                                  extra_files=side_files(source) if copy_side_files else None)
+    from oarlock.checkpoint.hf import commit_directory
+
+    plan = plan_conversion(source, to="hf", aoa_config=aoa_config, max_shard_size=max_shard_size)
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.with_name(f".{out_dir.name}.partial-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir()
+    try:
+        with open_checkpoint(source) as reader, single_threaded_copies():
+            planner = Planner(reader.metadata, compile_program(reader.metadata, aoa_config))
+            specs = {k.key: k for k in plan.keys}
+            bar = _byte_bar(plan.total_bytes, show_progress)
+            for name, (keys, _) in plan.files.items():
+                entries = [(k, specs[k].shape, specs[k].dtype) for k in keys]
+                _write_streaming(tmp / name, entries, lambda i, keys=keys: read_destination(reader, planner, keys[i]),
+                                 bar)
+            if bar is not None:
+                bar.close()
+        if len(plan.files) > 1:
+            weight_map = {k: name for name, (keys, _) in plan.files.items() for k in keys}
+            (tmp / HF_INDEX).write_text(json.dumps({"metadata": {"total_size": plan.total_bytes},
+                                                    "weight_map": weight_map}, indent=2))
+        if copy_side_files:
+            for name, f in side_files(source).items():
+                if not name.startswith("model"):  # never carry over a stale index
+                    shutil.copyfile(f, tmp / name)
+        commit_directory(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
 
 
 def export_hf_sharded(sharded_state_dict: Mapping[str, Any], out_dir: str | os.PathLike, *, aoa_config: Any = None,
