@@ -48,8 +48,8 @@ from oarlock.checkpoint.mapping import IdentityProgram, MappingProgram, TensorSp
 from oarlock.checkpoint.metadata import METADATA_FILE, CheckpointMetadata
 from oarlock.checkpoint.plan import KeyIndex, Planner, source_specs
 from oarlock.checkpoint.sharded import ShardDesc
-from oarlock.checkpoint.storage import (INCOMPLETE_MARKER, CheckpointReader, _tensor_bytes, fsync_dir,
-                                        open_checkpoint)
+from oarlock.checkpoint.storage import (INCOMPLETE_MARKER, CheckpointReader, _tensor_bytes, contiguous_run,
+                                        fsync_dir, open_checkpoint)
 from oarlock.utils import dtype_itemsize, numel, safetensors_code, torch_dtype
 
 # ---------------------------------------------------------------- TP rules
@@ -415,8 +415,8 @@ def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike, *, aoa_conf
             bar = _byte_bar(plan.total_bytes, show_progress)
             for name, (keys, _) in plan.files.items():
                 entries = [(k, specs[k].shape, specs[k].dtype) for k in keys]
-                _write_streaming(tmp / name, entries, lambda i, keys=keys: read_destination(reader, planner, keys[i]),
-                                 bar)
+                items = [(k, (0,) * len(specs[k].shape), specs[k].shape) for k in keys]
+                _write_streaming(tmp / name, entries, _producer(reader, planner, items), bar)
             if bar is not None:
                 bar.close()
         if len(plan.files) > 1:
@@ -479,10 +479,68 @@ def export_hf_sharded(sharded_state_dict: Mapping[str, Any], out_dir: str | os.P
 
 # ---------------------------------------------------------------- sharded oarlock output from one process
 
+def _segments(reader: CheckpointReader, planner: Planner, key: str, offset: Sequence[int],
+              local_shape: Sequence[int]) -> list[tuple[int, int, int]] | None:
+    """The box of destination ``key`` as byte runs ``(source fd, source offset, nbytes)`` in output order, when
+    every read item is a plain contiguous copy (no permute, no cast) from a safetensors file into a contiguous part
+    of the output; None otherwise. Renames, concats, row splits and fused layouts along axis 0 qualify."""
+    spec = planner.program.destination_spec(key)
+    local = tuple(local_shape)
+    plan = planner.plan_rank([ShardDesc(key, local, tuple(spec.shape), tuple(offset), spec.dtype)])
+    isz = dtype_itemsize(spec.dtype)
+    runs = []
+    for it in plan.items:
+        if it.permute is not None or it.dtype is not None or it.dst_flat_start or len(it.dst_shape) != len(local):
+            return None
+        dst = contiguous_run(local, it.dst_box)
+        src = reader.byte_run(it.src_key, it.file, it.name, it.src_flat_start, it.src_shape, it.src_box)
+        if dst is None or src is None or src[2] != dst[1] * isz:
+            return None
+        runs.append((dst[0] * isz, src))
+    runs.sort(key=lambda r: r[0])
+    pos = 0
+    for off, (_, _, n) in runs:
+        if off != pos:  # pragma: no cover - a plan always tiles its target
+            return None
+        pos += n
+    if pos != numel(local) * isz:
+        return None
+    return [src for _, src in runs]
+
+
+def _write_all(fd: int, mv: memoryview, pos: int) -> int:
+    n = 0
+    while n < len(mv):
+        n += os.pwrite(fd, mv[n:], pos + n)
+    return pos + n
+
+
+def _copy_run(src_fd: int, src_off: int, nbytes: int, fd: int, pos: int) -> int:
+    """Copy ``nbytes`` from ``src_fd`` at ``src_off`` to ``fd`` at ``pos`` in the kernel (``copy_file_range``),
+    falling back to pread/pwrite through a bounded buffer where the filesystem refuses."""
+    done = 0
+    try:
+        while done < nbytes:
+            got = os.copy_file_range(src_fd, fd, nbytes - done, src_off + done, pos + done)
+            if got <= 0:
+                break
+            done += got
+    except OSError:
+        pass
+    while done < nbytes:
+        chunk = os.pread(src_fd, min(nbytes - done, 1 << 24), src_off + done)
+        if not chunk:
+            raise CheckpointError(f"source file ends {nbytes - done} bytes early while copying")
+        _write_all(fd, memoryview(chunk), pos + done)
+        done += len(chunk)
+    return pos + nbytes
+
+
 def _write_streaming(path: Path, entries: list[tuple[str, tuple[int, ...], str]], produce: Any,
                      bar: Any = None) -> None:
-    """One safetensors file with the header layout of :func:`oarlock.checkpoint.storage.write_safetensors`,
-    tensors produced one at a time by ``produce(index)`` and written as they come."""
+    """One safetensors file with the header layout of :func:`oarlock.checkpoint.storage.write_safetensors`;
+    ``produce(index)`` gives each tensor (written as it comes) or its byte runs ``[(fd, offset, nbytes)]`` in a
+    source file (copied by the kernel)."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     off = 0
     for name, shape, dtype in entries:
@@ -491,21 +549,40 @@ def _write_streaming(path: Path, entries: list[tuple[str, tuple[int, ...], str]]
         off += n
     hb = json.dumps(header, separators=(",", ":")).encode()
     hb += b" " * (-len(hb) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(hb)))
-        f.write(hb)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        pos = _write_all(fd, memoryview(struct.pack("<Q", len(hb)) + hb), 0)
         for i, (name, shape, dtype) in enumerate(entries):
-            t = produce(i)
-            if tuple(t.shape) != tuple(shape) or t.dtype != torch_dtype(dtype):  # pragma: no cover - internal
-                raise CheckpointError(f"{path}: produced {name!r} as {tuple(t.shape)} {t.dtype}, header says "
-                                      f"{list(shape)} {dtype}")
-            if t.numel():
-                f.write(_tensor_bytes(t.contiguous()))
+            got = produce(i)
+            nbytes = numel(shape) * dtype_itemsize(dtype)
+            if isinstance(got, list):
+                for src_fd, src_off, n in got:
+                    pos = _copy_run(src_fd, src_off, n, fd, pos)
+            else:
+                if tuple(got.shape) != tuple(shape) or got.dtype != torch_dtype(dtype):  # pragma: no cover
+                    raise CheckpointError(f"{path}: produced {name!r} as {tuple(got.shape)} {got.dtype}, header "
+                                          f"says {list(shape)} {dtype}")
+                if got.numel():
+                    pos = _write_all(fd, _tensor_bytes(got.contiguous()), pos)
+                del got
             if bar is not None:
-                bar.update(t.numel() * t.element_size())
-            del t
-        f.flush()
-        os.fsync(f.fileno())
+                bar.update(nbytes)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _producer(reader: CheckpointReader, planner: Planner, items: Sequence[tuple[str, Sequence[int], Sequence[int]]]
+              ) -> Any:
+    """``produce(i)`` for :func:`_write_streaming`: byte runs when the i-th ``(key, offset, local_shape)`` is a
+    plain copy, else the tensor read through the planner."""
+    def produce(i: int) -> Any:
+        key, off, local = items[i]
+        segs = _segments(reader, planner, key, off, local)
+        if segs is not None:
+            return segs
+        return read_destination(reader, planner, key, offset=off, local_shape=local)
+    return produce
 
 
 def convert_checkpoint(source: str | os.PathLike, out_dir: str | os.PathLike, *, aoa_config: Any = None,
@@ -553,12 +630,7 @@ def convert_checkpoint(source: str | os.PathLike, out_dir: str | os.PathLike, *,
             for rank in sorted(writes):
                 ids = sorted((i[0], i[1], i[2]) for i in writes[rank])
                 entries = [(k, lshape, tensors[k].dtype) for k, _, lshape in ids]
-
-                def produce(i: int, ids: list = ids) -> torch.Tensor:
-                    k, off, lshape = ids[i]
-                    return read_destination(reader, planner, k, offset=off, local_shape=lshape)
-
-                _write_streaming(tmp / _data_file(rank), entries, produce, bar)
+                _write_streaming(tmp / _data_file(rank), entries, _producer(reader, planner, ids), bar)
             if bar is not None:
                 bar.close()
             if copy_side_files:

@@ -214,6 +214,27 @@ class CheckpointReader:
         out.copy_(t)
         return out
 
+    def byte_run(self, key: str, file: str, name: str, flat_start: int, shape: tuple[int, ...],
+                 box: tuple[tuple[int, int], ...]) -> tuple[int, int, int] | None:
+        """``(fd, offset, nbytes)`` when ``array[box]`` (arguments as for :meth:`read_box`) is one contiguous byte
+        run of a safetensors file, for zero-copy transfers (``os.copy_file_range``); None otherwise (Paddle
+        pickles, strided boxes, a stored dtype other than the metadata's)."""
+        if file.endswith(".distcp"):
+            return None
+        run = contiguous_run(shape, box)
+        if run is None:
+            return None
+        f = self._st_files.get(file)
+        if f is None:
+            f = self._st_files[file] = SafetensorsFile(self.path_of(file))
+            self.files_opened.append(file)
+        e = f.entries.get(name)
+        dtype = self.metadata.tensors[key].dtype
+        if e is None or e[0] != dtype or flat_start + np_prod(shape) > np_prod(e[1]):
+            return None
+        isz = torch_dtype(dtype).itemsize
+        return f.fd, f.data_start + e[2] + (flat_start + run[0]) * isz, run[1] * isz
+
     def path_of(self, file: str) -> Path:
         return self.root / file if self.root.is_dir() else self.root
 
@@ -527,6 +548,20 @@ class SafetensorsFile:
             pos += run_bytes
         if not direct:
             out.copy_(dst)
+
+
+def contiguous_run(shape: tuple[int, ...], box: tuple[tuple[int, int], ...]) -> tuple[int, int] | None:
+    """``(first element, element count)`` when ``box`` of a C-contiguous array of ``shape`` is one contiguous run
+    (leading dims of extent 1, one partial dim, then full dims), else None."""
+    nd = len(shape)
+    k = nd - 1
+    while k > 0 and tuple(box[k]) == (0, shape[k]):
+        k -= 1
+    if nd and any(b - a != 1 for a, b in box[:k]):
+        return None
+    strides = [np_prod(shape[d + 1:]) for d in range(nd)]
+    start = sum(box[d][0] * strides[d] for d in range(nd))
+    return start, np_prod(b - a for a, b in box)
 
 
 def np_prod(xs) -> int:
