@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from oarlock.checkpoint import (CheckpointError, CheckpointTilingError, ShardedWeight, load_state_dict,
-                                open_checkpoint, save_state_dict)
+                                open_checkpoint, save_state_dict, sharded_state_dict)
 
 warnings.filterwarnings("ignore")
 
@@ -187,6 +187,29 @@ def _run(rank: int, root: Path) -> None:
                        flattened_range=slice(bounds[rank], bounds[rank + 1]))
     load_state_dict({"sw": fl}, root / "sw")
     assert torch.equal(fl.local_tensor, f.reshape(-1)[bounds[rank]:bounds[rank + 1]])
+    # flattened shards saved (ZeRO flat buffers: one box, a flat range per rank) -> regular uneven rows
+    fsave = ShardedWeight("flat", f.reshape(-1)[bounds[rank]:bounds[rank + 1]].clone(), (10, 3), (10, 3), (0, 0),
+                          flattened_range=(bounds[rank], bounds[rank + 1]))
+    save_state_dict({"flat": fsave}, root / "flat")
+    tw = ShardedWeight.shard_along_axis("flat", torch.zeros(sizes_b[rank], 3), 0, sizes=sizes_b)
+    load_state_dict({"flat": tw}, root / "flat")
+    assert torch.equal(tw.local_tensor, f[b0:b0 + sizes_b[rank]])
+
+    # ---- sharded_state_dict of a module with DTensor parameters, loaded into other placements
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(7, 10)  # same initial values on every rank
+    ref_w, ref_b = lin.weight.detach().clone(), lin.bias.detach().clone()
+    lin.weight = torch.nn.Parameter(distribute_tensor(ref_w.clone(), mesh4, [Shard(0)]))  # rows 3,3,3,1
+    lin.bias = torch.nn.Parameter(distribute_tensor(ref_b.clone(), mesh4, [Replicate()]))
+    ssd = sharded_state_dict(lin)
+    assert ssd["weight"].local_shape == ((3, 7) if rank < 3 else (1, 7)) and ssd["weight"].global_offset == (3 * rank, 0)
+    assert ssd["bias"].global_offset == (0,) and ssd["bias"].local_shape == (10,)
+    save_state_dict(ssd, root / "mod")
+    lin2 = torch.nn.Linear(7, 10)
+    lin2.weight = torch.nn.Parameter(distribute_tensor(torch.zeros(10, 7), mesh22, [Shard(1), Replicate()]))
+    lin2.bias = torch.nn.Parameter(distribute_tensor(torch.zeros(10), mesh22, [Shard(0), Shard(0)]))
+    load_state_dict(sharded_state_dict(lin2), root / "mod")
+    assert torch.equal(lin2.weight.full_tensor(), ref_w) and torch.equal(lin2.bias.full_tensor(), ref_b)
 
     # ---- replicated tensors are written once, spread over the holders
     rep = {f"rep{i}": torch.full((64, 64), float(i)) for i in range(8)}

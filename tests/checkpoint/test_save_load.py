@@ -167,11 +167,13 @@ def test_aoa_config_goes_to_compile_aoa(tmp_path, monkeypatch):
     calls = []
     fake = types.ModuleType("oarlock.checkpoint.aoa")
 
-    def compile_aoa(config, source, destination):
+    def compile_aoa(config, source, destination, *, source_shards, destination_shards):
         calls.append((config, source, destination))
+        assert source_shards == {"w": 1} and destination_shards == {"a": 1, "b": 1}  # TP shard counts
         return TransposeSplit()
 
     fake.compile_aoa = compile_aoa
+    fake.shard_counts = lambda meta: {k: len(t.shards) for k, t in meta.tensors.items()}
     monkeypatch.setitem(sys.modules, "oarlock.checkpoint.aoa", fake)
     a, b = torch.zeros(3, 4), torch.zeros(4, 3, dtype=torch.float64)
     cfg = {"aoa_statements": ["w^T -> a"]}

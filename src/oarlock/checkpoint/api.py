@@ -275,16 +275,19 @@ def _commit(tmp: Path, path: Path, gathered: list[dict], tensors: dict[str, Tens
 
 # ---------------------------------------------------------------- load
 
-def _compile_aoa(aoa_config: Any, source: dict[str, TensorSpec], destination: dict[str, TensorSpec]
+def _compile_aoa(aoa_config: Any, source: dict[str, TensorSpec], destination: dict[str, TensorSpec],
+                 meta: CheckpointMetadata | None = None, destination_shards: dict[str, int] | None = None
                  ) -> MappingProgram:
     try:
-        from oarlock.checkpoint.aoa import compile_aoa
+        from oarlock.checkpoint.aoa import compile_aoa, shard_counts
     except ImportError as e:
         if e.name not in (AOA_MODULE, None) and not str(e).startswith(f"import of {AOA_MODULE}"):
             raise
         raise CheckpointError("aoa_config was given but the AOA engine (oarlock.checkpoint.aoa) is not available "
                               "in this installation; load without aoa_config or install an oarlock with AOA") from None
-    return compile_aoa(aoa_config, source, destination)
+    # TP shard counts (distinct global offsets) on both sides: fused_ffn / fused_qkv_old layouts depend on them
+    return compile_aoa(aoa_config, source, destination, source_shards=shard_counts(meta) if meta is not None else None,
+                       destination_shards=destination_shards)
 
 
 def load_state_dict(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process_group: Any = None,
@@ -328,6 +331,7 @@ def load_state_dict(state_dict: Mapping[str, Any], path: str | os.PathLike, *, p
     except Exception as e:
         err = _err(e)
     wanted = {"err": err, "tensors": {d.key: (d.global_shape, d.dtype) for d in descs},
+              "offsets": {d.key: d.global_offset for d in descs if d.numel} if aoa_config is not None else {},
               "objects": sorted(leaves.objects)}
     gathered = _all_gather_objects(wanted, process_group)
     _raise_gathered([g["err"] for g in gathered], rank)
@@ -345,7 +349,12 @@ def load_state_dict(state_dict: Mapping[str, Any], path: str | os.PathLike, *, p
             for k, (shape, dt) in g["tensors"].items():
                 dest_all.setdefault(k, TensorSpec(tuple(shape), dt))
         if aoa_config is not None:
-            program = _compile_aoa(aoa_config, source_specs(meta), dest_all)
+            offsets: dict[str, set] = {}
+            for g in gathered:
+                for k, off in g["offsets"].items():
+                    offsets.setdefault(k, set()).add(tuple(off))
+            program = _compile_aoa(aoa_config, source_specs(meta), dest_all, meta,
+                                   {k: len(v) for k, v in offsets.items()})
         planner = Planner(meta, program)
         for d in descs:
             if d.key in meta.objects and d.key not in meta.tensors and aoa_config is None and program is None:

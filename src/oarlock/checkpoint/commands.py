@@ -97,8 +97,7 @@ def read_target_keys(path: str) -> dict:
 def cmd_aoa_explain(args: argparse.Namespace) -> int:
     import fnmatch
 
-    from oarlock.checkpoint.aoa import AOAError, compile_aoa, shard_counts
-    from oarlock.checkpoint.mapping import TensorSpec
+    from oarlock.checkpoint.aoa import AOAError, compile_aoa, shard_counts, source_specs
     from oarlock.checkpoint.storage import open_checkpoint
 
     config = read_aoa_config(args.config)
@@ -107,10 +106,10 @@ def cmd_aoa_explain(args: argparse.Namespace) -> int:
         config["aoa_config_reverse"] = True
     with open_checkpoint(args.source) as reader:
         meta = reader.metadata
-    source = {k: TensorSpec(t.global_shape, t.dtype) for k, t in meta.tensors.items()}
+    source = source_specs(meta)
     target = read_target_keys(args.target) if args.target else None
     try:
-        prog = compile_aoa(config, source, target, source_shards=shard_counts(meta))
+        prog = compile_aoa(config, source, target, source_shards=shard_counts(meta), allow_cast=args.allow_cast)
     except AOAError as e:  # the full message: statement, caret, macro expansion chain
         print(f"oarlock: error: {e}", file=sys.stderr)
         return 2
@@ -187,6 +186,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                          "program's outputs")
     ex.add_argument("--reverse", action="store_true", help="invert the statements (aoa_config_reverse)")
     ex.add_argument("--only", metavar="GLOB", help="list only destination keys matching this glob")
+    ex.add_argument("--allow-cast", action="store_true",
+                    help="cast to the --target dtype where no AOA cast does (default: report a dtype mismatch)")
     ex.set_defaults(func=cmd_aoa_explain)
 
     cv = sub.add_parser("convert", help="convert a checkpoint: HF <-> oarlock (TP/PP-sharded), Paddle -> either, "

@@ -72,7 +72,7 @@ def full_state_dict(sharded_state_dict: Mapping[str, Any], aoa_config: Any = Non
     shards = _as_sharded(sharded_state_dict)
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1
     me = dist.get_rank(process_group) if distributed else 0
-    local = {k: (sw.global_shape, dtype_name(sw.local_tensor.dtype), [b for b, _ in _pieces(sw)])
+    local = {k: (sw.global_shape, dtype_name(sw.local_tensor.dtype), [b for b, _ in _pieces(sw)], sw.global_offset)
              for k, sw in shards.items()}
     if distributed:
         gathered: list[Any] = [None] * dist.get_world_size(process_group)
@@ -81,8 +81,10 @@ def full_state_dict(sharded_state_dict: Mapping[str, Any], aoa_config: Any = Non
         gathered = [local]
     specs: dict[str, TensorSpec] = {}
     owners: dict[str, dict[Box, int]] = {}  # key -> distinct box -> lowest rank holding it
+    offsets: dict[str, set] = {}  # key -> distinct shard offsets (the TP degree the fused macros need)
     for rank, entries in enumerate(gathered):
-        for k, (gshape, dt, boxes) in entries.items():
+        for k, (gshape, dt, boxes, off) in entries.items():
+            offsets.setdefault(k, set()).add(tuple(off))
             spec = TensorSpec(tuple(gshape), dt)
             if specs.setdefault(k, spec) != spec:
                 raise CheckpointError(f"full_state_dict: {k!r} is {specs[k]} on one rank and {spec} on rank {rank}")
@@ -99,7 +101,7 @@ def full_state_dict(sharded_state_dict: Mapping[str, Any], aoa_config: Any = Non
     else:
         from oarlock.checkpoint.aoa import compile_aoa
 
-        program = compile_aoa(aoa_config, specs, None)
+        program = compile_aoa(aoa_config, specs, None, source_shards={k: len(v) for k, v in offsets.items()})
     group_ranks = None
     if distributed:
         group_ranks = [dist.get_global_rank(process_group, r) if process_group is not None else r

@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from oarlock.checkpoint.errors import CheckpointError
+from oarlock.checkpoint.storage import fsync_dir
 from oarlock.utils import progress
 
 HF_INDEX = "model.safetensors.index.json"
@@ -42,15 +43,6 @@ def parse_size(size: int | str) -> int:
             except ValueError:
                 break
     raise CheckpointError(f"cannot parse max_shard_size {size!r} (use bytes or e.g. '5GB', '500MiB')")
-
-
-def fsync_dir(path: Path) -> None:
-    """fsync a directory so a rename inside it is durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def commit_directory(tmp: Path, final: Path) -> None:

@@ -333,6 +333,11 @@ class Planner:
         inter = box_intersection(m.dst_box, tbox)
         if inter is None:
             return
+        if m.permute is None and m.dst_box == m.src_box:  # common case (identity): no coordinate change
+            idx = self.index(m.src_key)
+            if idx._grid is not None:
+                self._plan_grid(out, key, inter, torigin, tflat, tshape, m, idx)
+                return
         nd = len(inter)
         perm = m.permute if m.permute is not None else tuple(range(nd))
         if len(perm) != nd or len(m.src_box) != nd:
@@ -345,7 +350,11 @@ class Planner:
         permute = m.permute if m.permute is not None and tuple(m.permute) != tuple(range(nd)) else None
         shift = [m.dst_box[i][0] - m.src_box[perm[i]][0] for i in range(nd)]  # src coordinate -> dst coordinate
         same_frame = permute is None and not any(shift)
-        for piece in self.index(m.src_key).query(sub):
+        idx = self.index(m.src_key)
+        if same_frame and idx._grid is not None:
+            self._plan_grid(out, key, sub, torigin, tflat, tshape, m, idx)
+            return
+        for piece in idx.query(sub):
             ov = box_intersection(piece.box, sub)
             if ov is None:
                 continue
@@ -357,6 +366,34 @@ class Planner:
             out.append(ReadItem(key, tflat, tshape, dst, m.src_key, piece.file, piece.name, piece.flat_start,
                                 piece.shape, tuple((a - o, b - o) for (a, b), o in zip(ov, piece.origin)),
                                 permute, m.dtype))
+
+
+    def _plan_grid(self, out: list[ReadItem], key: str, sub: Box, torigin: list[int], tflat: int,
+                   tshape: tuple[int, ...], m: SliceMapping, idx: KeyIndex) -> None:
+        """Fast path (no permutation, same coordinates, grid-indexed source): the overlap of ``sub`` with each
+        grid cell is computed per dimension once and combined, instead of per cell and dimension."""
+        per_dim = []
+        for d, (a, b) in enumerate(sub):
+            bd = idx._grid[d]
+            o = torigin[d]
+            lo = bisect.bisect_right(bd, a) - 1
+            hi = bisect.bisect_left(bd, b)
+            col = []
+            for k in range(max(lo, 0), hi):
+                x0, x1 = max(a, bd[k]), min(b, bd[k + 1])
+                if x1 > x0:
+                    col.append((k, (x0 - bd[k], x1 - bd[k]), (x0 - o, x1 - o)))
+            if not col:
+                return
+            per_dim.append(col)
+        cells = idx._cells
+        src_key, dtype = m.src_key, m.dtype
+        for combo in itertools.product(*per_dim):
+            piece = cells.get(tuple(c[0] for c in combo))
+            if piece is None:
+                continue
+            out.append(ReadItem(key, tflat, tshape, tuple(c[2] for c in combo), src_key, piece.file, piece.name,
+                                piece.flat_start, piece.shape, tuple(c[1] for c in combo), None, dtype))
 
 
 def plan_load(metadata: CheckpointMetadata, requests: Mapping[int, Sequence[ShardDesc]] | Sequence[ShardDesc],

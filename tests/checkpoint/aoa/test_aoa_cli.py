@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from oarlock.checkpoint.aoa import compile_aoa, shard_counts
-from oarlock.checkpoint.mapping import TensorSpec, execute_on_full_tensors
+from oarlock.checkpoint.aoa import compile_aoa, shard_counts, source_specs
+from oarlock.checkpoint.mapping import execute_on_full_tensors
 from oarlock.checkpoint.storage import read_metadata
 from oarlock.cli import main
 
@@ -41,8 +41,8 @@ def test_explain_fused_qkv_text_config(minilm_dir, tmp_path, capsys):
 
 def test_fused_qkv_config_numerically_on_minilm(minilm_dir, minilm):
     meta = read_metadata(minilm_dir)
-    source = {k: TensorSpec(t.global_shape, t.dtype) for k, t in meta.tensors.items()}
-    prog = compile_aoa({"aoa_statements": [QKV]}, source, source_shards=shard_counts(meta))
+    assert shard_counts(meta) == {k: 1 for k in meta.tensors}  # an HF directory: every tensor is one shard
+    prog = compile_aoa({"aoa_statements": [QKV]}, source_specs(meta), source_shards=shard_counts(meta))
     out = execute_on_full_tensors(prog, minilm)
     assert len(out) == 104 - 6 * 3 + 6
     for layer in range(6):
@@ -70,6 +70,14 @@ def test_explain_with_target_json_reverse_and_errors(minilm_dir, tmp_path, capsy
     assert "current model param slice range: (slice(0, 384), slice(0, 1152))" in err
     assert "preloaded weights param slice range: (slice(0, 1152), slice(0, 384))" in err
     assert "[statement] encoder.layer.$LAYER_ID.attention.self.query.weight" in err
+    # a dtype mismatch is reported unless --allow-cast
+    keys["encoder.layer.0.attention.self.qkv.weight"] = {"shape": [1152, 384], "dtype": "bfloat16"}
+    target.write_text(json.dumps(keys))
+    assert main(["aoa", "explain", str(cfg), "--source", str(minilm_dir), "--target", str(target)]) == 2
+    assert "direct assignment of tensors of different types is prohibited" in capsys.readouterr().err
+    assert main(["aoa", "explain", str(cfg), "--source", str(minilm_dir), "--target", str(target),
+                 "--allow-cast"]) == 0
+    assert "<- encoder.layer.0.attention.self.key.weight[0:384, 0:384]  cast=bfloat16" in capsys.readouterr().out
     # a typo in the pattern: exit 2 naming the closest key
     cfg.write_text(json.dumps([QKV.replace("query", "qurey")]))
     assert main(["aoa", "explain", str(cfg), "--source", str(minilm_dir)]) == 2

@@ -94,7 +94,8 @@ def test_dtype_mismatch_without_cast():
     assert "direct assignment of tensors of different types is prohibited" in str(e) and "dtype='float32'" in str(e)
     # unmentioned keys too; allow_cast=True opts out
     err(AOAError, [], {"c": S(2, dtype="bfloat16")}, {"c": S(2)})
-    assert compile_aoa([], {"c": S(2, dtype="bfloat16")}, {"c": S(2)}, allow_cast=True).mappings_for("c")[0].dtype == F32
+    prog = compile_aoa([], {"c": S(2, dtype="bfloat16")}, {"c": S(2)}, allow_cast=True)
+    assert prog.mappings_for("c")[0].dtype == F32
 
 
 def _ranges(msg):
@@ -180,3 +181,10 @@ def test_missing_destination_key_is_reported_not_mapped():
     assert prog.destination_keys() == ["b"] and "c" in prog.missing
     with pytest.raises(AOAError, match="not a destination key"):
         prog.mappings_for("c")
+
+
+def test_dtype_names_are_canonicalised_and_unknown_ones_named():
+    prog = compile_aoa(["a, b -> c, axis=0"], {"a": S(2, dtype="F32"), "b": S(2, dtype="torch.float32")},
+                       {"c": S(4, dtype="float")})
+    assert prog.destination_spec("c") == S(4) and all(m.dtype is None for m in prog.mappings_for("c"))
+    assert "source key 'a'" in str(err(AOAError, ["a -> b"], {"a": S(2, dtype="float33")}))

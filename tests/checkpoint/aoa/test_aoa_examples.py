@@ -130,20 +130,23 @@ def test_ids_ignore_optimizer_suffixes_and_follow_checkpoint():
                                                                        "a.7.w_transpose_tmp->b.7"]
 
 
-def test_newline_and_joined_literals():
-    # "a -> b, axis=1" "c -> d" concatenated by accident: two statements (Paddle's greedy parser)
+def test_newline_and_joined_literals(caplog):
+    # "a -> b, axis=1" "c -> d" concatenated by accident: two statements (Paddle's greedy parser), with a warning
     assert expanded(["a -> b, axis=1" "c -> d", "e -> f\n\ng -> h"], ["a", "c", "e", "g"]) == [
         "a->b,axis=1", "c->d", "e->f", "g->h"]
+    assert "aoa_statements[0]" in caplog.text and "without a newline" in caplog.text
 
 
 # ---- section 2.10 examples, numerically -------------------------------------------------------------------
 
 def test_cast_and_layer_transpose_and_permute():
     src = {"embedding.weight": rand(4, 3, dtype=torch.bfloat16),
-           "model.layers.0.self_attn.o_proj.weight": rand(3, 5), "model.layers.1.self_attn.o_proj.weight": rand(3, 5, seed=1),
+           "model.layers.0.self_attn.o_proj.weight": rand(3, 5),
+           "model.layers.1.self_attn.o_proj.weight": rand(3, 5, seed=1),
            "s": rand(2, 3, 4)}
     prog, out = run(["embedding.weight -> embedding.weight, dtype = 'float32'",
-                     "model.layers.$LAYER_ID.self_attn.o_proj.weight^T -> model.layers.$LAYER_ID.self_attn.o_proj.weight",
+                     "model.layers.$LAYER_ID.self_attn.o_proj.weight^T -> "
+                     "model.layers.$LAYER_ID.self_attn.o_proj.weight",
                      "s -> a, permute = '[2, 0, 1]'"], src)
     assert torch.equal(out["embedding.weight"], src["embedding.weight"].float())
     for i in (0, 1):

@@ -85,7 +85,8 @@ def test_fused_qkv_old_relayout(h, kv, t_src, t_dst):
     assert torch.equal(out["qq"], q) and torch.equal(out["kk"], k) and torch.equal(out["vv"], v)
     # 3 -> 1: build the TP-blocked layout for T_dst from plain q, k, v
     prog = compile_aoa([f"qq, kk, vv -> y, fused_qkv_old, num_heads={h}, num_key_value_groups={kv}"],
-                       {"qq": spec(q), "kk": spec(k), "vv": spec(v)}, {"y": spec(x_dst)}, destination_shards={"y": t_dst})
+                       {"qq": spec(q), "kk": spec(k), "vv": spec(v)}, {"y": spec(x_dst)},
+                       destination_shards={"y": t_dst})
     loaded = load_shards(prog, {"qq": shard(q, even_boxes(q.shape, 0, 1)), "kk": shard(k, even_boxes(k.shape, 0, 1)),
                                 "vv": shard(v, even_boxes(v.shape, 0, 1))}, {"y": even_boxes(x_dst.shape, axis, t_dst)})
     assert_shards_equal(loaded, {"y": x_dst})
@@ -119,7 +120,8 @@ def test_fused_ffn_relayout(t_src, t_dst, axis):
 
 def _qwen_like_checkpoint(layers=2, experts=2, h=4, g=2, d=2, hid=8, inter=6, vocab=10):
     torch.manual_seed(0)
-    ck = {"model.embed_tokens.weight": torch.randn(vocab, hid).to(torch.bfloat16), "model.norm.weight": torch.randn(hid)}
+    ck = {"model.embed_tokens.weight": torch.randn(vocab, hid).to(torch.bfloat16),
+          "model.norm.weight": torch.randn(hid)}
     for i in range(layers):
         p = f"model.layers.{i}"
         ck[f"{p}.input_layernorm.weight"] = torch.randn(hid)
@@ -190,3 +192,25 @@ def test_reverse_plain_cast_uses_destination_dtype():
                       {"w": spec(model["w"])}, {"w": spec(w)})
     back = execute_on_full_tensors(rev, model)
     assert back["w"].dtype == torch.bfloat16 and torch.equal(back["w"], w)
+
+
+def test_shard_counts_from_metadata_drive_fused_ffn():
+    from oarlock.checkpoint.aoa import shard_counts, source_specs
+    from oarlock.checkpoint.metadata import CheckpointMetadata, ShardMeta, TensorMeta
+
+    gate, up = rand(3, 8, seed=1), rand(3, 8, seed=2)
+    x = tp_blocked_ffn(gate, up, 2, 1)
+    meta = CheckpointMetadata("oarlock")
+    # TP 2 x DP 2: two distinct offsets, each stored twice (a replica); the moment is flattened per TP box
+    meta.tensors["w"] = TensorMeta("w", (3, 16), "float32", [
+        ShardMeta((0, 0), (3, 8), "0.safetensors", "w"), ShardMeta((0, 8), (3, 8), "1.safetensors", "w"),
+        ShardMeta((0, 0), (3, 8), "2.safetensors", "w", replica_id=1)])
+    meta.tensors["w.exp_avg"] = TensorMeta("w.exp_avg", (3, 16), "float32", [
+        ShardMeta((0, 0), (3, 8), "0.safetensors", "m", (0, 12)),
+        ShardMeta((0, 0), (3, 8), "2.safetensors", "m", (12, 24)),
+        ShardMeta((0, 8), (3, 8), "1.safetensors", "m")])
+    assert shard_counts(meta) == {"w": 2, "w.exp_avg": 2}
+    prog = compile_aoa(["w -> g, u, fused_ffn"], source_specs(meta), source_shards=shard_counts(meta))
+    out = execute_on_full_tensors(prog, {"w": x, "w.exp_avg": x * 2})
+    assert torch.equal(out["g"], gate) and torch.equal(out["u"], up)
+    assert torch.equal(out["g.exp_avg"], gate * 2) and torch.equal(out["u.exp_avg"], up * 2)

@@ -27,12 +27,12 @@ Entry point: :func:`compile_aoa` -> :class:`AOAProgram` (a ``MappingProgram`` of
 """
 
 from oarlock.checkpoint.aoa.engine import (AOAProgram, Primitive, TensorDesc, compile_aoa, expand_statements,
-                                           shard_counts)
+                                           shard_counts, source_specs)
 from oarlock.checkpoint.aoa.errors import AOAError, AOASyntaxError
 from oarlock.checkpoint.aoa.lexer import Token, tokenize
 from oarlock.checkpoint.aoa.macros import OPTIMIZER_SUFFIXES, split_optimizer_suffix
 from oarlock.checkpoint.aoa.parser import Expr, parse_statements
 
-__all__ = ["compile_aoa", "expand_statements", "shard_counts", "AOAProgram", "AOAError", "AOASyntaxError",
+__all__ = ["compile_aoa", "expand_statements", "shard_counts", "source_specs", "AOAProgram", "AOAError", "AOASyntaxError",
            "OPTIMIZER_SUFFIXES", "split_optimizer_suffix", "tokenize", "Token", "parse_statements", "Expr",
            "Primitive", "TensorDesc"]

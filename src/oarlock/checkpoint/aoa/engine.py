@@ -13,6 +13,7 @@ applied (an intermediate narrowing cast, e.g. fp32 -> fp16 -> fp32, is not repro
 from __future__ import annotations
 
 import difflib
+import gc
 import warnings
 from dataclasses import dataclass
 from typing import Mapping, Sequence
@@ -25,6 +26,9 @@ from oarlock.checkpoint.mapping import Box, SliceMapping, TensorSpec, full_box
 from oarlock.utils import dtype_name
 
 _ATTRS = ("axis", "dtype", "permute", "src_dtype", "dst_dtype")
+
+
+_BOXES: dict[tuple[int, ...], Box] = {}  # full boxes by shape: most keys of a model share a few shapes
 
 
 class Ref:
@@ -48,8 +52,11 @@ class TensorDesc:
 
     @classmethod
     def source(cls, key: str, spec: TensorSpec) -> "TensorDesc":
-        box = full_box(spec.shape)
-        return cls(tuple(spec.shape), spec.dtype, [Ref(key, box, box, None, None)])
+        shape = tuple(spec.shape)
+        box = _BOXES.get(shape)
+        if box is None:
+            box = _BOXES[shape] = full_box(shape)
+        return cls(shape, spec.dtype, [Ref(key, box, box, None, None)])
 
     def slice(self, axis: int, a: int, b: int, expr: Expr | None = None) -> "TensorDesc":
         """Sub-tensor ``[a, b)`` along ``axis``."""
@@ -89,18 +96,19 @@ class TensorDesc:
         ident = tuple(range(len(q)))
         refs = []
         for r in self.refs:
-            p = r.perm if r.perm is not None else ident
-            perm = tuple(p[i] for i in q)
-            refs.append(Ref(r.src_key, r.src_box, tuple(r.dst_box[i] for i in q), None if perm == ident else perm,
-                            r.cast))
-        return TensorDesc(tuple(self.shape[i] for i in q), self.dtype, refs, expr)
+            p = r.perm
+            perm = q if p is None else tuple([p[i] for i in q])
+            db = r.dst_box
+            refs.append(Ref(r.src_key, r.src_box, tuple([db[i] for i in q]), None if perm == ident else perm, r.cast))
+        shape = self.shape
+        return TensorDesc(tuple([shape[i] for i in q]), self.dtype, refs, expr)
 
     def cast(self, dtype: str, expr: Expr | None = None) -> "TensorDesc":
         return TensorDesc(self.shape, dtype,
                           [Ref(r.src_key, r.src_box, r.dst_box, r.perm, dtype) for r in self.refs], expr)
 
 
-@dataclass
+@dataclass(slots=True)
 class Primitive:
     """A primitive statement: ``kind`` in rename, split, concat, permute, cast, delete, create.
 
@@ -109,8 +117,8 @@ class Primitive:
     against the tensor before a reversible cast."""
 
     kind: str
-    lhs: list[str]
-    rhs: list[str]
+    lhs: tuple[str, ...]
+    rhs: tuple[str, ...]
     expr: Expr
     axis: int | None = None
     perm: tuple[int, ...] | None = None
@@ -129,7 +137,7 @@ class Primitive:
         elif self.kind == "cast":
             attrs.append(f"src_dtype='{self.src_dtype}', dst_dtype='{self.dtype}'" if self.src_dtype
                          else f"dtype='{self.dtype}'" if self.dtype else "dtype=<destination dtype>")
-        return f"{', '.join(self.lhs)} -> {', '.join(self.rhs + attrs)}"
+        return f"{', '.join(self.lhs)} -> {', '.join(list(self.rhs) + attrs)}"
 
 
 def _dtype_attr(e: Expr, name: str, value: object) -> str:
@@ -153,23 +161,33 @@ def _parse_perm(e: Expr, value: object) -> tuple[int, ...] | None:
         raise AOASyntaxError(f"permute={value!r}: expected integers", e, name="permute") from None
 
 
-def classify(e: Expr) -> Primitive:
-    """Check a macro-expanded statement against the primitive forms of spec section 2.4.
+def classify(e: Expr, memo: dict | None = None) -> Primitive:
+    """Check a macro-expanded statement against the primitive forms of spec section 2.4. ``memo`` caches the
+    verdict per attribute list and arity (macro expansions repeat a few forms tens of thousands of times).
 
     Raises:
         AOASyntaxError: N -> M with N, M >= 2, unsupported attribute, bad attribute value.
         AOAError: split/concat without exactly one ``axis``; two operators in a 1 -> 1 statement.
     """
+    lhs, rhs = e.lhs, e.rhs
+    if memo is not None and VOID not in lhs and VOID not in rhs:
+        key = (tuple(e.attrs), len(lhs) >= 2, len(rhs) >= 2)
+        hit = memo.get(key)
+        if hit is None:
+            p = classify(e)
+            memo[key] = (p.kind, p.axis, p.perm, p.dtype, p.src_dtype)
+            return p
+        return Primitive(hit[0], lhs, rhs, e, hit[1], hit[2], hit[3], hit[4])
     names = [k for k, _ in e.attrs]
     for k in names:
         if k not in _ATTRS:
             raise AOASyntaxError(f"Unsupported attribute {k!r} (supported: {', '.join(_ATTRS)})", e, name=k)
-    if e.lhs == [VOID] or e.rhs == [VOID]:
+    if e.lhs == (VOID,) or e.rhs == (VOID,):
         if e.attrs:
             raise AOASyntaxError("a statement with '_' takes no attributes", e, name=names[0])
-        if e.lhs == [VOID] and e.rhs == [VOID]:
+        if e.lhs == (VOID,) and e.rhs == (VOID,):
             raise AOASyntaxError("'_ -> _' means nothing", e)
-        return Primitive("create", [], e.rhs, e) if e.lhs == [VOID] else Primitive("delete", e.lhs, [], e)
+        return Primitive("create", (), e.rhs, e) if e.lhs == (VOID,) else Primitive("delete", e.lhs, (), e)
     for n in e.names():
         if n == VOID:
             raise AOASyntaxError("'_' must stand alone on its side of '->'", e, name=n)
@@ -218,7 +236,7 @@ def invert(prims: list[Primitive]) -> list[Primitive]:
                     inv[a] = i
             perm = tuple(inv) if sorted(perm) == list(range(len(perm))) else perm
         dtype, src = (p.src_dtype, p.dtype) if p.src_dtype else (None, None)
-        out.append(Primitive(kind, list(p.rhs), list(p.lhs), p.expr, p.axis, perm, dtype, src, inverted=True))
+        out.append(Primitive(kind, p.rhs, p.lhs, p.expr, p.axis, perm, dtype, src, inverted=True))
     return out
 
 
@@ -307,6 +325,12 @@ def fold_shard_counts(counts: Mapping[str, int] | None) -> dict[str, int]:
     return out
 
 
+def source_specs(metadata) -> dict[str, TensorSpec]:
+    """``{key: TensorSpec(global_shape, dtype)}`` of a :class:`~oarlock.checkpoint.CheckpointMetadata`: the
+    ``source`` argument of :func:`compile_aoa` for a checkpoint on disk."""
+    return {k: TensorSpec(tuple(t.global_shape), t.dtype) for k, t in metadata.tensors.items()}
+
+
 def shard_counts(metadata) -> dict[str, int]:
     """TP shard count of every key of a :class:`~oarlock.checkpoint.CheckpointMetadata`: the number of distinct
     global offsets among its primary shards (as Paddle derives it for ``fused_qkv_old``/``fused_ffn``)."""
@@ -345,9 +369,11 @@ class AOAProgram:
         self._cache: dict[str, list[SliceMapping]] = {}
 
     def destination_keys(self) -> list[str]:
+        """Destination keys this program fills (model keys, then their optimizer states where present)."""
         return list(self._entries)
 
     def destination_spec(self, key: str) -> TensorSpec:
+        """Global shape and dtype of destination ``key``; raises :class:`AOAError` for an unknown key."""
         return self._entry(key).spec
 
     def _entry(self, key: str) -> _Entry:
@@ -359,6 +385,7 @@ class AOAProgram:
                            + (f" ({why})" if why else "")) from None
 
     def mappings_for(self, key: str) -> list[SliceMapping]:
+        """Slice mappings tiling destination ``key`` (computed on first request, then cached)."""
         got = self._cache.get(key)
         if got is not None:
             return got
@@ -452,6 +479,12 @@ class _Executor:
             self.fresh[name] = None
 
     def run(self, p: Primitive) -> None:
+        if p.kind == "rename" and p.axis is None:  # the most common statement: a fast path
+            b = self.env.get(p.lhs[0], _MISSING)
+            d = b if isinstance(b, TensorDesc) else self.get(p.lhs[0], p)
+            self.fresh.pop(p.lhs[0], None)
+            self.bind(p.rhs[0], d)
+            return
         e = p.expr
         if p.kind == "create":
             for r in p.rhs:
@@ -552,14 +585,50 @@ def compile_aoa(aoa_config: object, source: Mapping[str, TensorSpec],
         pattern, indivisible split, concat dtype/shape mismatch, destination shape or dtype mismatch, ...), all
         naming the statement, column and macro expansion chain.
     """
+    # Compilation allocates ~10 small acyclic objects per key; the cyclic GC would rescan them all again and
+    # again (a third of the time on 50,000 keys), so it is paused while compiling. One young-generation pass at
+    # the end moves the program's objects out of the young generations at once; otherwise the first calls of
+    # mappings_for() would pay for that, several times over.
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _compile(aoa_config, source, destination, source_shards, destination_shards, allow_cast)
+    finally:
+        if enabled:
+            gc.enable()
+            gc.collect(1)
+
+
+def _canonical_specs(specs: Mapping[str, TensorSpec], what: str) -> dict[str, TensorSpec]:
+    """Specs with canonical dtype names (``"float32"``, not ``"F32"`` or ``"torch.float32"``)."""
+    names: dict[str, str] = {}
+    out = {}
+    for k, sp in specs.items():
+        dt = names.get(sp.dtype)
+        if dt is None:
+            try:
+                dt = names[sp.dtype] = dtype_name(sp.dtype)
+            except ValueError as e:
+                raise AOAError(f"{what} key {k!r}: {e}") from None
+        out[k] = sp if dt == sp.dtype else TensorSpec(tuple(sp.shape), dt)
+    return out
+
+
+def _compile(aoa_config: object, source: Mapping[str, TensorSpec], destination: Mapping[str, TensorSpec] | None,
+             source_shards: Mapping[str, int] | None, destination_shards: Mapping[str, int] | None,
+             allow_cast: bool) -> AOAProgram:
     _, reverse = normalize_config(aoa_config)
+    source = _canonical_specs(source, "source")
+    if destination is not None:
+        destination = _canonical_specs(destination, "destination")
     model_src, states = fold_optimizer_keys(source)
     dst_model = None
     if destination is not None:
         dst_model = [split_optimizer_suffix(k)[0] for k in destination]
     exprs = expand_statements(aoa_config, list(source), dst_model, source_shards=source_shards,
                               destination_shards=destination_shards)
-    prims = [classify(e) for e in exprs]
+    memo: dict = {}
+    prims = [classify(e, memo) for e in exprs]
     if reverse:
         prims = invert(prims)
     prog = AOAProgram(source, reverse, prims)
@@ -601,7 +670,7 @@ def compile_aoa(aoa_config: object, source: Mapping[str, TensorSpec],
             else:
                 base, suf = split_optimizer_suffix(k)
                 wanted.append((k, base, suf) if suf else (k, k, ""))
-    used: set[str] = set()
+    reached: set[str] = set()
     for key, model_key, suf in wanted:
         d = resolve(model_key)
         if d is None:
@@ -633,7 +702,7 @@ def compile_aoa(aoa_config: object, source: Mapping[str, TensorSpec],
                                f"{srcs[0]!r} has shape {list(sspec.shape)}")
             prog._entries[key] = _Entry(d, suf, TensorSpec(tuple(spec.shape), spec.dtype),
                                         spec.dtype if spec.dtype != sspec.dtype else None)
-            used.add(model_key)
+            reached.update(r.src_key for r in d.refs)
             continue
         if suf:
             for r in d.refs:
@@ -661,7 +730,7 @@ def compile_aoa(aoa_config: object, source: Mapping[str, TensorSpec],
         else:
             dtype = state_dtype if suf else d.dtype
         prog._entries[key] = _Entry(d, suf, TensorSpec(tuple(d.shape), dtype), cast_all)
-        used.add(model_key)
-    reached = {r.src_key for k in used for r in (resolve(k).refs if isinstance(resolve(k), TensorDesc) else ())}
+        for r in d.refs:
+            reached.add(r.src_key)
     prog.unused_sources = [k for k in model_src if k not in reached and k not in ex.deleted]
     return prog

@@ -32,19 +32,24 @@ PLACEHOLDERS = ("LAYER_ID", "EXPERT_ID")
 _PLACEHOLDER = re.compile(r"\$(LAYER_ID|EXPERT_ID)(?![A-Za-z0-9_])")
 _OFFSET = "$LAYER_ID_OFFSET"
 _ARRAY = re.compile(r"^(.*)\[(-?\d+):(-?\d+)\]$")
+_DIGITS = re.compile(r"[#\d]+")  # digit runs (and '#' so that adjacent runs collapse into one '#')
+_ANY_PLACEHOLDER = re.compile(r"\$(?:LAYER_ID_OFFSET|LAYER_ID|EXPERT_ID)(?![A-Za-z0-9_])")
 
 # Suffixes of optimizer states saved next to a model key (Paddle names, then torch-style names used by oarlock).
 OPTIMIZER_SUFFIXES = (".moment1_0", ".moment2_0", ".w_0", ".velocity_0", ".beta1_pow_acc_0", ".beta2_pow_acc_0",
-                      ".exp_avg_sq", ".exp_avg", ".momentum_buffer", ".max_exp_avg_sq", ".step")
+                      ".exp_avg_sq", ".exp_avg", ".momentum_buffer", ".max_exp_avg_sq", ".master_weight", ".step")
 # States with their own small shape (step counters, beta powers) rather than the parameter's shape.
 SCALAR_SUFFIXES = (".beta1_pow_acc_0", ".beta2_pow_acc_0", ".step")
 
 
+_SUFFIX_SET = frozenset(OPTIMIZER_SUFFIXES)  # each suffix is one dotted component: an O(1) lookup of the tail
+
+
 def split_optimizer_suffix(key: str) -> tuple[str, str]:
     """``("model.w", ".moment1_0")`` for ``"model.w.moment1_0"``; ``(key, "")`` for a model key."""
-    for s in OPTIMIZER_SUFFIXES:
-        if key.endswith(s) and len(key) > len(s):
-            return key[:-len(s)], s
+    i = key.rfind(".")
+    if i > 0 and key[i:] in _SUFFIX_SET:
+        return key[:i], key[i:]
     return key, ""
 
 
@@ -56,6 +61,18 @@ class KeySet:
         self.keys = list(dict.fromkeys(keys))
         self._sorted = sorted(self.keys)
         self._set = set(self.keys)
+        self._by_signature: dict[str, list[str]] | None = None
+
+    def with_signature(self, signature: str) -> list[str]:
+        """Keys whose digit runs replaced by ``#`` equal ``signature`` (index built on first use): a template
+        such as ``layers.$LAYER_ID.experts.$EXPERT_ID.w`` is only matched against keys of its own form."""
+        if self._by_signature is None:
+            idx: dict[str, list[str]] = {}
+            sub = _DIGITS.sub
+            for k in self._sorted:
+                idx.setdefault(sub("#", k), []).append(k)
+            self._by_signature = idx
+        return self._by_signature.get(signature, [])
 
     def __contains__(self, key: str) -> bool:
         return key in self._set
@@ -94,11 +111,27 @@ class MacroContext:
     def right(self) -> KeySet | None:
         return self.source if self.reverse else self.destination
 
+    exprs: list[Expr] = field(default_factory=list)
+
+    def _edges(self) -> None:
+        if self.exprs:  # built on first use only: most configs never need it
+            for e in self.exprs:
+                for a in e.lhs:
+                    a = _strip_t(a)
+                    for b in e.rhs:
+                        if a != VOID and b != VOID:
+                            self.fwd.setdefault(a, []).append(b)
+                            self.bwd.setdefault(b, []).append(a)
+            self.exprs = []
+
     def shard_count(self, name: str, side: str, expr: Expr) -> int:
         """TP shard count of ``name`` used ``side`` ("left"/"right") of ``->``; a temporary name is followed
         through the recorded statements (backwards for the left side, forwards for the right) to a real key."""
         counts = (self.destination_shards if self.reverse else self.source_shards) if side == "left" else \
             (self.source_shards if self.reverse else self.destination_shards)
+        if not counts:
+            return 1
+        self._edges()
         edges = self.bwd if side == "left" else self.fwd
         seen = [name]
         cur = name
@@ -139,10 +172,15 @@ def _template_regex(name: str, placeholders: Sequence[str]) -> tuple[str, re.Pat
     return parts[0], re.compile("".join(pat))
 
 
+def _signature(template: str) -> str:
+    return _DIGITS.sub("#", _ANY_PLACEHOLDER.sub("#", template))  # 'w1$LAYER_ID' -> 'w#', like the key 'w15' 
+
+
 def _match_ids(template: str, keys: KeySet, placeholders: Sequence[str]) -> list[tuple[int, ...]]:
-    prefix, rx = _template_regex(_strip_t(template), placeholders)
+    template = _strip_t(template)
+    prefix, rx = _template_regex(template, placeholders)
     found = set()
-    for k in keys.with_prefix(prefix):
+    for k in keys.with_signature(_signature(template)):
         m = rx.fullmatch(k)
         if m is not None:
             found.add(tuple(int(m.group(p)) for p in placeholders))
@@ -165,7 +203,7 @@ def macro_layer_id_offset(exprs: list[Expr], ctx: MacroContext) -> list[Expr]:
         if template is None:
             raise AOASyntaxError("$LAYER_ID_OFFSET must appear in a source name", e)
         prefix, rx = _template_regex(_strip_t(template), ["LAYER_ID_OFFSET"])
-        ids = sorted({int(m.group("LAYER_ID_OFFSET")) for k in ctx.source.with_prefix(prefix)
+        ids = sorted({int(m.group("LAYER_ID_OFFSET")) for k in ctx.source.with_signature(_signature(_strip_t(template)))
                       if (m := rx.fullmatch(k)) is not None})
         if not ids:
             raise _zero_match("$LAYER_ID_OFFSET pattern", _strip_t(template), ctx.source, "source", e)
@@ -277,20 +315,16 @@ def macro_star(exprs: list[Expr], ctx: MacroContext) -> list[Expr]:
 
 
 def macro_record_chain(exprs: list[Expr], ctx: MacroContext) -> list[Expr]:
-    """Record name edges (``^T`` stripped) so fused macros can resolve shard counts of temporaries."""
-    for e in exprs:
-        for a in e.lhs:
-            a = _strip_t(a)
-            for b in e.rhs:
-                if a != VOID and b != VOID:
-                    ctx.fwd.setdefault(a, []).append(b)
-                    ctx.bwd.setdefault(b, []).append(a)
+    """Record the statements whose name edges (``^T`` stripped) let fused macros resolve the shard counts of
+    temporaries; the edge index is built lazily, on the first lookup that needs it."""
+    ctx.exprs = list(exprs)
     return exprs
 
 
 def macro_transpose(exprs: list[Expr], ctx: MacroContext) -> list[Expr]:
     """``X^T`` (left only) -> ``X -> X_transpose_tmp, permute='[]'`` and ``X_transpose_tmp`` in its place."""
     out = []
+    t_attrs = [("permute", "[]")]
     for e in exprs:
         for n in e.rhs:
             if "^" in n:
@@ -308,7 +342,7 @@ def macro_transpose(exprs: list[Expr], ctx: MacroContext) -> list[Expr]:
             if n.endswith("^T"):
                 x = n[:-2]
                 if x not in done:
-                    out.append(e.derive("transpose ^T", [x], [f"{x}_transpose_tmp"], [("permute", "[]")]))
+                    out.append(e.derive("transpose ^T", [x], [f"{x}_transpose_tmp"], t_attrs))
                     done.add(x)
                 lhs.append(f"{x}_transpose_tmp")
             else:

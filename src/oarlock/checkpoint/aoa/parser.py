@@ -17,7 +17,7 @@ A NEWLINE between statements is optional after an attribute value (Paddle's gree
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from oarlock.checkpoint.aoa.errors import AOASyntaxError
 from oarlock.checkpoint.aoa.lexer import Token, tokenize
@@ -47,12 +47,14 @@ class Expr:
 
     __slots__ = ("lhs", "rhs", "attrs", "keyword", "source", "parent", "stage")
 
-    def __init__(self, lhs: list[str], rhs: list[str], attrs: list[tuple[str, object]], keyword: str | None,
-                 source: Source, parent: "Expr | None" = None, stage: str = "statement"):
-        self.lhs, self.rhs, self.attrs, self.keyword = lhs, rhs, attrs, keyword
+    def __init__(self, lhs: Sequence[str], rhs: Sequence[str], attrs: Sequence[tuple[str, object]],
+                 keyword: str | None, source: Source, parent: "Expr | None" = None, stage: str = "statement"):
+        # tuples of strings: immutable, and untracked by the cyclic GC (a config can expand to 100,000 of these)
+        self.lhs, self.rhs, self.attrs, self.keyword = tuple(lhs), tuple(rhs), tuple(attrs), keyword
         self.source, self.parent, self.stage = source, parent, stage
 
-    def derive(self, stage: str, lhs: list[str], rhs: list[str], attrs: list[tuple[str, object]] | None = None,
+    def derive(self, stage: str, lhs: Sequence[str], rhs: Sequence[str],
+               attrs: Sequence[tuple[str, object]] | None = None,
                keyword: str | None = None) -> "Expr":
         """A new expression expanded from this one by macro ``stage``."""
         return Expr(lhs, rhs, self.attrs if attrs is None else attrs, keyword, self.source, self, stage)
