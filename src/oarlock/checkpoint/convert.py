@@ -299,24 +299,28 @@ def plan_conversion(source: str | os.PathLike, *, to: str = "oarlock", aoa_confi
                 spec = program.destination_spec(k)
                 plan.keys.append(KeyPlan(k, tuple(spec.shape), spec.dtype,
                                          numel(spec.shape) * dtype_itemsize(spec.dtype), axes[k], stages[k]))
+            per_file: dict[str, list] = {}
             for t in tensors.values():
                 for s in t.shards:
-                    keys, n = plan.files.get(s.file, ([], 0))
-                    plan.files[s.file] = (keys + [t.key], n + numel(s.local_shape) * dtype_itemsize(t.dtype))
+                    entry = per_file.setdefault(s.file, [[], 0])
+                    entry[0].append(t.key)
+                    entry[1] += numel(s.local_shape) * dtype_itemsize(t.dtype)
+            plan.files = {f: (keys, n) for f, (keys, n) in per_file.items()}
         else:
             program = compile_program(meta, aoa_config)
             limit = parse_size(max_shard_size)
-            shards: list[tuple[list[str], int]] = []
+            shards: list[list] = []  # [keys, bytes] per output file, packed greedily like save_hf_checkpoint
             for k in program.destination_keys():
                 spec = program.destination_spec(k)
                 n = numel(spec.shape) * dtype_itemsize(spec.dtype)
                 plan.keys.append(KeyPlan(k, tuple(spec.shape), spec.dtype, n))
                 if not shards or (shards[-1][0] and shards[-1][1] + n > limit):
-                    shards.append(([], 0))
-                shards[-1] = (shards[-1][0] + [k], shards[-1][1] + n)
+                    shards.append([[], 0])
+                shards[-1][0].append(k)
+                shards[-1][1] += n
             names = (["model.safetensors"] if len(shards) == 1 else
                      [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-            plan.files = dict(zip(names, shards))
+            plan.files = {name: (keys, n) for name, (keys, n) in zip(names, shards)}
     return plan
 
 
