@@ -74,24 +74,6 @@ def test_partial_and_flattened_targets_read_only_their_bytes(tmp_path):
     assert torch.equal(flat.local_tensor, full.reshape(-1)[13:1013])
 
 
-def test_every_read_path_of_the_byte_range_reader(tmp_path):
-    """Contiguous, strided with short runs (whole rows read and sliced), strided with long runs or a big
-    over-read (one pread per run), into contiguous and non-contiguous targets; against torch slicing."""
-    g = torch.Generator().manual_seed(5)
-    full = {"m": torch.randn(512, 16, generator=g), "c": torch.randn(4, 256, 512, generator=g)}
-    save_state_dict(full, tmp_path / "ck")
-    cases = [("m", (100, 16), (7, 0), None), ("m", (60, 4), (3, 9), None), ("m", (50, 1), (10, 6), None),
-             ("m", (40, 2), (0, 1), "transposed"), ("c", (4, 128, 512), (0, 64, 0), None),
-             ("c", (2, 3, 5), (1, 7, 100), "transposed")]
-    for key, shape, off, layout in cases:
-        local = torch.zeros(shape[::-1]).permute(*range(len(shape) - 1, -1, -1)) if layout else torch.zeros(shape)
-        assert local.is_contiguous() == (layout is None)
-        sw = ShardedWeight(key, local, shape, tuple(full[key].shape), off)
-        load_state_dict({key: sw}, tmp_path / "ck", strict=False)
-        assert torch.equal(sw.local_tensor, full[key][tuple(slice(o, o + n) for o, n in zip(off, shape))]), (key, off)
-    assert len({sw.desc, sw.desc}) == 1  # the descriptor is hashable and compares by value
-
-
 def test_module_round_trip(tmp_path):
     torch.manual_seed(0)
     a, b = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3)), \
@@ -187,7 +169,7 @@ def test_aoa_config_goes_to_compile_aoa(tmp_path, monkeypatch):
 
     def compile_aoa(config, source, destination, *, source_shards, destination_shards):
         calls.append((config, source, destination))
-        assert source_shards == {"w": 1} and destination_shards == {"a": 1, "b": 1}
+        assert source_shards == {"w": 1} and destination_shards == {"a": 1, "b": 1}  # TP shard counts
         return TransposeSplit()
 
     fake.compile_aoa = compile_aoa
@@ -318,3 +300,12 @@ def test_killed_save_does_not_load_and_spares_the_parent(tmp_path):
     got = zeros_like_sd(sample())
     load_state_dict(got, tmp_path / "step1")
     assert torch.equal(got["model"]["e"], sample(0)["model"]["e"])
+
+
+def test_aoa_deleted_source_is_not_unexpected(tmp_path):
+    save_state_dict({"w": torch.arange(6.0).view(2, 3), "junk": torch.ones(2)}, tmp_path / "ck")
+    w = torch.zeros(3, 2)
+    report = load_state_dict({"wt": w}, tmp_path / "ck", aoa_config=["w^T -> wt", "junk -> _"], strict=True)
+    assert torch.equal(w, torch.arange(6.0).view(2, 3).T) and report.unexpected_keys == []
+    with pytest.raises(CheckpointMismatchError, match="junk"):
+        load_state_dict({"wt": torch.zeros(3, 2)}, tmp_path / "ck", aoa_config=["w^T -> wt"], strict=True)

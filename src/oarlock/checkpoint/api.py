@@ -284,13 +284,14 @@ def _write_and_commit(plan: _SavePlan, local: dict[str, torch.Tensor], process_g
     try:
         tmp.mkdir(parents=True, exist_ok=True)
         (tmp / INCOMPLETE_MARKER).touch()  # before any data file: a partial directory must never load
-        keys = {i[0] for i in plan.writes.get(rank, [])}
-        if keys:  # in state-dict order, which is the order loads usually read in
-            shards = [sw for sw in plan.leaves.shards if sw.key in keys]
+        ids = {(i[0], i[1]) for i in plan.writes.get(rank, [])}
+        if ids:
             from oarlock.checkpoint.comm import shard_header
 
-            write_safetensors(tmp / _data_file(rank), {sw.key: local[sw.key] for sw in shards},
-                              metadata=shard_header(shards, plan.world))
+            mine = {sw.key: sw for sw in plan.leaves.shards}
+            keys = [k for k, _ in sorted(ids)]
+            write_safetensors(tmp / _data_file(rank), {k: local[k] for k in keys},
+                              metadata=shard_header([mine[k] for k in keys], plan.world))
     except Exception as e:
         err = _err(e)
     errs = _all_gather_objects(err, process_group)
@@ -336,8 +337,9 @@ def _commit(tmp: Path, path: Path, gathered: list[dict], tensors: dict[str, Tens
 
 # ---------------------------------------------------------------- load
 
-def _compile_aoa(aoa_config: Any, meta: CheckpointMetadata, destination: dict[str, TensorSpec], *,
-                 destination_shards: dict[str, int] | None = None) -> MappingProgram:
+def _compile_aoa(aoa_config: Any, source: dict[str, TensorSpec], destination: dict[str, TensorSpec],
+                 meta: CheckpointMetadata | None = None, destination_shards: dict[str, int] | None = None
+                 ) -> MappingProgram:
     try:
         from oarlock.checkpoint.aoa import compile_aoa, shard_counts
     except ImportError as e:
@@ -345,8 +347,8 @@ def _compile_aoa(aoa_config: Any, meta: CheckpointMetadata, destination: dict[st
             raise
         raise CheckpointError("aoa_config was given but the AOA engine (oarlock.checkpoint.aoa) is not available "
                               "in this installation; load without aoa_config or install an oarlock with AOA") from None
-    # Shard counts feed the TP-blocked macros (fused_ffn, fused_qkv_old), whose layouts depend on the degree.
-    return compile_aoa(aoa_config, source_specs(meta), destination, source_shards=shard_counts(meta),
+    # TP shard counts (distinct global offsets) on both sides: fused_ffn / fused_qkv_old layouts depend on them
+    return compile_aoa(aoa_config, source, destination, source_shards=shard_counts(meta) if meta is not None else None,
                        destination_shards=destination_shards)
 
 
@@ -405,7 +407,8 @@ def load_state_dict(state_dict: Mapping[str, Any], path: str | os.PathLike, *, p
     except Exception as e:
         err = _err(e)
     wanted = {"err": err, "tensors": {d.key: (d.global_shape, d.dtype) for d in descs},
-              "offsets": {d.key: d.global_offset for d in descs}, "objects": sorted(leaves.objects)}
+              "offsets": {d.key: d.global_offset for d in descs if d.numel} if aoa_config is not None else {},
+              "objects": sorted(leaves.objects)}
     gathered = _all_gather_objects(wanted, process_group)
     _raise_gathered([g["err"] for g in gathered], rank)
 
@@ -422,11 +425,12 @@ def load_state_dict(state_dict: Mapping[str, Any], path: str | os.PathLike, *, p
             for k, (shape, dt) in g["tensors"].items():
                 dest_all.setdefault(k, TensorSpec(tuple(shape), dt))
         if aoa_config is not None:
-            dest_offsets: dict[str, set] = {}
+            offsets: dict[str, set] = {}
             for g in gathered:
                 for k, off in g["offsets"].items():
-                    dest_offsets.setdefault(k, set()).add(tuple(off))
-            program = _compile_aoa(aoa_config, meta, dest_all, destination_shards={k: len(v) for k, v in dest_offsets.items()})
+                    offsets.setdefault(k, set()).add(tuple(off))
+            program = _compile_aoa(aoa_config, source_specs(meta), dest_all, meta,
+                                   {k: len(v) for k, v in offsets.items()})
         planner = Planner(meta, program)
         for d in descs:
             if d.key in meta.objects and d.key not in meta.tensors and aoa_config is None and program is None:
@@ -471,8 +475,10 @@ def load_state_dict(state_dict: Mapping[str, Any], path: str | os.PathLike, *, p
 
     report = LoadReport(all_missing, unexpected)
     with reader, torch.no_grad():
-        work = [(it, sw.local_tensor) for sw, items in zip(leaves.shards, plans) for it in items]
-        st = comm.execute(reader, work, comm_method=comm_method, view=view, group=process_group, direct=_execute)
+        work = [(it, sw.local_tensor) for sw, items in zip(leaves.shards, plans)
+                for it in sorted(items, key=lambda it: (it.file, it.name, it.src_flat_start, it.src_box))]
+        st = comm.execute(reader, work, comm_method=comm_method, view=view, group=process_group,
+                          direct=_execute_work)
         report.bytes_read, report.comm_method, report.files_read = st.bytes_read, st.method, st.files_read
         report.bytes_sent, report.bytes_received, report.messages_sent = st.bytes_sent, st.bytes_received, st.messages_sent
         for k, value in ((k, reader.metadata.objects[k]) for k in leaves.objects if k in reader.metadata.objects):
@@ -494,13 +500,16 @@ def _set_path(root: Any, path: tuple, value: Any) -> None:
     node[path[-1]] = value
 
 
-def _execute(reader: CheckpointReader, work: list[tuple[ReadItem, torch.Tensor]]) -> int:
-    """Run read items, each into its target tensor; returns the bytes read."""
-    # file order, then position in the file: sequential reads keep the kernel's read-ahead useful
-    work = sorted(work, key=lambda w: (w[0].file, reader.data_offset(w[0].file, w[0].name), w[0].src_flat_start,
-                                       w[0].src_box))
+def _execute_work(reader: CheckpointReader, work: list[tuple[ReadItem, torch.Tensor]]) -> int:
+    """Run ``(read item, target)`` pairs in the given order; returns the bytes read."""
+    return sum(_execute(reader, target, [it]) for it, target in work)
+
+
+def _execute(reader: CheckpointReader, target: torch.Tensor, items: list[ReadItem]) -> int:
+    """Run one target's read items; returns the bytes read."""
     nbytes = 0
-    for it, target in work:
+    items = sorted(items, key=lambda it: (it.file, it.name, it.src_flat_start, it.src_box))
+    for it in items:
         if it.dst_flat_start or target.dim() != len(it.dst_shape):
             view = target.reshape(-1)[it.dst_flat_start:it.dst_flat_start + numel(it.dst_shape)].view(it.dst_shape)
         else:

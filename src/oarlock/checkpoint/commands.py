@@ -1,4 +1,4 @@
-"""``oarlock inspect`` and ``oarlock aoa explain`` (later ``convert``): checkpoint subcommands of the CLI."""
+"""``oarlock inspect``, ``oarlock aoa explain`` and ``oarlock convert``: checkpoint subcommands of the CLI."""
 
 from __future__ import annotations
 
@@ -120,6 +120,44 @@ def cmd_aoa_explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    from oarlock.checkpoint.convert import (ParallelLayout, convert_checkpoint, export_hf, plan_conversion,
+                                            resolve_tp_rules)
+    from oarlock.checkpoint.storage import detect_format
+
+    config = None
+    if args.aoa:
+        config = read_aoa_config(args.aoa)
+        if args.reverse:
+            config = {"aoa_statements": config} if isinstance(config, list) else dict(config)
+            config["aoa_config_reverse"] = True
+    elif args.reverse:
+        print("oarlock: error: --reverse needs --aoa CONFIG", file=sys.stderr)
+        return 2
+    to = args.to or ("hf" if detect_format(args.src) in ("oarlock", "paddle") else "oarlock")
+    parallel = (args.tp, args.pp, args.dp) != (1, 1, 1)
+    if to == "hf" and (parallel or args.tp_rules):
+        print("oarlock: error: --tp/--pp/--dp/--tp-rules apply to --to oarlock; an HF export holds whole tensors",
+              file=sys.stderr)
+        return 2
+    layout = ParallelLayout(args.tp, args.pp, args.dp, tuple(resolve_tp_rules(args.tp_rules)))
+    if args.dry_run:
+        print(plan_conversion(args.src, to=to, aoa_config=config, layout=layout,
+                              max_shard_size=args.max_shard_size).render())
+        return 0
+    if to == "hf":
+        out = export_hf(args.src, args.dst, aoa_config=config, max_shard_size=args.max_shard_size,
+                        copy_side_files=not args.no_side_files)
+        files = sorted(p.name for p in out.iterdir() if p.suffix == ".safetensors")
+        print(f"{args.dst}: HuggingFace checkpoint, {len(files)} safetensors file(s)")
+    else:
+        meta = convert_checkpoint(args.src, args.dst, aoa_config=config, tp=args.tp, pp=args.pp, dp=args.dp,
+                                  tp_rules=args.tp_rules, copy_side_files=not args.no_side_files)
+        print(f"{args.dst}: oarlock checkpoint, {len(meta.tensors)} tensors in {len(meta.files)} file(s) "
+              f"(tp={args.tp} pp={args.pp} dp={args.dp})")
+    return 0
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("inspect", help="list the tensors of a checkpoint (safetensors file, HF, oarlock or "
                                        "Paddle directory)",
@@ -151,3 +189,35 @@ def register(sub: argparse._SubParsersAction) -> None:
     ex.add_argument("--allow-cast", action="store_true",
                     help="cast to the --target dtype where no AOA cast does (default: report a dtype mismatch)")
     ex.set_defaults(func=cmd_aoa_explain)
+
+    cv = sub.add_parser("convert", help="convert a checkpoint: HF <-> oarlock (TP/PP-sharded), Paddle -> either, "
+                                        "optionally through an AOA config",
+                        description="Read SRC (oarlock, HuggingFace, Paddle FlexCheckpoint or .safetensors), apply "
+                                    "an optional AOA config, and write DST as a HuggingFace directory "
+                                    "(model-0000i-of-0000N.safetensors + index) or as an oarlock checkpoint sharded "
+                                    "the way a tp*dp*pp job saves it. Every output tensor or shard is read straight "
+                                    "from the source bytes it needs and written before the next: memory holds one "
+                                    "shard. SRC is never modified; DST appears only when complete.")
+    cv.add_argument("src", metavar="SRC", help="source checkpoint (file or directory)")
+    cv.add_argument("dst", metavar="DST", help="output directory")
+    cv.add_argument("--to", choices=("hf", "oarlock"),
+                    help="output format (default: hf for oarlock/Paddle sources, oarlock for HF/safetensors ones)")
+    cv.add_argument("--aoa", metavar="CONFIG", help="AOA config: text (one statement per line) or JSON "
+                                                    "{\"aoa_statements\": [...], \"aoa_config_reverse\": bool}")
+    cv.add_argument("--reverse", action="store_true", help="invert the AOA statements (export model -> HF)")
+    cv.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel degree of the output (oarlock)")
+    cv.add_argument("--pp", type=int, default=1, metavar="N", help="pipeline stages of the output (oarlock): "
+                                                                   "contiguous blocks of layers")
+    cv.add_argument("--dp", type=int, default=1, metavar="N", help="data-parallel replicas (spreads the writes)")
+    cv.add_argument("--tp-rules", metavar="NAME|FILE.json",
+                    help="which axis each key is split on: 'megatron' (default; torch [out, in] Linear weights: "
+                         "q/k/v/qkv/gate/up/intermediate and their biases on axis 0, o/down/output on axis 1, "
+                         "embeddings and lm_head on axis 0), 'paddle' (Paddle [in, out] weights), 'none', or a JSON "
+                         "file {glob: axis or null} (first match wins; no match = replicated)")
+    cv.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                    help="largest HF output file, e.g. 5GB, 500MiB or bytes (default 5GB)")
+    cv.add_argument("--no-side-files", action="store_true",
+                    help="do not copy config.json, tokenizer and other side files from SRC")
+    cv.add_argument("--dry-run", action="store_true",
+                    help="print the plan (keys, shapes, dtypes, bytes, split axes, files) and write nothing")
+    cv.set_defaults(func=cmd_convert)

@@ -15,7 +15,7 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import torch
 from safetensors.torch import save_file
@@ -64,7 +64,8 @@ def commit_directory(tmp: Path, final: Path) -> None:
 
 def save_hf_checkpoint(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str | Path, *,
                        max_shard_size: int | str = "5GB", total: int | None = None,
-                       show_progress: bool | None = None) -> Path:
+                       show_progress: bool | None = None,
+                       extra_files: Mapping[str, str | os.PathLike] | None = None) -> Path:
     """Stream ``(key, full_tensor)`` pairs into a HuggingFace safetensors directory.
 
     Args:
@@ -73,6 +74,8 @@ def save_hf_checkpoint(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str
         max_shard_size: bytes per shard file (int or ``"5GB"``-style string); a tensor larger than this gets a
             shard of its own.
         total: number of tensors, for the progress bar only.
+        extra_files: ``{name: path}`` of side files (``config.json``, tokenizer files) copied into the directory
+            before it is published.
 
     Returns the directory. Raises :class:`CheckpointError` for a key seen twice (nothing is published).
     """
@@ -85,6 +88,7 @@ def save_hf_checkpoint(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str
         shards: list[list[str]] = []
         pending: dict[str, torch.Tensor] = {}
         pending_bytes = 0
+        pending_ptrs: set[int] = set()  # storages already held by `pending`
         total_size = 0
         seen: set[str] = set()
 
@@ -94,6 +98,7 @@ def save_hf_checkpoint(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str
                 save_file(pending, tmp / f"shard-{len(shards):05d}.safetensors", metadata={"format": "pt"})
                 shards.append(list(pending))
                 pending, pending_bytes = {}, 0
+                pending_ptrs.clear()
 
         for key, t in progress(tensors, desc="export", total=total, disable=show_progress is False or None):
             if key in seen:
@@ -102,8 +107,14 @@ def save_hf_checkpoint(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str
             nbytes = t.numel() * t.element_size()
             if pending and pending_bytes + nbytes > limit:
                 flush()
-            # clone: safetensors refuses tensors sharing storage (tied weights, views of fused buffers)
-            pending[key] = t.detach().to("cpu", copy=True).contiguous()
+            t = t.detach()
+            storage = t.untyped_storage() if t.device.type == "cpu" else None
+            if (storage is None or not t.is_contiguous() or t.storage_offset() or storage.nbytes() != nbytes
+                    or storage.data_ptr() in pending_ptrs):
+                # copy: safetensors refuses tensors sharing storage (tied weights, views of fused buffers)
+                t = t.to("cpu", copy=True).contiguous()
+            pending_ptrs.add(t.untyped_storage().data_ptr())
+            pending[key] = t
             pending_bytes += nbytes
             total_size += nbytes
         flush()
@@ -119,6 +130,10 @@ def save_hf_checkpoint(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str
                 weight_map.update({k: name for k in keys})
             (tmp / HF_INDEX).write_text(json.dumps({"metadata": {"total_size": total_size},
                                                     "weight_map": weight_map}, indent=2))
+        for name, src in (extra_files or {}).items():
+            if name in (HF_INDEX, "model.safetensors") or name.startswith("model-"):
+                raise CheckpointError(f"extra file {name!r} would overwrite a checkpoint file of the export")
+            shutil.copyfile(src, tmp / name)
         commit_directory(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

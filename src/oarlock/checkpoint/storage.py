@@ -49,6 +49,34 @@ def _safe_open(path: Path):
         raise CheckpointFormatError(f"{path}: invalid safetensors file: {msg}") from None
 
 
+def _check_dtype_codes(path: Path) -> None:
+    """Name the tensor when a header holds a dtype code oarlock does not know (the safetensors library's own
+    message names neither the tensor nor the code). Malformed headers are left to the library's checks."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return
+            (n,) = struct.unpack("<Q", head)
+            if n > 100 * 1024 * 1024:
+                return
+            header = json.loads(f.read(n))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return
+    if not isinstance(header, dict):
+        return
+    for name, e in header.items():
+        if name == "__metadata__" or not isinstance(e, dict):
+            continue
+        code = e.get("dtype")
+        try:
+            dtype_name(str(code))
+        except ValueError:
+            raise CheckpointFormatError(f"{path}: tensor {name!r} has dtype {code!r}, which oarlock does not "
+                                        "support (safetensors codes: F64 F32 F16 BF16 F8_E4M3 F8_E5M2 I64 I32 I16 "
+                                        "I8 U64 U32 U16 U8 BOOL C64)") from None
+
+
 def safetensors_header(path: str | Path) -> dict[str, tuple[tuple[int, ...], str]]:
     """Validated header of one safetensors file: ``{tensor name: (shape, dtype name)}`` in file order.
 
@@ -57,6 +85,7 @@ def safetensors_header(path: str | Path) -> dict[str, tuple[tuple[int, ...], str
             file, or a dtype oarlock does not know (naming the file and the tensor).
     """
     path = Path(path)
+    _check_dtype_codes(path)
     out: dict[str, tuple[tuple[int, ...], str]] = {}
     with _safe_open(path) as f:
         for name in f.keys():
@@ -195,6 +224,27 @@ class CheckpointReader:
             return t
         out.copy_(t)
         return out
+
+    def byte_run(self, key: str, file: str, name: str, flat_start: int, shape: tuple[int, ...],
+                 box: tuple[tuple[int, int], ...]) -> tuple[int, int, int] | None:
+        """``(fd, offset, nbytes)`` when ``array[box]`` (arguments as for :meth:`read_box`) is one contiguous byte
+        run of a safetensors file, for zero-copy transfers (``os.copy_file_range``); None otherwise (Paddle
+        pickles, strided boxes, a stored dtype other than the metadata's)."""
+        if file.endswith(".distcp"):
+            return None
+        run = contiguous_run(shape, box)
+        if run is None:
+            return None
+        f = self._st_files.get(file)
+        if f is None:
+            f = self._st_files[file] = SafetensorsFile(self.path_of(file))
+            self.files_opened.append(file)
+        e = f.entries.get(name)
+        dtype = self.metadata.tensors[key].dtype
+        if e is None or e[0] != dtype or flat_start + np_prod(shape) > np_prod(e[1]):
+            return None
+        isz = torch_dtype(dtype).itemsize
+        return f.fd, f.data_start + e[2] + (flat_start + run[0]) * isz, run[1] * isz
 
     def path_of(self, file: str) -> Path:
         return self.root / file if self.root.is_dir() else self.root
@@ -510,6 +560,20 @@ class SafetensorsFile:
             pos += run_bytes
         if not direct:
             out.copy_(dst)
+
+
+def contiguous_run(shape: tuple[int, ...], box: tuple[tuple[int, int], ...]) -> tuple[int, int] | None:
+    """``(first element, element count)`` when ``box`` of a C-contiguous array of ``shape`` is one contiguous run
+    (leading dims of extent 1, one partial dim, then full dims), else None."""
+    nd = len(shape)
+    k = nd - 1
+    while k > 0 and tuple(box[k]) == (0, shape[k]):
+        k -= 1
+    if nd and any(b - a != 1 for a, b in box[:k]):
+        return None
+    strides = [np_prod(shape[d + 1:]) for d in range(nd)]
+    start = sum(box[d][0] * strides[d] for d in range(nd))
+    return start, np_prod(b - a for a, b in box)
 
 
 def np_prod(xs) -> int:

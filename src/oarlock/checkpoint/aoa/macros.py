@@ -37,7 +37,7 @@ _ANY_PLACEHOLDER = re.compile(r"\$(?:LAYER_ID_OFFSET|LAYER_ID|EXPERT_ID)(?![A-Za
 
 # Suffixes of optimizer states saved next to a model key (Paddle names, then torch-style names used by oarlock).
 OPTIMIZER_SUFFIXES = (".moment1_0", ".moment2_0", ".w_0", ".velocity_0", ".beta1_pow_acc_0", ".beta2_pow_acc_0",
-                      ".exp_avg_sq", ".exp_avg", ".momentum_buffer", ".max_exp_avg_sq", ".step")
+                      ".exp_avg_sq", ".exp_avg", ".momentum_buffer", ".max_exp_avg_sq", ".master_weight", ".step")
 # States with their own small shape (step counters, beta powers) rather than the parameter's shape.
 SCALAR_SUFFIXES = (".beta1_pow_acc_0", ".beta2_pow_acc_0", ".step")
 
