@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from oarlock.checkpoint import load_state_dict, open_checkpoint, save_state_dict
+from oarlock.checkpoint import CheckpointFormatError, load_state_dict, open_checkpoint, save_state_dict
 from oarlock.checkpoint.async_save import async_save
 
 warnings.filterwarnings("ignore")
@@ -171,6 +171,25 @@ def _run(rank: int, root: Path) -> None:
         # byte-balanced readers: every rank reads one quarter of the checkpoint here
         reads = [e["report"].bytes_read for e in every]
         assert max(reads) - min(reads) <= max(reads) // 2, reads
+
+    # ---- node-local with an AOA program: transposed and cast slices travel and are placed correctly
+    aoa = {"aoa_statements": ["w^T -> wt", "b -> b, dtype = 'float32'"]}
+    sd = {"step": 0, "wt": distribute_tensor(torch.zeros(48, 64), mesh4, [Shard(1)]), "b": torch.zeros(40),
+          "e": distribute_tensor(torch.zeros(30, 20, dtype=torch.int64), mesh4, [Shard(0)]), "s": torch.zeros(())}
+    rep = load_state_dict(sd, node, aoa_config=aoa, comm_method="grouped_send_recv")
+    assert rep.comm_method == "grouped_send_recv"
+    assert torch.equal(sd["wt"].full_tensor(), full("w").T) and torch.equal(sd["b"], full("b").float())
+    assert torch.equal(sd["e"].full_tensor(), full("e")) and torch.equal(sd["s"], full("s")) and sd["step"] == 3
+
+    # ---- a file that no rank can see: the same clear error on every rank
+    if rank == 0:
+        link_view(shared, root / "partial", files[:3] + ["metadata.json"])
+    dist.barrier()
+    try:
+        load_state_dict(build(dst, zeros=True), root / "partial")
+        raise AssertionError("missing file not reported")
+    except CheckpointFormatError as e:
+        assert "rank-00003.safetensors" in str(e) and "visible to no rank" in str(e), str(e)
 
     # ---- rank 3 sees no file at all (not even metadata) and loads its shards in the saved layout
     path = root / ("empty" if rank == 3 else "all_but_3")
