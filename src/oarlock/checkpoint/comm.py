@@ -213,8 +213,11 @@ def execute(reader: CheckpointReader, work: list[tuple[Any, torch.Tensor]], *, c
     mine: dict[tuple, list] = {}
     for it, target in work:
         mine.setdefault(_piece(it), []).append((it, target))
-    gathered = _all_gather_objects(sorted(mine), group)
-    visible = view.visible
+    # visibility of the data files themselves (stat, so files in subdirectories of the checkpoint count too)
+    seen = [f for f in reader.metadata.files if reader.path_of(f).is_file()]
+    both = _all_gather_objects((sorted(mine), seen), group)
+    gathered = [b[0] for b in both]
+    visible = {r: set(b[1]) for r, b in enumerate(both)}
     if comm_method == "auto":
         if all(p[0] in visible[r] for r, ps in enumerate(gathered) for p in ps):
             stats.bytes_read = direct(reader, work)
