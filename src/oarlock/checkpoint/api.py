@@ -9,8 +9,10 @@ it; rank 0 writes ``metadata.json`` last and renames the temporary directory to 
 Load: each rank reads the metadata itself, plans its reads with :mod:`oarlock.checkpoint.plan` (a pure
 function), and reads exactly the byte ranges its own shards need, straight into the target tensors when no
 permutation or cast is involved. Ranks exchange only small descriptions (two ``all_gather_object`` calls, so
-errors are raised on every rank alike); tensor data never crosses the network, which requires that every rank
-sees the checkpoint directory (a shared filesystem), as with torch.distributed.checkpoint.
+errors are raised on every rank alike); on a shared filesystem tensor data never crosses the network, as with
+torch.distributed.checkpoint. With node-local disks (a rank cannot see some file it needs) each file is read
+once and slices are shipped between ranks, and a same-layout restart reads only local files: see
+:mod:`oarlock.checkpoint.comm`. ``save_replicas`` and ``async_save``: see :func:`save_state_dict`.
 """
 
 from __future__ import annotations
