@@ -278,6 +278,11 @@ def _prepare_save(state_dict: Mapping[str, Any], path: str | os.PathLike, proces
     return _SavePlan(path, rank, world, tmp, gathered, tensors, writes, leaves)
 
 
+def _desc_tuple(sw: ShardedWeight) -> tuple:
+    d = sw.desc
+    return (d.global_offset, d.local_shape, d.global_shape, d.dtype, d.flattened_range)
+
+
 def _write_and_commit(plan: _SavePlan, local: dict[str, torch.Tensor], process_group: Any) -> None:
     """The data half of a save: write this rank's file from ``local`` (key -> tensor), then commit (rank 0).
     Collective over ``process_group`` (two small all-gathers of error reports)."""
@@ -293,7 +298,7 @@ def _write_and_commit(plan: _SavePlan, local: dict[str, torch.Tensor], process_g
             mine = {sw.key: sw for sw in plan.leaves.shards}
             keys = [k for k, _ in sorted(ids)]
             write_safetensors(tmp / _data_file(rank), {k: local[k] for k in keys},
-                              metadata=shard_header([mine[k] for k in keys], plan.world))
+                              metadata=shard_header([(k, *_desc_tuple(mine[k])) for k in keys], plan.world))
     except Exception as e:
         err = _err(e)
     errs = _all_gather_objects(err, process_group)

@@ -340,17 +340,22 @@ def _broadcast(remote, readers, consumers, mine, rank, group, stats, read, alloc
 
 # ---------------------------------------------------------------- warm restart
 
-def _shard_record(sw: ShardedWeight) -> list:
+def _shard_record(offset, local_shape, global_shape, dtype: str, flattened_range) -> list:
+    return [list(offset), list(local_shape), list(global_shape), dtype,
+            list(flattened_range) if flattened_range is not None else None]
+
+
+def _sw_record(sw: ShardedWeight) -> list:
     d = sw.desc
-    return [list(d.global_offset), list(d.local_shape), list(d.global_shape), d.dtype,
-            list(d.flattened_range) if d.flattened_range is not None else None]
+    return _shard_record(d.global_offset, d.local_shape, d.global_shape, d.dtype, d.flattened_range)
 
 
-def shard_header(shards: list[ShardedWeight], world: int) -> dict[str, str]:
-    """The safetensors ``__metadata__`` entries recording each written shard's box and the saving group's
-    size (read by :func:`try_warm_start`)."""
-    return {SHARDS_HEADER: json.dumps({sw.key: _shard_record(sw) for sw in shards}, separators=(",", ":")),
-            WORLD_HEADER: str(world)}
+def shard_header(shards: list[tuple], world: int) -> dict[str, str]:
+    """The safetensors ``__metadata__`` entries recording each shard a data file holds and the size of the group
+    that saved it (read by :func:`try_warm_start`). ``shards``: ``(key, global_offset, local_shape, global_shape,
+    dtype, flattened_range)`` in file order."""
+    rec = {k: _shard_record(off, ls, gs, dt, fr) for k, off, ls, gs, dt, fr in shards}
+    return {SHARDS_HEADER: json.dumps(rec, separators=(",", ":")), WORLD_HEADER: str(world)}
 
 
 def try_warm_start(state_dict: Any, path: str | os.PathLike, group: Any, data_file: str) -> Any:
@@ -375,7 +380,7 @@ def try_warm_start(state_dict: Any, path: str | os.PathLike, group: Any, data_fi
             sf = SafetensorsFile(fpath)
             rec = sf.header_metadata.get(SHARDS_HEADER)
             ok = (rec is not None and sf.header_metadata.get(WORLD_HEADER) == str(_group_size(group))
-                  and json.loads(rec) == {sw.key: _shard_record(sw) for sw in leaves.shards})
+                  and json.loads(rec) == {sw.key: _sw_record(sw) for sw in leaves.shards})
     except Exception:  # any doubt: the normal path reports errors properly
         ok = False
     if _dist_active() and _group_size(group) > 1:

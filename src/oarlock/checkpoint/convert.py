@@ -42,6 +42,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 
 from oarlock.checkpoint.api import _assign_writes, _data_file, _execute
+from oarlock.checkpoint.comm import shard_header
 from oarlock.checkpoint.errors import CheckpointError
 from oarlock.checkpoint.hf import HF_INDEX, parse_size, save_hf_checkpoint
 from oarlock.checkpoint.mapping import IdentityProgram, MappingProgram, TensorSpec
@@ -541,11 +542,11 @@ def _copy_run(src_fd: int, src_off: int, nbytes: int, fd: int, pos: int) -> int:
 
 
 def _write_streaming(path: Path, entries: list[tuple[str, tuple[int, ...], str]], produce: Any,
-                     bar: Any = None) -> None:
+                     bar: Any = None, metadata: dict[str, str] | None = None) -> None:
     """One safetensors file with the header layout of :func:`oarlock.checkpoint.storage.write_safetensors`;
     ``produce(index)`` gives each tensor (written as it comes) or its byte runs ``[(fd, offset, nbytes)]`` in a
-    source file (copied by the kernel)."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    source file (copied by the kernel). ``metadata`` joins the header's ``__metadata__`` block."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", **(metadata or {})}}
     off = 0
     for name, shape, dtype in entries:
         n = numel(shape) * dtype_itemsize(dtype)
@@ -634,7 +635,10 @@ def convert_checkpoint(source: str | os.PathLike, out_dir: str | os.PathLike, *,
             for rank in sorted(writes):
                 ids = sorted((i[0], i[1], i[2]) for i in writes[rank])
                 entries = [(k, lshape, tensors[k].dtype) for k, _, lshape in ids]
-                _write_streaming(tmp / _data_file(rank), entries, _producer(reader, planner, ids), bar)
+                # the shard records a same-layout restart checks (as save_state_dict writes them)
+                hdr = shard_header([(i[0], i[1], i[2], tensors[i[0]].global_shape, tensors[i[0]].dtype, i[3])
+                                    for i in sorted(writes[rank])], layout.world)
+                _write_streaming(tmp / _data_file(rank), entries, _producer(reader, planner, ids), bar, hdr)
             if bar is not None:
                 bar.close()
             if copy_side_files:
