@@ -265,7 +265,7 @@ def load_trace(path: str | Path, device: int | None = None) -> Trace:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file or directory")
     raw = path.read_bytes()
-    if raw[:1] in (b"{", b"["):
+    if raw.lstrip()[:1] in (b"{", b"["):
         try:
             data = json.loads(raw)
         except ValueError as e:
