@@ -157,7 +157,7 @@ def op_lists(draw):
     return ops
 
 
-MODELS = ["caching", "expandable", "paddle_vmm", "paddle_compact", "gmlake", "remap"]
+MODELS = ["caching", "expandable", "paddle_vmm", "paddle_compact", "gmlake", "remap", "remap_fine"]
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -177,7 +177,7 @@ def test_properties(ops, name, tight):
         if name not in ("gmlake",):  # stitched views add VA but no bytes
             active = sum(b[1] for b in model.blocks() if b[2] == "active")
             free = sum(b[1] for b in model.blocks() if b[2] == "free")
-            spare = sum(s * len(v) for s, v in getattr(model, "spare", {}).items())
+            spare = getattr(model, "spare_bytes", 0)
             assert active == sum(b.size for b in live.values())  # allocated bytes conserved
             assert active + free + spare == model.reserved
 

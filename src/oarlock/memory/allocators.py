@@ -20,7 +20,9 @@ pool)`` tuples) and ``free_block_sizes()``.
 * :class:`GMLakeStitch`: GMLake (ASPLOS'24) virtual-memory stitching on top of the caching rules: large
   requests rounded to 2 MiB chunks; when no single free block fits, free blocks are stitched into one new
   VA range (only for requests >= ``frag_limit``).
-* ``remap``: :class:`oarlock.memory.vmm.RemapAllocator`, oarlock's pointer-stable policy.
+* ``remap``: :class:`oarlock.memory.vmm.RemapAllocator`, oarlock's pointer-stable policy (2 MiB small
+  pages, 32 MiB large pages); ``remap_fine``: the same with ``mixed=True`` (32 MiB handles plus 2 MiB
+  granules at hole edges: less fragmentation, more driver calls).
 """
 
 from __future__ import annotations
@@ -623,8 +625,16 @@ ALLOCATORS: dict[str, Any] = {
     "paddle_compact": lambda capacity=None, **kw: PaddleVmm(capacity, compact="eager", **kw),
     "gmlake": GMLakeStitch,
     "remap": lambda capacity=None, **kw: RemapAllocator(capacity=capacity, **kw),
+    "remap_fine": lambda capacity=None, **kw: _named(RemapAllocator(capacity=capacity, mixed=True, **kw),
+                                                     "remap_fine"),
 }
-DEFAULT_ALLOCATORS = ("caching", "expandable", "paddle_vmm", "paddle_compact", "gmlake", "remap", "oracle")
+DEFAULT_ALLOCATORS = ("caching", "expandable", "paddle_vmm", "paddle_compact", "gmlake", "remap", "remap_fine",
+                      "oracle")
+
+
+def _named(model: Any, name: str) -> Any:
+    model.name = name
+    return model
 
 
 def make_allocator(name: str, capacity: int | None = None, **knobs: Any) -> Any:

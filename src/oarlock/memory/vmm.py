@@ -71,6 +71,7 @@ class PagedHeap:
         self.starts: list[int] = [base]
         self.free: list[tuple[int, int, Block]] = []  # (size, addr, block) of FREE blocks, sorted
         self.pages: dict[int, int] = {}  # page index -> driver handle
+        self.spans: dict[int, tuple[int, int]] = {}  # handle -> (first page, pages); a handle may span pages
 
     # ------------------------------------------------------------------ primitive edits
     def _index(self, addr: int) -> int:
@@ -167,6 +168,25 @@ class PagedHeap:
                     out.append((p, size))
         return out
 
+    def reclaimable_handles(self, exclude: tuple[int, int] = (0, 0)) -> list[tuple[int, int, int, int]]:
+        """``(handle, pages, hole_size, first_page)`` for every handle whose pages all lie under one FREE
+        block (of ``hole_size`` bytes) and outside ``exclude``."""
+        out = []
+        for size, addr, b in self.free:
+            p0 = round_up(b.addr - self.base, self.page) // self.page
+            p1 = (b.end - self.base) // self.page
+            seen = set()
+            for p in range(p0, p1):
+                h = self.pages[p]
+                if h in seen:
+                    continue
+                seen.add(h)
+                first, n = self.spans[h]
+                lo, hi = self.base + first * self.page, self.base + (first + n) * self.page
+                if first >= p0 and first + n <= p1 and (hi <= exclude[0] or lo >= exclude[1]):
+                    out.append((h, n, size, first))
+        return out
+
     def gap_pages(self, blocks: Iterable[Block], lo: int, hi: int) -> int:
         """Number of unmapped pages that ``[lo, hi)`` overlaps among ``blocks``."""
         n = 0
@@ -194,22 +214,34 @@ class PagedHeap:
         self._merge_around(i)
 
     def pages_mapped(self, pages: Iterable[int], handles: Iterable[int]) -> None:
-        """Record that ``pages`` (currently GAP) now have ``handles`` behind them: GAP -> FREE."""
-        for p, h in zip(pages, handles):
-            if p in self.pages:
-                raise MemoryToolError(f"{self.name}: page {p} is already mapped")
-            self.pages[p] = h
-            lo = self.base + p * self.page
-            self._convert(lo, lo + self.page, GAP, FREE)
+        """Record that ``pages`` (currently GAP) now have one-page ``handles`` behind them: GAP -> FREE."""
+        self.spans_mapped([(p, 1, h) for p, h in zip(pages, handles)])
+
+    def spans_mapped(self, spans: Iterable[tuple[int, int, int]]) -> None:
+        """Record ``(first_page, pages, handle)`` mappings over GAP pages: GAP -> FREE."""
+        for first, n, h in spans:
+            for p in range(first, first + n):
+                if p in self.pages:
+                    raise MemoryToolError(f"{self.name}: page {p} is already mapped")
+                self.pages[p] = h
+            self.spans[h] = (first, n)
+            lo = self.base + first * self.page
+            self._convert(lo, lo + n * self.page, GAP, FREE)
+
+    def handles_unmapped(self, handles: Iterable[int]) -> None:
+        """Record that ``handles`` (each wholly under one FREE block) were unmapped: FREE -> GAP."""
+        for h in handles:
+            first, n = self.spans.pop(h)
+            lo = self.base + first * self.page
+            self._convert(lo, lo + n * self.page, FREE, GAP)
+            for p in range(first, first + n):
+                del self.pages[p]
 
     def pages_unmapped(self, pages: Iterable[int]) -> list[int]:
         """Record that ``pages`` (wholly under FREE blocks) lost their physical pages: FREE -> GAP.
         Returns their handles."""
-        out = []
-        for p in pages:
-            lo = self.base + p * self.page
-            self._convert(lo, lo + self.page, FREE, GAP)
-            out.append(self.pages.pop(p))
+        out = [self.pages[p] for p in pages]
+        self.handles_unmapped(out)
         return out
 
     def check(self) -> None:
@@ -235,57 +267,66 @@ class PagedHeap:
 class RemapAllocator:
     """The remap allocator over any driver (see the module docstring for the policy).
 
+    Physical memory comes in fixed pages: one granule (the driver granularity, 2 MiB on current GPUs) in the
+    small heap and ``large_page`` bytes in the large heap. With ``mixed=True`` the large heap is instead
+    tracked per granule and a miss maps each run of missing granules with as many ``large_page`` handles as
+    fit plus single granules at the ends: hole edges then waste at most one granule (less fragmentation) at
+    the price of more driver calls. Handles lying wholly under free blocks are reclaimed by size.
+
     Args:
         driver: a driver (default: a :class:`~oarlock.memory.driver.CountingDriver` with 2 MiB granularity).
         capacity: physical bytes the pool may hold (None: the driver's limit only).
-        small_size: requests up to this many bytes (after rounding to 512 B) go to the small heap, larger
-            ones to the large heap (PyTorch's 1 MiB ``kSmallSize``).
-        small_page / large_page: physical page (handle) size of the small and large heaps, multiples of
-            the driver granularity (default: the granularity, and 16 granules = 32 MiB with the usual 2 MiB
-            granularity: bigger pages mean fewer driver calls, smaller ones less waste at hole edges; the
-            reclaim step recovers most of that waste). Heaps with equal page sizes trade pages; under the
-            capacity limit, free pages of other sizes are released to make room.
+        small_size: requests up to this many bytes (after rounding to 512 B) go to the small heap (one-granule
+            handles only), larger ones to the large heap (PyTorch's 1 MiB ``kSmallSize``).
+        large_page: bytes of a large handle, a multiple of the granularity (default 16 granules = 32 MiB);
+            equal to the granularity for fixed one-granule pages.
+        mixed: map the large heap with large handles plus single granules at run ends (see above).
         va_size: bytes of VA reserved per heap (default: 4x capacity, or 1 TiB without a capacity).
-        stable_categories: trace categories routed to a third heap (large pages) for long-lived tensors
-            (e.g. ``("parameter", "optimizer")``, Paddle V2's lifetime pools); empty disables routing.
+        stable_categories: trace categories routed to a third heap for long-lived tensors (e.g.
+            ``("parameter", "optimizer")``, Paddle V2's lifetime pools); empty disables routing.
         before_unmap: called before pages are unmapped (a device sync on real GPUs, so no kernel still
             reads a freed block whose pages move).
 
     Raises:
-        SimulatedOOM: a request cannot be served within ``capacity`` even after reclaiming every page under
-            a free block.
+        SimulatedOOM: a request cannot be served within ``capacity`` even after reclaiming every handle
+            under a free block.
     """
 
     name = "remap"
 
     def __init__(self, driver: Any = None, capacity: int | None = None, small_size: int = 1 * MiB,
-                 small_page: int | None = None, large_page: int | None = None, va_size: int | None = None,
-                 stable_categories: Iterable[str] = (), before_unmap: Any = None):
+                 large_page: int | None = None, va_size: int | None = None,
+                 stable_categories: Iterable[str] = (), before_unmap: Any = None, mixed: bool = False):
         from oarlock.memory.driver import CountingDriver
 
         self.driver = driver if driver is not None else CountingDriver()
-        g = self.driver.granularity()
-        self.page_of = {"small": small_page or g, "large": large_page or 16 * g}
-        self.page_of["stable"] = self.page_of["large"]
-        for k, v in self.page_of.items():
-            if v <= 0 or v % g:
-                raise MemoryToolError(f"remap: {k} page size {v} is not a positive multiple of the "
-                                      f"granularity {g}")
+        self.page = g = self.driver.granularity()
+        large_page = large_page or 16 * g
+        if large_page <= 0 or large_page % g:
+            raise MemoryToolError(f"remap: large page size {large_page} is not a positive multiple of the "
+                                  f"granularity {g}")
+        self.big = large_page // g  # granules per large handle
+        self.mixed = mixed
         self.capacity = capacity
         self.small_size = small_size
-        self.va_size = va_size or (4 * capacity if capacity else 1 << 40)
+        self.va_size = round_up(va_size or (4 * capacity if capacity else 1 << 40), large_page)
         self.stable = frozenset(stable_categories)
         self.before_unmap = before_unmap
         self.heaps: dict[str, PagedHeap] = {}
-        self.spare: dict[int, list[int]] = {}  # page size -> created handles not mapped anywhere
-        self.handles: Counter = Counter()  # page size -> live handles (mapped or spare)
+        self.spare: dict[int, list[int]] = {}  # granules per handle -> created handles not mapped anywhere
+        self.handles: Counter = Counter()  # granules per handle -> live handles (mapped or spare)
         self.counters: Counter = Counter()
 
     # ------------------------------------------------------------------ public
     @property
     def reserved(self) -> int:
         """Physical bytes held (every live handle, mapped or spare)."""
-        return sum(size * n for size, n in self.handles.items())
+        return sum(k * n for k, n in self.handles.items()) * self.page
+
+    @property
+    def spare_bytes(self) -> int:
+        """Physical bytes of created handles that are not mapped anywhere."""
+        return sum(k * len(hs) for k, hs in self.spare.items()) * self.page
 
     @property
     def calls(self) -> Counter:
@@ -314,18 +355,10 @@ class RemapAllocator:
         block.heap.release(block)
 
     def empty_cache(self) -> int:
-        """Unmap and release every page wholly under a free block and every spare handle; returns bytes."""
-        n = 0
+        """Unmap and release every handle wholly under a free block and every spare handle; returns bytes."""
         for heap in self.heaps.values():
-            self.spare.setdefault(heap.page, []).extend(
-                self._unmap(heap, [p for p, _ in heap.reclaimable()]))
-        for size, handles in self.spare.items():
-            for h in handles:
-                self.driver.release(h)
-                n += size
-            self.handles[size] -= len(handles)
-            handles.clear()
-        return n
+            self._unmap(heap, [c[0] for c in heap.reclaimable_handles()])
+        return self._release_spare(lambda k: True)
 
     def blocks(self) -> list[tuple[int, int, str, str]]:
         """``(addr, size, state, heap)`` of every non-GAP block, for views."""
@@ -339,9 +372,9 @@ class RemapAllocator:
     def check(self) -> None:
         for h in self.heaps.values():
             h.check()
-        for size, n in self.handles.items():
-            mapped = sum(len(h.pages) for h in self.heaps.values() if h.page == size)
-            assert mapped + len(self.spare.get(size, [])) == n, (size, mapped, n)
+        for k, n in self.handles.items():
+            mapped = sum(1 for h in self.heaps.values() for f, c in h.spans.values() if c * self._unit(h) == k)
+            assert mapped + len(self.spare.get(k, [])) == n, (k, mapped, n)
 
     # ------------------------------------------------------------------ policy
     def _pool_of(self, rsize: int, category: str | None) -> str:
@@ -352,14 +385,17 @@ class RemapAllocator:
     def _heap(self, name: str) -> PagedHeap:
         h = self.heaps.get(name)
         if h is None:
-            page = self.page_of[name]
-            size = round_up(self.va_size, page)
-            h = self.heaps[name] = PagedHeap(self.driver.reserve(size), size, page, name)
+            page = self.page if name == "small" or self.mixed else self.big * self.page
+            h = self.heaps[name] = PagedHeap(self.driver.reserve(self.va_size), self.va_size, page, name)
         return h
 
+    def _unit(self, heap: PagedHeap) -> int:
+        """Granules per page of ``heap``."""
+        return heap.page // self.page
+
     def _placement(self, heap: PagedHeap, size: int) -> tuple[int, list[int]]:
-        """The address in ``heap`` needing the fewest new pages for ``size`` bytes (then the lowest), and
-        those pages."""
+        """The address in ``heap`` needing the fewest new granules for ``size`` bytes (then the lowest), and
+        those granules."""
         best: tuple[int, int] | None = None
         for start, end, blocks in heap.runs():
             if end - start < size:
@@ -380,75 +416,132 @@ class RemapAllocator:
     def _grow(self, heap: PagedHeap, size: int) -> int:
         a, pages = self._placement(heap, size)
         self.counters["misses"] += 1
-        spare = self.spare.setdefault(heap.page, [])
-        handles = spare[:len(pages)]
-        del spare[:len(pages)]
-        if len(handles) < len(pages):
-            handles += self._reclaim(len(pages) - len(handles), heap, (a, a + size))
-        while len(handles) < len(pages):
-            if self.capacity is not None and self.reserved + heap.page > self.capacity:
-                self._release_other_sizes(heap.page)
-            if self.capacity is not None and self.reserved + heap.page > self.capacity:
-                spare.extend(handles)
-                raise SimulatedOOM(f"remap: cannot map {size} bytes: {self.reserved} of {self.capacity} bytes "
-                                   "held and no page lies under a free block", size, self.capacity, self.reserved)
-            try:
-                h = self.driver.create(heap.page)
-            except SimulatedOOM:
-                spare.extend(handles)
-                raise
-            self.handles[heap.page] += 1
-            handles.append(h)
-        self._map(heap, pages, handles)
+        big = self.big if self.mixed and heap.name != "small" else 1
+        unit = self._unit(heap)
+        # cut each run of missing granules into large spans, then single granules at its end
+        spans: list[list[int]] = []  # [first, granules]
+        for first, n in _page_runs(pages):
+            while n >= big > 1:
+                spans.append([first, big])
+                first, n = first + big, n - big
+            spans += [[first + i, 1] for i in range(n)]
+        exclude = (a, a + size)
+        got: list[tuple[int, int, int]] = []  # (first, granules, handle)
+        # large spans: a spare or reclaimed large handle, else the same granules as single handles
+        large = [sp for sp in spans if sp[1] > 1]
+        hs = self._obtain(len(large), big * unit, heap, exclude)
+        for sp, h in zip(large, hs):
+            got.append((sp[0], sp[1], h))
+        singles = [sp[0] for sp in spans if sp[1] == 1] + \
+            [sp[0] + i for sp in large[len(hs):] for i in range(sp[1])]
+        pending_large = large[len(hs):]
+        avail = len(self.spare.get(unit, [])) + sum(
+            1 for hp in self.heaps.values() for c in hp.reclaimable_handles(exclude if hp is heap else (0, 0))
+            if c[1] * self._unit(hp) == unit) if pending_large else 0
+        if pending_large and avail < len(singles):  # not enough single granules: create the large ones
+            singles = [sp[0] for sp in spans if sp[1] == 1]
+        else:
+            pending_large = []
+        hs = self._obtain(len(singles), unit, heap, exclude)
+        got += [(p, 1, h) for p, h in zip(singles, hs)]
+        try:
+            for p in singles[len(hs):]:
+                got.append((p, 1, self._create(unit, size, heap, exclude)))
+            for sp in pending_large:
+                got.append((sp[0], sp[1], self._create(sp[1] * unit, size, heap, exclude)))
+        except SimulatedOOM:
+            for _, k, h in got:
+                self.spare.setdefault(k * unit, []).append(h)
+            raise
+        self._map(heap, got)
         self.counters["pages_mapped"] += len(pages)
         return a
 
-    def _reclaim(self, n: int, target: PagedHeap, exclude: tuple[int, int]) -> list[int]:
-        """Unmap up to ``n`` pages lying wholly under FREE blocks of heaps with the target's page size
-        (not inside ``exclude`` of the target heap) and return their handles."""
+    def _obtain(self, n: int, k: int, target: PagedHeap, exclude: tuple[int, int]) -> list[int]:
+        """Up to ``n`` handles of ``k`` granules: spare ones, then ones reclaimed from under free blocks."""
+        spare = self.spare.setdefault(k, [])
+        out = spare[:n]
+        del spare[:n]
+        if len(out) < n:
+            out += self._reclaim(n - len(out), k, target, exclude)
+        return out
+
+    def _create(self, k: int, size: int, target: PagedHeap, exclude: tuple[int, int]) -> int:
+        if self.capacity is not None and self.reserved + k * self.page > self.capacity:
+            self._release_spare(lambda kk: kk != k, target, exclude)  # give back handles of the other size
+        if self.capacity is not None and self.reserved + k * self.page > self.capacity:
+            raise SimulatedOOM(f"remap: cannot map {size} bytes: {self.reserved} of {self.capacity} bytes "
+                               "held and no handle lies under a free block", size, self.capacity, self.reserved)
+        h = self.driver.create(k * self.page)
+        self.handles[k] += 1
+        return h
+
+    def _reclaim(self, n: int, k: int, target: PagedHeap, exclude: tuple[int, int]) -> list[int]:
+        """Unmap up to ``n`` handles of ``k`` granules lying wholly under FREE blocks (any heap; not inside
+        ``exclude`` of the target heap) and return them."""
         # Smallest holes first (they are the fragmentation), then the highest address (keeps heaps dense).
-        cand = sorted(((size, -p, name) for name, heap in self.heaps.items() if heap.page == target.page
-                       for p, size in heap.reclaimable(exclude if heap is target else (0, 0))))[:n]
+        cand = sorted((size, -first, name, h) for name, heap in self.heaps.items()
+                      for h, kk, size, first in heap.reclaimable_handles(exclude if heap is target else (0, 0))
+                      if kk * self._unit(heap) == k)[:n]
         got: list[int] = []
         for name in sorted({c[2] for c in cand}):
-            got += self._unmap(self.heaps[name], [-c[1] for c in cand if c[2] == name])
+            hs = [c[3] for c in cand if c[2] == name]
+            self._unmap(self.heaps[name], hs, keep=False)
+            got += hs
         if got:
             self.counters["remaps"] += 1
-            self.counters["pages_remapped"] += len(got)
+            self.counters["granules_remapped"] += len(got) * k
         return got
 
-    def _release_other_sizes(self, page: int) -> None:
-        """Under the capacity limit: give back (unmap + release) free pages whose size differs from
-        ``page`` so that pages of the needed size can be created."""
+    def _release_spare(self, which: Any, target: PagedHeap | None = None,
+                       exclude: tuple[int, int] = (0, 0)) -> int:
+        """Unmap every handle under a free block (outside ``exclude`` of ``target``) into the spare lists,
+        then release the spare handles whose granule count satisfies ``which``; returns bytes released."""
         for heap in self.heaps.values():
-            if heap.page != page:
-                self.spare.setdefault(heap.page, []).extend(
-                    self._unmap(heap, [p for p, _ in heap.reclaimable()]))
-        for size, handles in self.spare.items():
-            if size != page and handles:
-                for h in handles:
+            ex = exclude if heap is target else (0, 0)
+            self._unmap(heap, [c[0] for c in heap.reclaimable_handles(ex) if which(c[1] * self._unit(heap))])
+        n = 0
+        for k, hs in self.spare.items():
+            if which(k) and hs:
+                for h in hs:
                     self.driver.release(h)
-                self.handles[size] -= len(handles)
-                self.counters["pages_released"] += len(handles)
-                handles.clear()
+                self.handles[k] -= len(hs)
+                n += len(hs) * k * self.page
+                self.counters["handles_released"] += len(hs)
+                hs.clear()
+        return n
 
-    def _unmap(self, heap: PagedHeap, pages: list[int]) -> list[int]:
-        if not pages:
-            return []
+    def _unmap(self, heap: PagedHeap, handles: list[int], keep: bool = True) -> None:
+        """Unmap ``handles`` from ``heap``; with ``keep`` they go to the spare lists."""
+        if not handles:
+            return
         if self.before_unmap is not None:
             self.before_unmap()
-        for p in pages:
-            self.driver.unmap(heap.base + p * heap.page, heap.page)
-        return heap.pages_unmapped(pages)
+        for h in handles:
+            first, k = heap.spans[h]
+            self.driver.unmap(heap.base + first * heap.page, k * heap.page)
+            if keep:
+                self.spare.setdefault(k * self._unit(heap), []).append(h)
+        heap.handles_unmapped(handles)
 
-    def _map(self, heap: PagedHeap, pages: list[int], handles: list[int]) -> None:
-        for p, h in zip(pages, handles):
-            self.driver.map(heap.base + p * heap.page, heap.page, h)
-        from oarlock.memory.allocators import _runs
-
-        for first, n in _runs(pages):  # one set_access per contiguous run of pages
+    def _map(self, heap: PagedHeap, spans: list[tuple[int, int, int]]) -> None:
+        for first, k, h in spans:  # k pages of this heap
+            self.driver.map(heap.base + first * heap.page, k * heap.page, h)
+        granules = [p for first, k, _ in spans for p in range(first, first + k)]
+        for first, n in _page_runs(granules):  # one set_access per contiguous run
             self.driver.set_access(heap.base + first * heap.page, n * heap.page)
-        heap.pages_mapped(pages, handles)
+        heap.spans_mapped(spans)
+
+
+def _page_runs(pages: Iterable[int]) -> list[tuple[int, int]]:
+    """``(first, count)`` of each run of consecutive page indices."""
+    out: list[list[int]] = []
+    for p in sorted(pages):
+        if out and p == out[-1][0] + out[-1][1]:
+            out[-1][1] += 1
+        else:
+            out.append([p, 1])
+    return [(a, b) for a, b in out]
 
 
 class VmmArena:
