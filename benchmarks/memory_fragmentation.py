@@ -91,7 +91,7 @@ def main() -> int:
            "Target check on traces where the caching model exceeds 10% fragmentation "
            "(remap <= 3%? fewer driver calls than expandable? caching/remap fragmentation ratio, "
            "expandable/remap driver-call ratio):", ""]
-    out += [f"- {n}: remap <= 3%: {'yes' if a else 'NO'}; fewer calls than expandable: {'yes' if b else 'NO'}; "
+    out += [f"- {n}: frag <= 3%: {'yes' if a else 'NO'}; fewer calls than expandable: {'yes' if b else 'NO'}; "
             f"frag ratio {r1:.1f}x; call ratio {r2:.2f}x" for n, a, b, r1, r2 in verdicts]
     text = "\n".join(out) + "\n"
     print(text)

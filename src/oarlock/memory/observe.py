@@ -282,6 +282,10 @@ def render_png(trace: Trace, path: str | Path, top: int = 10) -> Path:
         for b in d["blocks"]:
             ax.barh(0, b["size"] / MiB, left=(b["addr"] - lo) / MiB, color=cmap(cats.index(b["category"]) % 10),
                     edgecolor="white", linewidth=0.3)
+        from matplotlib.patches import Patch
+
+        ax.legend(handles=[Patch(color=cmap(i % 10), label=c or "(none)") for i, c in enumerate(cats)],
+                  fontsize=7, ncol=min(len(cats), 6), loc="upper center", bbox_to_anchor=(0.5, 1.35))
         ax.set_xlabel(f"MiB from {lo:#x} ({len(d['blocks'])} blocks live at the peak)")
     ax.set_yticks([])
     ax = axes[2]
