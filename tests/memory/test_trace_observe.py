@@ -130,6 +130,25 @@ def test_memory_summary_tables():
     assert re.search(r"\[0 B, 1 MiB\)\s+0\s+1", dist) and re.search(r"\[1 MiB, 2 MiB\)\s+1\s+0", dist)
 
 
+def test_memory_summary_of_torch_snapshot_segments():
+    from oarlock.memory.observe import SegmentState
+
+    segs = [{"address": 1 << 30, "total_size": 2 * MiB, "stream": 0, "segment_type": "small",
+             "blocks": [{"size": 512, "state": "active_allocated"}, {"size": 2 * MiB - 512, "state": "inactive"}]},
+            {"address": 1 << 31, "total_size": 20 * MiB, "stream": 0, "segment_type": "large",
+             "blocks": [{"size": 4 * MiB, "state": "active_allocated"}, {"size": 6 * MiB, "state": "inactive"},
+                        {"size": 10 * MiB, "state": "active_pending_free"}]}]
+    text = memory_summary(SegmentState(segs))
+    assert re.search(r"^Reserved\s+22\.00 MiB$", text, re.M)
+    allocated = 512 + 4 * MiB + 10 * MiB
+    assert f"Cur waste rate (reserved - allocated) / reserved  {100 * (1 - allocated / (22 * MiB)):.2f}%" in text
+    line = next(l for l in text.splitlines() if l.startswith("large/s0"))
+    assert line.split()[1:4] == ["3", "2", "1"]
+    if not torch.cuda.is_available():
+        with pytest.raises(Exception, match="no CUDA device"):
+            memory_summary()
+
+
 def _chromium() -> str:
     r = subprocess.run(["bash", str(REPO / "scripts" / "chromium.sh")], capture_output=True, text=True)
     if r.returncode != 0:

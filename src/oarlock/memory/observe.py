@@ -95,17 +95,52 @@ def block_size_distribution(blocks: list[tuple]) -> list[tuple[str, int, int]]:
     return out
 
 
-def memory_summary(source: Trace | Any, allocator: str = "caching", capacity: int | None = None) -> str:
+class SegmentState:
+    """The allocator-model interface (``blocks()``, ``free_block_sizes()``, ``reserved``) over the
+    ``segments`` of a PyTorch memory snapshot (``torch.cuda.memory_snapshot()``), so real allocator state
+    can be summarised like a model's. Block states ``active_*`` count as used, ``inactive`` as free."""
+
+    name = "torch (snapshot)"
+
+    def __init__(self, segments: list[dict]):
+        self.segments = segments
+        self.reserved = sum(int(s.get("total_size", 0)) for s in segments)
+
+    def blocks(self) -> list[tuple[int, int, str, str]]:
+        out = []
+        for seg in self.segments:
+            addr = int(seg.get("address", 0))
+            pool = f"{seg.get('segment_type', 'segment')}/s{seg.get('stream', 0)}"
+            for b in seg.get("blocks", []):
+                size = int(b["size"])
+                out.append((addr, size, "active" if str(b.get("state", "")).startswith("active") else "free", pool))
+                addr += size
+        return out
+
+    def free_block_sizes(self) -> list[int]:
+        return [b[1] for b in self.blocks() if b[2] == "free"]
+
+
+def memory_summary(source: Trace | Any = None, allocator: str = "caching", capacity: int | None = None) -> str:
     """Paddle-style summary tables as text.
 
     Args:
         source: a :class:`Trace` (replayed through ``allocator`` and summarised at its end, with the peaks
-            of the whole replay) or an allocator model instance (its current state).
+            of the whole replay), an allocator model instance or a :class:`SegmentState` (current state),
+            or None: the current CUDA caching allocator's state (``torch.cuda.memory_snapshot()``).
+    Raises:
+        MemoryToolError: ``source`` is None and CUDA is not available.
     Returns:
         three tables: global (allocated, max allocated, reserved, max reserved, fragmentation), per pool
         (blocks, used/free counts and bytes, max used, max free, Frag Ratio) and the block-size
         distribution.
     """
+    if source is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise MemoryToolError("memory_summary(): no CUDA device; pass a Trace or an allocator model")
+        source = SegmentState(torch.cuda.memory_snapshot())
     if isinstance(source, Trace):
         holder: dict[str, Any] = {}
 
