@@ -33,7 +33,7 @@ from typing import Any
 
 from oarlock.memory.driver import CountingDriver
 from oarlock.memory.errors import MemoryToolError, SimulatedOOM
-from oarlock.memory.vmm import ACTIVE, FREE, GAP, MIN_BLOCK, STATE_NAMES, PagedHeap, RemapAllocator, round_up
+from oarlock.memory.vmm import FREE, GAP, MIN_BLOCK, STATE_NAMES, PagedHeap, RemapAllocator, round_up
 
 MiB = 1 << 20
 K_SMALL_SIZE = 1 * MiB  # kSmallSize
