@@ -33,7 +33,8 @@ from typing import Any
 
 from oarlock.memory.driver import CountingDriver
 from oarlock.memory.errors import MemoryToolError, SimulatedOOM
-from oarlock.memory.vmm import FREE, GAP, MIN_BLOCK, STATE_NAMES, PagedHeap, RemapAllocator, round_up
+from oarlock.memory.vmm import (FREE, GAP, MIN_BLOCK, STATE_NAMES, PagedHeap, RemapAllocator, _page_runs,
+                                round_up)
 
 MiB = 1 << 20
 K_SMALL_SIZE = 1 * MiB  # kSmallSize
@@ -46,17 +47,6 @@ DRIVER_CALLS = ("cudaMalloc", "cudaFree", "reserve", "free_va", "create", "relea
 
 def _key(t: tuple) -> tuple:
     return t[0], t[1]
-
-
-def _runs(pages: list[int]) -> list[tuple[int, int]]:
-    """``(first, count)`` of each run of consecutive page indices."""
-    out: list[list[int]] = []
-    for p in sorted(pages):
-        if out and p == out[-1][0] + out[-1][1]:
-            out[-1][1] += 1
-        else:
-            out.append([p, 1])
-    return [tuple(r) for r in out]
 
 
 class Oracle:
@@ -335,7 +325,7 @@ class TorchExpandable:
         handles = [self.driver.create(heap.page) for _ in pages]
         for p, h in zip(pages, handles):
             self.driver.map(heap.base + p * heap.page, heap.page, h)
-        for first, n in _runs(pages):  # map_block: one set_access per unmapped block
+        for first, n in _page_runs(pages):  # map_block: one set_access per unmapped block
             self.driver.set_access(heap.base + first * heap.page, n * heap.page)
         heap.pages_mapped(pages, handles)
         return heap.carve(addr, rsize)

@@ -2,7 +2,7 @@
 
 A :class:`PagedHeap` is one reserved virtual-address range cut into blocks that are ACTIVE (handed out),
 FREE (mapped, unused) or GAP (no physical pages behind them; always page-aligned). Physical memory comes
-in fixed-size pages (driver handles of ``page_size`` bytes).
+in driver handles covering one page, or (``mixed=True``) several consecutive pages.
 
 :class:`RemapAllocator` (the policy; design brief sections 1.6 and 2.4(5), after Paddle's post-3.3
 ``FreeBlockRemapCompactor`` and PyTorch's expandable segments) serves a request by
