@@ -185,3 +185,13 @@ def test_properties(ops, name, tight):
     r2 = replay(tr, name, cap)
     assert r1 == r2  # deterministic replay
     assert r1.peak_reserved >= r1.peak_allocated
+
+
+def test_steady_state_window_skips_warm_up():
+    tr = trace_from_ops([("a", 0, 24 * MiB), ("f", 0), ("a", 1, 12 * MiB), ("f", 1)])
+    tr.marks["step1"] = 3  # events: alloc, free_requested, free_completed, then the second alloc
+    r = replay(tr, "caching")
+    # the 24 MiB segment stays cached: overall 0% waste, but the second step uses half of it
+    assert r.fragmentation == 0 and r.steady_fragmentation == pytest.approx(0.5)
+    assert replay(tr, "oracle").steady_fragmentation == 0
+    assert replay(tr.ops(), "caching").steady_fragmentation is None  # no marks, no window

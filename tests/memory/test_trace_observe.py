@@ -26,7 +26,11 @@ def test_snapshot_roundtrip_pickle_and_json(tmp_path):
     tr = synthesize_moe(**SMALL)
     for name in ("t.pickle", "t.json"):
         back = load_trace(tr.save(tmp_path / name))
-        assert back.events == tr.events and back.ops() == tr.ops()
+        assert back.events == tr.events and back.ops() == tr.ops() and back.marks == tr.marks
+    # step 1 starts with a micro-batch's embedding output, after step 0's two lm-head passes
+    k = tr.marks["step1"]
+    assert tr.events[k]["action"] == "alloc" and tr.events[k]["frames"][0]["name"] == "embed.output"
+    assert sum(e["action"] == "alloc" and e["frames"][0]["name"] == "lm_head.logits" for e in tr.events[:k]) == 2
     # torch's own snapshot tooling reads what we write
     from torch.cuda import _memory_viz
 

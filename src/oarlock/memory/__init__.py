@@ -22,7 +22,7 @@ _LAZY = {
     "Oracle": "allocators",
     "RemapAllocator": "vmm", "VmmArena": "vmm", "PagedHeap": "vmm",
     "CountingDriver": "driver", "FakeDriver": "driver", "CudaDriver": "driver",
-    "replay": "simulate", "simulate": "simulate", "min_feasible_capacity": "simulate", "ReplayResult": "simulate",
+    "replay": "simulate", "compare_allocators": "simulate", "min_feasible_capacity": "simulate", "ReplayResult": "simulate",
     "format_table": "simulate",
     "trace_region": "observe", "memory_summary": "observe", "render_html": "observe", "render_png": "observe",
 }

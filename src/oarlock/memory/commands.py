@@ -22,13 +22,13 @@ def parse_bytes(text: str) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from oarlock.memory.simulate import format_table, simulate
+    from oarlock.memory.simulate import compare_allocators, format_table
     from oarlock.memory.trace import load_trace
 
     trace = load_trace(args.trace, args.device)
     names = [n.strip() for n in args.allocators.split(",") if n.strip()]
     cap = parse_bytes(args.capacity) if args.capacity else None
-    rows = simulate(trace, names, cap, min_capacity=not args.no_min_capacity, progress=True)
+    rows = compare_allocators(trace, names, cap, min_capacity=not args.no_min_capacity, progress=True)
     if args.json:
         json.dump(rows, sys.stdout, indent=1)
         sys.stdout.write("\n")

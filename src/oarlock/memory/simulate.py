@@ -3,6 +3,8 @@
 * ``fragmentation = 1 - peak_allocated / peak_reserved`` (GMLake's definition; Paddle's guide uses
   ``max_reserved - max_allocated``), where allocated counts the trace's bytes and reserved the model's
   physical bytes (live segments or mapped pages).
+* steady-state fragmentation: the same ratio with both peaks taken from the second training step on
+  (trace mark ``"step1"``), so warm-up growth does not count (design brief section 1.7).
 * minimum feasible capacity: the smallest capacity (a multiple of 2 MiB) at which the trace replays without
   OOM, by binary search between the peak allocated bytes and the unconstrained peak reserved bytes.
 * external fragmentation at the peak of allocated bytes: ``1 - largest_free / total_free`` over the free
@@ -37,11 +39,20 @@ class ReplayResult:
     external_frag_at_peak: float
     frag_ratio_at_peak: float
     driver_calls: int
+    steady_fragmentation: float | None = None
     calls: dict = field(default_factory=dict)
     counters: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return asdict(self)
+
+
+def _steady_start(trace: Trace | list[Op], ops: list[Op]) -> int | None:
+    """Index of the first op at or after the trace's ``"step1"`` mark (None without one)."""
+    ev = trace.marks.get("step1") if isinstance(trace, Trace) else None
+    if ev is None:
+        return None
+    return next((k for k, op in enumerate(ops) if op.event >= ev), None)
 
 
 def _ops(trace: Trace | list[Op]) -> list[Op]:
@@ -73,7 +84,8 @@ def external_fragmentation(model: Any) -> tuple[float, float]:
 
 
 def replay(trace: Trace | list[Op], allocator: str | Any = "caching", capacity: int | None = None,
-           check: bool = False, on_step: Any = None, **knobs: Any) -> ReplayResult:
+           check: bool = False, on_step: Any = None, steady_from: int | None = None,
+           **knobs: Any) -> ReplayResult:
     """Replay ``trace`` through an allocator model (a name from
     :data:`oarlock.memory.allocators.ALLOCATORS` or an instance).
 
@@ -81,12 +93,15 @@ def replay(trace: Trace | list[Op], allocator: str | Any = "caching", capacity: 
         capacity: physical byte limit when ``allocator`` is a name.
         check: run the model's invariant checks after every op (slow; tests).
         on_step: ``fn(op_index, op, model, live)`` called after every op (``live`` maps op ids to blocks).
+        steady_from: first op of the steady-state window (default: the trace's ``"step1"`` mark).
     Returns:
         a :class:`ReplayResult`; a replay that hits OOM stops there with ``ok=False``.
     """
     ops = _ops(trace)
     model = make_allocator(allocator, capacity, **knobs) if isinstance(allocator, str) else allocator
     peak_at = _peak_index(ops)
+    steady_at = steady_from if steady_from is not None else _steady_start(trace, ops)
+    steady_alloc = steady_res = 0
     live: dict[int, Any] = {}
     alloc = peak_alloc = peak_res = 0
     ext = ratio = 0.0
@@ -108,6 +123,8 @@ def replay(trace: Trace | list[Op], allocator: str | Any = "caching", capacity: 
             peak_res = res
         if alloc > peak_alloc:
             peak_alloc = alloc
+        if steady_at is not None and k >= steady_at:
+            steady_alloc, steady_res = max(steady_alloc, alloc), max(steady_res, res)
         if k == peak_at:
             ext, ratio = external_fragmentation(model)
         if check:
@@ -115,9 +132,10 @@ def replay(trace: Trace | list[Op], allocator: str | Any = "caching", capacity: 
         if on_step is not None:
             on_step(k, op, model, live)
     frag = 1 - peak_alloc / peak_res if peak_res else 0.0
+    steady = 1 - steady_alloc / steady_res if steady_res and failed is None else None
     return ReplayResult(getattr(model, "name", type(model).__name__), getattr(model, "capacity", capacity),
                         failed is None, failed, peak_alloc, peak_res, model.reserved, frag, ext, ratio,
-                        driver_calls(model.calls), dict(model.calls), dict(model.counters))
+                        driver_calls(model.calls), steady, dict(model.calls), dict(model.counters))
 
 
 def min_feasible_capacity(trace: Trace | list[Op], allocator: str, step: int = 2 * MiB,
@@ -145,7 +163,7 @@ def min_feasible_capacity(trace: Trace | list[Op], allocator: str, step: int = 2
     return hi
 
 
-def simulate(trace: Trace | list[Op], allocators: Iterable[str] = DEFAULT_ALLOCATORS,
+def compare_allocators(trace: Trace | list[Op], allocators: Iterable[str] = DEFAULT_ALLOCATORS,
              capacity: int | None = None, min_capacity: bool = True, progress: bool = False) -> list[dict]:
     """One row per allocator: the :class:`ReplayResult` fields at ``capacity`` plus, with
     ``min_capacity``, ``min_capacity`` (bytes) and ``capacity_overhead`` (``min_capacity /
@@ -153,12 +171,13 @@ def simulate(trace: Trace | list[Op], allocators: Iterable[str] = DEFAULT_ALLOCA
     from oarlock.utils import progress as bar
 
     ops = _ops(trace)
+    steady = _steady_start(trace, ops)
     names = list(allocators)
     for n in names:
         make_allocator(n)  # fail early on an unknown name
     rows = []
     for name in bar(names, desc="allocators", disable=None if progress else True):
-        r = replay(ops, name, capacity).to_json()
+        r = replay(ops, name, capacity, steady_from=steady).to_json()
         if min_capacity:
             mc = min_feasible_capacity(ops, name)
             r["min_capacity"] = mc
@@ -181,14 +200,19 @@ def format_table(rows: list[dict]) -> str:
     if not rows:
         raise MemoryToolError("no allocator rows to format")
     has_mc = "min_capacity" in rows[0]
-    head = ["allocator", "ok", "peak alloc", "peak reserved", "frag %", "ext frag %", "driver calls"]
+    has_steady = any(r.get("steady_fragmentation") is not None for r in rows)
+    head = ["allocator", "ok", "peak alloc", "peak reserved", "frag %"] + (["steady %"] if has_steady else []) + \
+        ["ext frag %", "driver calls"]
     if has_mc:
         head += ["min capacity", "overhead %"]
     lines = [head]
     for r in rows:
         line = [r["allocator"], "yes" if r["ok"] else f"OOM@{r['failed_at']}", fmt_bytes(r["peak_allocated"]),
-                fmt_bytes(r["peak_reserved"]), f"{100 * r['fragmentation']:.2f}",
-                f"{100 * r['external_frag_at_peak']:.1f}", str(r["driver_calls"])]
+                fmt_bytes(r["peak_reserved"]), f"{100 * r['fragmentation']:.2f}"]
+        if has_steady:
+            st = r.get("steady_fragmentation")
+            line.append("-" if st is None else f"{100 * st:.2f}")
+        line += [f"{100 * r['external_frag_at_peak']:.1f}", str(r["driver_calls"])]
         if has_mc:
             line += [fmt_bytes(r["min_capacity"]), f"{100 * r['capacity_overhead']:.2f}"]
         lines.append(line)

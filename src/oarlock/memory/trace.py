@@ -55,12 +55,15 @@ class Trace:
         device: the device index they came from (-1 for CPU traces).
         source: where the trace came from (file name, ``"profiler"``, ``"synthetic moe"``...).
         segments: the snapshot's ``segments`` list, when the source had one (real CUDA snapshots).
+        marks: named event indices (``"step1"``: where the second training step starts), used for
+            steady-state metrics; stored in the snapshot under ``"oarlock_marks"``.
     """
 
     events: list[dict]
     device: int = 0
     source: str = ""
     segments: list[dict] = field(default_factory=list)
+    marks: dict[str, int] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.events)
@@ -70,7 +73,10 @@ class Trace:
         n = max(self.device, 0) + 1
         traces: list[list[dict]] = [[] for _ in range(n)]
         traces[max(self.device, 0)] = self.events
-        return {"segments": self.segments, "device_traces": traces}
+        snap = {"segments": self.segments, "device_traces": traces}
+        if self.marks:
+            snap["oarlock_marks"] = dict(self.marks)
+        return snap
 
     def save(self, path: str | Path) -> Path:
         """Write the trace as a snapshot pickle (``.pickle``/``.pkl``) or JSON (``.json``)."""
@@ -200,7 +206,10 @@ def trace_from_snapshot(snap: Any, device: int | None = None, source: str = "<sn
         raise TraceFormatError(f"{source}: device {device} not in the snapshot ({len(traces)} devices)")
     events = _check_events(traces[device] if traces else [], f"{source} device {device}")
     segs = [s for s in snap.get("segments", []) if isinstance(s, dict) and s.get("device", device) == device]
-    return Trace(list(events), device, source, segs)
+    marks = snap.get("oarlock_marks", {})
+    if not isinstance(marks, dict) or not all(isinstance(v, int) for v in marks.values()):
+        raise TraceFormatError(f"{source}: 'oarlock_marks' must map names to event indices")
+    return Trace(list(events), device, source, segs, dict(marks))
 
 
 def trace_from_chrome(data: dict, source: str = "<chrome trace>", device_type: int | None = None) -> Trace:
@@ -534,7 +543,10 @@ def synthesize_moe(cfg: MoEConfig | None = None, **overrides: Any) -> Trace:
         em.free(grad_out)
         return g_in
 
+    marks: dict[str, int] = {}
     for step in range(cfg.steps):
+        if step:
+            marks[f"step{step}"] = len(em.events)
         routing = {mb: routed_tokens() for mb in range(cfg.micro_batches)}
         acts: dict[int, list[dict]] = {}
         inputs: dict[int, int] = {}
@@ -577,4 +589,4 @@ def synthesize_moe(cfg: MoEConfig | None = None, **overrides: Any) -> Trace:
             tmp = em.alloc(shard, "temporary", f"layer{l}.adam.update")
             em.free(tmp)
     del params
-    return Trace(em.events, 0, f"synthetic moe {json.dumps(asdict(cfg), sort_keys=True)}")
+    return Trace(em.events, 0, f"synthetic moe {json.dumps(asdict(cfg), sort_keys=True)}", marks=marks)
