@@ -156,7 +156,7 @@ def test_memory_summary_of_torch_snapshot_segments():
 def _chromium() -> str:
     r = subprocess.run(["bash", str(REPO / "scripts" / "chromium.sh")], capture_output=True, text=True)
     if r.returncode != 0:
-        pytest.skip(f"chromium unavailable: {r.stderr.strip()}")
+        pytest.skip(r.stdout.strip() or r.stderr.strip() or "scripts/chromium.sh failed")
     return r.stdout.strip().splitlines()[-1]
 
 

@@ -1,0 +1,251 @@
+"""Forward and backward (autograd) graphs of a capture dump, as Graphviz DOT and a self-contained HTML page.
+
+- Forward graph: one node per forward aten op, plus parameter and user-input nodes; an edge per op input
+  (from the op that produced it), labelled with the tensor's dtype and shape; clusters follow module paths.
+- Backward graph: one node per autograd node the capture tagged (like Paddle's ``_backward_graph.dot``);
+  an edge per ``next_functions`` entry, labelled with the gradient's dtype and shape; ``AccumulateGrad``
+  nodes name their parameter, nodes created before the capture are boundary nodes.
+
+The HTML page needs neither Graphviz nor a network: the SVG is laid out here as an indented outline (rows
+in execution order, each module a nested box with a header row, data-flow edges as arcs in the left
+margin; hover shows call stacks).
+"""
+
+from __future__ import annotations
+
+import html
+import os
+from pathlib import Path
+
+from oarlock.debug.dump import Dump, load_dump
+
+_COLORS = {"op": "#dbe9f6", "param": "#fff2cc", "input": "#eeeeee", "acc": "#d9f2d9", "ext": "#ffd8b0",
+           "node": "#dbe9f6"}
+
+
+def _q(s: str) -> str:
+    """A DOT double-quoted ID or label (backslash and quote escaped; ``\\n`` kept as DOT's line break)."""
+    return '"' + str(s).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+
+
+def _meta_str(m) -> str:
+    return "?" if m is None else f"{m[1]}{list(m[0])}"
+
+
+def _short_op(op: str) -> str:
+    return op.removeprefix("aten.").removesuffix(".default")
+
+
+def _as_dump(d: Dump | str | os.PathLike) -> Dump:
+    return d if isinstance(d, Dump) else load_dump(d)
+
+
+# ---------------------------------------------------------------------------------------------- graph model
+def forward_graph(dump: Dump) -> tuple[list[dict], list[tuple[str, str, str]]]:
+    """(items, edges) of the forward graph. Items (in execution order, parameters and inputs placed just
+    before their first consumer): ``id``, ``label``, ``mod``, ``kind`` (op/param/input), ``tip``. Edges:
+    ``(src id, dst id, "dtype[shape]")``."""
+    items: list[dict] = []
+    edges: list[tuple[str, str, str]] = []
+    seen_params: set[str] = set()
+    ops = {r["i"] for r in dump.forward_ops()}
+    for r in dump.forward_ops():
+        oid = f"o{r['i']}"
+        for k, (m, s) in enumerate(zip(r.get("in") or [], r.get("src") or [])):
+            if s is None or (s.startswith("o") and int(s[1:].split(".")[0]) not in ops):
+                src = f"in{r['i']}.{k}"
+                items.append({"id": src, "label": f"input {_meta_str(m)}", "mod": r.get("mod"), "kind": "input",
+                              "tip": "a tensor from outside the captured forward ops"})
+            elif s.startswith("p:"):
+                src = s
+                if s not in seen_params:
+                    seen_params.add(s)
+                    name = s[2:]
+                    items.append({"id": s, "label": f"{name} {_meta_str(m)}", "kind": "param",
+                                  "mod": name.rpartition(".")[0], "tip": f"parameter {name}"})
+            else:
+                src = s.split(".")[0]
+            edges.append((src, oid, _meta_str(m)))
+        frames = dump.stack(r.get("st"))
+        tip = "\n".join(f"{f}:{ln} in {fn}" for f, ln, fn in frames) or "(no stack recorded)"
+        outs = ", ".join(_meta_str(m) for m in r.get("out") or [] if m is not None)
+        items.append({"id": oid, "label": f"#{r['i']} {_short_op(r['op'])} -> {outs}", "mod": r.get("mod"),
+                      "kind": "op", "tip": f"{r['op']}\nmodule: {r.get('mod')}\n{tip}"})
+    return items, edges
+
+
+def backward_graph(dump: Dump) -> tuple[list[dict], list[tuple[str, str, str]]]:
+    """(items, edges) of the autograd graph: items are autograd nodes ordered by first execution (nodes
+    never run come last), edges ``(node, next node, "dtype[shape]" of the gradient passed)``."""
+    first: dict[int, int] = {}
+    count: dict[int, int] = {}
+    for r in dump.backward_ops():
+        n = r.get("node")
+        if n is not None:
+            first.setdefault(n, r["i"])
+            count[n] = count.get(n, 0) + 1
+    order = sorted(dump.nodes, key=lambda n: (n not in first, first.get(n, 0), n))
+    items, edges = [], []
+    for nid in order:
+        rec = dump.nodes[nid]
+        if rec.get("ext"):
+            kind, label = "ext", f"{rec['name']} (created before the capture)"
+        elif rec["name"] == "AccumulateGrad":
+            kind, label = "acc", f"AccumulateGrad {rec.get('param') or '?'}"
+        else:
+            kind, label = "node", f"{rec['name']} ({count.get(nid, 0)} ops)"
+        frames = dump.stack(rec.get("st"))
+        tip = "\n".join(f"{f}:{ln} in {fn}" for f, ln, fn in frames) or "(no forward stack)"
+        items.append({"id": f"n{nid}", "label": f"#{nid} {label}", "mod": rec.get("mod"), "kind": kind,
+                      "tip": f"{rec['name']}\nforward module: {rec.get('mod')}\nforward stack:\n{tip}"})
+        for nxt in rec.get("next") or []:
+            if nxt is None or nxt[0] not in dump.nodes:
+                continue
+            grads = dump.nodes[nxt[0]].get("grads") or []
+            g = grads[nxt[1]] if nxt[1] < len(grads) else None
+            edges.append((f"n{nid}", f"n{nxt[0]}", _meta_str(g)))
+    return items, edges
+
+
+# ---------------------------------------------------------------------------------------------- DOT
+def _dot(name: str, items: list[dict], edges: list[tuple[str, str, str]]) -> str:
+    tree: dict = {"items": [], "sub": {}}
+    for it in items:
+        node = tree
+        mod = it.get("mod")
+        if mod is not None:
+            path = ""
+            for part in (mod.split(".") if mod else [""]):
+                path = f"{path}.{part}" if path else part
+                node = node["sub"].setdefault(path, {"items": [], "sub": {}})
+        node["items"].append(it)
+    lines = [f"digraph {_q(name)} {{", "  rankdir=TB;", '  node [shape=box, fontname="monospace", fontsize=10];',
+             '  edge [fontname="monospace", fontsize=8];']
+
+    def emit(node: dict, indent: str) -> None:
+        for it in node["items"]:
+            shape = "ellipse" if it["kind"] in ("param", "input") else "box"
+            lines.append(f"{indent}{_q(it['id'])} [label={_q(it['label'])}, shape={shape}, style=filled, "
+                         f"fillcolor={_q(_COLORS[it['kind']])}, tooltip={_q(it['tip'])}];")
+        for path, sub in node["sub"].items():
+            lines.append(f"{indent}subgraph {_q('cluster_' + (path or '(root)'))} {{")
+            lines.append(f"{indent}  label={_q(path or '(root)')}; style=rounded; color=\"#888888\";")
+            emit(sub, indent + "  ")
+            lines.append(f"{indent}}}")
+
+    emit(tree, "  ")
+    for s, d, lab in edges:
+        lines.append(f"  {_q(s)} -> {_q(d)} [label={_q(lab)}];")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def forward_dot(dump: Dump | str | os.PathLike) -> str:
+    """Graphviz DOT text of the forward graph of a dump (path or :class:`Dump`), clustered by module, with
+    dtype and shape on every edge."""
+    return _dot("forward", *forward_graph(_as_dump(dump)))
+
+
+def backward_dot(dump: Dump | str | os.PathLike) -> str:
+    """Graphviz DOT text of the backward (autograd) graph of a dump, clustered by forward module, with the
+    gradient's dtype and shape on every edge."""
+    return _dot("backward", *backward_graph(_as_dump(dump)))
+
+
+# ---------------------------------------------------------------------------------------------- SVG / HTML
+_ROW, _INDENT, _MARGIN, _BOX_W, _CHAR_W = 22, 16, 160, 520, 6.6
+
+
+def _svg(title: str, items: list[dict], edges: list[tuple[str, str, str]]) -> str:
+    """An SVG outline of (items, edges): rows in order, module header rows and nested boxes, edge arcs."""
+    rows: list[tuple[str, int, dict]] = []  # (kind, depth, payload)
+    open_spans: list[list] = []  # innermost last; each [path, depth, first row, last row]
+    spans: list[list] = []
+    for it in items:
+        mod = it.get("mod")
+        parts = [] if mod is None else (mod.split(".") if mod else [""])
+        want = [".".join(parts[:k + 1]) for k in range(len(parts))]
+        while open_spans and (len(open_spans) > len(want) or open_spans[-1][0] != want[len(open_spans) - 1]):
+            open_spans.pop()
+        while len(open_spans) < len(want):
+            sp = [want[len(open_spans)], len(open_spans), len(rows), len(rows)]
+            spans.append(sp)
+            open_spans.append(sp)
+            rows.append(("header", sp[1], {"label": sp[0] or "(root)"}))
+        rows.append(("item", len(want), it))
+        for sp in open_spans:
+            sp[3] = len(rows) - 1
+    max_depth = max([d for _, d, _ in rows] + [0])
+    width = _MARGIN + _BOX_W + (max_depth + 1) * _INDENT + 20
+    height = (len(rows) + 1) * _ROW + 10
+    row_of = {p["id"]: k for k, (kind, _, p) in enumerate(rows) if kind == "item"}
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" class="graph" width="{width}" height="{height}" '
+           f'viewBox="0 0 {width} {height}" font-family="monospace" font-size="11">',
+           f"<title>{html.escape(title)}</title>"]
+    right = width - 10
+    for path, depth, r0, r1 in spans:
+        x = _MARGIN + depth * _INDENT
+        out.append(f'<rect class="cluster" x="{x}" y="{r0 * _ROW + 4}" width="{right - x}" '
+                   f'height="{(r1 - r0 + 1) * _ROW}" rx="6" fill="#000" fill-opacity="0.035" stroke="#999">'
+                   f"<title>{html.escape(path or '(root)')}</title></rect>")
+    for k, (kind, depth, p) in enumerate(rows):
+        y = k * _ROW + 6
+        x = _MARGIN + depth * _INDENT + 4
+        if kind == "header":
+            out.append(f'<text class="module" x="{x}" y="{y + 14}" font-weight="bold" fill="#555">'
+                       f"{html.escape(p['label'])}</text>")
+            continue
+        w = min(right - x - 4, max(120, int(len(p["label"]) * _CHAR_W) + 12))
+        rx = 9 if p["kind"] in ("param", "input") else 3
+        out.append(f'<g class="{p["kind"]}" id="{html.escape(p["id"])}"><title>{html.escape(p["tip"])}</title>'
+                   f'<rect x="{x}" y="{y + 1}" width="{w}" height="{_ROW - 4}" rx="{rx}" '
+                   f'fill="{_COLORS[p["kind"]]}" stroke="#445"/>'
+                   f'<text x="{x + 6}" y="{y + 14}">{html.escape(p["label"])}</text></g>')
+    for s, d, lab in edges:
+        if s not in row_of or d not in row_of:
+            continue
+        rs, rd = row_of[s], row_of[d]
+        xs = _MARGIN + rows[rs][1] * _INDENT + 4
+        xd = _MARGIN + rows[rd][1] * _INDENT + 4
+        ys, yd = rs * _ROW + 6 + _ROW // 2, rd * _ROW + 6 + _ROW // 2
+        bend = max(12.0, min(_MARGIN - 10.0, 8.0 + abs(rd - rs) * 6.0))
+        cx = min(xs, xd) - bend
+        out.append(f'<g class="edge"><title>{html.escape(s)} -> {html.escape(d)}: {html.escape(lab)}</title>'
+                   f'<path d="M{xs},{ys} C{cx},{ys} {cx},{yd} {xd},{yd}" fill="none" stroke="#36c" '
+                   f'stroke-opacity="0.55" marker-end="url(#arrow)"/>'
+                   f'<text x="{cx + 0.25 * (min(xs, xd) - cx) - 2:.1f}" y="{(ys + yd) / 2 + 3:.1f}" font-size="8" '
+                   f'text-anchor="end" fill="#36c">{html.escape(lab)}</text></g>')
+    out.insert(2, '<defs><marker id="arrow" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="6" '
+                  'markerHeight="6" orient="auto-start-reverse"><path d="M0,0 L10,5 L0,10 z" fill="#36c"/>'
+                  "</marker></defs>")
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def render_html(dump: Dump | str | os.PathLike, out: str | os.PathLike | None = None) -> str:
+    """A self-contained HTML page (inline SVG, no scripts, no network) with the forward and the backward
+    graph of a dump. Writes it to ``out`` when given; returns the HTML text."""
+    d = _as_dump(dump)
+    fwd = forward_graph(d)
+    bwd = backward_graph(d)
+    nf, nb = len(d.forward_ops()), len(d.backward_ops())
+    page = f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>oarlock debug: {html.escape(d.path.name)}</title>
+<style>body{{font-family:sans-serif;margin:1em}} h2{{margin-top:1.5em}} .legend span{{padding:1px 6px;
+border:1px solid #445;margin-right:6px;font-family:monospace;font-size:12px}}</style></head><body>
+<h1>{html.escape(d.path.name)}</h1>
+<p>{nf} forward ops, {nb} backward ops, {len(d.nodes)} autograd nodes; checksum {html.escape(str(d.checksum))};
+torch {html.escape(str(d.header.get('torch')))}. Hover a box for its call stack, an arc for its tensor.</p>
+<p class="legend"><span style="background:{_COLORS['op']}">op / autograd node</span><span
+style="background:{_COLORS['param']}">parameter</span><span style="background:{_COLORS['input']}">input</span><span
+style="background:{_COLORS['acc']}">AccumulateGrad</span><span style="background:{_COLORS['ext']}">boundary
+(created before capture)</span></p>
+<h2 id="forward">Forward graph</h2>
+{_svg("forward graph", *fwd)}
+<h2 id="backward">Backward (autograd) graph</h2>
+{_svg("backward graph", *bwd)}
+</body></html>
+"""
+    if out is not None:
+        Path(out).write_text(page, encoding="utf-8")
+    return page

@@ -1,0 +1,156 @@
+"""capture() records what plain torch runs; diff() finds the true first divergence; region/module guards."""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import oarlock.debug as od
+from debug_model import BACKWARD_LINE, FC_LINE, make_inputs, train_step
+
+
+class Reference(TorchDispatchMode):
+    """Plain-torch reference: op names, output shapes, and the first op reading a given tensor."""
+
+    def __init__(self, watch=None):
+        super().__init__()
+        self.ops, self.watch, self.first_reader = [], watch, None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        flat = [a for a in list(args) + list(kwargs.values())
+                for a in (a if isinstance(a, (list, tuple)) else [a])]
+        if self.first_reader is None and any(a is self.watch for a in flat):
+            self.first_reader = len(self.ops)
+        out = func(*args, **kwargs)
+        outs = out if isinstance(out, (list, tuple)) else [out]
+        self.ops.append((str(func), [list(o.shape) if isinstance(o, torch.Tensor) else None for o in outs],
+                         torch._C._current_autograd_node() is not None))
+        return out
+
+
+def reference_ops(perturb=False, extra_in=None):
+    model, x, y = make_inputs(perturb)
+    ref = Reference(watch=model.layers[1].fc.weight)
+    with ref:
+        train_step(model, x, y, extra_in)
+    return ref, model
+
+
+def test_records_every_op_with_module_paths_and_stacks(run):
+    path = run("a", checksum="md5")
+    d = od.load_dump(path)
+    ref, model = reference_ops()
+    assert [(r["op"], [m and m[0] for m in r["out"]], r["ph"] == "b") for r in d.ops] == ref.ops
+    # module paths: every Linear's addmm carries its own path; the parameters are named
+    fwd = d.forward_ops()
+    addmm = [r for r in fwd if r["op"] == "aten.addmm.default"]
+    assert [r["mod"] for r in addmm] == ["layers.0.fc", "layers.1.fc", "layers.2.fc", "head"]
+    assert "p:layers.1.fc.bias" in addmm[1]["src"]
+    assert {r["mod"] for r in fwd if r["op"] == "aten.native_layer_norm.default"} == \
+        {"layers.0.ln", "layers.1.ln", "layers.2.ln"}
+    # md5 of the real outputs: the model's final logits (addmm of head) recomputed with plain torch
+    logits = model(make_inputs()[1])
+    import hashlib
+    assert addmm[-1]["h"][0] == hashlib.md5(logits.detach().numpy().tobytes()).hexdigest()
+    # forward stacks point at the line of the test model that ran the op
+    fc_frames = d.stack(addmm[1]["st"])
+    assert fc_frames[0][0].endswith("debug_model.py") and fc_frames[0][1] == FC_LINE
+    # producers: addmm's inputs come from the layer norm (op index) and the transposed weight
+    ln = next(r for r in fwd if r["mod"] == "layers.1.ln")
+    assert f"o{ln['i']}.0" in addmm[1]["src"]
+
+
+def test_backward_ops_carry_forward_stack_of_their_producer(run):
+    d = od.load_dump(run("a", checksum=None))
+    bwd = d.backward_ops()
+    assert bwd and all("h" not in r for r in d.ops)
+    fc1 = [r for r in bwd if r["mod"] == "layers.1.fc" and r["nname"] in ("AddmmBackward0", "TBackward0")]
+    assert {r["nname"] for r in fc1} == {"AddmmBackward0", "TBackward0"}  # TBackward0 is made inside F.linear
+    for r in fc1:
+        fst = d.stack(r["fst"])
+        assert fst[0][0].endswith("debug_model.py") and fst[0][1] == FC_LINE, fst
+        st = d.stack(r["st"])  # the backward-time stack: the loss.backward() line
+        assert st[0][1] == BACKWARD_LINE
+    # every backward op except AccumulateGrad's has a forward stack
+    missing = [r["nname"] for r in bwd if "fst" not in r and r["nname"] != "torch::autograd::AccumulateGrad"]
+    assert missing == []
+    # AccumulateGrad ops are attributed to the parameter's module
+    acc = [r for r in bwd if r["nname"] == "torch::autograd::AccumulateGrad"]
+    assert len(acc) == sum(1 for _ in make_inputs()[0].parameters())
+    assert all(r["mod"] is not None for r in acc)
+
+
+def test_identical_runs_do_not_diverge(run):
+    rep = od.diff(run("a"), run("b"))
+    assert not rep.diverged and rep.mismatched == 0 and rep.structural == []
+    assert rep.compared == rep.aligned > 50
+
+
+def test_one_ulp_weight_change_is_found_exactly_and_tolerated_when_rounded(run):
+    ref, model = reference_ops(perturb=True)
+    rep = od.diff(run("a", save_tensors=4096), run("c", perturb=True, save_tensors=4096))
+    assert rep.diverged and rep.structural == []
+    d = rep.first
+    assert d.a["i"] == d.b["i"] == ref.first_reader  # the first op reading the changed weight
+    assert d.a["mod"] == "layers.1.fc" and d.a["ph"] == "f"
+    assert "p:layers.1.fc.weight" in d.a["src"]
+    # the reported difference is the one-ulp step itself
+    w0 = make_inputs()[0].layers[1].fc.weight.detach()[2, 3]
+    ulp = float(torch.nextafter(w0, torch.tensor(float("inf"))) - w0)
+    assert d.outputs[0].max_abs == pytest.approx(ulp, rel=1e-6)
+    assert d.outputs[0].max_rel == pytest.approx(ulp / abs(float(w0)), rel=1e-6)
+    assert d.stack_a[0][1] == FC_LINE
+    # the tolerant checksum does not flag it anywhere (forward or backward)
+    rep3 = od.diff(run("a3", checksum="rounded:3"), run("c3", perturb=True, checksum="rounded:3"))
+    assert not rep3.diverged and rep3.compared == rep3.aligned
+
+
+def test_extra_op_is_aligned_and_true_divergence_found(run):
+    ref, _ = reference_ops(perturb=True, extra_in=0)
+    a, b = run("a"), run("d", perturb=True, extra_in=0)
+    rep = od.diff(a, b)
+    assert rep.diverged
+    assert rep.first.b["i"] == ref.first_reader and rep.first.a["i"] == ref.first_reader - 1
+    assert rep.first.a["mod"] == "layers.1.fc"
+    extra = [r for s in rep.before_first for r in s.b_ops]
+    assert [(r["op"], r["mod"]) for r in extra] == [("aten.mul.Tensor", "layers.0")]
+    assert all(s.a_ops == [] for s in rep.before_first)
+    # a position-by-position comparison (what DebugMode.check_hash_mismatches does) blames the wrong op
+    da, db = od.load_dump(a), od.load_dump(b)
+    positional = next(k for k, (x, y) in enumerate(zip(da.ops, db.ops)) if x["h"] != y["h"])
+    assert positional < rep.first.a["i"] and da.ops[positional]["mod"].startswith("layers.0")
+    # the report names both call stacks and the extra op
+    text = rep.format()
+    assert "first divergence" in text and "aten.mul.Tensor" in text and f"debug_model.py:{FC_LINE}" in text
+
+
+def test_module_filter_and_region_guard(run, tmp_path):
+    full = od.load_dump(run("full", checksum=None))
+    only = od.load_dump(run("only", checksum=None, modules=["layers.1"]))
+    want = [(r["op"], r["mod"], r["ph"]) for r in full.ops
+            if r["mod"] is not None and (r["mod"] == "layers.1" or r["mod"].startswith("layers.1."))]
+    assert [(r["op"], r["mod"], r["ph"]) for r in only.ops] == want
+    assert {n["mod"] for n in only.nodes.values()} <= {"layers.1", "layers.1.fc", "layers.1.ln"}
+
+    model, x, y = make_inputs()
+    with od.capture(tmp_path / "region.jsonl", checksum=None, only_regions=True) as rec:
+        h = model.layers[0](x)
+        with rec.region("middle"):
+            h = model.layers[1](h)
+        loss = torch.nn.functional.cross_entropy(model.head(model.layers[2](h)), y)
+        loss.backward()
+    reg = od.load_dump(rec.path)
+    assert reg.ops and all(r["rg"] == "middle" for r in reg.ops)
+    # the region's forward ops and the backward ops of the autograd nodes created there (not AccumulateGrad)
+    want = [(r["op"], r["ph"]) for r in full.ops if r["mod"] is not None and r["mod"].startswith("layers.1")
+            and r.get("nname") != "torch::autograd::AccumulateGrad"]
+    assert [(r["op"], r["ph"]) for r in reg.ops] == want
+
+
+def test_bad_arguments():
+    with pytest.raises(od.DebugError, match="checksum="):
+        od.capture("x.jsonl", checksum="sha256")
+    with pytest.raises(od.DebugError, match="save_tensors="):
+        od.capture("x.jsonl", save_tensors=-1)
+    with pytest.raises(od.DebugError, match="modules="):
+        od.capture("x.jsonl", modules="layers.1")

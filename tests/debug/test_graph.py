@@ -1,0 +1,112 @@
+"""DOT output parses with pydot and matches the real autograd graph; the HTML renders in headless Chromium."""
+
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pydot
+import pytest
+import torch
+
+import oarlock.debug as od
+from debug_model import make_inputs
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:pydot.*")
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _walk(g):
+    """All nodes, edges and cluster names of a pydot graph, subgraphs included."""
+    nodes, edges, clusters = [], list(g.get_edges()), []
+    nodes += [n for n in g.get_nodes() if n.get_name() not in ("node", "edge", "graph")]
+    for sg in g.get_subgraphs():
+        clusters.append(sg.get_name().strip('"'))
+        n, e, c = _walk(sg)
+        nodes, edges, clusters = nodes + n, edges + e, clusters + c
+    return nodes, edges, clusters
+
+
+def _capture_step(tmp_path):
+    model, x, y = make_inputs()
+    with od.capture(tmp_path / "g.jsonl") as rec:
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        # reference autograd graph, walked with plain torch before backward frees it
+        seen, todo, ref_edges = set(), [loss.grad_fn], 0
+        while todo:
+            n = todo.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            nxt = [f for f, _ in n.next_functions if f is not None]
+            ref_edges += len(nxt)
+            todo.extend(nxt)
+        loss.backward()
+    return od.load_dump(rec.path), len(seen), ref_edges
+
+
+def test_forward_and_backward_dot_parse_and_match(tmp_path):
+    dump, ref_nodes, ref_edges = _capture_step(tmp_path)
+    (g,) = pydot.graph_from_dot_data(od.forward_dot(dump))
+    nodes, edges, clusters = _walk(g)
+    fwd = dump.forward_ops()
+    op_nodes = [n for n in nodes if re.fullmatch(r'"?o\d+"?', n.get_name())]
+    assert len(op_nodes) == len(fwd)
+    assert len(edges) == sum(len(r["in"]) for r in fwd)
+    assert {"cluster_layers", "cluster_layers.1", "cluster_layers.1.fc", "cluster_head"} <= set(clusters)
+    # shapes on edges: the edge into layers.1.fc's addmm from its weight's transpose carries [16, 16]
+    addmm = next(r for r in fwd if r["mod"] == "layers.1.fc" and r["op"] == "aten.addmm.default")
+    labels = {e.get_label().strip('"') for e in edges if e.get_destination().strip('"') == f"o{addmm['i']}"}
+    assert labels == {"float32[16]", "float32[8, 16]", "float32[16, 16]"}
+
+    (b,) = pydot.graph_from_dot_data(od.backward_dot(dump))
+    nodes, edges, clusters = _walk(b)
+    assert len(nodes) == ref_nodes == len(dump.nodes)
+    assert len(edges) == ref_edges
+    assert "cluster_layers.2.fc" in clusters
+    acc = [n for n in nodes if "AccumulateGrad layers.1.fc.weight" in n.get_label()]
+    assert len(acc) == 1
+    # the gradient reaching layers.1.fc.weight's AccumulateGrad is [16, 16]
+    into = [e for e in edges if e.get_destination() == acc[0].get_name()]
+    assert [e.get_label().strip('"') for e in into] == ["float32[16, 16]"]
+
+
+def _chromium() -> str:
+    r = subprocess.run(["bash", str(REPO / "scripts" / "chromium.sh")], capture_output=True, text=True,
+                       timeout=900)
+    if r.returncode != 0:
+        pytest.skip(r.stdout.strip() or r.stderr.strip() or "scripts/chromium.sh failed")
+    return r.stdout.strip().splitlines()[-1]
+
+
+def _headless(chrome: str, *args: str) -> subprocess.CompletedProcess:
+    with tempfile.TemporaryDirectory() as profile:
+        return subprocess.run([chrome, "--headless", "--no-sandbox", "--disable-gpu",
+                               "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                               "--no-first-run", f"--user-data-dir={profile}", *args],
+                              capture_output=True, text=True, timeout=120)
+
+
+def test_html_is_self_contained_and_renders_in_chromium(tmp_path):
+    dump, _, _ = _capture_step(tmp_path)
+    page = tmp_path / "g.html"
+    text = od.render_html(dump, page)
+    assert "<script" not in text and "<link" not in text
+    assert re.findall(r"https?://[^\"' ]+", text) == ["http://www.w3.org/2000/svg"] * 2  # only SVG's namespace
+    chrome = _chromium()
+    r = _headless(chrome, "--dump-dom", page.as_uri())
+    assert r.returncode == 0, r.stderr[-2000:]
+    dom = r.stdout
+    assert dom.count('<g class="op"') == len(dump.forward_ops())
+    assert dom.count('<g class="node"') == sum(1 for n in dump.nodes.values()
+                                               if not n.get("ext") and n["name"] != "AccumulateGrad")
+    shot = tmp_path / "g.png"
+    r = _headless(chrome, "--window-size=900,1200", f"--screenshot={shot}", page.as_uri())
+    assert r.returncode == 0 and shot.is_file(), r.stderr[-2000:]
+    import matplotlib.image
+
+    img = (matplotlib.image.imread(str(shot))[..., :3] * 255).round()
+    # the op boxes' fill colour (#dbe9f6) is on screen, i.e. the SVG was laid out and painted
+    box = (abs(img - torch.tensor([219, 233, 246]).numpy()).sum(-1) <= 3).sum()
+    assert box > 2000
