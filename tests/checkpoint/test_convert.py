@@ -268,6 +268,10 @@ def all_dtypes():
         "i8": torch.randint(-128, 127, (3, 4), generator=g, dtype=torch.int8),
         "u8": raw(12).view(3, 4),
         "bool": raw(12).view(3, 4) > 127,
+        "u16": raw(24).view(torch.uint16).view(3, 4),
+        "u32": raw(48).view(torch.uint32).view(3, 4),
+        "u64": raw(96).view(torch.uint64).view(3, 4),
+        "c64": torch.randn(3, 4, generator=g, dtype=torch.complex64),
     }
 
 
@@ -277,7 +281,7 @@ def test_every_dtype_from_hf_with_and_without_aoa(tmp_path):
     hf.mkdir()
     names = sorted(ref)
     weight_map = {}
-    for i, part in enumerate((names[:6], names[6:])):
+    for i, part in enumerate((names[:8], names[8:])):
         f = f"model-{i + 1:05d}-of-00002.safetensors"
         save_file({k: ref[k] for k in part}, hf / f)
         weight_map.update({k: f for k in part})
