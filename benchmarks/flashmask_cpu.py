@@ -2,7 +2,7 @@
 
 Grid (issue 8): causal document, sliding window, shared question, prefix LM at S = 1024, 4096, 8192;
 B=1, H=4, D=64, fp32. Forward and forward+backward (FlexAttention has no backward on CPU: forward only).
-Reports medians, ratios (anchor time / oarlock time, > 1 means oarlock is faster), tile sparsity at
+Reports best-of-N times (interleaved), ratios (anchor time / oarlock time, > 1 means oarlock is faster), tile sparsity at
 oarlock's tile size, live tiles, and mask memory. Appends a markdown table with the command to
 benchmarks/RESULTS.md unless --no-write.
 
@@ -12,6 +12,7 @@ benchmarks/RESULTS.md unless --no-write.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -39,14 +40,18 @@ def masks(s: int):
     }
 
 
-def bench(fn, reps: int) -> float:
-    fn()  # warm-up
-    times = []
+def bench(fns: dict, reps: int) -> dict:
+    """Best-of-``reps`` seconds per function, the functions interleaved rep by rep so that load from other
+    processes on a shared machine hits all contenders alike (the minimum is the least disturbed run)."""
+    for fn in fns.values():
+        fn()  # warm-up (and compilation)
+    times = {k: [] for k in fns}
     for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+        for k, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t)
+    return {k: min(v) for k, v in times.items()}
 
 
 def main(argv=None) -> int:
@@ -56,7 +61,10 @@ def main(argv=None) -> int:
     ap.add_argument("--masks", nargs="+", default=None)
     ap.add_argument("--no-flex", action="store_true", help="skip compiled FlexAttention (compiles per shape)")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     b, h, d = 1, 4, 64
     flex = torch.compile(flex_attention, dynamic=False)
@@ -90,16 +98,22 @@ def main(argv=None) -> int:
                 out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, attn_mask=keep)
                 torch.autograd.grad(out, (qt, kt, vt), dout.transpose(1, 2))
 
-            t_fm, t_fm_fb = bench(fm_fwd, args.reps), bench(fm_fb, args.reps)
-            t_sd, t_sd_fb = bench(sdpa_fwd, args.reps), bench(sdpa_fb, max(1, args.reps // 2))
-            t_fx = float("nan")
+            fwd = {"fm": fm_fwd, "sdpa": sdpa_fwd}
             bm_bytes = 0
             if not args.no_flex:
                 bmask = to_flex_block_mask(idx, causal=causal, block_size=128)
                 bm_bytes = sum(t.numel() * t.element_size() for t in bmask.as_tuple() if isinstance(t, torch.Tensor))
-                with torch.no_grad():
-                    qd, kd, vd = qt.detach(), kt.detach(), vt.detach()
-                    t_fx = bench(lambda: flex(qd, kd, vd, block_mask=bmask), args.reps)
+                qd, kd, vd = qt.detach(), kt.detach(), vt.detach()
+
+                def flex_fwd():
+                    with torch.no_grad():
+                        flex(qd, kd, vd, block_mask=bmask)
+
+                fwd["flex"] = flex_fwd
+            tf = bench(fwd, args.reps)
+            tb = bench({"fm": fm_fb, "sdpa": sdpa_fb}, args.reps)
+            t_fm, t_sd, t_fx = tf["fm"], tf["sdpa"], tf.get("flex", float("nan"))
+            t_fm_fb, t_sd_fb = tb["fm"], tb["sdpa"]
             rows.append(dict(mask=name, S=s, sparsity=sparsity, live=live, fm=t_fm, sdpa=t_sd, flex=t_fx,
                              fm_fb=t_fm_fb, sdpa_fb=t_sd_fb, idx_bytes=idx.numel() * 4,
                              dense_bytes=keep.numel(), bm_bytes=bm_bytes))
@@ -109,13 +123,14 @@ def main(argv=None) -> int:
                   f"(SDPA x{t_sd_fb / t_fm_fb:5.2f})", flush=True)
     table = ["| mask | S | tile sparsity | live tiles | oarlock fwd ms | SDPA-dense fwd ms | flex compiled fwd ms | "
              "SDPA/oarlock fwd | flex/oarlock fwd | oarlock fwd+bwd ms | SDPA-dense fwd+bwd ms | SDPA/oarlock fwd+bwd "
-             "| mask bytes: indices / dense bool / flex BlockMask |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| oarlock fwd+bwd us per live tile | mask bytes: indices / dense bool / flex BlockMask |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         table.append(f"| {r['mask']} | {r['S']} | {r['sparsity']:.1%} | {r['live']} | {r['fm'] * 1e3:.1f} | "
                      f"{r['sdpa'] * 1e3:.1f} | {r['flex'] * 1e3:.1f} | {r['sdpa'] / r['fm']:.2f} | "
                      f"{r['flex'] / r['fm']:.2f} | {r['fm_fb'] * 1e3:.1f} | {r['sdpa_fb'] * 1e3:.1f} | "
-                     f"{r['sdpa_fb'] / r['fm_fb']:.2f} | {r['idx_bytes']:,} / {r['dense_bytes']:,} / "
+                     f"{r['sdpa_fb'] / r['fm_fb']:.2f} | {r['fm_fb'] / r['live'] * 1e6:.0f} | "
+                     f"{r['idx_bytes']:,} / {r['dense_bytes']:,} / "
                      f"{r['bm_bytes']:,} |")
     print("\n".join(table))
     if not args.no_write:
@@ -124,7 +139,8 @@ def main(argv=None) -> int:
         with path.open("a") as f:
             f.write(f"\n## FlashMask CPU (oarlock tiled vs SDPA dense bool mask vs compiled FlexAttention)\n\n"
                     f"Command: `{cmd.strip()}` ({torch.get_num_threads()} threads, torch {torch.__version__}); "
-                    f"B=1, H=4, D=64, fp32, medians of {args.reps}. Ratios = anchor time / oarlock time "
+                    f"B=1, H=4, D=64, fp32, best of {args.reps} interleaved runs; load average at the end "
+                    f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs. Ratios = anchor time / oarlock time "
                     f"(> 1: oarlock faster). Tile sparsity at oarlock's {fm_cpu.BLOCK_M}x{fm_cpu.BLOCK_N} tiles. "
                     f"FlexAttention has no backward on CPU.\n\n" + "\n".join(table) + "\n")
     return 0

@@ -210,3 +210,14 @@ def test_torch_compile_fullgraph_forward_and_backward():
     torch.testing.assert_close(out, ref)
     for got, want in zip(_grads(out, (q, k, v), dout), _grads(ref, (q, k, v), dout)):
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("max_run", [64, 192])
+@pytest.mark.parametrize("kind", ["shared_question", "global_sliding_window", "qk_sparse", "full"])
+def test_online_softmax_over_several_steps(monkeypatch, kind, max_run):
+    # Long rows are split into softmax steps of at most MAX_RUN keys (online rescaling between steps); force
+    # that path at small sizes.
+    from oarlock.attention import cpu
+
+    monkeypatch.setattr(cpu, "MAX_RUN", max_run)
+    _check_against_reference(kind, 2, 333, 333, 4, 2, 1)

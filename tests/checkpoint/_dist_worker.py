@@ -195,6 +195,20 @@ def _run(rank: int, root: Path) -> None:
     load_state_dict({"flat": tw}, root / "flat")
     assert torch.equal(tw.local_tensor, f[b0:b0 + sizes_b[rank]])
 
+    # ---- pure TP2 on a 2-rank subgroup (ranks 0, 1 save alone) -> TP4 over the world
+    g01 = dist.new_group([0, 1])
+    tp = torch.arange(8 * 6, dtype=torch.float64).reshape(8, 6)
+    if rank < 2:
+        sw = ShardedWeight.shard_along_axis("tp", tp[:, 3 * rank:3 * rank + 3].clone(), 1, process_group=g01)
+        save_state_dict({"tp": sw, "step": 4}, root / "tp2", process_group=g01)
+    dist.barrier()
+    sw = ShardedWeight.shard_along_axis("tp", torch.zeros(2, 6, dtype=torch.float64), 0)
+    got = {"tp": sw, "step": 0}
+    load_state_dict(got, root / "tp2")
+    assert torch.equal(sw.local_tensor, tp[2 * rank:2 * rank + 2]) and got["step"] == 4
+    assert sorted(p.name for p in (root / "tp2").iterdir()) == ["metadata.json", "rank-00000.safetensors",
+                                                                "rank-00001.safetensors"]
+
     # ---- sharded_state_dict of a module with DTensor parameters, loaded into other placements
     torch.manual_seed(0)
     lin = torch.nn.Linear(7, 10)  # same initial values on every rank

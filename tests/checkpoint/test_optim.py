@@ -12,9 +12,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oarlock.checkpoint import (OptimizerHyperparameterWarning, OptimizerStateError, ShardDesc, load_state_dict,
-                                load_sharded_optimizer_state_dict, plan_load, save_state_dict, sharded_optimizer_state_dict,
-                                sharded_state_dict)
+from oarlock.checkpoint import (OptimizerHyperparameterWarning, OptimizerStateError, ShardDesc,
+                                load_sharded_optimizer_state_dict, plan_load, save_state_dict,
+                                sharded_optimizer_state_dict, sharded_state_dict)
 from oarlock.checkpoint.api import _execute
 from oarlock.checkpoint.metadata import CheckpointMetadata, ShardMeta, TensorMeta
 from oarlock.models.llama import Llama, LlamaConfig, causal_lm_loss, hf_aoa_config

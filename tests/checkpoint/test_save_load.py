@@ -300,3 +300,12 @@ def test_killed_save_does_not_load_and_spares_the_parent(tmp_path):
     got = zeros_like_sd(sample())
     load_state_dict(got, tmp_path / "step1")
     assert torch.equal(got["model"]["e"], sample(0)["model"]["e"])
+
+
+def test_aoa_deleted_source_is_not_unexpected(tmp_path):
+    save_state_dict({"w": torch.arange(6.0).view(2, 3), "junk": torch.ones(2)}, tmp_path / "ck")
+    w = torch.zeros(3, 2)
+    report = load_state_dict({"wt": w}, tmp_path / "ck", aoa_config=["w^T -> wt", "junk -> _"], strict=True)
+    assert torch.equal(w, torch.arange(6.0).view(2, 3).T) and report.unexpected_keys == []
+    with pytest.raises(CheckpointMismatchError, match="junk"):
+        load_state_dict({"wt": torch.zeros(3, 2)}, tmp_path / "ck", aoa_config=["w^T -> wt"], strict=True)

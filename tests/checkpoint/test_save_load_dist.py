@@ -39,8 +39,9 @@ def launched(tmp_path_factory):
 
 
 def test_four_ranks_all_layouts(launched):
-    """Runs every scenario of _dist_worker.py (A->B, A->A, 1->4, bytes read, uneven/flattened ShardedWeights,
-    replica spreading, overlap/gap errors, crash of one rank); reaching here means every rank passed."""
+    """Runs every scenario of _dist_worker.py (A->B, A->A, 1->4 against DCP; bytes read; uneven and flattened
+    ShardedWeights; TP2 on a 2-rank subgroup -> TP4; a module with DTensor parameters; replica spreading;
+    overlap/gap errors; one rank failing mid-save); reaching here means every rank passed."""
     assert (launched / "oar" / "metadata.json").is_file()
 
 

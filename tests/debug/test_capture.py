@@ -154,3 +154,16 @@ def test_bad_arguments():
         od.capture("x.jsonl", save_tensors=-1)
     with pytest.raises(od.DebugError, match="modules="):
         od.capture("x.jsonl", modules="layers.1")
+
+
+def test_captures_do_not_nest(tmp_path):
+    with od.capture(tmp_path / "outer.jsonl") as outer:
+        torch.ones(2) + 1
+        with pytest.raises(od.DebugError, match="do not nest"):
+            with od.capture(tmp_path / "inner.jsonl"):
+                pass
+        torch.ones(2) * 3
+    ops = [r["op"] for r in od.load_dump(outer.path).ops]
+    assert ops == ["aten.ones.default", "aten.add.Tensor", "aten.ones.default", "aten.mul.Tensor"]
+    with od.capture(tmp_path / "again.jsonl"):  # usable again afterwards
+        pass

@@ -15,8 +15,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from oarlock.models.llama import Llama, LlamaConfig, causal_lm_loss
-from oarlock.models.parallel import (ParallelLayout, build_mesh, forward_backward, full_grads, full_state_dict,
-                                     load_full_state_dict, parallelize_llama)
+from oarlock.models.parallel import (ParallelLayout, build_mesh, forward_backward, single_device_grads,
+                                     single_device_state_dict,
+                                     load_single_device_state_dict, parallelize_llama)
 from oarlock.models.zero import ZeroRedundancyAdamW
 
 # hidden 31 and vocab 101 make every total parameter count odd, so the ZeRO buffers need padding.
@@ -30,7 +31,8 @@ LR, WD, EPS, STEPS = 1e-2, 0.1, 1e-4, 3
 
 CHECKS = {
     2: [("d2", DENSE), ("t2", DENSE), ("t2-tied", TIED), ("p2", DENSE), ("e2", MOE), ("t2-moe", MOE), ("d2-moe", MOE)],
-    4: [("d4", DENSE), ("d2t2", DENSE), ("p2t2", DENSE), ("d2p2", DENSE), ("e2t2", MOE), ("d2e2", MOE), ("e4", MOE)],
+    4: [("d4", DENSE), ("d2t2", DENSE), ("p2t2", DENSE), ("d2p2", DENSE), ("e2t2", MOE), ("d2e2", MOE), ("e4", MOE),
+        ("p2@1,3", DENSE)],  # a layout on a subset of the world's ranks
 }
 
 
@@ -65,12 +67,15 @@ def reference(cfg, dp):
 
 
 def check_layout(spec, cfg):
-    layout = ParallelLayout.parse(spec.split("-")[0])
+    layout = ParallelLayout.parse(spec.split("-")[0].split("@")[0])
+    ranks = [int(r) for r in spec.split("@")[1].split(",")] if "@" in spec else None
     init, ref_losses, ref_final, ref_moments = reference(cfg, layout.dp)
-    mesh = build_mesh(layout)
+    mesh = build_mesh(layout, ranks=ranks)
+    if ranks is not None and dist.get_rank() not in ranks:
+        return
     model = Llama(cfg)
     parallelize_llama(model, mesh, tp=layout.tp, dp=layout.dp, pp=layout.pp, ep=layout.ep)
-    load_full_state_dict(model, init)  # not needed with equal seeds, but exercises the loader on every layout
+    load_single_device_state_dict(model, init)  # not needed with equal seeds, but exercises the loader on every layout
     state = model.parallel_state
     dp_rank = dist.get_rank(state.dp_group) if state.dp_group is not None else 0
     opt = ZeroRedundancyAdamW(model.named_parameters(), lr=LR, weight_decay=WD, eps=EPS, group=state.dp_group)
@@ -81,7 +86,7 @@ def check_layout(spec, cfg):
         torch.testing.assert_close(loss.item(), ref_losses[step][dp_rank], rtol=1e-5, atol=1e-6,
                                    msg=lambda m, s=step: f"loss at step {s}: {m}")
         opt.step()
-    final = full_state_dict(model)
+    final = single_device_state_dict(model)
     assert set(final) <= set(ref_final) and final, sorted(final)
     held = {k for k in final if not k.startswith("layers.")} | {".".join(k.split(".")[:2]) for k in final}
     if layout.pp == 1:

@@ -1,16 +1,17 @@
 """oarlock.models.llama against HF transformers (the independent reference) on tiny random configs."""
 
-import math
 import re
 
 import pytest
 import torch
 
 from oarlock.errors import OarlockError
-from oarlock.models.llama import (Llama, LlamaConfig, _flashmask_attention_fallback, causal_document_mask,
+from oarlock.models.llama import (Llama, LlamaConfig, causal_document_mask,
                                   convert_hf_state_dict, document_position_ids, ffn_fused_permutation, fuse_qkv,
                                   hf_aoa_config, hf_export_aoa_config, qkv_fused_order, split_qkv,
                                   to_hf_state_dict)
+
+from oarlock.attention import masks as attention_masks
 
 transformers = pytest.importorskip("transformers")
 
@@ -96,50 +97,8 @@ def test_document_mask_and_positions_follow_the_spec_example():
     mask = causal_document_mask(doc)
     assert mask.dtype == torch.int32 and mask.shape == (1, 1, 10, 1)
     assert mask.flatten().tolist() == [4, 4, 4, 4, 7, 7, 7, 10, 10, 10]
+    assert torch.equal(mask, attention_masks.causal_document_mask([4, 3, 3]))  # the attention package's builder
     assert document_position_ids(doc).tolist() == [[0, 1, 2, 3, 0, 1, 2, 0, 1, 2]]
-
-
-def _dense_reference(q, k, v, idx, causal):
-    """Per-element loop over the FlashMask table (flashmask.md 1.3), then softmax attention in float64."""
-    b, sq, h, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
-    out = torch.zeros(b, sq, h, d, dtype=torch.float64)
-    for bi in range(b):
-        for hi in range(h):
-            mh = 0 if idx is None or idx.shape[1] == 1 else hi // (h // idx.shape[1])
-            for i in range(sq):
-                scores = []
-                for j in range(sk):
-                    m = causal and j > i + (sk - sq)
-                    if idx is not None:
-                        e = idx[bi, mh, j].tolist()
-                        if causal and len(e) == 1:
-                            m = m or i >= e[0]
-                        elif causal:
-                            m = m or e[0] <= i < e[1]
-                        elif len(e) == 2:
-                            m = m or i >= e[0] or i < e[1]
-                        else:
-                            m = m or e[0] <= i < e[1] or e[2] <= i < e[3]
-                    s = float(q[bi, i, hi].double() @ k[bi, j, hi // (h // hk)].double()) / math.sqrt(d)
-                    scores.append(-math.inf if m else s)
-                t = torch.tensor(scores, dtype=torch.float64)
-                if torch.isinf(t).all():
-                    continue  # fully masked row -> zeros
-                out[bi, i, hi] = torch.softmax(t, 0) @ v[bi, :, hi // (h // hk)].double()
-    return out
-
-
-@pytest.mark.parametrize("causal,n", [(True, 1), (True, 2), (False, 2), (False, 4)])
-def test_fallback_attention_matches_dense_table(causal, n):
-    g = torch.Generator().manual_seed(n + 10 * causal)
-    b, s, h, hk, d = 2, 7, 4, 2, 8
-    q, k, v = (torch.randn(b, s, x, d, generator=g) for x in (h, hk, hk))
-    idx = torch.randint(0, s + 1, (b, hk, s, n), generator=g, dtype=torch.int32)
-    if n == 4:
-        idx = torch.sort(idx, dim=-1).values
-    out = _flashmask_attention_fallback(q, k, v, idx, causal=causal)
-    torch.testing.assert_close(out.double(), _dense_reference(q, k, v, idx, causal), rtol=1e-5, atol=1e-5)
 
 
 def test_fused_layouts_follow_the_spec_examples():
@@ -181,3 +140,34 @@ def test_bad_config_errors_name_the_field():
     del sd["model.layers.0.mlp.up_proj.weight"]
     with pytest.raises(OarlockError, match="layers.0.mlp.up_proj.weight"):
         convert_hf_state_dict(sd, cfg)
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama-tied-bias", "qwen2_moe"])
+def test_aoa_import_and_export_equal_the_plain_converter(kind, tmp_path):
+    """hf_aoa_config through FlexCheckpoint's AOA engine loads an HF directory exactly like
+    convert_hf_state_dict; the export config and the reverse-mode import config both give to_hf_state_dict."""
+    from oarlock.checkpoint import load_state_dict
+    from oarlock.checkpoint.full import full_state_dict
+
+    if kind == "qwen2_moe":
+        hc = transformers.Qwen2MoeConfig(vocab_size=101, hidden_size=48, intermediate_size=64,
+                                         moe_intermediate_size=24, shared_expert_intermediate_size=32,
+                                         num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
+                                         num_experts=4, num_experts_per_tok=2)
+        hf = _randomize(transformers.Qwen2MoeForCausalLM(hc))
+    else:
+        hf = _hf_llama(tied=kind != "llama", bias=kind != "llama")
+    hf.save_pretrained(tmp_path)  # per-expert keys on disk
+    cfg = LlamaConfig.from_hf(hf.config)
+    model = Llama(cfg)
+    report = load_state_dict(model.state_dict(), tmp_path, aoa_config=hf_aoa_config(cfg))
+    assert not report.missing_keys and not report.unexpected_keys
+    want = convert_hf_state_dict(hf.state_dict(), cfg)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, want[k]), k
+    hf_keys = to_hf_state_dict(model.state_dict(), cfg)
+    for config in (hf_export_aoa_config(cfg), {"aoa_statements": hf_aoa_config(cfg), "aoa_config_reverse": True}):
+        out = dict(full_state_dict(model.state_dict(), config))
+        assert set(out) == set(hf_keys)
+        for k, v in hf_keys.items():
+            assert torch.equal(out[k], v), k

@@ -8,7 +8,8 @@ import torch
 
 from oarlock.errors import OarlockError
 from oarlock.models import smollm2
-from oarlock.models.llama import Llama, LlamaConfig, convert_hf_state_dict
+from oarlock.checkpoint import load_state_dict
+from oarlock.models.llama import Llama, LlamaConfig, convert_hf_state_dict, hf_aoa_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -37,8 +38,17 @@ def test_smollm2_logits_match_hf(cache_dir):
     cfg = LlamaConfig.from_hf(hf.config)
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
             cfg.intermediate_size, cfg.vocab_size, cfg.tie_word_embeddings) == (30, 576, 9, 3, 1536, 49152, True)
+    # The demo's path: FlexCheckpoint + AOA (fused_qkv num_heads=9, num_key_value_groups=3; fused_ffn) ...
     model = Llama(cfg).eval()
-    model.load_state_dict(convert_hf_state_dict(load_file(d / "model.safetensors"), cfg), strict=True)
+    assert "fused_qkv, num_heads=9, num_key_value_groups=3" in " ".join(hf_aoa_config(cfg))
+    report = load_state_dict(model.state_dict(), d, aoa_config=hf_aoa_config(cfg))
+    assert not report.missing_keys and not report.unexpected_keys
+    # ... equals the plain torch conversion, tensor for tensor.
+    want = convert_hf_state_dict(load_file(d / "model.safetensors"), cfg)
+    assert set(want) == set(model.state_dict())
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, want[k]), k
+    del want
     prompt = "The capital of France is"
     ids = tok(prompt + " Paris. The quick brown fox jumps over", return_tensors="pt").input_ids
     n_prompt = len(tok(prompt).input_ids)

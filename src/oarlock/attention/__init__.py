@@ -6,6 +6,7 @@ elsewhere). :mod:`oarlock.attention.masks` has one constructor per mask type and
 conversions; :mod:`oarlock.attention.context_parallel` plans mask-aware context-parallel load balancing.
 """
 
+from oarlock.attention.context_parallel import ContextParallelPlan, plan_context_parallel
 from oarlock.attention.errors import AttentionError, AttentionInputError, MaskNotRepresentableError
 from oarlock.attention.flashmask import flashmask_attention
 from oarlock.attention.masks import (bidirectional_sliding_window_mask, causal_blockwise_mask, causal_document_mask,
@@ -21,4 +22,5 @@ __all__ = [
     "document_mask", "shared_question_mask", "global_sliding_window_mask", "prefix_lm_causal_mask",
     "prefix_lm_document_mask", "qk_sparse_mask", "random_eviction_mask", "causal_blockwise_mask",
     "to_dense_mask", "from_dense_mask", "to_mask_mod", "to_flex_block_mask", "mask_picture",
+    "plan_context_parallel", "ContextParallelPlan",
 ]

@@ -306,12 +306,9 @@ def sharded_optimizer_state_dict(optimizer: Any, model_sharded_state_dict: Mappi
 
 # ---------------------------------------------------------------- load
 
-def _param_of(key: str, entries: list[_Entry]) -> tuple[str, str]:
-    for e in entries:
-        for s in e.states:
-            if key == f"{e.key}.{s}":
-                return e.key, s
-    return key, ""
+def _owners(entries: list[_Entry]) -> dict[str, tuple[str, str]]:
+    """State key -> (model key, state name)."""
+    return {f"{e.key}.{s}": (e.key, s) for e in entries for s in e.states}
 
 
 def _missing_message(missing: list[tuple[str, str]], algorithm: str, path: Any) -> str:
@@ -360,6 +357,7 @@ def load_sharded_optimizer_state_dict(optimizer: Any, model_sharded_state_dict: 
     """
     rank = _group_rank(process_group)
     b = _build(optimizer, model_sharded_state_dict)
+    owners = _owners(b.entries)
     err = None
     saved_groups: list[dict[str, Any]] | None = None
     try:
@@ -372,7 +370,7 @@ def load_sharded_optimizer_state_dict(optimizer: Any, model_sharded_state_dict: 
                                       f"{b.algorithm}; parameter {first!r} (and every other) has no "
                                       f"{b.algorithm} state in the checkpoint")
         if aoa_config is None:
-            missing = [_param_of(k, b.entries) for k in b.shards if k not in meta.tensors]
+            missing = [owners[k] for k in b.shards if k not in meta.tensors]
             if missing:
                 raise OptimizerStateError(_missing_message(missing, b.algorithm, path))
     except Exception as e:
@@ -393,7 +391,7 @@ def load_sharded_optimizer_state_dict(optimizer: Any, model_sharded_state_dict: 
         request.update(model_sharded_state_dict)
     report = load_state_dict(request, path, process_group=process_group, aoa_config=aoa_config, strict=False)
     report.missing_keys = [k for k in report.missing_keys if k not in (ALGORITHM_KEY, PARAM_GROUPS_KEY)]
-    missing_opt = [_param_of(k, b.entries) for k in report.missing_keys if k in b.shards]
+    missing_opt = [owners[k] for k in report.missing_keys if k in b.shards]
     if missing_opt:
         raise OptimizerStateError(_missing_message(missing_opt, b.algorithm, path))
     if load_model:

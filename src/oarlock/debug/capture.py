@@ -61,10 +61,25 @@ _SKIP_NAMESPACES = ("profiler",)
 _SAFETENSORS_DTYPES = {torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
                        torch.int16, torch.int8, torch.uint8, torch.bool}
 _ACC = "torch::autograd::AccumulateGrad"
+_ACTIVE: "Capture | None" = None  # the capture running now (captures do not nest)
+
+
+_DTYPE_STR: dict[torch.dtype, str] = {}
+_OP_STR: dict[Any, str] = {}
 
 
 def _dtype_str(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    s = _DTYPE_STR.get(dtype)
+    if s is None:
+        s = _DTYPE_STR[dtype] = str(dtype).removeprefix("torch.")
+    return s
+
+
+def _op_str(func) -> str:
+    s = _OP_STR.get(func)
+    if s is None:
+        s = _OP_STR[func] = str(func)
+    return s
 
 
 def _meta(x: Any) -> list | None:
@@ -154,17 +169,19 @@ class Capture:
         self._model = model
         self.num_ops = 0
         self.num_nodes = 0
-        self._active = False
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> "Capture":
-        if self._active:
-            raise DebugError("this capture is already active; create a new oarlock.debug.capture(...)")
+        global _ACTIVE
+        if _ACTIVE is not None:
+            # The outer capture's dispatch mode would also record this one's checksum ops.
+            raise DebugError(f"a capture into {_ACTIVE.path} is already active; captures do not nest (use "
+                             "modules=[...] or region() to narrow one capture instead)")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "w", encoding="utf-8")
         self._token = object()  # tags from other (earlier) captures are ignored
         self._buf: list[dict] = []
-        self._pending: list[tuple[list, int, torch.Tensor]] = []
+        self._pending: list[tuple[list, int, torch.Tensor, int]] = []
         self._saved: dict[str, torch.Tensor] = {}
         self._stack_ids: dict[tuple, int] = {}
         self._user_code: dict[Any, bool] = {}
@@ -192,16 +209,17 @@ class Capture:
         self._fmode, self._dmode = _FunctionTagger(self), _OpRecorder(self)
         self._fmode.__enter__()
         self._dmode.__enter__()
-        self._active = True
+        _ACTIVE = self
         logger.info("capture started: %s (checksum=%s, stacks=%s)", self.path, self.checksum, self.stacks)
         return self
 
     def __exit__(self, *exc) -> None:
         self._dmode.__exit__(*exc)
         self._fmode.__exit__(*exc)
+        global _ACTIVE
         for h in self._hooks:
             h.remove()
-        self._active = False
+        _ACTIVE = None
         try:
             self._emit({"k": "end", "ops": self.num_ops, "nodes": self.num_nodes})
             self._flush()
@@ -341,14 +359,14 @@ class Capture:
         if node is None:
             mod = self._mod_stack[-1] if self._mod_stack else None
             rg = self._regions[-1] if self._regions else None
-            rec = {"k": "op", "i": 0, "op": str(func), "ph": "f", "mod": mod}
+            rec = {"k": "op", "i": 0, "op": _op_str(func), "ph": "f", "mod": mod}
         else:
             tag = node.metadata.get(_KEY)
             if tag is not None and tag[0] is self._token:
                 _, nid, fst, mod, rg = tag
             else:  # a node this capture never saw created (graph built before the capture)
                 nid = fst = mod = rg = None
-            rec = {"k": "op", "i": 0, "op": str(func), "ph": "b", "mod": mod, "node": nid, "nname": node.name()}
+            rec = {"k": "op", "i": 0, "op": _op_str(func), "ph": "b", "mod": mod, "node": nid, "nname": node.name()}
             if fst is not None:
                 rec["fst"] = fst
         if not self._keep(mod, rg):
@@ -381,7 +399,7 @@ class Capture:
                 if isinstance(h, str):
                     hs[j] = h
                 else:
-                    self._pending.append((hs, j, h))
+                    self._pending.append((hs, j, h[0], h[1]))
             if (self.save_tensors and t.numel() <= self.save_tensors and t.dtype in _SAFETENSORS_DTYPES
                     and _ck.hashable(t)):
                 self._saved[key] = t.detach().to("cpu", copy=True).contiguous()
@@ -409,9 +427,9 @@ class Capture:
             for item in self._pending:
                 by_dev.setdefault(item[2].device, []).append(item)
             for items in by_dev.values():  # one device-to-host read per device and batch
-                values = torch.stack([h for _, _, h in items]).tolist()
-                for (hs, j, _), v in zip(items, values):
-                    hs[j] = _ck.format_hash(v)
+                values = torch.stack([item[2] for item in items]).tolist()
+                for (hs, j, _, n), v in zip(items, values):
+                    hs[j] = _ck.format_hash(v, n)
             self._pending = []
         dumps = json.dumps
         self._file.write("".join(dumps(r, separators=(",", ":")) + "\n" for r in self._buf))

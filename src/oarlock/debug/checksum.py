@@ -3,13 +3,16 @@
 Three kinds, chosen by a spec string (``parse_checksum``):
 
 - ``"fast"``: a position-sensitive 64-bit fingerprint computed **on the tensor's device** with torch ops.
-  The tensor's bit patterns (bit-cast to a same-width integer, widened to int64) are multiplied by fixed
-  odd pseudo-random weights and summed modulo 2**64. No data is copied to the host; only the final 8-byte
-  value is read back, and the recorder reads those in batches. Any single-element change of the bits changes
-  the sum (the weight is odd, so ``delta * w != 0 mod 2**64`` for ``0 < |delta| < 2**64``), unlike
-  ``torch.hash_tensor``'s XOR reduction, which cannot see a permutation. The weights come from integer
-  arithmetic (a SplitMix64-style mixer, Steele et al., "Fast splittable pseudorandom number generators",
-  OOPSLA 2014), so the value is the same on every device, machine and torch version.
+  The tensor's bit patterns (bit-cast to int32 words; 1- and 2-byte types widened to int32, 8-byte types
+  split into two words) are multiplied by two fixed vectors of odd pseudo-random weights and each product
+  vector is summed with 32-bit wrap-around: ``lane_j = sum_i(word_i * w_j[i]) mod 2**32``. The fingerprint
+  is ``(lane_0 + n) mod 2**32`` in the high half and ``lane_1`` in the low half. No data is copied to the host;
+  only the two lanes are read back, and the recorder reads those in batches. Any single-word change alters
+  lane 0 (an odd weight is invertible mod 2**32), unlike ``torch.hash_tensor``'s XOR reduction, which cannot
+  see a permutation. 32-bit lanes keep every pass vectorised (64-bit multiply and widening sums are several
+  times slower on CPUs). The weights come from integer arithmetic (the SplitMix64 finaliser, Steele et al.,
+  "Fast splittable pseudorandom number generators", OOPSLA 2014: low word -> w_0, high word -> w_1), so the
+  value is the same on every device, machine and torch version.
 - ``"md5"``: MD5 (RFC 1321, via :mod:`hashlib`) of the raw bytes in logical (C-contiguous) order. Exact
   and portable but slow (about 350 MB/s per core) and, on GPU, it copies every output to the host.
 - ``"rounded:N"``: the fast fingerprint of ``round(x * 10**N)`` in float64, i.e. of the values rounded to N
@@ -27,7 +30,9 @@ import torch
 from oarlock.debug.errors import DebugError
 
 _MASK64 = (1 << 64) - 1
-_CHUNK = 1 << 20  # weights are cached for this many elements; larger tensors are hashed chunk by chunk
+_MASK32 = (1 << 32) - 1
+_CHUNK = 1 << 20  # weights are cached for this many words; longer tensors are hashed chunk by chunk
+_MV_MAX = 1 << 15  # below this many words torch.mv beats multiply + sum on CPU
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _weights: dict[torch.device, torch.Tensor] = {}
 
@@ -41,48 +46,61 @@ _GOLDEN, _M1, _M2 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9), _s
 
 
 def _position_weights(device: torch.device) -> torch.Tensor:
-    """int64 [_CHUNK] odd weights on ``device`` (SplitMix64 finaliser of the index; wrap-around arithmetic)."""
+    """int32 [2, _CHUNK] odd weights on ``device``: the low and high words of SplitMix64(index + 1)."""
     w = _weights.get(device)
     if w is None:
-        x = (torch.arange(1, _CHUNK + 1, dtype=torch.int64, device=device) * _GOLDEN)
+        x = torch.arange(1, _CHUNK + 1, dtype=torch.int64) * _GOLDEN  # wrap-around int64 arithmetic
         # torch's >> is arithmetic on int64; mask to emulate the logical shift of the reference mixer.
         x = (x ^ ((x >> 30) & ((1 << 34) - 1))) * _M1
         x = (x ^ ((x >> 27) & ((1 << 37) - 1))) * _M2
         x = x ^ ((x >> 31) & ((1 << 33) - 1))
-        w = _weights[device] = x | 1
+        lo = (x & _MASK32) | 1
+        hi = ((x >> 32) & _MASK32) | 1
+        both = torch.stack([lo, hi])
+        both = torch.where(both >= 1 << 31, both - (1 << 32), both).to(torch.int32)
+        w = _weights[device] = both.to(device)
     return w
 
 
-def _as_int64_bits(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's elements bit-cast to a same-width integer and widened to int64, flattened."""
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's elements as a flat int32 vector of bit patterns (see the module docstring)."""
     t = t.detach()
     if t.is_complex():
         t = torch.view_as_real(t)
-    if t.dtype != torch.int64:
-        t = t.view(_INT_OF_SIZE[t.element_size()])
-    return t.reshape(-1).to(torch.int64)
+    size = t.element_size()
+    if size == 4:
+        return t.view(torch.int32).reshape(-1)
+    flat = t.view(_INT_OF_SIZE[size]).reshape(-1)
+    if size == 8:
+        return flat.view(torch.int32)
+    return flat.to(torch.int32)
 
 
-def _fingerprint_int64(flat: torch.Tensor) -> torch.Tensor:
-    """0-dim int64 tensor on flat's device: sum(flat[i] * w[i]) mod 2**64, chunked for long inputs."""
-    w = _position_weights(flat.device)
-    n = flat.numel()
+def _lanes(words: torch.Tensor) -> torch.Tensor:
+    """int32 [2] on words' device: both weighted sums (mod 2**32), chunked for long inputs."""
+    w = _position_weights(words.device)
+    n = words.numel()
+    if n <= _MV_MAX and words.device.type == "cpu":
+        # One call instead of two for the many small outputs; CPU integer gemv accumulates in int32 with the
+        # same wrap-around (checked against the pure-Python reference in the tests).
+        return torch.mv(w.narrow(1, 0, n), words)
     if n <= _CHUNK:
-        return (flat * w[:n]).sum() + n
-    acc = torch.zeros((), dtype=torch.int64, device=flat.device)
+        return (words * w[:, :n]).sum(dim=1, dtype=torch.int32)
+    acc = torch.zeros(2, dtype=torch.int32, device=words.device)
     for k, start in enumerate(range(0, n, _CHUNK)):
-        seg = flat[start:start + _CHUNK]
-        acc = acc + (seg * w[:seg.numel()]).sum() * w[k]  # w[k] is odd: chunk order matters
-    return acc + n
+        seg = words[start:start + _CHUNK]
+        acc = acc + (seg * w[:, :seg.numel()]).sum(dim=1, dtype=torch.int32) * w[0, k]  # odd: order matters
+    return acc
 
 
 def fast_hash(t: torch.Tensor) -> torch.Tensor:
     """Device-side 64-bit fingerprint of a strided tensor (any dtype, any device).
 
-    Returns a 0-dim ``torch.int64`` tensor on ``t``'s device (read it with :func:`format_hash`); reading it
-    is the only host transfer. Cost: three elementwise passes and one reduction over ``t``.
+    Returns the two 32-bit lanes as an int32 tensor of shape [2] on ``t``'s device, not yet combined, so
+    that reading it (:func:`format_hash`) is the only host transfer and can be batched. Cost for 4-byte
+    dtypes: one multiply and one reduction pass over ``t`` (plus a copy if ``t`` is not contiguous).
     """
-    return _fingerprint_int64(_as_int64_bits(t))
+    return _lanes(_words(t))
 
 
 def rounded_hash(t: torch.Tensor, decimals: int) -> torch.Tensor:
@@ -90,7 +108,7 @@ def rounded_hash(t: torch.Tensor, decimals: int) -> torch.Tensor:
 
     Floating values are scaled by ``10**decimals`` in float64, rounded half-to-even, and converted to int64
     (magnitudes are clamped to 2**62, so +-inf hash like huge values; NaN maps to 2**63 - 1024); integer
-    tensors are hashed as they are. Returns a 0-dim int64 tensor on ``t``'s device.
+    tensors are hashed as they are. Returns the int32 [2] lanes on ``t``'s device.
     """
     t = t.detach()
     if t.is_complex():
@@ -100,7 +118,12 @@ def rounded_hash(t: torch.Tensor, decimals: int) -> torch.Tensor:
     big = float(1 << 62)
     x = torch.round(t.to(torch.float64) * (10.0 ** decimals)).clamp_(-big, big)  # clamp keeps NaN
     x = torch.nan_to_num(x, nan=float((1 << 63) - 1024))  # a float64-exact int64 above the clamp range
-    return _fingerprint_int64(x.reshape(-1).to(torch.int64))
+    return fast_hash(x.to(torch.int64))
+
+
+def _words_count(t: torch.Tensor) -> int:
+    n = t.numel() * (2 if t.is_complex() else 1)
+    return n * 2 if t.element_size() // (2 if t.is_complex() else 1) == 8 else n
 
 
 def md5_hash(t: torch.Tensor) -> str:
@@ -109,11 +132,26 @@ def md5_hash(t: torch.Tensor) -> str:
     return hashlib.md5(raw.numpy().tobytes()).hexdigest()
 
 
-def format_hash(value: int | torch.Tensor) -> str:
-    """16 hex digits of a 64-bit fingerprint (a Python int or a 0-dim int64 tensor)."""
-    if isinstance(value, torch.Tensor):
-        value = int(value.item())
-    return f"{value & _MASK64:016x}"
+def format_hash(lanes, n_words: int) -> str:
+    """16 hex digits of a fast/rounded fingerprint from its two lanes (an int32 [2] tensor or two ints) and
+    the number of 32-bit words hashed."""
+    if isinstance(lanes, torch.Tensor):
+        lanes = lanes.tolist()
+    hi, lo = (lanes[0] + n_words) & _MASK32, lanes[1] & _MASK32
+    return f"{hi:08x}{lo:08x}"
+
+
+def hash_hex(spec: str | None, t: torch.Tensor) -> str | None:
+    """The checksum of ``t`` under ``spec`` as a hex string (None when ``spec`` is None): a convenience
+    for tests and one-off use; the recorder batches the device reads instead."""
+    kind, n = parse_checksum(spec)
+    if kind is None:
+        return None
+    if kind == "md5":
+        return md5_hash(t)
+    if kind == "fast":
+        return format_hash(fast_hash(t), _words_count(t))
+    return format_hash(rounded_hash(t, n), 2 * t.numel() * (2 if t.is_complex() else 1))
 
 
 def parse_checksum(spec: str | None) -> tuple[str | None, int | None]:
@@ -135,16 +173,17 @@ def parse_checksum(spec: str | None) -> tuple[str | None, int | None]:
     raise DebugError(f"checksum={spec!r}: expected None, 'fast', 'md5' or 'rounded:N' with 0 <= N <= 15")
 
 
-def hasher(spec: str | None) -> tuple[str | None, Callable[[torch.Tensor], torch.Tensor | str] | None]:
-    """(normalised spec, function tensor -> 0-dim int64 tensor or hex str) for a checksum spec."""
+def hasher(spec: str | None) -> tuple[str | None, Callable[[torch.Tensor], tuple[torch.Tensor, int] | str] | None]:
+    """(normalised spec, function) for a checksum spec. The function maps a tensor to its MD5 hex string, or
+    for fast/rounded to ``(lanes, n_words)`` still on the device (combine with :func:`format_hash`)."""
     kind, n = parse_checksum(spec)
     if kind is None:
         return None, None
     if kind == "fast":
-        return "fast", fast_hash
+        return "fast", lambda t: (fast_hash(t), _words_count(t))
     if kind == "md5":
         return "md5", md5_hash
-    return f"rounded:{n}", lambda t: rounded_hash(t, n)
+    return f"rounded:{n}", lambda t: (rounded_hash(t, n), 2 * t.numel() * (2 if t.is_complex() else 1))
 
 
 def hashable(t: torch.Tensor) -> bool:

@@ -52,7 +52,8 @@ def cmd_show(args: argparse.Namespace) -> int:
         mod = r.get("mod")
         mod = "-" if mod is None else (mod or "(root)")
         extra = f" <{r['nname']}>" if r["ph"] == "b" else ""
-        print(f"{r['i']:>6} {r['ph']} {mod:<28} {r['op']:<40} {outs}{extra}  {' '.join(h or '-' for h in r.get('h') or [])}")
+        hashes = " ".join(h or "-" for h in r.get("h") or [])
+        print(f"{r['i']:>6} {r['ph']} {mod:<28} {r['op']:<40} {outs}{extra}  {hashes}")
     return 0
 
 

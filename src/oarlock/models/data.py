@@ -1,114 +1,71 @@
-"""Real English text that needs no download: the docstrings of Python's standard library, packed into
-fixed-length training sequences with per-token document ids (for a FlashMask causal document mask, so packed
-documents never attend to each other).
+"""Packing tokenised documents into fixed-length training rows with per-token document ids.
+
+Sequence packing (as in Paddle's SFT/pre-training pipelines and FlashMask's causal document mask): documents are
+laid end to end and cut into rows of ``seq_len`` tokens; ``document_ids`` let the model build a causal document
+mask (:func:`oarlock.models.llama.causal_document_mask`) so no token attends across a document boundary, and
+labels never ask a document's last token to predict the next document's first.
 """
 
 from __future__ import annotations
 
-import importlib
-import inspect
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
-# Modules whose docstrings are mostly prose. Fixed order: the corpus is deterministic for a Python version.
-STDLIB_MODULES = (
-    "argparse", "bisect", "calendar", "collections", "contextlib", "copy", "csv", "dataclasses", "datetime",
-    "decimal", "difflib", "enum", "fractions", "functools", "gettext", "heapq", "http.client", "inspect",
-    "ipaddress", "itertools", "json", "logging", "mailbox", "os", "pathlib", "pickle", "pprint", "queue",
-    "random", "sched", "shlex", "shutil", "smtplib", "socket", "statistics", "string", "subprocess",
-    "tarfile", "tempfile", "textwrap", "threading", "timeit", "typing", "unittest", "urllib.parse", "uuid",
-    "wave", "zipfile",
-)
+from oarlock.models.errors import ModelError
 
 
-def stdlib_documents(modules: Sequence[str] = STDLIB_MODULES, min_chars: int = 200) -> list[str]:
-    """Docstrings (module, class, function, method) of ``modules`` that have at least ``min_chars``
-    characters, cleaned with :func:`inspect.cleandoc`, in a deterministic order, without duplicates."""
-    docs: list[str] = []
-    seen: set[str] = set()
+def pack_documents(documents: Sequence[Sequence[int]], seq_len: int, *, pad_id: int = 0,
+                   ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pack ``documents`` (token id lists) in order into rows of ``seq_len`` tokens.
 
-    def add(obj: object) -> None:
-        d = inspect.getdoc(obj)
-        if d and len(d) >= min_chars and d not in seen:
-            seen.add(d)
-            docs.append(d)
+    A document that does not fit in the space left on a row continues at the start of the next row (a new
+    document segment there; its first token has no context from the previous row). The last row is padded with
+    ``pad_id``; the padding forms its own document.
 
-    for name in modules:
-        mod = importlib.import_module(name)
-        add(mod)
-        for attr in sorted(vars(mod)):
-            if attr.startswith("_"):
-                continue
-            obj = getattr(mod, attr)
-            if getattr(obj, "__module__", None) != mod.__name__:
-                continue
-            if inspect.isclass(obj):
-                add(obj)
-                for meth in sorted(vars(obj)):
-                    if not meth.startswith("_") and callable(getattr(obj, meth, None)):
-                        add(getattr(obj, meth))
-            elif inspect.isfunction(obj):
-                add(obj)
-    return docs
+    Returns ``(input_ids, labels, document_ids)``, each int64 ``[rows, seq_len]``: ``labels[r, i]`` is the next
+    token of the same document segment, ``ignore_index`` at each segment's last token and on padding;
+    ``document_ids`` number the segments of each row 0, 1, 2, ... in order. Empty documents are skipped.
 
-
-@dataclass
-class PackedBatch:
-    """Packed sequences.
-
-    Attributes:
-        input_ids: ``[num_seqs, seq_len]`` int64 token ids.
-        labels: ``[num_seqs, seq_len]`` int64 next-token targets; ``-100`` where the target belongs to another
-            document (never learn to predict across a packing boundary).
-        doc_ids: ``[num_seqs, seq_len]`` int64 document index of each input token (restarts at 0 per row).
+    Raises :class:`ModelError` if ``seq_len < 2`` or no document has a token.
     """
+    if seq_len < 2:
+        raise ModelError(f"pack_documents: seq_len must be at least 2, got {seq_len}")
+    rows_ids: list[list[int]] = []
+    rows_lab: list[list[int]] = []
+    rows_doc: list[list[int]] = []
+    ids: list[int] = []
+    lab: list[int] = []
+    doc: list[int] = []
 
-    input_ids: torch.Tensor
-    labels: torch.Tensor
-    doc_ids: torch.Tensor
+    def flush() -> None:
+        nonlocal ids, lab, doc
+        rows_ids.append(ids)
+        rows_lab.append(lab)
+        rows_doc.append(doc)
+        ids, lab, doc = [], [], []
 
-    def __len__(self) -> int:
-        return self.input_ids.shape[0]
-
-    def slice(self, start: int, stop: int) -> "PackedBatch":
-        return PackedBatch(self.input_ids[start:stop], self.labels[start:stop], self.doc_ids[start:stop])
-
-
-def pack_documents(token_lists: Sequence[Sequence[int]], seq_len: int, eos_id: int) -> PackedBatch:
-    """Concatenate tokenised documents (each followed by ``eos_id``) and cut the stream into rows of
-    ``seq_len + 1`` tokens (inputs are the first ``seq_len``, labels the last ``seq_len``). The tail that does
-    not fill a row is dropped. Raises ``ValueError`` if the documents do not fill a single row."""
-    if seq_len < 1:
-        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-    stream: list[int] = []
-    owner: list[int] = []
-    for i, toks in enumerate(token_lists):
-        stream.extend(toks)
-        stream.append(eos_id)
-        owner.extend([i] * (len(toks) + 1))
-    rows = len(stream) // (seq_len + 1)
-    if rows == 0:
-        raise ValueError(f"{len(stream)} tokens do not fill one sequence of {seq_len + 1}")
-    n = rows * (seq_len + 1)
-    ids = torch.tensor(stream[:n], dtype=torch.int64).view(rows, seq_len + 1)
-    own = torch.tensor(owner[:n], dtype=torch.int64).view(rows, seq_len + 1)
-    inputs, labels = ids[:, :-1].clone(), ids[:, 1:].clone()
-    labels[own[:, 1:] != own[:, :-1]] = -100
-    doc = own[:, :-1]
-    doc = doc - doc[:, :1]  # 0-based per row
-    return PackedBatch(inputs, labels, doc.contiguous())
-
-
-def stdlib_corpus(tokenize: Callable[[str], list[int]], eos_id: int, seq_len: int, *, heldout_fraction: float = 0.1,
-                  max_docs: int | None = None) -> tuple[PackedBatch, PackedBatch]:
-    """Train and held-out packed sequences from the standard library's docstrings. Documents (not rows) are
-    split, every 1/heldout_fraction-th document goes to held-out, so the two sets share no text."""
-    docs = stdlib_documents()
-    if max_docs is not None:
-        docs = docs[:max_docs]
-    every = max(2, round(1 / heldout_fraction))
-    train = [tokenize(d) for i, d in enumerate(docs) if i % every]
-    held = [tokenize(d) for i, d in enumerate(docs) if i % every == 0]
-    return pack_documents(train, seq_len, eos_id), pack_documents(held, seq_len, eos_id)
+    for tokens in documents:
+        tokens = [int(t) for t in tokens]
+        while tokens:
+            room = seq_len - len(ids)
+            piece, tokens = tokens[:room], tokens[room:]
+            # A segment's last token gets no label even when the document continues on the next row: its target
+            # sits in another row, which the loss of this row cannot see.
+            seg = (doc[-1] + 1) if doc else 0
+            ids += piece
+            lab += piece[1:] + [ignore_index]
+            doc += [seg] * len(piece)
+            if len(ids) == seq_len:
+                flush()
+    if ids:
+        n = seq_len - len(ids)
+        seg = doc[-1] + 1
+        ids += [pad_id] * n
+        lab += [ignore_index] * n
+        doc += [seg] * n
+        flush()
+    if not rows_ids:
+        raise ModelError("pack_documents: no document has a token")
+    return (torch.tensor(rows_ids, dtype=torch.int64), torch.tensor(rows_lab, dtype=torch.int64),
+            torch.tensor(rows_doc, dtype=torch.int64))

@@ -30,7 +30,6 @@ from per-token document ids, so packed documents never attend to each other.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping
 
@@ -41,63 +40,8 @@ from torch import nn
 from oarlock.models.errors import ModelError
 
 # --------------------------------------------------------------------------------------------------------------
-# Attention back end.
-try:
-    from oarlock.attention import flashmask_attention
-except ImportError:  # FALLBACK (remove when oarlock.attention.flashmask_attention is on main)
-    flashmask_attention = None
-
-
-def _flashmask_attention_fallback(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                                  startend_row_indices: torch.Tensor | None = None, *, causal: bool = False,
-                                  softmax_scale: float | None = None) -> torch.Tensor:
-    """FALLBACK, to be removed: dense-mask SDPA with the semantics of ``oarlock.attention.flashmask_attention``.
-
-    ``query`` ``[B, Sq, H, D]``, ``key``/``value`` ``[B, Sk, Hk, D]`` (``H % Hk == 0``), ``startend_row_indices``
-    int32 ``[B, Hm, Sk, n]`` with ``Hm`` in ``{1, Hk, H}``; ``n`` 1 or 2 when ``causal`` (``[LTS]`` /
-    ``[LTS, LTE]``), 2 or 4 otherwise (``[LTS, UTE]`` / ``[LTS, LTE, UTS, UTE]``); causal is bottom-right aligned
-    (``shared/design/flashmask.md`` 1.3). Fully masked query rows give 0. Returns ``[B, Sq, H, D]``.
-    """
-    b, sq, h, d = query.shape
-    sk, hk = key.shape[1], key.shape[2]
-    if h % hk:
-        raise ModelError(f"flashmask_attention: {h} query heads are not a multiple of {hk} key/value heads")
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
-    rows = torch.arange(sq, device=query.device).view(1, 1, sq, 1)
-    cols = torch.arange(sk, device=query.device).view(1, 1, 1, sk)
-    masked = torch.zeros(1, 1, sq, sk, dtype=torch.bool, device=query.device)
-    if causal:
-        masked = masked | (cols > rows + (sk - sq))
-    if startend_row_indices is not None:
-        idx = startend_row_indices.to(torch.int64).clamp(0, sq)
-        n = idx.shape[-1]
-
-        def col(k: int) -> torch.Tensor:  # [B, Hm, 1, Sk], broadcast over query rows
-            return idx[..., k].unsqueeze(2)
-
-        if causal and n == 1:
-            masked = masked | (rows >= col(0))
-        elif causal and n == 2:
-            masked = masked | ((rows >= col(0)) & (rows < col(1)))
-        elif not causal and n == 2:
-            masked = masked | (rows >= col(0)) | (rows < col(1))
-        elif not causal and n == 4:
-            masked = masked | ((rows >= col(0)) & (rows < col(1))) | ((rows >= col(2)) & (rows < col(3)))
-        else:
-            raise ModelError(f"flashmask_attention: startend_row_indices last dim {n} is invalid for causal={causal}")
-        if masked.shape[1] not in (1, h):  # mask heads given per KV head: repeat for the query heads of each
-            masked = masked.repeat_interleave(h // masked.shape[1], dim=1)
-    q = query.transpose(1, 2)
-    k = key.transpose(1, 2).repeat_interleave(h // hk, dim=1)
-    v = value.transpose(1, 2).repeat_interleave(h // hk, dim=1)
-    allowed = ~masked
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
-    out = torch.where(allowed.any(-1, keepdim=True), out, torch.zeros((), dtype=out.dtype, device=out.device))
-    return out.transpose(1, 2)
-
-
-if flashmask_attention is None:
-    flashmask_attention = _flashmask_attention_fallback
+# Attention: FlashMask (CPU tiled kernel, Triton on CUDA) with a column-wise start-row mask.
+from oarlock.attention import flashmask_attention  # noqa: E402
 
 
 def causal_document_mask(document_ids: torch.Tensor) -> torch.Tensor:
@@ -590,9 +534,7 @@ def hf_aoa_config(config: LlamaConfig, *, prefix: str = "model.") -> list[str]:
             f"{mlp}.down_proj.weight -> layers.{L}.mlp.down_proj.weight",
         ]
     out.append(f"{p}norm.weight -> norm.weight")
-    if config.tie_word_embeddings:
-        out.append("lm_head.weight -> _")  # HF files of tied models may carry a copy; ours has no such key
-    else:
+    if not config.tie_word_embeddings:  # tied: HF files have no lm_head.weight and neither does Llama
         out.append("lm_head.weight -> lm_head.weight")
     return out
 
@@ -681,7 +623,8 @@ def convert_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], config: LlamaConfig
         return src[k]
 
     h, g = config.num_attention_heads, config.num_key_value_heads
-    out: dict[str, torch.Tensor] = {"embed_tokens.weight": take("embed_tokens.weight"), "norm.weight": take("norm.weight")}
+    out: dict[str, torch.Tensor] = {"embed_tokens.weight": take("embed_tokens.weight"),
+                                    "norm.weight": take("norm.weight")}
     for i in range(config.num_hidden_layers):
         a, o = f"layers.{i}.self_attn", f"layers.{i}."
         for n in ("input_layernorm", "post_attention_layernorm"):
@@ -708,7 +651,8 @@ def convert_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], config: LlamaConfig
         else:
             for e in range(config.num_experts):
                 x = f"{m}.experts.{e}"
-                out[f"{x}.gate_up_proj.weight"] = torch.cat([take(f"{x}.gate_proj.weight"), take(f"{x}.up_proj.weight")])
+                out[f"{x}.gate_up_proj.weight"] = torch.cat([take(f"{x}.gate_proj.weight"),
+                                                             take(f"{x}.up_proj.weight")])
                 out[f"{x}.down_proj.weight"] = take(f"{x}.down_proj.weight")
         if config.shared_expert_intermediate_size:
             x = f"{m}.shared_expert"

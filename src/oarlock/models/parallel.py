@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -168,22 +168,31 @@ class ParallelState:
         return self.pp_stage == self.layout.pp - 1
 
 
-def build_mesh(layout: ParallelLayout, device_type: str | None = None):
-    """``init_device_mesh`` with the layout's dimensions (degree > 1) named as in :data:`MESH_DIMS`.
+def build_mesh(layout: ParallelLayout, device_type: str | None = None, *, ranks: Sequence[int] | None = None):
+    """A ``DeviceMesh`` with the layout's dimensions (degree > 1) named as in :data:`MESH_DIMS`.
 
-    ``device_type`` defaults to ``"cuda"`` when available, else ``"cpu"``. The default process group must be
-    initialised with ``layout.world_size`` ranks. Returns ``None`` for a single-device layout.
+    ``ranks``: the global ranks forming the mesh, in row-major mesh order (default: the whole world, which must
+    then have ``layout.world_size`` ranks). A subset lets one launch run layouts of different sizes; every rank
+    of the world must still call this (creating process groups is collective), and ranks outside the mesh must
+    not use it. ``device_type`` defaults to ``"cuda"`` when available, else ``"cpu"``. Returns ``None`` for a
+    single-device layout.
     """
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
     dims = layout.mesh_dims
     if not dims:
         return None
-    if dist.get_world_size() != layout.world_size:
-        raise ParallelLayoutError(f"layout {layout} needs {layout.world_size} ranks, the process group has "
-                                  f"{dist.get_world_size()}")
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
-    return init_device_mesh(device_type, tuple(d for _, d in dims), mesh_dim_names=tuple(n for n, _ in dims))
+    shape, names = tuple(d for _, d in dims), tuple(n for n, _ in dims)
+    if ranks is None:
+        if dist.get_world_size() != layout.world_size:
+            raise ParallelLayoutError(f"layout {layout} needs {layout.world_size} ranks, the process group has "
+                                      f"{dist.get_world_size()}; pass ranks=[...] to use a subset")
+        return init_device_mesh(device_type, shape, mesh_dim_names=names)
+    ranks = list(ranks)
+    if len(ranks) != layout.world_size or len(set(ranks)) != len(ranks):
+        raise ParallelLayoutError(f"layout {layout} needs {layout.world_size} distinct ranks, got ranks={ranks}")
+    return DeviceMesh(device_type, torch.tensor(ranks).view(shape), mesh_dim_names=names)
 
 
 def _mlps(model: Llama) -> list[tuple[str, MLP]]:
@@ -205,6 +214,9 @@ def parallelize_llama(model: Llama, mesh: Any = None, *, tp: int = 1, dp: int = 
     cfg = model.config
     check_layout(cfg, layout)
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if mesh is not None and mesh.get_coordinate() is None:
+        raise ParallelLayoutError(f"rank {dist.get_rank()} is not in the mesh {mesh.mesh.tolist()} given to "
+                                  "parallelize_llama")
     groups: dict[str, Any] = {}
     sub: dict[str, Any] = {}
     for n, degree in layout.mesh_dims:
@@ -299,18 +311,18 @@ def single_device_tensor(name: str, t: torch.Tensor) -> torch.Tensor:
     return full.detach()
 
 
-def full_state_dict(model: Llama) -> dict[str, torch.Tensor]:
+def single_device_state_dict(model: Llama) -> dict[str, torch.Tensor]:
     """This rank's keys (its stage's layers, its experts) as single-device tensors. Collective over ``tp``."""
     return {k: single_device_tensor(k, v) for k, v in model.state_dict().items()}
 
 
-def full_grads(model: Llama) -> dict[str, torch.Tensor]:
+def single_device_grads(model: Llama) -> dict[str, torch.Tensor]:
     """This rank's parameter gradients in the single-device layout (``None`` grads omitted). Collective over tp."""
     return {n: single_device_tensor(n, p.grad) for n, p in model.named_parameters() if p.grad is not None}
 
 
 @torch.no_grad()
-def load_full_state_dict(model: Llama, state_dict: Mapping[str, torch.Tensor]) -> None:
+def load_single_device_state_dict(model: Llama, state_dict: Mapping[str, torch.Tensor]) -> None:
     """Copy single-device tensors into a (possibly parallel) model: each rank takes the keys it holds and, for
     DTensors, its shard (after the degree-``tp`` ``fused_ffn`` re-layout). Raises :class:`ParallelLayoutError`
     naming a missing key or a shape mismatch. No communication."""
@@ -319,11 +331,11 @@ def load_full_state_dict(model: Llama, state_dict: Mapping[str, torch.Tensor]) -
 
     for name, t in model.state_dict(keep_vars=True).items():
         if name not in state_dict:
-            raise ParallelLayoutError(f"load_full_state_dict: key {name!r} is missing from the state dict")
+            raise ParallelLayoutError(f"load_single_device_state_dict: key {name!r} is missing from the state dict")
         full = state_dict[name]
         if tuple(full.shape) != tuple(t.shape):
-            raise ParallelLayoutError(f"load_full_state_dict: {name!r} has shape {tuple(full.shape)}, the model "
-                                      f"expects {tuple(t.shape)}")
+            raise ParallelLayoutError(f"load_single_device_state_dict: {name!r} has shape {tuple(full.shape)}, "
+                                      f"the model expects {tuple(t.shape)}")
         tp = _tp_degree(t)
         if tp > 1 and _is_gate_up(name):
             full = full[ffn_fused_permutation(full.shape[0] // 2, tp)]

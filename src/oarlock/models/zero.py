@@ -182,8 +182,9 @@ class ZeroRedundancyAdamW:
                     flat[off:off + grad.numel()] = grad.reshape(-1)
             if world > 1:
                 dist.all_reduce(flat, group=self.group)
-                flat /= world
             grad = flat[self.rank * per_rank:(self.rank + 1) * per_rank]
+            if world > 1:
+                grad /= world  # the average, on this rank's slice only
             if g["params"][0].dtype == torch.float32:
                 self._refresh_master(g)  # fp32 parameters are the master copy (they may have been loaded since)
             self._adamw(g, grad)

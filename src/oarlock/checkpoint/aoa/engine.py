@@ -368,6 +368,11 @@ class AOAProgram:
         self._entries: dict[str, _Entry] = {}
         self._cache: dict[str, list[SliceMapping]] = {}
 
+    @property
+    def deleted_keys(self) -> list[str]:
+        """Source keys dropped with ``key -> _`` (the loader does not report them as unexpected)."""
+        return list(self.deleted)
+
     def destination_keys(self) -> list[str]:
         """Destination keys this program fills (model keys, then their optimizer states where present)."""
         return list(self._entries)
