@@ -110,7 +110,7 @@ def _fwd_kernel(Q, K, V, O, LSE, CANON, KV_LIST, KV_CNT,
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
     m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
-    lse = m_safe + tl.log(l_i)  # -inf on rows that saw nothing
+    lse = tl.where(l_i > 0, m_safe + tl.log(l_safe), float("-inf"))  # -inf on rows that saw nothing
     tl.store(O + b * sob + h * soh + rows[:, None] * sos + dv_[None, :], out.to(O.dtype.element_ty),
              mask=rmask[:, None] & (dv_[None, :] < DV))
     tl.store(LSE + (b * H + h) * Sq + rows, lse, mask=rmask)
