@@ -154,7 +154,7 @@ def test_dropout_is_random_unbiased_and_differentiable():
     a = flashmask_attention(q, k, v, causal=True, dropout=0.5)
     b = flashmask_attention(q, k, v, causal=True, dropout=0.5)
     assert not torch.equal(a, b)
-    mean = torch.stack([flashmask_attention(q, k, v, causal=True, dropout=0.3) for _ in range(200)]).mean(0)
+    mean = torch.stack([flashmask_attention(q, k, v, causal=True, dropout=0.3) for _ in range(80)]).mean(0)
     ref = flashmask_attention(q, k, v, causal=True)
     assert (mean - ref).abs().mean() < 0.05
     assert all(torch.isfinite(g).all() for g in _grads(a, (q, k, v), dout))
