@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from cases import MASK_TYPES, make_mask
+from attention_cases import MASK_TYPES, make_mask
 from oarlock.attention import AttentionInputError, causal_document_mask, flashmask_attention, to_dense_mask
 from oarlock.attention.masks import canonicalize, window_to_indices
 from oarlock.attention.reference import attention_reference

@@ -25,7 +25,7 @@ finally:
     else:
         os.environ["TRITON_INTERPRET"] = _saved
 
-from cases import make_mask  # noqa: E402
+from attention_cases import make_mask  # noqa: E402
 from oarlock.attention import flashmask_attention  # noqa: E402
 from oarlock.attention.masks import canonicalize  # noqa: E402
 from oarlock.attention.reference import attention_reference  # noqa: E402
