@@ -209,12 +209,18 @@ def execute(reader: CheckpointReader, work: list[tuple[Any, torch.Tensor]], *, c
         stats.bytes_read = direct(reader, work)
         stats.files_read = list(reader.files_opened)
         return stats
+    files = reader.metadata.files
+    if comm_method == "auto" and all(f in v for v in view.visible.values() for f in files):
+        # every rank lists every data file (a shared filesystem): no further exchange needed
+        stats.bytes_read = direct(reader, work)
+        stats.files_read = list(reader.files_opened)
+        return stats
     rank = _group_rank(group)
     mine: dict[tuple, list] = {}
     for it, target in work:
         mine.setdefault(_piece(it), []).append((it, target))
     # visibility of the data files themselves (stat, so files in subdirectories of the checkpoint count too)
-    seen = [f for f in reader.metadata.files if reader.path_of(f).is_file()]
+    seen = [f for f in files if reader.path_of(f).is_file()]
     both = _all_gather_objects((sorted(mine), seen), group)
     gathered = [b[0] for b in both]
     visible = {r: set(b[1]) for r, b in enumerate(both)}
