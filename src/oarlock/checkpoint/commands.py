@@ -1,4 +1,4 @@
-"""``oarlock inspect`` (and later ``convert``, ``aoa explain``): checkpoint subcommands of the CLI."""
+"""``oarlock inspect``, ``oarlock aoa explain`` and ``oarlock convert``: checkpoint subcommands of the CLI."""
 
 from __future__ import annotations
 
@@ -50,6 +50,114 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def read_aoa_config(path: str) -> object:
+    """An AOA config file: JSON (``{"aoa_statements": [...], ...}`` or a list of strings) or plain text with one
+    statement per line (blank lines and ``#`` comments ignored)."""
+    from pathlib import Path
+
+    from oarlock.checkpoint.aoa import AOASyntaxError
+
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise AOASyntaxError(f"{path}: cannot read the AOA config: {e.strerror or e}") from None
+    if text.lstrip()[:1] in ("{", "["):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise AOASyntaxError(f"{path}: invalid JSON: {e}") from None
+    return [ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+
+
+def read_target_keys(path: str) -> dict:
+    """KEYS.json: ``{key: {"shape": [...], "dtype": "..."}}`` -> ``{key: TensorSpec}``."""
+    from pathlib import Path
+
+    from oarlock.checkpoint.aoa import AOAError
+    from oarlock.checkpoint.mapping import TensorSpec
+    from oarlock.utils import dtype_name
+
+    try:
+        raw = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise AOAError(f"{path}: cannot read the target keys: {e.strerror or e}") from None
+    except json.JSONDecodeError as e:
+        raise AOAError(f"{path}: invalid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise AOAError(f"{path}: expected an object {{key: {{\"shape\": [...], \"dtype\": \"...\"}}}}")
+    out = {}
+    for k, v in raw.items():
+        try:
+            out[k] = TensorSpec(tuple(int(x) for x in v["shape"]), dtype_name(v["dtype"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise AOAError(f"{path}: entry {k!r} needs \"shape\" (list of ints) and \"dtype\": {e}") from None
+    return out
+
+
+def cmd_aoa_explain(args: argparse.Namespace) -> int:
+    import fnmatch
+
+    from oarlock.checkpoint.aoa import AOAError, compile_aoa, shard_counts, source_specs
+    from oarlock.checkpoint.storage import open_checkpoint
+
+    config = read_aoa_config(args.config)
+    if args.reverse:
+        config = {"aoa_statements": config} if isinstance(config, list) else dict(config)
+        config["aoa_config_reverse"] = True
+    with open_checkpoint(args.source) as reader:
+        meta = reader.metadata
+    source = source_specs(meta)
+    target = read_target_keys(args.target) if args.target else None
+    try:
+        prog = compile_aoa(config, source, target, source_shards=shard_counts(meta), allow_cast=args.allow_cast)
+    except AOAError as e:  # the full message: statement, caret, macro expansion chain
+        print(f"oarlock: error: {e}", file=sys.stderr)
+        return 2
+    keys = prog.destination_keys()
+    if args.only:
+        keys = [k for k in keys if fnmatch.fnmatchcase(k, args.only)]
+    print(prog.explain(keys))
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from oarlock.checkpoint.convert import (ParallelLayout, convert_checkpoint, export_hf, plan_conversion,
+                                            resolve_tp_rules)
+    from oarlock.checkpoint.storage import detect_format
+
+    config = None
+    if args.aoa:
+        config = read_aoa_config(args.aoa)
+        if args.reverse:
+            config = {"aoa_statements": config} if isinstance(config, list) else dict(config)
+            config["aoa_config_reverse"] = True
+    elif args.reverse:
+        print("oarlock: error: --reverse needs --aoa CONFIG", file=sys.stderr)
+        return 2
+    to = args.to or ("hf" if detect_format(args.src) in ("oarlock", "paddle") else "oarlock")
+    parallel = (args.tp, args.pp, args.dp) != (1, 1, 1)
+    if to == "hf" and (parallel or args.tp_rules):
+        print("oarlock: error: --tp/--pp/--dp/--tp-rules apply to --to oarlock; an HF export holds whole tensors",
+              file=sys.stderr)
+        return 2
+    layout = ParallelLayout(args.tp, args.pp, args.dp, tuple(resolve_tp_rules(args.tp_rules)))
+    if args.dry_run:
+        print(plan_conversion(args.src, to=to, aoa_config=config, layout=layout,
+                              max_shard_size=args.max_shard_size).render())
+        return 0
+    if to == "hf":
+        out = export_hf(args.src, args.dst, aoa_config=config, max_shard_size=args.max_shard_size,
+                        copy_side_files=not args.no_side_files)
+        files = sorted(p.name for p in out.iterdir() if p.suffix == ".safetensors")
+        print(f"{args.dst}: HuggingFace checkpoint, {len(files)} safetensors file(s)")
+    else:
+        meta = convert_checkpoint(args.src, args.dst, aoa_config=config, tp=args.tp, pp=args.pp, dp=args.dp,
+                                  tp_rules=args.tp_rules, copy_side_files=not args.no_side_files)
+        print(f"{args.dst}: oarlock checkpoint, {len(meta.tensors)} tensors in {len(meta.files)} file(s) "
+              f"(tp={args.tp} pp={args.pp} dp={args.dp})")
+    return 0
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("inspect", help="list the tensors of a checkpoint (safetensors file, HF, oarlock or "
                                        "Paddle directory)",
@@ -58,3 +166,58 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("path", help="a .safetensors file or a checkpoint directory")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_inspect)
+
+    aoa = sub.add_parser("aoa", help="AOA weight-transformation language tools",
+                         description="Tools for AOA configs (checkpoint -> model key mappings).")
+    aoa_sub = aoa.add_subparsers(dest="aoa_command", metavar="SUBCOMMAND", parser_class=type(aoa))
+    aoa_sub.required = True
+    ex = aoa_sub.add_parser("explain", help="show the expanded statements and where each destination slice comes "
+                                            "from",
+                            description="Compile an AOA config against a checkpoint's keys and print the primitive "
+                                        "statements after macro expansion, then for every destination key each "
+                                        "slice's source key, source box, permutation and cast. Run this when a "
+                                        "conversion looks wrong.")
+    ex.add_argument("config", metavar="CONFIG", help="a text file with one statement per line, or JSON "
+                                                     "{\"aoa_statements\": [...], \"aoa_config_reverse\": false}")
+    ex.add_argument("--source", required=True, metavar="CKPT",
+                    help="checkpoint whose metadata gives the source keys (any format oarlock inspect reads)")
+    ex.add_argument("--target", metavar="KEYS.json",
+                    help="destination keys: {key: {\"shape\": [...], \"dtype\": \"...\"}}; default: the "
+                         "program's outputs")
+    ex.add_argument("--reverse", action="store_true", help="invert the statements (aoa_config_reverse)")
+    ex.add_argument("--only", metavar="GLOB", help="list only destination keys matching this glob")
+    ex.add_argument("--allow-cast", action="store_true",
+                    help="cast to the --target dtype where no AOA cast does (default: report a dtype mismatch)")
+    ex.set_defaults(func=cmd_aoa_explain)
+
+    cv = sub.add_parser("convert", help="convert a checkpoint: HF <-> oarlock (TP/PP-sharded), Paddle -> either, "
+                                        "optionally through an AOA config",
+                        description="Read SRC (oarlock, HuggingFace, Paddle FlexCheckpoint or .safetensors), apply "
+                                    "an optional AOA config, and write DST as a HuggingFace directory "
+                                    "(model-0000i-of-0000N.safetensors + index) or as an oarlock checkpoint sharded "
+                                    "the way a tp*dp*pp job saves it. Every output tensor or shard is read straight "
+                                    "from the source bytes it needs and written before the next: memory holds one "
+                                    "shard. SRC is never modified; DST appears only when complete.")
+    cv.add_argument("src", metavar="SRC", help="source checkpoint (file or directory)")
+    cv.add_argument("dst", metavar="DST", help="output directory")
+    cv.add_argument("--to", choices=("hf", "oarlock"),
+                    help="output format (default: hf for oarlock/Paddle sources, oarlock for HF/safetensors ones)")
+    cv.add_argument("--aoa", metavar="CONFIG", help="AOA config: text (one statement per line) or JSON "
+                                                    "{\"aoa_statements\": [...], \"aoa_config_reverse\": bool}")
+    cv.add_argument("--reverse", action="store_true", help="invert the AOA statements (export model -> HF)")
+    cv.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel degree of the output (oarlock)")
+    cv.add_argument("--pp", type=int, default=1, metavar="N", help="pipeline stages of the output (oarlock): "
+                                                                   "contiguous blocks of layers")
+    cv.add_argument("--dp", type=int, default=1, metavar="N", help="data-parallel replicas (spreads the writes)")
+    cv.add_argument("--tp-rules", metavar="NAME|FILE.json",
+                    help="which axis each key is split on: 'megatron' (default; torch [out, in] Linear weights: "
+                         "q/k/v/qkv/gate/up/intermediate and their biases on axis 0, o/down/output on axis 1, "
+                         "embeddings and lm_head on axis 0), 'paddle' (Paddle [in, out] weights), 'none', or a JSON "
+                         "file {glob: axis or null} (first match wins; no match = replicated)")
+    cv.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                    help="largest HF output file, e.g. 5GB, 500MiB or bytes (default 5GB)")
+    cv.add_argument("--no-side-files", action="store_true",
+                    help="do not copy config.json, tokenizer and other side files from SRC")
+    cv.add_argument("--dry-run", action="store_true",
+                    help="print the plan (keys, shapes, dtypes, bytes, split axes, files) and write nothing")
+    cv.set_defaults(func=cmd_convert)

@@ -17,3 +17,7 @@ class CheckpointMismatchError(CheckpointError):
 
 class UnsafePickleError(CheckpointFormatError):
     """A foreign pickle references a class outside the admitted set (it could run code if unpickled)."""
+
+
+class CheckpointTilingError(CheckpointError):
+    """The shards of a key do not tile its global box exactly: a gap, an overlap, or a box out of bounds."""

@@ -1,0 +1,308 @@
+"""oarlock FlexCheckpoint vs torch.distributed.checkpoint (DCP): save, same-layout load, reshard load.
+
+Workload (shared/design/environment.md): 1 GiB fp32 = 32 tensors of 4096x2048 on 4 CPU ranks (gloo), saved from
+a 2x2 mesh [Shard(0), Shard(1)] and loaded as [Shard(0), Shard(1)] (same layout) and as [Shard(1), Replicate()]
+(reshard). Loads run with a cold page cache (``sync; echo 3 > /proc/sys/vm/drop_caches``, needs root; skipped
+with a note otherwise) and hot. Every row is timed between barriers (slowest rank) in the same run for both
+libraries; the table reports oarlock / DCP ratios. Peak RSS per rank is sampled every millisecond during each
+load; "above targets" is the peak minus the RSS after the target tensors were allocated and zeroed.
+
+Then the planner: 100,000 saved shards planned against 256 simulated ranks (pure planning, no files), with
+DCP's own planning function (``create_read_items_for_chunk_list``) on the same chunks as the anchor.
+
+Usage: python benchmarks/checkpoint_reshard.py [--dir DIR] [--reps N] [--append-results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+N_TENSORS, ROWS, COLS = 32, 4096, 2048
+
+
+# ---------------------------------------------------------------- memory sampling
+
+class PeakRSS:
+    """Samples this process's resident set size (bytes) every millisecond in a thread."""
+
+    def __init__(self):
+        self._page = os.sysconf("SC_PAGE_SIZE")
+        self.peak = 0
+        self._stop = threading.Event()
+
+    def now(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self._page
+
+    def __enter__(self):
+        self.peak = self.now()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+        return self
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.now())
+            time.sleep(0.001)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, self.now())
+
+
+# ---------------------------------------------------------------- rank body
+
+def _drop_caches(rank: int) -> bool:
+    import torch.distributed as dist
+
+    ok = True
+    if rank == 0:
+        os.sync()
+        try:
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("3\n")
+        except OSError:
+            ok = False
+    flag = [ok]
+    dist.broadcast_object_list(flag, src=0)
+    return flag[0]
+
+
+def rank_main(rank: int, world: int, port: int, root: str, reps: int) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from oarlock.checkpoint import load_state_dict, save_state_dict
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    root = Path(root)
+    mesh = init_device_mesh("cpu", (2, 2))
+    src_pl, dst_pl = [Shard(0), Shard(1)], [Shard(1), Replicate()]
+    res: dict = {"rank": rank, "rows": {}, "rss": {}}
+
+    def timed(fn):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        dist.barrier()
+        return time.perf_counter() - t0
+
+    g = torch.Generator().manual_seed(rank)
+    src = {f"layers.{i}.weight": DTensor.from_local(torch.randn(ROWS // 2, COLS // 2, generator=g), mesh, src_pl,
+                                                    shape=torch.Size((ROWS, COLS)), stride=(COLS, 1))
+           for i in range(N_TENSORS)}
+    # ---- saves, alternating libraries, fresh directories
+    for r in range(reps):
+        for lib in ("dcp", "oarlock"):
+            d = root / f"{lib}_save{r}"
+            if lib == "dcp":
+                t = timed(lambda: dcp.save(src, checkpoint_id=str(d)))
+            else:
+                t = timed(lambda: save_state_dict(src, d))
+            res["rows"].setdefault(("save", lib), []).append(t)
+    del src
+    gc.collect()
+    ckpt = {"dcp": root / "dcp_save0", "oarlock": root / "oarlock_save0"}
+
+    def targets(pl):
+        return {f"layers.{i}.weight": DTensor.from_local(torch.zeros(*_local_shape(pl, mesh)), mesh, pl,
+                                                         shape=torch.Size((ROWS, COLS)), stride=(COLS, 1))
+                for i in range(N_TENSORS)}
+
+    cold_ok = True
+    for layout, pl in (("same-layout load", src_pl), ("reshard load", dst_pl)):
+        for lib in ("dcp", "oarlock"):
+            for temp in ("cold", "hot"):
+                for r in range(reps):
+                    gc.collect()
+                    base0 = PeakRSS().now()
+                    tgt = targets(pl)
+                    if temp == "cold":
+                        cold_ok = _drop_caches(rank) and cold_ok
+                    with PeakRSS() as rss:
+                        base = rss.now()
+                        if lib == "dcp":
+                            t = timed(lambda: dcp.load(tgt, checkpoint_id=str(ckpt[lib])))
+                        else:
+                            t = timed(lambda: load_state_dict(tgt, ckpt[lib]))
+                    res["rows"].setdefault((f"{layout} ({temp})", lib), []).append(t)
+                    tb = sum(v.to_local().numel() * 4 for v in tgt.values())
+                    res["rss"].setdefault((f"{layout} ({temp})", lib), []).append(
+                        {"peak": rss.peak - base0, "above_targets": rss.peak - base, "target_bytes": tb})
+                    if r == 0 and temp == "hot":  # correctness: every tensor equals the saved data in both
+                        res.setdefault("checksums", {})[(layout, lib)] = float(
+                            sum(v.to_local().double().sum() for v in tgt.values()))
+                    del tgt
+    res["cold_ok"] = cold_ok
+    res["rows"] = {f"{k[0]}|{k[1]}": v for k, v in res["rows"].items()}
+    res["rss"] = {f"{k[0]}|{k[1]}": v for k, v in res["rss"].items()}
+    res["checksums"] = {f"{k[0]}|{k[1]}": v for k, v in res.get("checksums", {}).items()}
+    (root / f"result-{rank}.json").write_text(json.dumps(res))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _local_shape(pl, mesh):
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    return compute_local_shape_and_global_offset((ROWS, COLS), mesh, pl)[0]
+
+
+# ---------------------------------------------------------------- planner benchmark
+
+def planner_benchmark() -> list[tuple[str, float, float, str]]:
+    """(case, oarlock seconds, DCP seconds, note) for 100,000 saved shards x 256 simulated ranks."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+    from oarlock.checkpoint import ShardDesc, plan_load
+    from oarlock.checkpoint.metadata import CheckpointMetadata, ShardMeta, TensorMeta
+
+    rows = []
+    # (a) one key, 100,000 row shards (e.g. a huge embedding saved by 100k writers) -> 256 row blocks
+    n = 100_000
+    meta = CheckpointMetadata("oarlock")
+    meta.tensors["emb"] = TensorMeta("emb", (n, 64), "float32",
+                                     [ShardMeta((i, 0), (1, 64), f"rank-{i % 1024:05d}.safetensors", "emb")
+                                      for i in range(n)])
+    blk = n // 256
+    reqs = {r: [ShardDesc("emb", (blk if r < 255 else n - 255 * blk, 64), (n, 64), (r * blk, 0), "float32")]
+            for r in range(256)}
+    t0 = time.perf_counter()
+    plans = plan_load(meta, reqs)
+    t_oar = time.perf_counter() - t0
+    assert sum(len(p.items) for p in plans.values()) == n
+    md = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size((n, 64)),
+                               [ChunkStorageMetadata(torch.Size((i, 0)), torch.Size((1, 64))) for i in range(n)])
+    t0 = time.perf_counter()
+    for r in range(256):
+        q = reqs[r][0]
+        create_read_items_for_chunk_list("emb", md, [ChunkStorageMetadata(torch.Size(q.global_offset),
+                                                                          torch.Size(q.local_shape))])
+    t_dcp = time.perf_counter() - t0
+    rows.append(("1 key x 100,000 row shards -> 256 ranks", t_oar, t_dcp, "all 256 ranks planned in one process"))
+
+    # (b) 400 keys saved on a 25x10 grid (100,000 shards) -> every rank one box of a 16x16 grid of every key
+    keys = 400
+    meta = CheckpointMetadata("oarlock")
+    mds = {}
+    for k in range(keys):
+        key = f"layers.{k}.w"
+        t = TensorMeta(key, (2500, 1000), "float32")
+        chunks = []
+        for i in range(25):
+            for j in range(10):
+                t.shards.append(ShardMeta((i * 100, j * 100), (100, 100), f"rank-{(i * 10 + j):05d}.safetensors", key))
+                chunks.append(ChunkStorageMetadata(torch.Size((i * 100, j * 100)), torch.Size((100, 100))))
+        meta.tensors[key] = t
+        mds[key] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size((2500, 1000)), chunks)
+
+    def box(r):
+        i, j = divmod(r, 16)
+        r0, r1 = i * 2500 // 16, (i + 1) * 2500 // 16
+        c0, c1 = j * 1000 // 16, (j + 1) * 1000 // 16
+        return (r0, c0), (r1 - r0, c1 - c0)
+
+    reqs = {r: [ShardDesc(f"layers.{k}.w", box(r)[1], (2500, 1000), box(r)[0], "float32") for k in range(keys)]
+            for r in range(256)}
+    t0 = time.perf_counter()
+    plans = plan_load(meta, reqs)
+    t_oar = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    dcp_items = 0
+    for r in range(256):
+        off, shp = box(r)
+        ch = [ChunkStorageMetadata(torch.Size(off), torch.Size(shp))]
+        for k in range(keys):
+            dcp_items += len(create_read_items_for_chunk_list(f"layers.{k}.w", mds[f"layers.{k}.w"], ch))
+    t_dcp = time.perf_counter() - t0
+    assert sum(len(p.items) for p in plans.values()) == dcp_items
+    rows.append(("400 keys x 250 grid shards (100,000) -> 256 ranks", t_oar, t_dcp, f"{dcp_items} read items"))
+    return rows
+
+
+# ---------------------------------------------------------------- driver
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", default=None, help="scratch directory (default: a temporary one, removed)")
+    ap.add_argument("--reps", type=int, default=2, help="repetitions of every row (the best counts)")
+    ap.add_argument("--append-results", action="store_true", help="append the tables to benchmarks/RESULTS.md")
+    args = ap.parse_args(argv)
+    import torch.multiprocessing as mp
+
+    scratch = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="oarlock-bench-"))
+    scratch.mkdir(parents=True, exist_ok=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    try:
+        mp.start_processes(rank_main, args=(4, port, str(scratch), args.reps), nprocs=4, start_method="spawn")
+        results = [json.loads((scratch / f"result-{r}.json").read_text()) for r in range(4)]
+    finally:
+        if not args.dir:
+            shutil.rmtree(scratch, ignore_errors=True)
+    cold_ok = all(r["cold_ok"] for r in results)
+    lines = ["| operation | oarlock s | DCP s | oarlock / DCP |", "|---|---:|---:|---:|"]
+    ops = []
+    for k in results[0]["rows"]:
+        op = k.split("|")[0]
+        if op not in ops:
+            ops.append(op)
+    for op in ops:
+        o = min(results[0]["rows"][f"{op}|oarlock"])
+        d = min(results[0]["rows"][f"{op}|dcp"])
+        lines.append(f"| {op}{'' if cold_ok or 'cold' not in op else ' (cache NOT dropped: not root)'} | "
+                     f"{o:.3f} | {d:.3f} | {o / d:.2f} |")
+    mem = ["| load | lib | target MiB/rank | peak RSS above targets, max over ranks (MiB) | largest slice (MiB) |",
+           "|---|---|---:|---:|---:|"]
+    slice_mib = {"same-layout load": (ROWS // 2) * (COLS // 2) * 4 / 2**20, "reshard load": (ROWS // 2) * (COLS // 2) * 4 / 2**20}
+    for op in ops:
+        if "load" not in op:
+            continue
+        for lib in ("oarlock", "dcp"):
+            above = max(max(x["above_targets"] for x in r["rss"][f"{op}|{lib}"]) for r in results) / 2**20
+            tb = results[0]["rss"][f"{op}|{lib}"][0]["target_bytes"] / 2**20
+            mem.append(f"| {op} | {lib} | {tb:.0f} | {above:.1f} | {slice_mib[op.split(' (')[0]]:.0f} |")
+    same = all(abs(r["checksums"][f"{layout}|oarlock"] - r["checksums"][f"{layout}|dcp"]) == 0
+               for r in results for layout in ("same-layout load", "reshard load"))
+    plan_rows = planner_benchmark()
+    plan = ["| planner case | oarlock s | DCP s | oarlock / DCP | note |", "|---|---:|---:|---:|---|"]
+    for case, o, d, note in plan_rows:
+        plan.append(f"| {case} | {o:.2f} | {d:.2f} | {o / d:.2f} | {note} |")
+    text = "\n".join(lines + ["", f"Loaded data identical between oarlock and DCP (per-rank checksums): {same}", ""]
+                     + mem + [""] + plan)
+    print(text)
+    if args.append_results:
+        res = Path(__file__).resolve().parent / "RESULTS.md"
+        cmd = "python benchmarks/checkpoint_reshard.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        with open(res, "a") as f:
+            f.write(f"\n## FlexCheckpoint core: save / load / reshard vs torch.distributed.checkpoint\n\n"
+                    f"Command: `{cmd.strip()}` ({time.strftime('%Y-%m-%d', time.gmtime())}, 4 gloo ranks on "
+                    f"{os.cpu_count()} cores, torch {torch.__version__}; best of {args.reps} per row). "
+                    "1 GiB fp32, 32 x [4096, 2048], saved as 2x2 mesh [Shard(0), Shard(1)]; reshard load into "
+                    "[Shard(1), Replicate()].\n\n" + text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

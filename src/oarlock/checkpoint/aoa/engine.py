@@ -1,0 +1,741 @@
+"""The AOA engine (FlexCheckpoint spec, sections 2.4, 2.6-2.8): primitive statements -> exact slice mappings.
+
+Every tensor name is bound to a :class:`TensorDesc`: a shape, a dtype and *refs*, each saying that the box
+``dst_box`` of this tensor is ``cast(permute(src[src_box], perm))`` for one source key. Split, concat,
+transpose/permute and cast are interval arithmetic on these refs; no tensor data is touched. A destination
+key's refs become :class:`~oarlock.checkpoint.mapping.SliceMapping` objects whose ``dst_box`` regions tile it.
+
+Unlike Paddle, a ref keeps *one* composed permutation (native source axes -> this tensor's axes) and the *last*
+cast instead of a post-process list: permutations compose exactly; of a cast chain only the final dtype is
+applied (an intermediate narrowing cast, e.g. fp32 -> fp16 -> fp32, is not reproduced bit for bit).
+"""
+
+from __future__ import annotations
+
+import difflib
+import gc
+import warnings
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from oarlock.checkpoint.aoa.errors import AOAError, AOASyntaxError
+from oarlock.checkpoint.aoa.macros import (SCALAR_SUFFIXES, KeySet, MacroContext, expand_macros,
+                                           split_optimizer_suffix)
+from oarlock.checkpoint.aoa.parser import VOID, Expr, parse_statements
+from oarlock.checkpoint.mapping import Box, SliceMapping, TensorSpec, full_box
+from oarlock.utils import dtype_name
+
+_ATTRS = ("axis", "dtype", "permute", "src_dtype", "dst_dtype")
+
+
+_BOXES: dict[tuple[int, ...], Box] = {}  # full boxes by shape: most keys of a model share a few shapes
+
+
+class Ref:
+    """``tensor[dst_box] = cast(permute(source[src_key][src_box], perm), cast)``; ``src_box`` in the source's
+    native axis order, ``perm`` maps this tensor's axis i to source axis ``perm[i]`` (None = identity)."""
+
+    __slots__ = ("src_key", "src_box", "dst_box", "perm", "cast")
+
+    def __init__(self, src_key: str, src_box: Box, dst_box: Box, perm: tuple[int, ...] | None,
+                 cast: str | None):
+        self.src_key, self.src_box, self.dst_box, self.perm, self.cast = src_key, src_box, dst_box, perm, cast
+
+
+class TensorDesc:
+    """A (virtual) tensor: ``shape``, ``dtype`` (after any cast) and the refs that tile it."""
+
+    __slots__ = ("shape", "dtype", "refs", "expr")
+
+    def __init__(self, shape: tuple[int, ...], dtype: str, refs: list[Ref], expr: Expr | None = None):
+        self.shape, self.dtype, self.refs, self.expr = shape, dtype, refs, expr
+
+    @classmethod
+    def source(cls, key: str, spec: TensorSpec) -> "TensorDesc":
+        shape = tuple(spec.shape)
+        box = _BOXES.get(shape)
+        if box is None:
+            box = _BOXES[shape] = full_box(shape)
+        return cls(shape, spec.dtype, [Ref(key, box, box, None, None)])
+
+    def slice(self, axis: int, a: int, b: int, expr: Expr | None = None) -> "TensorDesc":
+        """Sub-tensor ``[a, b)`` along ``axis``."""
+        refs = []
+        for r in self.refs:
+            lo, hi = r.dst_box[axis]
+            s, t = max(lo, a), min(hi, b)
+            if s >= t:
+                continue
+            nax = r.perm[axis] if r.perm is not None else axis
+            sb = list(r.src_box)
+            so = sb[nax][0] + (s - lo)
+            sb[nax] = (so, so + t - s)
+            db = list(r.dst_box)
+            db[axis] = (s - a, t - a)
+            refs.append(Ref(r.src_key, tuple(sb), tuple(db), r.perm, r.cast))
+        shape = list(self.shape)
+        shape[axis] = b - a
+        return TensorDesc(tuple(shape), self.dtype, refs, expr)
+
+    @staticmethod
+    def concat(parts: Sequence["TensorDesc"], axis: int, expr: Expr | None = None) -> "TensorDesc":
+        refs = []
+        off = 0
+        for p in parts:
+            for r in p.refs:
+                db = list(r.dst_box)
+                db[axis] = (db[axis][0] + off, db[axis][1] + off)
+                refs.append(Ref(r.src_key, r.src_box, tuple(db), r.perm, r.cast))
+            off += p.shape[axis]
+        shape = list(parts[0].shape)
+        shape[axis] = off
+        return TensorDesc(tuple(shape), parts[0].dtype, refs, expr)
+
+    def permute(self, q: Sequence[int], expr: Expr | None = None) -> "TensorDesc":
+        """``torch.permute`` semantics: result axis i is this tensor's axis ``q[i]``."""
+        ident = tuple(range(len(q)))
+        refs = []
+        for r in self.refs:
+            p = r.perm
+            perm = q if p is None else tuple([p[i] for i in q])
+            db = r.dst_box
+            refs.append(Ref(r.src_key, r.src_box, tuple([db[i] for i in q]), None if perm == ident else perm, r.cast))
+        shape = self.shape
+        return TensorDesc(tuple([shape[i] for i in q]), self.dtype, refs, expr)
+
+    def cast(self, dtype: str, expr: Expr | None = None) -> "TensorDesc":
+        return TensorDesc(self.shape, dtype,
+                          [Ref(r.src_key, r.src_box, r.dst_box, r.perm, dtype) for r in self.refs], expr)
+
+
+@dataclass(slots=True)
+class Primitive:
+    """A primitive statement: ``kind`` in rename, split, concat, permute, cast, delete, create.
+
+    ``perm`` None with kind permute = reverse all axes (``^T``, ``permute='[]'``); ``dtype`` None with kind cast
+    = the inverse of a plain cast in reverse mode (the destination's dtype decides); ``src_dtype`` is checked
+    against the tensor before a reversible cast."""
+
+    kind: str
+    lhs: tuple[str, ...]
+    rhs: tuple[str, ...]
+    expr: Expr
+    axis: int | None = None
+    perm: tuple[int, ...] | None = None
+    dtype: str | None = None
+    src_dtype: str | None = None
+    inverted: bool = False
+
+    def render(self) -> str:
+        if not self.inverted:
+            return self.expr.render()
+        attrs = []
+        if self.kind in ("split", "concat") or (self.kind == "rename" and self.axis is not None):
+            attrs.append(f"axis={self.axis}")
+        elif self.kind == "permute":
+            attrs.append(f"permute='{list(self.perm) if self.perm is not None else []}'")
+        elif self.kind == "cast":
+            attrs.append(f"src_dtype='{self.src_dtype}', dst_dtype='{self.dtype}'" if self.src_dtype
+                         else f"dtype='{self.dtype}'" if self.dtype else "dtype=<destination dtype>")
+        return f"{', '.join(self.lhs)} -> {', '.join(list(self.rhs) + attrs)}"
+
+
+def _dtype_attr(e: Expr, name: str, value: object) -> str:
+    try:
+        return dtype_name(str(value))
+    except ValueError as err:
+        raise AOAError(f"{name}={value!r}: {err}", e, name=name) from None
+
+
+def _parse_perm(e: Expr, value: object) -> tuple[int, ...] | None:
+    text = str(value).strip()
+    if not (text.startswith("[") and text.endswith("]")):
+        raise AOASyntaxError(f"permute={value!r}: expected a list such as '[2, 0, 1]' (or '[]' to reverse all axes)",
+                             e, name="permute")
+    body = text[1:-1].strip()
+    if not body:
+        return None
+    try:
+        return tuple(int(x) for x in body.split(","))
+    except ValueError:
+        raise AOASyntaxError(f"permute={value!r}: expected integers", e, name="permute") from None
+
+
+def classify(e: Expr, memo: dict | None = None) -> Primitive:
+    """Check a macro-expanded statement against the primitive forms of spec section 2.4. ``memo`` caches the
+    verdict per attribute list and arity (macro expansions repeat a few forms tens of thousands of times).
+
+    Raises:
+        AOASyntaxError: N -> M with N, M >= 2, unsupported attribute, bad attribute value.
+        AOAError: split/concat without exactly one ``axis``; two operators in a 1 -> 1 statement.
+    """
+    lhs, rhs = e.lhs, e.rhs
+    if memo is not None and VOID not in lhs and VOID not in rhs:
+        key = (tuple(e.attrs), len(lhs) >= 2, len(rhs) >= 2)
+        hit = memo.get(key)
+        if hit is None:
+            p = classify(e)
+            memo[key] = (p.kind, p.axis, p.perm, p.dtype, p.src_dtype)
+            return p
+        return Primitive(hit[0], lhs, rhs, e, hit[1], hit[2], hit[3], hit[4])
+    names = [k for k, _ in e.attrs]
+    for k in names:
+        if k not in _ATTRS:
+            raise AOASyntaxError(f"Unsupported attribute {k!r} (supported: {', '.join(_ATTRS)})", e, name=k)
+    if e.lhs == (VOID,) or e.rhs == (VOID,):
+        if e.attrs:
+            raise AOASyntaxError("a statement with '_' takes no attributes", e, name=names[0])
+        if e.lhs == (VOID,) and e.rhs == (VOID,):
+            raise AOASyntaxError("'_ -> _' means nothing", e)
+        return Primitive("create", (), e.rhs, e) if e.lhs == (VOID,) else Primitive("delete", e.lhs, (), e)
+    for n in e.names():
+        if n == VOID:
+            raise AOASyntaxError("'_' must stand alone on its side of '->'", e, name=n)
+    nl, nr = len(e.lhs), len(e.rhs)
+    if nl >= 2 and nr >= 2:
+        raise AOASyntaxError(f"unexpected split/concat statement: {nl} -> {nr} names (a statement splits one tensor "
+                             "or concatenates into one)", e)
+    if nl >= 2 or nr >= 2:
+        if names != ["axis"] or not isinstance(e.attrs[0][1], int):
+            raise AOAError(f"a {'split' if nr >= 2 else 'concat'} statement needs exactly one attribute, an integer "
+                           f"axis=k (got {', '.join(names) or 'none'}): only support one attr named `axis`", e,
+                           name=names[1] if len(names) > 1 else (names[0] if names else None))
+        return Primitive("split" if nr >= 2 else "concat", e.lhs, e.rhs, e, axis=e.attrs[0][1])
+    if not names:
+        return Primitive("rename", e.lhs, e.rhs, e)
+    if sorted(names) == ["dst_dtype", "src_dtype"]:
+        return Primitive("cast", e.lhs, e.rhs, e, dtype=_dtype_attr(e, "dst_dtype", e.attr("dst_dtype")),
+                         src_dtype=_dtype_attr(e, "src_dtype", e.attr("src_dtype")))
+    if len(names) > 1:
+        raise AOAError(f"a 1 -> 1 statement takes one operator, got {', '.join(names)} (only the pair "
+                       "src_dtype/dst_dtype goes together)", e, name=names[1])
+    k, v = e.attrs[0]
+    if k == "axis":
+        if not isinstance(v, int):
+            raise AOASyntaxError(f"axis must be an integer, got {v!r}", e, name=k)
+        return Primitive("rename", e.lhs, e.rhs, e, axis=v)
+    if k == "dtype":
+        return Primitive("cast", e.lhs, e.rhs, e, dtype=_dtype_attr(e, k, v))
+    if k == "permute":
+        return Primitive("permute", e.lhs, e.rhs, e, perm=_parse_perm(e, v))
+    raise AOAError(f"{k} needs its partner ({'dst_dtype' if k == 'src_dtype' else 'src_dtype'})", e, name=k)
+
+
+def invert(prims: list[Primitive]) -> list[Primitive]:
+    """The inverse program (spec section 2.8): reversed order, split <-> concat, renames and permutations
+    inverted, ``X -> _`` <-> ``_ -> X``, ``src_dtype``/``dst_dtype`` swapped; a plain ``dtype=`` cast becomes
+    a cast to the destination's dtype."""
+    out = []
+    for p in reversed(prims):
+        kind = {"split": "concat", "concat": "split", "delete": "create", "create": "delete"}.get(p.kind, p.kind)
+        perm = p.perm
+        if p.kind == "permute" and perm is not None:
+            inv = [0] * len(perm)
+            for i, a in enumerate(perm):
+                if 0 <= a < len(perm):
+                    inv[a] = i
+            perm = tuple(inv) if sorted(perm) == list(range(len(perm))) else perm
+        dtype, src = (p.src_dtype, p.dtype) if p.src_dtype else (None, None)
+        out.append(Primitive(kind, p.rhs, p.lhs, p.expr, p.axis, perm, dtype, src, inverted=True))
+    return out
+
+
+class _Deleted:
+    def __init__(self, prim: Primitive):
+        self.prim = prim
+
+
+class _Void:
+    pass
+
+
+_VOID = _Void()
+_MISSING = object()
+
+
+def _norm_axis(axis: int, ndim: int, name: str, prim: Primitive) -> int:
+    if not -ndim <= axis < ndim:
+        raise AOAError(f"axis={axis} is out of range for {name!r}, which has {ndim} dimension(s)", prim.expr,
+                       name="axis" if "axis" in prim.expr.render() else name)
+    return axis % ndim
+
+
+def _fmt_range(shape: Sequence[int]) -> str:
+    return "(" + ", ".join(f"slice(0, {n})" for n in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
+def normalize_config(aoa_config: object) -> tuple[list[str], bool]:
+    """``(statements, reverse)`` from a Paddle-style dict, a list of strings or one string."""
+    if isinstance(aoa_config, str):
+        return [aoa_config], False
+    if isinstance(aoa_config, (list, tuple)):
+        return list(aoa_config), False
+    if isinstance(aoa_config, Mapping):
+        if "aoa_statements" not in aoa_config:
+            raise AOASyntaxError(f"AOA config needs the key 'aoa_statements'; got keys {sorted(aoa_config)}")
+        st = aoa_config["aoa_statements"]
+        if isinstance(st, str):
+            st = [st]
+        if not isinstance(st, (list, tuple)):
+            raise AOASyntaxError(f"aoa_statements must be a list of strings, got {type(st).__name__}")
+        return list(st), bool(aoa_config.get("aoa_config_reverse", False))
+    raise AOASyntaxError(f"AOA config must be a dict with 'aoa_statements' or a list of statement strings, got "
+                         f"{type(aoa_config).__name__}")
+
+
+def fold_optimizer_keys(source: Mapping[str, TensorSpec]) -> tuple[dict[str, TensorSpec], dict[str, list[str]]]:
+    """Model-level view of a source key set: ``({model_key: spec}, {model_key: [optimizer suffixes]})``.
+
+    A model key present only through its optimizer states (an optimizer-only checkpoint) takes the spec of its
+    first parameter-shaped state."""
+    model: dict[str, TensorSpec] = {}
+    states: dict[str, list[str]] = {}
+    for k, spec in source.items():
+        base, suf = split_optimizer_suffix(k)
+        if not suf:
+            model[k] = spec
+        else:
+            states.setdefault(base, []).append(suf)
+    for base, sufs in states.items():
+        if base not in model:
+            for s in sufs:
+                if s not in SCALAR_SUFFIXES:
+                    model[base] = source[base + s]
+                    break
+    return model, states
+
+
+def fold_shard_counts(counts: Mapping[str, int] | None) -> dict[str, int]:
+    """Model-level TP shard counts; a key and its optimizer states must agree (spec section 2.5 (h)).
+
+    Raises:
+        AOAError: naming the key and the disagreeing counts.
+    """
+    out: dict[str, int] = {}
+    seen: dict[str, list[str]] = {}
+    for k, n in (counts or {}).items():
+        base, suf = split_optimizer_suffix(k)
+        if suf in SCALAR_SUFFIXES:
+            continue
+        if base in out and out[base] != int(n):
+            raise AOAError(f"inconsistent shard counts among {base!r} and its optimizer states: "
+                           f"{', '.join(seen[base])} have {out[base]} TP shard(s) but {k!r} has {n}")
+        out[base] = int(n)
+        seen.setdefault(base, []).append(repr(k))
+    return out
+
+
+def source_specs(metadata) -> dict[str, TensorSpec]:
+    """``{key: TensorSpec(global_shape, dtype)}`` of a :class:`~oarlock.checkpoint.CheckpointMetadata`: the
+    ``source`` argument of :func:`compile_aoa` for a checkpoint on disk."""
+    return {k: TensorSpec(tuple(t.global_shape), t.dtype) for k, t in metadata.tensors.items()}
+
+
+def shard_counts(metadata) -> dict[str, int]:
+    """TP shard count of every key of a :class:`~oarlock.checkpoint.CheckpointMetadata`: the number of distinct
+    global offsets among its primary shards (as Paddle derives it for ``fused_qkv_old``/``fused_ffn``)."""
+    return {k: len({s.global_offset for s in t.primary_shards()}) or 1 for k, t in metadata.tensors.items()}
+
+
+@dataclass
+class _Entry:
+    desc: TensorDesc
+    suffix: str
+    spec: TensorSpec
+    cast_all: str | None = None      # reverse-mode / allow_cast: cast every ref to the destination dtype
+
+
+class AOAProgram:
+    """A compiled AOA config; implements :class:`~oarlock.checkpoint.mapping.MappingProgram`.
+
+    Attributes:
+        reverse: whether the statements were inverted (``aoa_config_reverse``).
+        statements: the primitive statements as executed (expanded by macros, inverted in reverse mode).
+        skipped: destination keys declared source-less with ``_ -> key`` (left as initialised).
+        missing: destination keys that no statement and no source key provides, with the reason.
+        deleted: source keys dropped with ``key -> _``.
+        unused_sources: source keys (model level) that reach no destination key.
+    """
+
+    def __init__(self, source: Mapping[str, TensorSpec], reverse: bool, statements: list[Primitive]):
+        self.source = dict(source)
+        self.reverse = reverse
+        self.statements = statements
+        self.skipped: list[str] = []
+        self.missing: dict[str, str] = {}
+        self.deleted: list[str] = []
+        self.unused_sources: list[str] = []
+        self._entries: dict[str, _Entry] = {}
+        self._cache: dict[str, list[SliceMapping]] = {}
+
+    @property
+    def deleted_keys(self) -> list[str]:
+        """Source keys dropped with ``key -> _`` (the loader does not report them as unexpected)."""
+        return list(self.deleted)
+
+    def destination_keys(self) -> list[str]:
+        """Destination keys this program fills (model keys, then their optimizer states where present)."""
+        return list(self._entries)
+
+    def destination_spec(self, key: str) -> TensorSpec:
+        """Global shape and dtype of destination ``key``; raises :class:`AOAError` for an unknown key."""
+        return self._entry(key).spec
+
+    def _entry(self, key: str) -> _Entry:
+        try:
+            return self._entries[key]
+        except KeyError:
+            why = self.missing.get(key) or ("declared source-less by '_ -> key'" if key in self.skipped else None)
+            raise AOAError(f"{key!r} is not a destination key of this AOA program"
+                           + (f" ({why})" if why else "")) from None
+
+    def mappings_for(self, key: str) -> list[SliceMapping]:
+        """Slice mappings tiling destination ``key`` (computed on first request, then cached)."""
+        got = self._cache.get(key)
+        if got is not None:
+            return got
+        ent = self._entry(key)
+        out = []
+        if ent.suffix in SCALAR_SUFFIXES:  # beta powers / step counters: one whole accumulator
+            src = next(r.src_key + ent.suffix for r in ent.desc.refs if r.src_key + ent.suffix in self.source)
+            box = full_box(ent.spec.shape)
+            out.append(SliceMapping(key, box, src, box, None, ent.cast_all))
+        else:
+            for r in ent.desc.refs:
+                if ent.suffix:
+                    src = r.src_key + ent.suffix
+                    cast = ent.spec.dtype if self.source[src].dtype != ent.spec.dtype else None
+                else:
+                    src, cast = r.src_key, (ent.cast_all or r.cast)
+                out.append(SliceMapping(key, r.dst_box, src, r.src_box, r.perm, cast))
+        self._cache[key] = out
+        return out
+
+    def explain(self, keys: Sequence[str] | None = None) -> str:
+        """Human-readable listing: every primitive statement, then per destination key each slice's origin."""
+        lines = [f"# {len(self.statements)} primitive statement(s)" + (" (reverse mode: inverted)"
+                                                                       if self.reverse else "")]
+        lines += [f"  {p.render()}" for p in self.statements]
+        keys = list(self._entries) if keys is None else list(keys)
+        lines.append(f"# {len(keys)} destination key(s)")
+        for k in keys:
+            spec = self.destination_spec(k)
+            lines.append(f"{k}  {list(spec.shape)} {spec.dtype}")
+            for m in self.mappings_for(k):
+                extra = (f"  permute={list(m.permute)}" if m.permute else "") + (f"  cast={m.dtype}" if m.dtype else "")
+                lines.append(f"  [{_fmt_box(m.dst_box)}] <- {m.src_key}[{_fmt_box(m.src_box)}]{extra}")
+        for k in self.skipped:
+            lines.append(f"{k}  (source-less: '_ -> {k}', keeps its initial value)")
+        for k, why in self.missing.items():
+            lines.append(f"{k}  MISSING: {why}")
+        for what, names in (("deleted", self.deleted), ("unused", self.unused_sources)):
+            if names:
+                more = f" ... ({len(names) - 10} more)" if len(names) > 10 else ""
+                lines.append(f"# {len(names)} {what} source key(s): {', '.join(names[:10])}{more}")
+        return "\n".join(lines)
+
+
+def _fmt_box(box: Box) -> str:
+    return ", ".join(f"{a}:{b}" for a, b in box)
+
+
+class _Executor:
+    def __init__(self, model_src: dict[str, TensorSpec], keys: KeySet):
+        self.model_src = model_src
+        self.keys = keys
+        self.env: dict[str, object] = {}
+        self.fresh: dict[str, None] = {}
+        self.read_sources: set[str] = set()
+        self.deleted: dict[str, None] = {}
+        self.created: dict[str, None] = {}
+        self._src_cache: dict[str, TensorDesc] = {}
+
+    def source_desc(self, name: str) -> TensorDesc:
+        d = self._src_cache.get(name)
+        if d is None:
+            d = self._src_cache[name] = TensorDesc.source(name, self.model_src[name])
+        return d
+
+    def get(self, name: str, prim: Primitive) -> TensorDesc:
+        b = self.env.get(name, _MISSING)
+        if b is _MISSING:
+            if name not in self.model_src:
+                near = difflib.get_close_matches(name, list(self.env) + self.keys.with_prefix(name.split(".")[0]),
+                                                 n=3, cutoff=0.5)
+                raise AOAError(f"`{name}` should be assigned before! It is neither a source key nor the result of an "
+                               "earlier statement" + (f"; closest names: {', '.join(near)}" if near else ""),
+                               prim.expr, name=name)
+            self.read_sources.add(name)
+            return self.source_desc(name)
+        if isinstance(b, _Deleted):
+            raise AOAError(f"`{name}` was deleted by '{b.prim.render()}' and cannot be read afterwards", prim.expr,
+                           name=name)
+        if b is _VOID:
+            raise AOAError(f"`{name}` was declared source-less by '_ -> {name}' and holds no data to read", prim.expr,
+                           name=name)
+        self.fresh.pop(name, None)
+        assert isinstance(b, TensorDesc)
+        return b
+
+    def bind(self, name: str, desc: object) -> None:
+        self.env[name] = desc
+        self.fresh.pop(name, None)
+        if isinstance(desc, TensorDesc):
+            self.fresh[name] = None
+
+    def run(self, p: Primitive) -> None:
+        if p.kind == "rename" and p.axis is None:  # the most common statement: a fast path
+            b = self.env.get(p.lhs[0], _MISSING)
+            d = b if isinstance(b, TensorDesc) else self.get(p.lhs[0], p)
+            self.fresh.pop(p.lhs[0], None)
+            self.bind(p.rhs[0], d)
+            return
+        e = p.expr
+        if p.kind == "create":
+            for r in p.rhs:
+                self.bind(r, _VOID)
+                self.created[r] = None
+            return
+        if p.kind == "delete":
+            for n in p.lhs:
+                self.get(n, p)
+                if n in self.model_src and n not in self.env:
+                    self.deleted[n] = None
+                self.bind(n, _Deleted(p))
+            return
+        if p.kind == "concat":
+            parts = [self.get(n, p) for n in p.lhs]
+            nd = len(parts[0].shape)
+            ax = _norm_axis(p.axis, nd, p.lhs[0], p)
+            for n, d in zip(p.lhs, parts):
+                if d.dtype != parts[0].dtype:
+                    raise AOAError(f"All tensors must have the same dtype! {p.lhs[0]!r} is {parts[0].dtype} but "
+                                   f"{n!r} is {d.dtype}", e, name=n)
+                if len(d.shape) != nd or any(a != b for i, (a, b) in enumerate(zip(d.shape, parts[0].shape))
+                                             if i != ax):
+                    raise AOAError(f"cannot concatenate along axis {p.axis}: {p.lhs[0]!r} has shape "
+                                   f"{list(parts[0].shape)} but {n!r} has shape {list(d.shape)}", e, name=n)
+            self.bind(p.rhs[0], TensorDesc.concat(parts, ax, e))
+            return
+        d = self.get(p.lhs[0], p)
+        if p.kind == "split":
+            ax = _norm_axis(p.axis, len(d.shape), p.lhs[0], p)
+            n = len(p.rhs)
+            if d.shape[ax] % n:
+                raise AOAError(f"cannot split {p.lhs[0]!r} of shape {list(d.shape)} into {n} equal parts along axis "
+                               f"{p.axis} ({d.shape[ax]} is not divisible by {n})", e, name=p.lhs[0])
+            step = d.shape[ax] // n
+            for i, r in enumerate(p.rhs):
+                self.bind(r, d.slice(ax, i * step, (i + 1) * step, e))
+        elif p.kind == "rename":
+            if p.axis is not None:
+                _norm_axis(p.axis, len(d.shape), p.lhs[0], p)
+            self.bind(p.rhs[0], d)
+        elif p.kind == "permute":
+            nd = len(d.shape)
+            q = tuple(range(nd))[::-1] if p.perm is None else tuple(a % nd if -nd <= a < nd else a for a in p.perm)
+            if sorted(q) != list(range(nd)):
+                raise AOAError(f"permute={list(p.perm or ())} is not a permutation of the {nd} axes of "
+                               f"{p.lhs[0]!r} (shape {list(d.shape)})", e, name="permute")
+            self.bind(p.rhs[0], d.permute(q, e))
+        elif p.kind == "cast":
+            if p.src_dtype is not None and d.dtype != p.src_dtype:
+                raise AOAError(f"{p.lhs[0]!r} is {d.dtype}, but the statement says src_dtype='{p.src_dtype}'", e,
+                               name=p.lhs[0])
+            self.bind(p.rhs[0], d.cast(p.dtype, e) if p.dtype is not None else d)
+        else:  # pragma: no cover
+            raise AssertionError(p.kind)
+
+
+def expand_statements(aoa_config: object, source_keys: Sequence[str], destination_keys: Sequence[str] | None = None,
+                      *, source_shards: Mapping[str, int] | None = None,
+                      destination_shards: Mapping[str, int] | None = None) -> list[Expr]:
+    """Parse and macro-expand ``aoa_config`` against key names only (no shapes): the primitive statements
+    as written, before reverse-mode inversion. ``*_shards``: TP shard count per key for ``fused_qkv_old`` and
+    ``fused_ffn`` (1 where absent).
+
+    Raises:
+        AOASyntaxError, AOAError: see :func:`compile_aoa`.
+    """
+    statements, reverse = normalize_config(aoa_config)
+    exprs = parse_statements(statements)
+    src = KeySet(split_optimizer_suffix(k)[0] for k in source_keys)
+    dst = KeySet(split_optimizer_suffix(k)[0] for k in destination_keys) if destination_keys is not None else None
+    ctx = MacroContext(src, dst, reverse, fold_shard_counts(source_shards), fold_shard_counts(destination_shards))
+    return expand_macros(exprs, ctx)
+
+
+def compile_aoa(aoa_config: object, source: Mapping[str, TensorSpec],
+                destination: Mapping[str, TensorSpec] | None = None, *,
+                source_shards: Mapping[str, int] | None = None, destination_shards: Mapping[str, int] | None = None,
+                allow_cast: bool = False) -> AOAProgram:
+    """Compile an AOA config into slice mappings (FlexCheckpoint spec, section 2).
+
+    Args:
+        aoa_config: ``{"aoa_statements": [str, ...], "aoa_config_reverse": bool}`` or a list of statement strings.
+        source: checkpoint key -> global :class:`TensorSpec`; optimizer states ``<model_key><suffix>`` (see
+            :data:`~oarlock.checkpoint.aoa.macros.OPTIMIZER_SUFFIXES`) follow the statements of ``<model_key>``.
+        destination: model key -> spec, or None for the program's dataflow sinks (export / ``full()``).
+        source_shards, destination_shards: TP shard count per key (distinct global offsets of its shards), used
+            by ``fused_qkv_old`` and ``fused_ffn``; 1 where absent. See :func:`shard_counts`.
+        allow_cast: cast to the destination dtype instead of failing when no AOA cast makes dtypes agree.
+
+    Returns:
+        An :class:`AOAProgram` (implements ``MappingProgram``): destination keys are the ``destination`` keys
+        that some statement or identically named source key provides (others are listed in ``missing``;
+        ``_ -> key`` ones in ``skipped``).
+
+    Raises:
+        AOASyntaxError: lexing/parsing/macro errors. AOAError: semantic errors (unknown name, zero-match
+        pattern, indivisible split, concat dtype/shape mismatch, destination shape or dtype mismatch, ...), all
+        naming the statement, column and macro expansion chain.
+    """
+    # Compilation allocates ~10 small acyclic objects per key; the cyclic GC would rescan them all again and
+    # again (a third of the time on 50,000 keys), so it is paused while compiling. One young-generation pass at
+    # the end moves the program's objects out of the young generations at once; otherwise the first calls of
+    # mappings_for() would pay for that, several times over.
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _compile(aoa_config, source, destination, source_shards, destination_shards, allow_cast)
+    finally:
+        if enabled:
+            gc.enable()
+            gc.collect(1)
+
+
+def _canonical_specs(specs: Mapping[str, TensorSpec], what: str) -> dict[str, TensorSpec]:
+    """Specs with canonical dtype names (``"float32"``, not ``"F32"`` or ``"torch.float32"``)."""
+    names: dict[str, str] = {}
+    out = {}
+    for k, sp in specs.items():
+        dt = names.get(sp.dtype)
+        if dt is None:
+            try:
+                dt = names[sp.dtype] = dtype_name(sp.dtype)
+            except ValueError as e:
+                raise AOAError(f"{what} key {k!r}: {e}") from None
+        out[k] = sp if dt == sp.dtype else TensorSpec(tuple(sp.shape), dt)
+    return out
+
+
+def _compile(aoa_config: object, source: Mapping[str, TensorSpec], destination: Mapping[str, TensorSpec] | None,
+             source_shards: Mapping[str, int] | None, destination_shards: Mapping[str, int] | None,
+             allow_cast: bool) -> AOAProgram:
+    _, reverse = normalize_config(aoa_config)
+    source = _canonical_specs(source, "source")
+    if destination is not None:
+        destination = _canonical_specs(destination, "destination")
+    model_src, states = fold_optimizer_keys(source)
+    dst_model = None
+    if destination is not None:
+        dst_model = [split_optimizer_suffix(k)[0] for k in destination]
+    exprs = expand_statements(aoa_config, list(source), dst_model, source_shards=source_shards,
+                              destination_shards=destination_shards)
+    memo: dict = {}
+    prims = [classify(e, memo) for e in exprs]
+    if reverse:
+        prims = invert(prims)
+    prog = AOAProgram(source, reverse, prims)
+    ex = _Executor(model_src, KeySet(model_src))
+    for p in prims:
+        ex.run(p)
+    prog.deleted = list(ex.deleted)
+
+    def resolve(key: str) -> TensorDesc | None | str:
+        b = ex.env.get(key, _MISSING)
+        if b is _MISSING:
+            return TensorDesc.source(key, model_src[key]) if key in model_src else "no statement or source key " \
+                "provides it"
+        if b is _VOID:
+            return None
+        if isinstance(b, _Deleted):
+            return f"deleted by '{b.prim.render()}'"
+        return b  # type: ignore[return-value]
+
+    if destination is None:
+        sinks = [k for k in model_src if k not in ex.env and k not in ex.read_sources] + list(ex.fresh)
+        wanted: list[tuple[str, str, str]] = []
+        for k in sinks:
+            wanted.append((k, k, ""))
+            d = resolve(k)
+            if isinstance(d, TensorDesc):
+                srcs = {r.src_key for r in d.refs}
+                sufs = dict.fromkeys(s for sk in srcs for s in states.get(sk, ()))
+                for s in sufs:
+                    ok = any if s in SCALAR_SUFFIXES else all
+                    if ok(sk + s in source for sk in srcs):
+                        wanted.append((k + s, k, s))
+        prog.skipped = [k for k in ex.created if ex.env.get(k) is _VOID]
+    else:
+        wanted = []
+        for k in destination:
+            if k in ex.env or k in model_src:
+                wanted.append((k, k, ""))
+            else:
+                base, suf = split_optimizer_suffix(k)
+                wanted.append((k, base, suf) if suf else (k, k, ""))
+    reached: set[str] = set()
+    for key, model_key, suf in wanted:
+        d = resolve(model_key)
+        if d is None:
+            prog.skipped.append(key) if key not in prog.skipped else None
+            continue
+        if isinstance(d, str):
+            prog.missing[key] = d
+            continue
+        if not suf and model_key not in source and any(r.src_key not in source for r in d.refs):
+            lack = next(r.src_key for r in d.refs if r.src_key not in source)
+            prog.missing[key] = f"source key {lack!r} exists only through its optimizer states"
+            continue
+        if suf and suf not in SCALAR_SUFFIXES:
+            lack = [r.src_key + suf for r in d.refs if r.src_key + suf not in source]
+            if lack:
+                prog.missing[key] = f"source optimizer state {lack[0]!r} does not exist"
+                continue
+        if suf in SCALAR_SUFFIXES:
+            srcs = list(dict.fromkeys(r.src_key + suf for r in d.refs if r.src_key + suf in source))
+            if not srcs:
+                prog.missing[key] = f"no source holds a {suf} accumulator for {model_key!r}"
+                continue
+            if len(srcs) > 1:
+                warnings.warn(f"AOA: {key!r} gathers several sources; its accumulator is taken from {srcs[0]!r}")
+            sspec = source[srcs[0]]
+            spec = destination[key] if destination is not None else sspec
+            if tuple(spec.shape) != tuple(sspec.shape):
+                raise AOAError(f"destination {key!r} has shape {list(spec.shape)} but its source accumulator "
+                               f"{srcs[0]!r} has shape {list(sspec.shape)}")
+            prog._entries[key] = _Entry(d, suf, TensorSpec(tuple(spec.shape), spec.dtype),
+                                        spec.dtype if spec.dtype != sspec.dtype else None)
+            reached.update(r.src_key for r in d.refs)
+            continue
+        if suf:
+            for r in d.refs:
+                sshape = source[r.src_key + suf].shape
+                if r.src_key in model_src and tuple(sshape) != tuple(model_src[r.src_key].shape):
+                    raise AOAError(f"optimizer state {r.src_key + suf!r} has shape {list(sshape)} but its parameter "
+                                   f"{r.src_key!r} has shape {list(model_src[r.src_key].shape)}")
+            state_dtype = source[d.refs[0].src_key + suf].dtype if d.refs else d.dtype
+        cast_all = None
+        if destination is not None:
+            spec = destination[key]
+            if tuple(spec.shape) != tuple(d.shape):
+                raise AOAError(
+                    f"destination {key!r} does not match the tensor AOA computes for it: current model param slice "
+                    f"range: {_fmt_range(spec.shape)}, preloaded weights param slice range: {_fmt_range(d.shape)}. "
+                    "Please check the AOA statements (a missing '^T', a wrong split/concat axis?)",
+                    d.expr, name=model_key)
+            dtype = dtype_name(spec.dtype)
+            if not suf and dtype != d.dtype:
+                if not (reverse or allow_cast):
+                    raise AOAError(f"{key!r}: the source is {d.dtype} but the destination is {dtype}; direct "
+                                   "assignment of tensors of different types is prohibited, add an AOA cast "
+                                   f"(\"{model_key} -> {model_key}, dtype='{dtype}'\")", d.expr, name=model_key)
+                cast_all = dtype
+        else:
+            dtype = state_dtype if suf else d.dtype
+        prog._entries[key] = _Entry(d, suf, TensorSpec(tuple(d.shape), dtype), cast_all)
+        for r in d.refs:
+            reached.add(r.src_key)
+    prog.unused_sources = [k for k in model_src if k not in reached and k not in ex.deleted]
+    return prog

@@ -1,0 +1,675 @@
+"""Offline and online conversion between checkpoint layouts: HuggingFace export, TP/PP-sharded oarlock checkpoints
+written from one process, and the plan behind ``oarlock convert`` (FlexCheckpoint spec sections 1.5, 3.4-3.6, 4.5).
+
+Every conversion goes through the same two pieces as a load: a mapping program (identity, or a compiled AOA config)
+and the load planner. Each output tensor -- a whole HF tensor, or one simulated rank's shard of an oarlock tensor --
+is built by reading exactly the byte ranges of the source it needs, written to disk, and dropped before the next one
+starts (file headers are written first: shapes and dtypes are known from the program), so peak memory is one output
+tensor, never the model. The live export of a running job (:func:`export_hf_sharded`) holds at most one output
+file's worth of tensors on rank 0.
+
+TP/PP simulation (:func:`convert_checkpoint`): a job of ``world = tp * dp * pp`` ranks is described rank by rank
+(rank order ``tp`` fastest, then ``dp``, then ``pp``: ``rank = tp_i + tp * (dp_i + dp * pp_i)``, Megatron's default),
+each rank's shard descriptions are fed to the same deterministic write assignment that
+:func:`~oarlock.checkpoint.save_state_dict` runs after its all-gather, and each rank's data file is written with the
+same header layout. The result -- ``metadata.json`` and the ``rank-XXXXX.safetensors`` files -- is therefore what the
+same ranks holding those shards would have saved with ``save_state_dict``.
+
+Which axis a key is split on comes from *TP rules*: an ordered list of ``(glob, axis)`` pairs, first match wins,
+``axis`` None (or no match) = replicated. Named rule sets: ``"megatron"`` (torch ``[out, in]`` Linear weights:
+column-parallel q/k/v/qkv/gate/up/intermediate projections and their biases on axis 0, row-parallel o/down/output
+projections on axis 1, vocabulary-parallel embeddings and LM head on axis 0), ``"paddle"`` (the same for Paddle's
+``[in, out]`` Linear weights: column-parallel on axis 1, row-parallel on axis 0) and ``"none"``. Uneven extents are
+split like ``torch.chunk`` (and DTensor ``Shard``): ``ceil(n / tp)`` per rank, the last ones smaller or empty.
+Pipeline stages take contiguous blocks of layers (the first integer after ``layers.``/``layer.``/``h.``/``blocks.``);
+keys outside layers go to stage 0 when they name an embedding, else to the last stage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import json
+import os
+import re
+import shutil
+import struct
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
+
+import torch
+
+from oarlock.checkpoint.api import _assign_writes, _data_file, _execute
+from oarlock.checkpoint.errors import CheckpointError
+from oarlock.checkpoint.hf import HF_INDEX, parse_size, save_hf_checkpoint
+from oarlock.checkpoint.mapping import IdentityProgram, MappingProgram, TensorSpec
+from oarlock.checkpoint.metadata import METADATA_FILE, CheckpointMetadata
+from oarlock.checkpoint.plan import KeyIndex, Planner, source_specs
+from oarlock.checkpoint.sharded import ShardDesc
+from oarlock.checkpoint.storage import (INCOMPLETE_MARKER, CheckpointReader, _tensor_bytes, contiguous_run,
+                                        fsync_dir, open_checkpoint)
+from oarlock.utils import dtype_itemsize, numel, safetensors_code, torch_dtype
+
+# ---------------------------------------------------------------- TP rules
+
+_COLUMN = ["*q_proj.weight", "*k_proj.weight", "*v_proj.weight", "*qkv_proj.weight", "*gate_proj.weight",
+           "*up_proj.weight", "*gate_up_proj.weight", "*up_gate_proj.weight", "*.query.weight", "*.key.weight",
+           "*.value.weight", "*.qkv.weight", "*intermediate.dense.weight"]
+_COLUMN_BIAS = [p[:-len("weight")] + "bias" for p in _COLUMN]
+_ROW = ["*o_proj.weight", "*down_proj.weight", "*attention.output.dense.weight", "*output.dense.weight",
+        "*dense_4h_to_h.weight"]
+_VOCAB = ["*embed_tokens.weight", "*word_embeddings.weight", "lm_head.weight", "*.lm_head.weight"]
+
+
+def _rule_set(column_axis: int, row_axis: int) -> list[tuple[str, int | None]]:
+    return ([(p, 0) for p in _VOCAB] + [(p, column_axis) for p in _COLUMN] + [(p, 0) for p in _COLUMN_BIAS]
+            + [(p, row_axis) for p in _ROW])
+
+
+TP_RULES: dict[str, list[tuple[str, int | None]]] = {
+    "megatron": _rule_set(0, 1),
+    "paddle": _rule_set(1, 0),
+    "none": [],
+}
+
+
+def resolve_tp_rules(rules: str | Path | Mapping[str, int | None] | Sequence[tuple[str, int | None]] | None
+                     ) -> list[tuple[str, int | None]]:
+    """TP rules from a rule-set name (``"megatron"``, ``"paddle"``, ``"none"``), a JSON file holding
+    ``{glob: axis or null}`` (in priority order), a mapping, or a list of pairs. None = ``"megatron"``.
+
+    Raises:
+        CheckpointError: unknown name, unreadable file, or an axis that is not an int or null.
+    """
+    if rules is None:
+        return list(TP_RULES["megatron"])
+    if isinstance(rules, (str, Path)):
+        if str(rules) in TP_RULES:
+            return list(TP_RULES[str(rules)])
+        p = Path(rules)
+        if not p.is_file():
+            raise CheckpointError(f"TP rules {str(rules)!r}: neither a rule-set name ({', '.join(TP_RULES)}) nor a "
+                                  "JSON file")
+        try:
+            rules = json.loads(p.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{p}: cannot read the TP rules: {e}") from None
+        if not isinstance(rules, dict):
+            raise CheckpointError(f"{p}: TP rules must be a JSON object {{glob: axis or null}}")
+    pairs = list(rules.items()) if isinstance(rules, Mapping) else [tuple(r) for r in rules]
+    for pat, axis in pairs:
+        if axis is not None and (isinstance(axis, bool) or not isinstance(axis, int)):
+            raise CheckpointError(f"TP rule {pat!r}: axis must be an int or null, got {axis!r}")
+    return [(str(p), a) for p, a in pairs]
+
+
+def tp_axis(key: str, shape: Sequence[int], rules: Sequence[tuple[str, int | None]]) -> int | None:
+    """The axis ``key`` is split on under ``rules`` (first matching glob), or None when replicated.
+
+    Raises:
+        CheckpointError: the matching rule's axis does not exist for ``shape``.
+    """
+    for pat, axis in rules:
+        if fnmatch.fnmatchcase(key, pat):
+            if axis is None:
+                return None
+            if not -len(shape) <= axis < len(shape):
+                raise CheckpointError(f"TP rule {pat!r} splits {key!r} on axis {axis}, but its shape is "
+                                      f"{list(shape)}")
+            return axis % len(shape)
+    return None
+
+
+def chunk_sizes(n: int, parts: int) -> list[int]:
+    """Extents of ``torch.chunk``-style pieces: ``ceil(n / parts)`` each, the tail smaller or empty."""
+    step = -(-n // parts) if n else 0
+    return [max(0, min(step, n - i * step)) for i in range(parts)]
+
+
+_LAYER = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks)\.(\d+)\.")
+
+
+def pp_stages(keys: Sequence[str], pp: int) -> dict[str, int]:
+    """Pipeline stage of every key: contiguous blocks of layers; non-layer keys go to stage 0 when they name an
+    embedding, else to the last stage."""
+    ids = {k: int(m.group(1)) for k in keys if (m := _LAYER.search(k))}
+    n = max(ids.values()) + 1 if ids else 1
+    out = {}
+    for k in keys:
+        if k in ids:
+            out[k] = ids[k] * pp // n
+        else:
+            out[k] = 0 if "embed" in k else pp - 1
+    return out
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """The simulated job: ``tp * dp * pp`` ranks, ranks ordered ``tp`` fastest, then ``dp``, then ``pp``."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    rules: tuple[tuple[str, int | None], ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp"):
+            if int(getattr(self, name)) < 1:
+                raise CheckpointError(f"--{name} must be at least 1, got {getattr(self, name)}")
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.dp * self.pp
+
+    def rank(self, tp_i: int, dp_i: int, pp_i: int) -> int:
+        return tp_i + self.tp * (dp_i + self.dp * pp_i)
+
+
+# ---------------------------------------------------------------- the plan
+
+@dataclass
+class KeyPlan:
+    """One destination key: global shape, dtype, bytes, TP axis (None = replicated) and pipeline stage."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    axis: int | None = None
+    stage: int = 0
+
+
+@dataclass
+class ConversionPlan:
+    """What a conversion will write (``oarlock convert --dry-run`` prints it).
+
+    Attributes:
+        source: the source path; ``source_format`` its format.
+        to: ``"hf"`` or ``"oarlock"``.
+        keys: the destination keys in write order.
+        files: output file -> (keys, bytes).
+        metadata: for ``to="oarlock"``, the metadata the checkpoint will have.
+    """
+
+    source: str
+    source_format: str
+    to: str
+    keys: list[KeyPlan] = field(default_factory=list)
+    files: dict[str, tuple[list[str], int]] = field(default_factory=dict)
+    metadata: CheckpointMetadata | None = None
+    layout: ParallelLayout | None = None
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(k.nbytes for k in self.keys)
+
+    def render(self) -> str:
+        lines = [f"{self.source} ({self.source_format}) -> {self.to}: {len(self.keys)} tensors, "
+                 f"{self.total_bytes} bytes in {len(self.files)} file(s)"]
+        if self.layout is not None and self.to == "oarlock":
+            lines[0] += f"; tp={self.layout.tp} pp={self.layout.pp} dp={self.layout.dp}"
+        w = max([len(k.key) for k in self.keys] + [3])
+        split = self.to == "oarlock"
+        lines.append(f"{'key':<{w}}  {'shape':<18} {'dtype':<9} {'bytes':>11}" + ("  split" if split else ""))
+        for k in self.keys:
+            extra = ""
+            if split:
+                extra = f"  {'axis ' + str(k.axis) if k.axis is not None else 'replicated'}"
+                extra += f" stage {k.stage}" if self.layout is not None and self.layout.pp > 1 else ""
+            lines.append(f"{k.key:<{w}}  {str(list(k.shape)):<18} {k.dtype:<9} {k.nbytes:>11}{extra}")
+        for f, (keys, n) in sorted(self.files.items()):
+            lines.append(f"# {f}: {len(keys)} tensor(s), {n} bytes")
+        return "\n".join(lines)
+
+
+def compile_program(metadata: CheckpointMetadata, aoa_config: Any = None, *,
+                    destination_shards: Mapping[str, int] | None = None) -> MappingProgram:
+    """The mapping program of a conversion: identity, or ``aoa_config`` compiled against the source's keys
+    with the program's sinks as destinations (source TP shard counts from the metadata, destination ones given).
+
+    Raises:
+        AOAError / AOASyntaxError (subclasses of CheckpointError): a bad config.
+    """
+    if aoa_config is None:
+        return IdentityProgram(source_specs(metadata))
+    from oarlock.checkpoint.aoa import compile_aoa, shard_counts
+
+    return compile_aoa(aoa_config, source_specs(metadata), None, source_shards=shard_counts(metadata),
+                       destination_shards=destination_shards)
+
+
+def _program_for_layout(metadata: CheckpointMetadata, aoa_config: Any, layout: ParallelLayout
+                        ) -> tuple[MappingProgram, dict[str, int | None]]:
+    program = compile_program(metadata, aoa_config)
+    axes = {k: tp_axis(k, program.destination_spec(k).shape, layout.rules) for k in program.destination_keys()}
+    if aoa_config is not None and layout.tp > 1:
+        # fused_ffn / fused_qkv_old layouts depend on the destination TP degree: compile again knowing it
+        counts = {k: layout.tp for k, a in axes.items() if a is not None}
+        program = compile_program(metadata, aoa_config, destination_shards=counts)
+        axes = {k: tp_axis(k, program.destination_spec(k).shape, layout.rules) for k in program.destination_keys()}
+    return program, axes
+
+
+def rank_descriptions(program: MappingProgram, axes: Mapping[str, int | None], layout: ParallelLayout
+                      ) -> list[list[tuple]]:
+    """Per simulated rank, its shard descriptions in the form ``save_state_dict`` all-gathers:
+    ``(key, global_shape, dtype, offset, local_shape, flattened_range, nbytes)``, in destination key order."""
+    keys = program.destination_keys()
+    stages = pp_stages(keys, layout.pp)
+    per_rank: list[list[tuple]] = [[] for _ in range(layout.world)]
+    for k in keys:
+        spec = program.destination_spec(k)
+        shape = tuple(spec.shape)
+        axis = axes.get(k)
+        sizes = chunk_sizes(shape[axis], layout.tp) if axis is not None else None
+        for tp_i in range(layout.tp):
+            off = [0] * len(shape)
+            local = list(shape)
+            if sizes is not None:
+                off[axis] = sum(sizes[:tp_i])
+                local[axis] = sizes[tp_i]
+            nbytes = numel(local) * dtype_itemsize(spec.dtype)
+            for dp_i in range(layout.dp):
+                r = layout.rank(tp_i, dp_i, stages[k])
+                per_rank[r].append((k, shape, spec.dtype, tuple(off), tuple(local), None, nbytes))
+    return per_rank
+
+
+def plan_conversion(source: str | os.PathLike, *, to: str = "oarlock", aoa_config: Any = None,
+                    layout: ParallelLayout | None = None, max_shard_size: int | str = "5GB") -> ConversionPlan:
+    """Describe a conversion without writing anything (see :func:`convert_checkpoint`, :func:`export_hf`).
+
+    Raises:
+        CheckpointError: unreadable source, bad AOA config or TP rules, unknown ``to``.
+    """
+    if to not in ("hf", "oarlock"):
+        raise CheckpointError(f"unknown output format {to!r} (use 'hf' or 'oarlock')")
+    layout = layout or ParallelLayout(rules=tuple(resolve_tp_rules(None)))
+    with open_checkpoint(source) as reader:
+        meta = reader.metadata
+        plan = ConversionPlan(str(source), meta.format, to, layout=layout)
+        if to == "oarlock":
+            program, axes = _program_for_layout(meta, aoa_config, layout)
+            tensors, _ = _assign_writes(rank_descriptions(program, axes, layout))
+            stages = pp_stages(program.destination_keys(), layout.pp)
+            plan.metadata = CheckpointMetadata("oarlock", tensors=tensors)
+            for k in program.destination_keys():
+                spec = program.destination_spec(k)
+                plan.keys.append(KeyPlan(k, tuple(spec.shape), spec.dtype,
+                                         numel(spec.shape) * dtype_itemsize(spec.dtype), axes[k], stages[k]))
+            per_file: dict[str, list] = {}
+            for t in tensors.values():
+                for s in t.shards:
+                    entry = per_file.setdefault(s.file, [[], 0])
+                    entry[0].append(t.key)
+                    entry[1] += numel(s.local_shape) * dtype_itemsize(t.dtype)
+            plan.files = {f: (keys, n) for f, (keys, n) in per_file.items()}
+        else:
+            program = compile_program(meta, aoa_config)
+            limit = parse_size(max_shard_size)
+            shards: list[list] = []  # [keys, bytes] per output file, packed greedily like save_hf_checkpoint
+            for k in program.destination_keys():
+                spec = program.destination_spec(k)
+                n = numel(spec.shape) * dtype_itemsize(spec.dtype)
+                plan.keys.append(KeyPlan(k, tuple(spec.shape), spec.dtype, n))
+                if not shards or (shards[-1][0] and shards[-1][1] + n > limit):
+                    shards.append([[], 0])
+                shards[-1][0].append(k)
+                shards[-1][1] += n
+            names = (["model.safetensors"] if len(shards) == 1 else
+                     [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+            plan.files = {name: (keys, n) for name, (keys, n) in zip(names, shards)}
+    return plan
+
+
+# ---------------------------------------------------------------- reading destination tensors
+
+@contextlib.contextmanager
+def single_threaded_copies() -> Iterator[None]:
+    """Run tensor copies on one intra-op thread: the copies of a conversion are memory bound, and waking an
+    OpenMP team for each of thousands of small slices costs more than it saves (tens of ms per copy on a busy
+    machine). The previous thread count is restored on exit."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+def read_destination(reader: CheckpointReader, planner: Planner, key: str, *, offset: Sequence[int] | None = None,
+                     local_shape: Sequence[int] | None = None) -> torch.Tensor:
+    """The box ``[offset, offset + local_shape)`` (default: all) of destination ``key`` of ``planner``'s program,
+    read from ``reader`` through the planner: only the source byte ranges it needs, permutes and casts applied.
+
+    Returns a new CPU tensor of ``local_shape`` with the destination dtype.
+    """
+    spec = planner.program.destination_spec(key)
+    gshape = tuple(spec.shape)
+    local = tuple(local_shape) if local_shape is not None else gshape
+    off = tuple(offset) if offset is not None else (0,) * len(gshape)
+    out = torch.empty(local, dtype=torch_dtype(spec.dtype))
+    plan = planner.plan_rank([ShardDesc(key, local, gshape, off, spec.dtype)])
+    _execute(reader, out, plan.items)
+    return out
+
+
+def iter_full_tensors(source: str | os.PathLike, aoa_config: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(key, full_tensor)`` for every destination key of a checkpoint on disk (any format), one at a time,
+    through ``aoa_config`` when given (e.g. a reverse config). The offline twin of
+    :func:`~oarlock.checkpoint.full.full_state_dict`."""
+    with open_checkpoint(source) as reader:
+        planner = Planner(reader.metadata, compile_program(reader.metadata, aoa_config))
+        for key in planner.program.destination_keys():
+            yield key, read_destination(reader, planner, key)
+
+
+# ---------------------------------------------------------------- side files (config.json, tokenizer, ...)
+
+_SIDE_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".md", ".py", ".tiktoken")
+
+
+def side_files(source: str | os.PathLike) -> dict[str, Path]:
+    """Non-checkpoint files next to a checkpoint that a model directory needs (``config.json``, tokenizer
+    files, ...): top-level regular files with a text-like suffix, except checkpoint indexes and metadata."""
+    p = Path(source)
+    if not p.is_dir():
+        return {}
+    skip = {HF_INDEX, METADATA_FILE}
+    out = {}
+    for f in sorted(p.iterdir()):
+        if f.is_file() and f.suffix in _SIDE_SUFFIXES and f.name not in skip and not f.name.endswith(".metadata"):
+            out[f.name] = f
+    return out
+
+
+# ---------------------------------------------------------------- HF export
+
+def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike, *, aoa_config: Any = None,
+              max_shard_size: int | str = "5GB", copy_side_files: bool = True,
+              show_progress: bool | None = None) -> Path:
+    """Export a checkpoint on disk (oarlock in any layout, Paddle, HF) to a HuggingFace directory:
+    ``model.safetensors`` or ``model-0000i-of-0000N.safetensors`` + ``model.safetensors.index.json`` (files of at
+    most ``max_shard_size`` bytes of tensor data, a larger tensor alone in its file).
+
+    Each destination tensor is read once through the planner (only the source bytes it needs), optionally through
+    ``aoa_config`` (typically the forward HF -> model statements with ``aoa_config_reverse: True``), and written
+    straight into its output file: shapes and dtypes are known from the program, so every file's header is written
+    first and tensors follow one at a time. Peak memory is one tensor, whatever ``max_shard_size``.
+    ``copy_side_files`` copies ``config.json``, tokenizer files etc. from the source directory. The output appears
+    atomically (an existing directory is replaced only when the new one is complete); the source is never written.
+
+    Raises:
+        CheckpointError: unreadable source (naming file and key), a bad AOA config, I/O errors (nothing is
+            published).
+    """
+    from oarlock.checkpoint.hf import commit_directory
+
+    plan = plan_conversion(source, to="hf", aoa_config=aoa_config, max_shard_size=max_shard_size)
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.with_name(f".{out_dir.name}.partial-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir()
+    try:
+        with open_checkpoint(source) as reader, single_threaded_copies():
+            planner = Planner(reader.metadata, compile_program(reader.metadata, aoa_config))
+            specs = {k.key: k for k in plan.keys}
+            bar = _byte_bar(plan.total_bytes, show_progress)
+            for name, (keys, _) in plan.files.items():
+                entries = [(k, specs[k].shape, specs[k].dtype) for k in keys]
+                items = [(k, (0,) * len(specs[k].shape), specs[k].shape) for k in keys]
+                _write_streaming(tmp / name, entries, _producer(reader, planner, items), bar)
+            if bar is not None:
+                bar.close()
+        if len(plan.files) > 1:
+            weight_map = {k: name for name, (keys, _) in plan.files.items() for k in keys}
+            (tmp / HF_INDEX).write_text(json.dumps({"metadata": {"total_size": plan.total_bytes},
+                                                    "weight_map": weight_map}, indent=2))
+        if copy_side_files:
+            for name, f in side_files(source).items():
+                if not name.startswith("model"):  # never carry over a stale index
+                    shutil.copyfile(f, tmp / name)
+        commit_directory(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def export_hf_sharded(sharded_state_dict: Mapping[str, Any], out_dir: str | os.PathLike, *, aoa_config: Any = None,
+                      process_group: Any = None, max_shard_size: int | str = "5GB",
+                      extra_files: Mapping[str, str | os.PathLike] | None = None) -> Path | None:
+    """Export the model a running job holds (sharded over ``process_group``) to a HuggingFace directory written by
+    group rank 0: the online merge of :func:`~oarlock.checkpoint.full.full_state_dict` with ``rank0_only=True``
+    (each tensor gathered once, point to point to rank 0) streamed into
+    :func:`~oarlock.checkpoint.hf.save_hf_checkpoint`. Collective: every rank must call it.
+
+    Args:
+        sharded_state_dict: this rank's ``{key: ShardedWeight | DTensor | Tensor}``.
+        aoa_config: e.g. the model's HF -> model statements with ``aoa_config_reverse: True``.
+        extra_files: ``{name: path}`` copied into the export (``config.json``, tokenizer files).
+
+    Returns the directory on rank 0, None elsewhere. Peak memory on rank 0: about ``max_shard_size`` plus one
+    full tensor; elsewhere, one piece at a time.
+
+    Raises:
+        CheckpointError: on every rank alike when rank 0's write failed (nothing is published).
+    """
+    import torch.distributed as dist
+
+    from oarlock.checkpoint.full import full_state_dict
+    from oarlock.checkpoint.sharded import _all_gather_objects, _group_rank
+
+    rank = _group_rank(process_group)
+    gen = full_state_dict(sharded_state_dict, aoa_config, process_group=process_group, rank0_only=True)
+    err = None
+    out = None
+    if rank == 0:
+        try:
+            out = save_hf_checkpoint(gen, out_dir, max_shard_size=max_shard_size, extra_files=extra_files)
+        except CheckpointError as e:
+            err = str(e)
+    else:
+        for _ in gen:  # sends this rank's pieces to rank 0, in the same order rank 0 receives them
+            pass
+    distributed = dist.is_available() and dist.is_initialized()
+    errs = _all_gather_objects(err, process_group) if distributed else [err]
+    if errs[0] is not None:
+        raise CheckpointError(errs[0] if rank == 0 else f"rank 0: {errs[0]}")
+    return out
+
+
+# ---------------------------------------------------------------- sharded oarlock output from one process
+
+def _segments(reader: CheckpointReader, planner: Planner, key: str, offset: Sequence[int],
+              local_shape: Sequence[int]) -> list[tuple[int, int, int]] | None:
+    """The box of destination ``key`` as byte runs ``(source fd, source offset, nbytes)`` in output order, when
+    every read item is a plain contiguous copy (no permute, no cast) from a safetensors file into a contiguous part
+    of the output; None otherwise. Renames, concats, row splits and fused layouts along axis 0 qualify."""
+    spec = planner.program.destination_spec(key)
+    local = tuple(local_shape)
+    plan = planner.plan_rank([ShardDesc(key, local, tuple(spec.shape), tuple(offset), spec.dtype)])
+    isz = dtype_itemsize(spec.dtype)
+    runs = []
+    for it in plan.items:
+        if it.permute is not None or it.dtype is not None or it.dst_flat_start or len(it.dst_shape) != len(local):
+            return None
+        dst = contiguous_run(local, it.dst_box)
+        src = reader.byte_run(it.src_key, it.file, it.name, it.src_flat_start, it.src_shape, it.src_box)
+        if dst is None or src is None or src[2] != dst[1] * isz:
+            return None
+        runs.append((dst[0] * isz, src))
+    runs.sort(key=lambda r: r[0])
+    pos = 0
+    for off, (_, _, n) in runs:
+        if off != pos:  # pragma: no cover - a plan always tiles its target
+            return None
+        pos += n
+    if pos != numel(local) * isz:
+        return None
+    return [src for _, src in runs]
+
+
+def _write_all(fd: int, mv: memoryview, pos: int) -> int:
+    n = 0
+    while n < len(mv):
+        n += os.pwrite(fd, mv[n:], pos + n)
+    return pos + n
+
+
+def _copy_run(src_fd: int, src_off: int, nbytes: int, fd: int, pos: int) -> int:
+    """Copy ``nbytes`` from ``src_fd`` at ``src_off`` to ``fd`` at ``pos`` in the kernel (``copy_file_range``),
+    falling back to pread/pwrite through a bounded buffer where the filesystem refuses."""
+    done = 0
+    try:
+        while done < nbytes:
+            got = os.copy_file_range(src_fd, fd, nbytes - done, src_off + done, pos + done)
+            if got <= 0:
+                break
+            done += got
+    except OSError:
+        pass
+    while done < nbytes:
+        chunk = os.pread(src_fd, min(nbytes - done, 1 << 24), src_off + done)
+        if not chunk:
+            raise CheckpointError(f"source file ends {nbytes - done} bytes early while copying")
+        _write_all(fd, memoryview(chunk), pos + done)
+        done += len(chunk)
+    return pos + nbytes
+
+
+def _write_streaming(path: Path, entries: list[tuple[str, tuple[int, ...], str]], produce: Any,
+                     bar: Any = None) -> None:
+    """One safetensors file with the header layout of :func:`oarlock.checkpoint.storage.write_safetensors`;
+    ``produce(index)`` gives each tensor (written as it comes) or its byte runs ``[(fd, offset, nbytes)]`` in a
+    source file (copied by the kernel)."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    off = 0
+    for name, shape, dtype in entries:
+        n = numel(shape) * dtype_itemsize(dtype)
+        header[name] = {"dtype": safetensors_code(dtype), "shape": list(shape), "data_offsets": [off, off + n]}
+        off += n
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    hb += b" " * (-len(hb) % 8)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        pos = _write_all(fd, memoryview(struct.pack("<Q", len(hb)) + hb), 0)
+        for i, (name, shape, dtype) in enumerate(entries):
+            got = produce(i)
+            nbytes = numel(shape) * dtype_itemsize(dtype)
+            if isinstance(got, list):
+                for src_fd, src_off, n in got:
+                    pos = _copy_run(src_fd, src_off, n, fd, pos)
+            else:
+                if tuple(got.shape) != tuple(shape) or got.dtype != torch_dtype(dtype):  # pragma: no cover
+                    raise CheckpointError(f"{path}: produced {name!r} as {tuple(got.shape)} {got.dtype}, header "
+                                          f"says {list(shape)} {dtype}")
+                if got.numel():
+                    pos = _write_all(fd, _tensor_bytes(got.contiguous()), pos)
+                del got
+            if bar is not None:
+                bar.update(nbytes)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _producer(reader: CheckpointReader, planner: Planner, items: Sequence[tuple[str, Sequence[int], Sequence[int]]]
+              ) -> Any:
+    """``produce(i)`` for :func:`_write_streaming`: byte runs when the i-th ``(key, offset, local_shape)`` is a
+    plain copy, else the tensor read through the planner."""
+    def produce(i: int) -> Any:
+        key, off, local = items[i]
+        segs = _segments(reader, planner, key, off, local)
+        if segs is not None:
+            return segs
+        return read_destination(reader, planner, key, offset=off, local_shape=local)
+    return produce
+
+
+def convert_checkpoint(source: str | os.PathLike, out_dir: str | os.PathLike, *, aoa_config: Any = None,
+                       tp: int = 1, pp: int = 1, dp: int = 1,
+                       tp_rules: str | Path | Mapping[str, int | None] | Sequence | None = None,
+                       copy_side_files: bool = True, show_progress: bool | None = None) -> CheckpointMetadata:
+    """Write an oarlock checkpoint from any source, sharded as a job of ``tp * dp * pp`` ranks would save it
+    (see the module docstring for rank order, TP rules and stage assignment), from this one process.
+
+    Args:
+        source: any checkpoint :func:`~oarlock.checkpoint.storage.open_checkpoint` reads.
+        out_dir: the oarlock checkpoint directory to create (an existing oarlock checkpoint is replaced only when
+            the new one is complete; any other existing path is an error).
+        aoa_config: applied on the way (e.g. HF -> fused model layout); ``fused_ffn``/``fused_qkv_old`` see the
+            destination TP degree ``tp`` for keys the rules split.
+        tp_rules: see :func:`resolve_tp_rules`.
+
+    Each rank's shard is read through the planner straight from the source's bytes and written before the next;
+    memory holds one shard. Returns the written metadata (equal to what ``save_state_dict`` on those ranks
+    writes).
+
+    Raises:
+        CheckpointError: bad source/config/rules, an existing non-checkpoint ``out_dir``, I/O errors (the
+            temporary directory is removed; nothing is published).
+    """
+    out_dir = Path(out_dir)
+    layout = ParallelLayout(tp, pp, dp, tuple(resolve_tp_rules(tp_rules)))
+    if out_dir.exists() and not (out_dir.is_dir() and ((out_dir / METADATA_FILE).is_file()
+                                                      or not any(out_dir.iterdir()))):
+        raise CheckpointError(f"{out_dir}: exists and is not an oarlock checkpoint; refusing to replace it")
+    with open_checkpoint(source) as reader, single_threaded_copies():
+        program, axes = _program_for_layout(reader.metadata, aoa_config, layout)
+        tensors, writes = _assign_writes(rank_descriptions(program, axes, layout))
+        for t in tensors.values():
+            KeyIndex(t)
+        meta = CheckpointMetadata("oarlock", tensors=tensors)
+        planner = Planner(reader.metadata, program)
+        total = sum(numel(s.local_shape) * dtype_itemsize(t.dtype) for t in tensors.values() for s in t.shards)
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:12]}"
+        tmp.mkdir()
+        try:
+            (tmp / INCOMPLETE_MARKER).touch()
+            bar = _byte_bar(total, show_progress)
+            for rank in sorted(writes):
+                ids = sorted((i[0], i[1], i[2]) for i in writes[rank])
+                entries = [(k, lshape, tensors[k].dtype) for k, _, lshape in ids]
+                _write_streaming(tmp / _data_file(rank), entries, _producer(reader, planner, ids), bar)
+            if bar is not None:
+                bar.close()
+            if copy_side_files:
+                for name, f in side_files(source).items():
+                    shutil.copyfile(f, tmp / name)
+            part = tmp / (METADATA_FILE + ".part")
+            with open(part, "w") as f:
+                f.write(meta.dumps())
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(part, tmp / METADATA_FILE)
+            os.unlink(tmp / INCOMPLETE_MARKER)
+            fsync_dir(tmp)
+            if out_dir.exists():
+                old = out_dir.parent / f".{out_dir.name}.old-{uuid.uuid4().hex[:12]}"
+                os.replace(out_dir, old)
+                os.replace(tmp, out_dir)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, out_dir)
+            fsync_dir(out_dir.parent)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return meta
+
+
+def _byte_bar(total: int, show: bool | None) -> Any:
+    if show is False:
+        return None
+    import sys
+
+    from tqdm.auto import tqdm
+
+    env = os.environ.get("OARLOCK_PROGRESS")
+    disable = (env == "0") if env is not None else (not sys.stderr.isatty() if show is None else False)
+    return tqdm(total=total, desc="convert", unit="B", unit_scale=True, disable=disable, file=sys.stderr,
+                dynamic_ncols=True, leave=False)

@@ -1,0 +1,141 @@
+"""Writing HuggingFace-layout checkpoints: ``model-0000i-of-0000N.safetensors`` + ``model.safetensors.index.json``.
+
+The index format (HF convention, FlexCheckpoint spec 1.5 and 3.4): ``{"metadata": {"total_size": bytes},
+"weight_map": {key: file}}``. A single-shard export is written as ``model.safetensors`` without an index, as
+``save_pretrained`` does. Tensors arrive one at a time from an iterator and leave memory as soon as their shard
+is written, so peak memory is bounded by ``max_shard_size`` plus the largest tensor, never the model size.
+The directory appears only when complete: everything is written into a hidden temporary sibling, fsynced, and
+renamed into place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Iterable, Mapping
+
+import torch
+from safetensors.torch import save_file
+
+from oarlock.checkpoint.errors import CheckpointError
+from oarlock.checkpoint.storage import fsync_dir
+from oarlock.utils import progress
+
+HF_INDEX = "model.safetensors.index.json"
+
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from an int or a string like ``"5GB"``, ``"500MiB"`` (HF's decimal/binary unit names)."""
+    if isinstance(size, int):
+        if size <= 0:
+            raise CheckpointError(f"max_shard_size must be positive, got {size}")
+        return size
+    s = str(size).strip().upper().replace(" ", "")
+    for unit in sorted(_UNITS, key=len, reverse=True):
+        if s.endswith(unit):
+            try:
+                return parse_size(int(float(s[: -len(unit)]) * _UNITS[unit]))
+            except ValueError:
+                break
+    raise CheckpointError(f"cannot parse max_shard_size {size!r} (use bytes or e.g. '5GB', '500MiB')")
+
+
+def commit_directory(tmp: Path, final: Path) -> None:
+    """Atomically publish the fully written directory ``tmp`` as ``final``; an existing ``final`` is replaced
+    only after the new one is complete (the old one is moved aside, then removed)."""
+    for f in tmp.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    fsync_dir(tmp)
+    old = None
+    if final.exists():
+        old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
+        os.rename(final, old)
+    os.rename(tmp, final)
+    fsync_dir(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def save_hf_checkpoint(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str | Path, *,
+                       max_shard_size: int | str = "5GB", total: int | None = None,
+                       show_progress: bool | None = None,
+                       extra_files: Mapping[str, str | os.PathLike] | None = None) -> Path:
+    """Stream ``(key, full_tensor)`` pairs into a HuggingFace safetensors directory.
+
+    Args:
+        tensors: pairs in the order they should be written; each tensor is any dtype/device (copied to CPU).
+        out_dir: the directory to create (replaced atomically if it exists).
+        max_shard_size: bytes per shard file (int or ``"5GB"``-style string); a tensor larger than this gets a
+            shard of its own.
+        total: number of tensors, for the progress bar only.
+        extra_files: ``{name: path}`` of side files (``config.json``, tokenizer files) copied into the directory
+            before it is published.
+
+    Returns the directory. Raises :class:`CheckpointError` for a key seen twice (nothing is published).
+    """
+    out_dir = Path(out_dir)
+    limit = parse_size(max_shard_size)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.with_name(f".{out_dir.name}.partial-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir()
+    try:
+        shards: list[list[str]] = []
+        pending: dict[str, torch.Tensor] = {}
+        pending_bytes = 0
+        pending_ptrs: set[int] = set()  # storages already held by `pending`
+        total_size = 0
+        seen: set[str] = set()
+
+        def flush() -> None:
+            nonlocal pending, pending_bytes
+            if pending:
+                save_file(pending, tmp / f"shard-{len(shards):05d}.safetensors", metadata={"format": "pt"})
+                shards.append(list(pending))
+                pending, pending_bytes = {}, 0
+                pending_ptrs.clear()
+
+        for key, t in progress(tensors, desc="export", total=total, disable=show_progress is False or None):
+            if key in seen:
+                raise CheckpointError(f"tensor {key!r} was produced twice for the HF export")
+            seen.add(key)
+            nbytes = t.numel() * t.element_size()
+            if pending and pending_bytes + nbytes > limit:
+                flush()
+            t = t.detach()
+            storage = t.untyped_storage() if t.device.type == "cpu" else None
+            if (storage is None or not t.is_contiguous() or t.storage_offset() or storage.nbytes() != nbytes
+                    or storage.data_ptr() in pending_ptrs):
+                # copy: safetensors refuses tensors sharing storage (tied weights, views of fused buffers)
+                t = t.to("cpu", copy=True).contiguous()
+            pending_ptrs.add(t.untyped_storage().data_ptr())
+            pending[key] = t
+            pending_bytes += nbytes
+            total_size += nbytes
+        flush()
+        n = len(shards)
+        if n <= 1:
+            if n == 1:
+                os.rename(tmp / "shard-00000.safetensors", tmp / "model.safetensors")
+        else:
+            weight_map = {}
+            for i, keys in enumerate(shards):
+                name = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+                os.rename(tmp / f"shard-{i:05d}.safetensors", tmp / name)
+                weight_map.update({k: name for k in keys})
+            (tmp / HF_INDEX).write_text(json.dumps({"metadata": {"total_size": total_size},
+                                                    "weight_map": weight_map}, indent=2))
+        for name, src in (extra_files or {}).items():
+            if name in (HF_INDEX, "model.safetensors") or name.startswith("model-"):
+                raise CheckpointError(f"extra file {name!r} would overwrite a checkpoint file of the export")
+            shutil.copyfile(src, tmp / name)
+        commit_directory(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir

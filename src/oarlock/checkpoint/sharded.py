@@ -1,0 +1,338 @@
+"""Shards of global tensors: :class:`ShardedWeight`, its hashable :class:`ShardDesc`, box arithmetic, and the
+constructors that describe replicated, axis-sharded and DTensor parameters (FlexCheckpoint spec, section 1).
+
+A shard is an axis-aligned *box* of a global tensor: ``global_offset`` (start per dimension) and ``local_shape``
+(extent per dimension); scalars have ``()`` for both. A *flattened* shard (ZeRO / FSDP1 flat buffers) holds only
+the elements ``[flattened_range.start, flattened_range.stop)`` of the row-major flattening of its box as a 1-D
+tensor. :func:`flat_range_boxes` cuts such a range into at most ``2 * ndim - 1`` regular boxes, each contiguous
+in flat order, so the planner treats flattened shards like a few regular ones.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from oarlock.checkpoint.errors import CheckpointError
+from oarlock.checkpoint.mapping import Box
+from oarlock.utils import dtype_name, numel
+
+
+# ---------------------------------------------------------------- boxes
+
+def make_box(offset: Sequence[int], shape: Sequence[int]) -> Box:
+    """The box ``[offset, offset + shape)`` as ``((start, stop), ...)``."""
+    return tuple((int(o), int(o) + int(n)) for o, n in zip(offset, shape))
+
+
+def box_volume(box: Box) -> int:
+    """Elements inside ``box`` (1 for the scalar box ``()``)."""
+    return math.prod(b - a for a, b in box)
+
+
+def box_intersection(a: Box, b: Box) -> Box | None:
+    """The common part of two boxes of equal rank, or None when they do not overlap (or the overlap is empty)."""
+    out = []
+    for (a0, a1), (b0, b1) in zip(a, b):
+        lo, hi = max(a0, b0), min(a1, b1)
+        if hi <= lo:
+            return None
+        out.append((lo, hi))
+    return tuple(out)
+
+
+def box_shift(box: Box, origin: Sequence[int]) -> Box:
+    """``box`` in coordinates relative to ``origin`` (``origin`` becomes 0)."""
+    return tuple((a - o, b - o) for (a, b), o in zip(box, origin))
+
+
+def flat_range_boxes(shape: Sequence[int], start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
+    """Cut the row-major element range ``[start, stop)`` of a tensor of ``shape`` into regular boxes.
+
+    Returns a list of ``(offset, extent, flat_start)``: each box lies at ``offset`` with ``extent`` inside the
+    tensor, and its elements are exactly the range ``[flat_start, flat_start + numel(extent))`` in row-major
+    order (every box has leading singleton dims, one partial dim, then full dims, so it is contiguous). At most
+    ``2 * ndim - 1`` boxes; empty ranges give ``[]``. This is the exact form of the "minimal bounding box" of
+    FlexCheckpoint spec section 4.3.5, without the over-read.
+    """
+    shape = tuple(int(n) for n in shape)
+    if stop <= start:
+        return []
+    if not shape:
+        return [((), (), 0)] if (start, stop) == (0, 1) else []
+    inner = numel(shape[1:])
+    if inner == 0:
+        return []
+    out: list[tuple[tuple[int, ...], tuple[int, ...], int]] = []
+    pos = start
+    if pos % inner:  # head: a partial first row, recursively
+        row = pos // inner
+        end = min(stop, (row + 1) * inner)
+        for off, ext, fs in flat_range_boxes(shape[1:], pos - row * inner, end - row * inner):
+            out.append(((row, *off), (1, *ext), pos + fs - start))
+        pos = end
+    full_rows = (stop - pos) // inner
+    if full_rows:  # middle: whole rows
+        row = pos // inner
+        out.append(((row, *([0] * (len(shape) - 1))), (full_rows, *shape[1:]), pos - start))
+        pos += full_rows * inner
+    if pos < stop:  # tail: a partial last row
+        row = pos // inner
+        for off, ext, fs in flat_range_boxes(shape[1:], 0, stop - pos):
+            out.append(((row, *off), (1, *ext), pos + fs - start))
+    return out
+
+
+# ---------------------------------------------------------------- shard descriptions
+
+@dataclass(frozen=True)
+class ShardDesc:
+    """Hashable description of one shard (what the planner and the AOA engine see; no data).
+
+    Attributes:
+        key: tensor key.
+        local_shape: extent of the shard's box per dimension.
+        global_shape: shape of the whole tensor.
+        global_offset: start of the box per dimension.
+        dtype: canonical dtype name (``"float32"``, ``"bfloat16"``, ...).
+        flattened_range: ``(start, stop)`` within the box's row-major flattening for flattened shards, else None.
+    """
+
+    key: str
+    local_shape: tuple[int, ...]
+    global_shape: tuple[int, ...]
+    global_offset: tuple[int, ...]
+    dtype: str
+    flattened_range: tuple[int, int] | None = None
+
+    @property
+    def box(self) -> Box:
+        """The shard's box in global coordinates."""
+        return make_box(self.global_offset, self.local_shape)
+
+    @property
+    def numel(self) -> int:
+        """Elements the shard's local tensor holds."""
+        if self.flattened_range is not None:
+            return self.flattened_range[1] - self.flattened_range[0]
+        return numel(self.local_shape)
+
+
+@dataclass
+class ShardedWeight:
+    """One rank's shard of a global tensor, with the tensor itself.
+
+    ``local_tensor`` has shape ``local_shape`` (regular shard) or is 1-D with ``stop - start`` elements holding
+    ``flattened_range`` of the box's row-major flattening (flattened shard). Loading writes into it in place.
+
+    Raises:
+        CheckpointError: naming the key when shapes, offsets and the tensor disagree, or the box leaves the
+            global shape.
+    """
+
+    key: str
+    local_tensor: torch.Tensor
+    local_shape: tuple[int, ...]
+    global_shape: tuple[int, ...]
+    global_offset: tuple[int, ...]
+    flattened_range: slice | tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        self.local_shape = tuple(int(x) for x in self.local_shape)
+        self.global_shape = tuple(int(x) for x in self.global_shape)
+        self.global_offset = tuple(int(x) for x in self.global_offset)
+        fr = self.flattened_range
+        if isinstance(fr, slice):
+            fr = (fr.start or 0, fr.stop)
+        self.flattened_range = (int(fr[0]), int(fr[1])) if fr is not None else None
+        if not isinstance(self.local_tensor, torch.Tensor):
+            raise CheckpointError(f"ShardedWeight {self.key!r}: local_tensor must be a torch.Tensor, "
+                                  f"got {type(self.local_tensor).__name__}")
+        if not (len(self.local_shape) == len(self.global_shape) == len(self.global_offset)):
+            raise CheckpointError(f"ShardedWeight {self.key!r}: local_shape {self.local_shape}, global_shape "
+                                  f"{self.global_shape} and global_offset {self.global_offset} differ in rank")
+        for d, (o, n, g) in enumerate(zip(self.global_offset, self.local_shape, self.global_shape)):
+            if o < 0 or n < 0 or o + n > g:
+                raise CheckpointError(f"ShardedWeight {self.key!r}: box offset {self.global_offset} + shape "
+                                      f"{self.local_shape} leaves global shape {self.global_shape} in dim {d}")
+        if self.flattened_range is None:
+            if tuple(self.local_tensor.shape) != self.local_shape:
+                raise CheckpointError(f"ShardedWeight {self.key!r}: local_tensor has shape "
+                                      f"{tuple(self.local_tensor.shape)}, local_shape says {self.local_shape}")
+        else:
+            a, b = self.flattened_range
+            if not 0 <= a <= b <= numel(self.local_shape):
+                raise CheckpointError(f"ShardedWeight {self.key!r}: flattened_range {self.flattened_range} is not "
+                                      f"inside the box of {numel(self.local_shape)} elements")
+            if self.local_tensor.dim() != 1 or self.local_tensor.numel() != b - a:
+                raise CheckpointError(f"ShardedWeight {self.key!r}: a flattened shard needs a 1-D local_tensor of "
+                                      f"{b - a} elements, got shape {tuple(self.local_tensor.shape)}")
+
+    @property
+    def desc(self) -> ShardDesc:
+        """The hashable :class:`ShardDesc` of this shard."""
+        return ShardDesc(self.key, self.local_shape, self.global_shape, self.global_offset,
+                         dtype_name(self.local_tensor.dtype), self.flattened_range)
+
+    @property
+    def box(self) -> Box:
+        return make_box(self.global_offset, self.local_shape)
+
+    def with_tensor(self, tensor: torch.Tensor) -> "ShardedWeight":
+        """Same key and box, another local tensor (of the same shape)."""
+        return ShardedWeight(self.key, tensor, self.local_shape, self.global_shape, self.global_offset,
+                             self.flattened_range)
+
+    # ------------------------------------------------------------ constructors
+
+    @classmethod
+    def replicated(cls, key: str, tensor: torch.Tensor) -> "ShardedWeight":
+        """The whole tensor (offset zeros, local shape = global shape); every holder is a replica."""
+        shape = tuple(tensor.shape)
+        return cls(key, tensor, shape, shape, (0,) * len(shape))
+
+    @classmethod
+    def shard_along_axis(cls, key: str, tensor: torch.Tensor, axis: int, *, process_group: Any = None,
+                         sizes: Sequence[int] | None = None, rank: int | None = None) -> "ShardedWeight":
+        """This rank's piece of a tensor split along ``axis`` over the ranks of ``process_group`` in rank order.
+
+        ``sizes`` gives every rank's extent along ``axis`` (uneven splits). Without it the extents are
+        all-gathered from the group (a collective: every rank of the group must call), so uneven splits need no
+        extra bookkeeping; without a process group the tensor is the whole axis. ``rank`` overrides this
+        process's position in the group (for building descriptions of other ranks in tests).
+
+        Raises:
+            CheckpointError: bad axis, or ``sizes`` that do not match the local tensor.
+        """
+        nd = tensor.dim()
+        if not -nd <= axis < nd or nd == 0:
+            raise CheckpointError(f"ShardedWeight {key!r}: axis {axis} out of range for a {nd}-D tensor")
+        axis %= nd
+        if rank is None:
+            rank = _group_rank(process_group)
+        if sizes is None:
+            sizes = _all_gather_objects(int(tensor.shape[axis]), process_group)
+        sizes = [int(s) for s in sizes]
+        if not 0 <= rank < len(sizes) or sizes[rank] != tensor.shape[axis]:
+            raise CheckpointError(f"ShardedWeight {key!r}: rank {rank} holds {tensor.shape[axis]} along axis "
+                                  f"{axis}, sizes say {sizes}")
+        gshape = list(tensor.shape)
+        gshape[axis] = sum(sizes)
+        offset = [0] * nd
+        offset[axis] = sum(sizes[:rank])
+        return cls(key, tensor, tuple(tensor.shape), tuple(gshape), tuple(offset))
+
+    @classmethod
+    def from_dtensor(cls, key: str, dtensor: Any) -> "ShardedWeight | None":
+        """This rank's shard of a ``torch.distributed.tensor.DTensor`` (any mesh and placements: uneven
+        ``Shard``, several mesh dims sharding one tensor dim, ``Replicate``; replicated boxes become replicas).
+
+        The box comes from torch's own ``compute_local_shape_and_global_offset`` and is cross-checked against
+        the local tensor. Returns None on ranks outside the DTensor's mesh (they hold nothing).
+
+        Raises:
+            CheckpointError: a ``Partial`` placement (reduce it first), or a local tensor whose shape disagrees
+                with the placements.
+        """
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        mesh, placements = dtensor.device_mesh, dtensor.placements
+        if mesh.get_coordinate() is None:
+            return None
+        for p in placements:
+            if p.is_partial():
+                raise CheckpointError(f"DTensor {key!r} has a Partial placement ({placements}); reduce it "
+                                      "(e.g. redistribute to Replicate) before saving or loading")
+        gshape = tuple(dtensor.shape)
+        local_shape, offset = compute_local_shape_and_global_offset(gshape, mesh, placements)
+        local = dtensor.to_local()
+        if tuple(local.shape) != tuple(local_shape):
+            raise CheckpointError(f"DTensor {key!r}: local tensor has shape {tuple(local.shape)} but placements "
+                                  f"{placements} on mesh {tuple(mesh.shape)} give {tuple(local_shape)}")
+        return cls(key, local, tuple(local_shape), gshape, tuple(offset))
+
+
+def _is_dtensor(x: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return isinstance(x, DTensor)
+
+
+def sharded_state_dict(module: torch.nn.Module, prefix: str = "") -> dict[str, ShardedWeight]:
+    """Flat ``{key: ShardedWeight}`` for every entry of ``module.state_dict()`` (parameters and persistent
+    buffers). DTensor entries become their local shard (see :meth:`ShardedWeight.from_dtensor`; skipped on
+    ranks outside the mesh); plain tensors are whole, replicated boxes. The local tensors share storage with
+    the module, so loading into the result updates the module in place."""
+    out: dict[str, ShardedWeight] = {}
+    for name, t in module.state_dict(prefix=prefix, keep_vars=True).items():
+        if _is_dtensor(t):
+            sw = ShardedWeight.from_dtensor(name, t)
+            if sw is not None:
+                out[name] = sw
+        elif isinstance(t, torch.Tensor):
+            out[name] = ShardedWeight.replicated(name, t.detach())
+    return out
+
+
+# ---------------------------------------------------------------- process-group helpers
+
+def _dist_active() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def _group_rank(group: Any) -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank(group) if _dist_active() else 0
+
+
+def _group_size(group: Any) -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size(group) if _dist_active() else 1
+
+
+def _all_gather_objects(obj: Any, group: Any) -> list[Any]:
+    """Every rank's ``obj`` in group-rank order (``[obj]`` without a process group)."""
+    import torch.distributed as dist
+
+    if not _dist_active() or dist.get_world_size(group) == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def iter_leaves(obj: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
+    """Depth-first ``(path, leaf)`` pairs of a nested state dict. Dicts and lists/tuples holding a tensor are
+    containers; anything else (tensors, ShardedWeights, numbers, strings, tensor-free lists) is a leaf."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from iter_leaves(v, path + (k,))
+    elif isinstance(obj, (list, tuple)) and _holds_tensor(obj):
+        for i, v in enumerate(obj):
+            yield from iter_leaves(v, path + (i,))
+    else:
+        yield path, obj
+
+
+def _holds_tensor(obj: Any) -> bool:
+    if isinstance(obj, (torch.Tensor, ShardedWeight)):
+        return True
+    if isinstance(obj, dict):
+        return any(_holds_tensor(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_holds_tensor(v) for v in obj)
+    return False
+
+
+def flat_key(path: tuple) -> str:
+    """``.``-joined key of a nested path (``("optim", "state", 0, "exp_avg")`` -> ``"optim.state.0.exp_avg"``)."""
+    return ".".join(str(p) for p in path)

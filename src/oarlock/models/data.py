@@ -1,0 +1,71 @@
+"""Packing tokenised documents into fixed-length training rows with per-token document ids.
+
+Sequence packing (as in Paddle's SFT/pre-training pipelines and FlashMask's causal document mask): documents are
+laid end to end and cut into rows of ``seq_len`` tokens; ``document_ids`` let the model build a causal document
+mask (:func:`oarlock.models.llama.causal_document_mask`) so no token attends across a document boundary, and
+labels never ask a document's last token to predict the next document's first.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from oarlock.models.errors import ModelError
+
+
+def pack_documents(documents: Sequence[Sequence[int]], seq_len: int, *, pad_id: int = 0,
+                   ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pack ``documents`` (token id lists) in order into rows of ``seq_len`` tokens.
+
+    A document that does not fit in the space left on a row continues at the start of the next row (a new
+    document segment there; its first token has no context from the previous row). The last row is padded with
+    ``pad_id``; the padding forms its own document.
+
+    Returns ``(input_ids, labels, document_ids)``, each int64 ``[rows, seq_len]``: ``labels[r, i]`` is the next
+    token of the same document segment, ``ignore_index`` at each segment's last token and on padding;
+    ``document_ids`` number the segments of each row 0, 1, 2, ... in order. Empty documents are skipped.
+
+    Raises :class:`ModelError` if ``seq_len < 2`` or no document has a token.
+    """
+    if seq_len < 2:
+        raise ModelError(f"pack_documents: seq_len must be at least 2, got {seq_len}")
+    rows_ids: list[list[int]] = []
+    rows_lab: list[list[int]] = []
+    rows_doc: list[list[int]] = []
+    ids: list[int] = []
+    lab: list[int] = []
+    doc: list[int] = []
+
+    def flush() -> None:
+        nonlocal ids, lab, doc
+        rows_ids.append(ids)
+        rows_lab.append(lab)
+        rows_doc.append(doc)
+        ids, lab, doc = [], [], []
+
+    for tokens in documents:
+        tokens = [int(t) for t in tokens]
+        while tokens:
+            room = seq_len - len(ids)
+            piece, tokens = tokens[:room], tokens[room:]
+            # A segment's last token gets no label even when the document continues on the next row: its target
+            # sits in another row, which the loss of this row cannot see.
+            seg = (doc[-1] + 1) if doc else 0
+            ids += piece
+            lab += piece[1:] + [ignore_index]
+            doc += [seg] * len(piece)
+            if len(ids) == seq_len:
+                flush()
+    if ids:
+        n = seq_len - len(ids)
+        seg = doc[-1] + 1
+        ids += [pad_id] * n
+        lab += [ignore_index] * n
+        doc += [seg] * n
+        flush()
+    if not rows_ids:
+        raise ModelError("pack_documents: no document has a token")
+    return (torch.tensor(rows_ids, dtype=torch.int64), torch.tensor(rows_lab, dtype=torch.int64),
+            torch.tensor(rows_doc, dtype=torch.int64))
