@@ -10,4 +10,4 @@ demo: setup
 	OARLOCK_CACHE=$${OARLOCK_CACHE:-$(CURDIR)/.cache} $(VENV)/bin/oarlock demo $(ARGS)
 
 test: setup
-	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -n 2 $(PYTEST_ARGS)

@@ -8,8 +8,9 @@ from __future__ import annotations
 import logging
 import math
 import os
+import pickle
 import sys
-from typing import Iterable, Iterator, TypeVar
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 import torch
 
@@ -93,3 +94,24 @@ def progress(iterable: Iterable[T], *, desc: str, total: int | None = None, unit
         disable = (env == "0") if env is not None else not sys.stderr.isatty()
     return iter(tqdm(iterable, desc=desc, total=total, unit=unit, unit_scale=unit_scale, disable=disable,
                      file=sys.stderr, dynamic_ncols=True, leave=False))
+
+
+class AllowlistUnpickler(pickle.Unpickler):
+    """A :class:`pickle.Unpickler` that resolves a global only when ``admit(module, name)`` returns it.
+
+    Plain containers, strings and numbers never reach ``find_class``, so ``admit=lambda m, n: None`` reads
+    pure-data pickles (PyTorch memory snapshots) and refuses everything else. A refused global raises
+    ``refuse(message)`` (the caller's own error class) before any code runs.
+    """
+
+    def __init__(self, file: Any, admit: Callable[[str, str], Any], refuse: Callable[[str], Exception],
+                 source: str = "<pickle>", admitted_desc: str = "plain containers"):
+        super().__init__(file)
+        self._admit, self._refuse, self._source, self._desc = admit, refuse, source, admitted_desc
+
+    def find_class(self, module: str, name: str) -> Any:
+        obj = self._admit(module, name)
+        if obj is None:
+            raise self._refuse(f"{self._source}: refuses to unpickle {module}.{name} "
+                               f"(only {self._desc} are admitted)")
+        return obj

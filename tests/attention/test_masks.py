@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cases import MASK_TYPES, make_mask
+from attention_cases import MASK_TYPES, make_mask
 from oarlock.attention import masks as M
 from oarlock.attention.errors import AttentionInputError, MaskNotRepresentableError
 

@@ -13,17 +13,38 @@ import pytest
 import torch
 
 CUDA = torch.cuda.is_available()
-if not CUDA:  # must be set before triton is first imported in this process
+_saved = os.environ.get("TRITON_INTERPRET")
+if not CUDA:  # read when triton is imported and when the kernels are decorated; restored right after
     os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton")
+try:
+    pytest.importorskip("triton")
+    from oarlock.attention import triton_kernels as T  # noqa: E402
+finally:
+    if _saved is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = _saved
 
-from cases import make_mask  # noqa: E402
+from attention_cases import make_mask  # noqa: E402
 from oarlock.attention import flashmask_attention  # noqa: E402
-from oarlock.attention import triton_kernels as T  # noqa: E402
 from oarlock.attention.masks import canonicalize  # noqa: E402
 from oarlock.attention.reference import attention_reference  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpreter_env():
+    """Triton also reads TRITON_INTERPRET lazily at the first launch: keep it set while this module runs only."""
+    if CUDA:
+        yield
+        return
+    os.environ["TRITON_INTERPRET"] = "1"
+    yield
+    if _saved is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = _saved
 
 # (mask type, B, Sq, Sk, H, Hk, mask heads, D, dtype)
 CASES = [

@@ -244,6 +244,14 @@ def test_tp_rules_file_and_errors(tmp_path):
     meta = convert_checkpoint(tmp_path / "m.safetensors", tmp_path / "o", tp=2, tp_rules=rules)
     assert [s.global_offset for s in meta.tensors["layers.0.mlp.down_proj.weight"].shards] == [(0, 0), (3, 0)]
     assert len(meta.tensors["layers.0.self_attn.q_proj.weight"].shards) == 1
+    # oarlock TP=2 -> oarlock TP=3 (--to defaults to oarlock when a parallel degree is given)
+    assert main(["convert", str(tmp_path / "o"), str(tmp_path / "o3"), "--tp", "3"]) == 0
+    meta3 = json.loads((tmp_path / "o3" / "metadata.json").read_text())
+    q = meta3["tensors"]["layers.0.self_attn.q_proj.weight"]["shards"]
+    assert sorted(sh["global_offset"][0] for sh in q) == [0, 3, 6]
+    back = {k: torch.empty_like(v) for k, v in ref.items()}
+    load_state_dict(back, tmp_path / "o3")
+    assert all(torch.equal(back[k], ref[k]) for k in ref)
     rules.write_text(json.dumps({"*norm.weight": 1}))
     assert main(["convert", str(tmp_path / "m.safetensors"), str(tmp_path / "o2"), "--tp", "2",
                  "--tp-rules", str(rules)]) == 2
@@ -268,6 +276,10 @@ def all_dtypes():
         "i8": torch.randint(-128, 127, (3, 4), generator=g, dtype=torch.int8),
         "u8": raw(12).view(3, 4),
         "bool": raw(12).view(3, 4) > 127,
+        "u16": raw(24).view(torch.uint16).view(3, 4),
+        "u32": raw(48).view(torch.uint32).view(3, 4),
+        "u64": raw(96).view(torch.uint64).view(3, 4),
+        "c64": torch.randn(3, 4, generator=g, dtype=torch.complex64),
     }
 
 
@@ -277,7 +289,7 @@ def test_every_dtype_from_hf_with_and_without_aoa(tmp_path):
     hf.mkdir()
     names = sorted(ref)
     weight_map = {}
-    for i, part in enumerate((names[:6], names[6:])):
+    for i, part in enumerate((names[:8], names[8:])):
         f = f"model-{i + 1:05d}-of-00002.safetensors"
         save_file({k: ref[k] for k in part}, hf / f)
         weight_map.update({k: f for k in part})

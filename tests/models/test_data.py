@@ -24,3 +24,17 @@ def test_exact_fit_has_no_padding_row_and_bad_input_errors():
         pack_documents([[1]], 1)
     with pytest.raises(OarlockError, match="no document has a token"):
         pack_documents([[], []], 4)
+
+
+def test_stdlib_documents_are_real_prose_and_deterministic():
+    from oarlock.models.data import stdlib_corpus, stdlib_documents
+
+    docs = stdlib_documents(("json", "textwrap"))
+    assert docs == stdlib_documents(("json", "textwrap"))
+    assert len(docs) >= 5 and all(len(d) >= 200 for d in docs) and len(set(docs)) == len(docs)
+    assert any("JSON" in d for d in docs)
+    train, held = stdlib_corpus(lambda s: list(s.encode()), 256, 64, max_docs=20)
+    assert train.input_ids.shape[1] == 64 and len(train) > len(held) > 0
+    # held-out text is not in the training rows: the first held-out document's opening bytes never appear there
+    probe = bytes(held.input_ids[0, :32].tolist())
+    assert all(probe not in bytes([t for t in row if t < 256]) for row in train.input_ids.tolist())

@@ -175,6 +175,13 @@ def _scatter_add(dst: torch.Tensor, bb: int, step: list, src: torch.Tensor) -> N
         off += c1 - c0
 
 
+def _keep_scale(shape, dropout: float, seed: int, bb: int, i: int, t: int) -> torch.Tensor:
+    """Inverted-dropout multiplier ``Z / (1 - p)`` for step ``t`` of query block ``i`` of batch row ``bb``:
+    regenerated bit for bit in the backward from the same (seed, bb, i, t)."""
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + bb * 65_537 + i * 257 + t) % (2 ** 63))
+    return (torch.rand(shape, generator=gen) >= dropout).to(torch.float32).mul_(1.0 / (1.0 - dropout))
+
+
 def _trivial_canon(b: int, sk: int, sq: int) -> torch.Tensor:
     c = torch.zeros(b, 1, sk, 4, dtype=torch.int64)
     c[..., 0] = sq
@@ -200,9 +207,11 @@ def _kv_layout(x: torch.Tensor, s_pad: int) -> torch.Tensor:
 
 
 def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, canon: torch.Tensor | None, *,
-            causal: bool, scale: float, block_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            causal: bool, scale: float, block_mask: torch.Tensor | None = None, dropout: float = 0.0,
+            seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Tiled forward. Shapes as :func:`oarlock.attention.reference.attention_reference`; returns
-    ``(out [B, Sq, H, Dv] in the query dtype, lse float32 [B, H, Sq])`` with ``lse = -inf`` on fully masked rows."""
+    ``(out [B, Sq, H, Dv] in the query dtype, lse float32 [B, H, Sq])`` with ``lse = -inf`` on fully masked rows.
+    ``dropout`` zeroes normalised weights with masks drawn from ``seed`` (the backward redraws them)."""
     b, sq, h, d = query.shape
     sk, hk, dv = key.shape[1], key.shape[2], value.shape[3]
     g = h // hk
@@ -231,8 +240,10 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, canon: 
                 plan.apply(s, bias, step, hk, n, g)
                 m = s.amax(-1, keepdim=True)
                 p = torch.softmax(s, -1)
-                o = torch.matmul(p, _gather(v, bb, step))
                 row_lse = m - p.amax(-1, keepdim=True).log()
+                if dropout > 0:
+                    p.mul_(_keep_scale(p.shape, dropout, seed, bb, i, 0))
+                o = torch.matmul(p, _gather(v, bb, step))
                 if bias is not None:  # rows that see nothing: softmax gave NaN
                     empty = torch.isneginf(m)
                     o.masked_fill_(empty, 0.0)
@@ -241,7 +252,7 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, canon: 
                 lse[bb, :, r0:r1] = row_lse.view(hk, n, g)
                 continue
             m_i = l_i = acc = None
-            for step in steps:  # online softmax over steps (FlashAttention-2 recurrence)
+            for t, step in enumerate(steps):  # online softmax over steps (FlashAttention-2 recurrence)
                 s = torch.matmul(qb, _gather(k, bb, step).transpose(-1, -2))
                 plan.apply(s, bias, step, hk, n, g)
                 m_new = s.amax(-1, keepdim=True)
@@ -249,12 +260,15 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, canon: 
                     m_new = torch.maximum(m_new, m_i)
                 m_new.clamp_(min=_NEG)
                 p = s.sub_(m_new).exp_()
+                row_sum = p.sum(-1, keepdim=True)
+                if dropout > 0:
+                    p.mul_(_keep_scale(p.shape, dropout, seed, bb, i, t))
                 if m_i is None:
-                    l_i = p.sum(-1, keepdim=True)
+                    l_i = row_sum
                     acc = torch.matmul(p, _gather(v, bb, step))
                 else:
                     alpha = torch.exp(m_i - m_new)
-                    l_i = l_i.mul_(alpha).add_(p.sum(-1, keepdim=True))
+                    l_i = l_i.mul_(alpha).add_(row_sum)
                     acc = acc.mul_(alpha).baddbmm_(p, _gather(v, bb, step))
                 m_i = m_new
             out[bb, :, r0:r1] = acc.div_(l_i.clamp(min=tiny)).view(hk, n, g, dv)
@@ -265,8 +279,10 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, canon: 
 
 def backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              out: torch.Tensor, lse: torch.Tensor, canon: torch.Tensor | None, *, causal: bool, scale: float,
-             block_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Tiled backward: ``(dq, dk, dv)`` in the dtypes and shapes of ``query, key, value``."""
+             block_mask: torch.Tensor | None = None, dropout: float = 0.0,
+             seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tiled backward: ``(dq, dk, dv)`` in the dtypes and shapes of ``query, key, value``. With dropout,
+    ``rowsum(dO * O)`` still equals ``rowsum(P * dP)`` (O is the dropped output), as in FlashAttention-2."""
     b, sq, h, d = query.shape
     sk, hk, dv_ = key.shape[1], key.shape[2], value.shape[3]
     g = h // hk
@@ -297,19 +313,26 @@ def backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, val
             db = delta[bb, :, r0:r1].reshape(hk, n * g, 1)
             dqb = dq[bb, :, r0:r1].view(hk, n * g, d)
             bias = plan.bias(bb, i, r0, r1)
-            for step in steps:
+            for t, step in enumerate(steps):
                 kb, vb = _gather(k, bb, step), _gather(v, bb, step)
                 s = torch.matmul(qb, kb.transpose(-1, -2))
                 plan.apply(s, bias, step, hk, n, g)
                 p = s.sub_(lb).exp_()
-                ds = torch.matmul(dob, vb.transpose(-1, -2)).sub_(db).mul_(p)
+                dp = torch.matmul(dob, vb.transpose(-1, -2))
+                if dropout > 0:
+                    z = _keep_scale(p.shape, dropout, seed, bb, i, t)
+                    dp.mul_(z)
+                    pd = p * z  # dropped weights: what multiplied V in the forward
+                else:
+                    pd = p
+                ds = dp.sub_(db).mul_(p)
                 dqb.baddbmm_(ds, kb)
                 if len(step) == 1:  # accumulate straight into the column slice
                     c0, c1, _ = step[0]
-                    dv[bb, :, c0:c1].baddbmm_(p.transpose(-1, -2), dob)
+                    dv[bb, :, c0:c1].baddbmm_(pd.transpose(-1, -2), dob)
                     dk[bb, :, c0:c1].baddbmm_(ds.transpose(-1, -2), qb)
                 else:
-                    _scatter_add(dv, bb, step, torch.matmul(p.transpose(-1, -2), dob))
+                    _scatter_add(dv, bb, step, torch.matmul(pd.transpose(-1, -2), dob))
                     _scatter_add(dk, bb, step, torch.matmul(ds.transpose(-1, -2), qb))
     dq = dq.mul_(scale).permute(0, 2, 1, 3, 4).reshape(b, sq, h, d).to(query.dtype)
     dk = dk[:, :, :sk].transpose(1, 2).to(key.dtype).contiguous()

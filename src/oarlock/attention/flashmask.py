@@ -42,20 +42,22 @@ def _reference_backward(grad_out, query, key, value, canon, causal, scale, block
 
 @torch.library.custom_op("oarlock::flashmask_fwd", mutates_args=())
 def _flashmask_fwd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, canon: Optional[torch.Tensor],
-                   block_mask: Optional[torch.Tensor], causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                   block_mask: Optional[torch.Tensor], causal: bool, scale: float, dropout: float,
+                   seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if _triton_usable(query):
         from oarlock.attention import triton_kernels
 
         return triton_kernels.forward(query, key, value, canon, causal=causal, scale=scale, block_mask=block_mask)
     if query.device.type == "cpu":
-        return _cpu.forward(query, key, value, canon, causal=causal, scale=scale, block_mask=block_mask)
+        return _cpu.forward(query, key, value, canon, causal=causal, scale=scale, block_mask=block_mask,
+                            dropout=dropout, seed=int(seed))
     with torch.no_grad():
         return attention_reference(query, key, value, canon, causal=causal, softmax_scale=scale,
                                    block_mask=block_mask)
 
 
 @_flashmask_fwd.register_fake
-def _(query, key, value, canon, block_mask, causal, scale):
+def _(query, key, value, canon, block_mask, causal, scale, dropout, seed):
     b, sq, h, _ = query.shape
     return (query.new_empty(b, sq, h, value.shape[-1]),
             query.new_empty(b, h, sq, dtype=torch.float32))
@@ -64,8 +66,8 @@ def _(query, key, value, canon, block_mask, causal, scale):
 @torch.library.custom_op("oarlock::flashmask_bwd", mutates_args=())
 def _flashmask_bwd(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    out: torch.Tensor, lse: torch.Tensor, canon: Optional[torch.Tensor],
-                   block_mask: Optional[torch.Tensor], causal: bool,
-                   scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   block_mask: Optional[torch.Tensor], causal: bool, scale: float, dropout: float,
+                   seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if _triton_usable(query):
         from oarlock.attention import triton_kernels
 
@@ -73,27 +75,27 @@ def _flashmask_bwd(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tenso
                                        block_mask=block_mask)
     if query.device.type == "cpu":
         return _cpu.backward(grad_out, query, key, value, out, lse, canon, causal=causal, scale=scale,
-                             block_mask=block_mask)
+                             block_mask=block_mask, dropout=dropout, seed=int(seed))
     return _reference_backward(grad_out, query, key, value, canon, causal, scale, block_mask)
 
 
 @_flashmask_bwd.register_fake
-def _(grad_out, query, key, value, out, lse, canon, block_mask, causal, scale):
+def _(grad_out, query, key, value, out, lse, canon, block_mask, causal, scale, dropout, seed):
     return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
 
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, canon, block_mask, causal, scale = inputs
+    query, key, value, canon, block_mask, causal, scale, dropout, seed = inputs
     out, lse = output
-    ctx.save_for_backward(query, key, value, out, lse, canon, block_mask)
-    ctx.causal, ctx.scale = causal, scale
+    ctx.save_for_backward(query, key, value, out, lse, canon, block_mask, seed)
+    ctx.causal, ctx.scale, ctx.dropout = causal, scale, dropout
 
 
 def _backward(ctx, grad_out, grad_lse):
-    query, key, value, out, lse, canon, block_mask = ctx.saved_tensors
+    query, key, value, out, lse, canon, block_mask, seed = ctx.saved_tensors
     dq, dk, dv = _flashmask_bwd(grad_out.contiguous(), query, key, value, out, lse, canon, block_mask,
-                                ctx.causal, ctx.scale)
-    return dq, dk, dv, None, None, None, None
+                                ctx.causal, ctx.scale, ctx.dropout, seed)
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 torch.library.register_autograd("oarlock::flashmask_fwd", _backward, setup_context=_setup_context)
@@ -162,8 +164,9 @@ def flashmask_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
         window_size: ``int`` or ``(left, right)``: query ``i`` sees keys ``[i - left, i + right]`` (``right``
             ignored when causal); converted into indices, so not combinable with ``startend_row_indices``.
         softmax_scale: scale of ``Q K^T``, default ``1 / sqrt(head_dim)``.
-        dropout: probability of dropping a normalised attention weight (training). Non-zero dropout runs the
-            dense reference back end (autograd through chunked fp32 math), not the tiled kernels.
+        dropout: probability of dropping a normalised attention weight (training; inverted dropout, masks drawn
+            from torch's global RNG). On CPU the tiled kernel redraws the masks in the backward from a saved seed;
+            on other devices non-zero dropout runs the dense reference back end.
         return_softmax_lse: also return the log-sum-exp of the scaled, masked scores.
         block_mask: optional int32 ``[batch, mask_heads, ceil(seqlen_q/128), ceil(seqlen_k/128)]``; 0 drops a
             whole 128x128 tile (ANDed with the index mask, as FlashMask V3).
@@ -194,9 +197,12 @@ def flashmask_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
         out = query.new_zeros(b, sq, h, value.shape[-1]) + zero.to(query.dtype)
         lse = torch.full((b, h, sq), float("-inf"), device=query.device)
         return (out, lse) if return_softmax_lse else out
-    if dropout > 0.0:
+    if dropout > 0.0 and query.device.type != "cpu":
+        # the Triton kernels have no dropout: dense reference, autograd through it
         out, lse = attention_reference(query, key, value, canon, causal=causal, softmax_scale=scale,
                                        block_mask=block_mask, dropout=dropout)
     else:
-        out, lse = _flashmask_fwd(query, key, value, canon, block_mask, causal, scale)
+        # dropout masks are drawn from this seed (from torch's global RNG) and redrawn in the backward
+        seed = (torch.randint(0, 2 ** 62, (1,)) if dropout > 0.0 else torch.zeros(1, dtype=torch.int64))
+        out, lse = _flashmask_fwd(query, key, value, canon, block_mask, causal, scale, float(dropout), seed)
     return (out, lse) if return_softmax_lse else out

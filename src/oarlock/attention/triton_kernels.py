@@ -31,8 +31,8 @@ BLOCK_M = 64
 BLOCK_N = 64
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+# The kernels below are decorated (interpreted or compiled) when this module is imported: remember which.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
@@ -110,7 +110,7 @@ def _fwd_kernel(Q, K, V, O, LSE, CANON, KV_LIST, KV_CNT,
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
     m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
-    lse = m_safe + tl.log(l_i)  # -inf on rows that saw nothing
+    lse = tl.where(l_i > 0, m_safe + tl.log(l_safe), float("-inf"))  # -inf on rows that saw nothing
     tl.store(O + b * sob + h * soh + rows[:, None] * sos + dv_[None, :], out.to(O.dtype.element_ty),
              mask=rmask[:, None] & (dv_[None, :] < DV))
     tl.store(LSE + (b * H + h) * Sq + rows, lse, mask=rmask)
@@ -251,7 +251,7 @@ def _consts(query: torch.Tensor, value: torch.Tensor, causal: bool) -> dict:
     d, dv = query.shape[-1], value.shape[-1]
     return dict(CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                 BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_DV=max(16, triton.next_power_of_2(dv)),
-                D=d, DV=dv, UPCAST=_interpreting() or query.dtype == torch.float32,
+                D=d, DV=dv, UPCAST=_INTERPRETED or query.dtype == torch.float32,
                 PREC="ieee" if query.dtype == torch.float32 else None)
 
 

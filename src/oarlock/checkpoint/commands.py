@@ -134,8 +134,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
     elif args.reverse:
         print("oarlock: error: --reverse needs --aoa CONFIG", file=sys.stderr)
         return 2
-    to = args.to or ("hf" if detect_format(args.src) in ("oarlock", "paddle") else "oarlock")
     parallel = (args.tp, args.pp, args.dp) != (1, 1, 1)
+    to = args.to or ("oarlock" if parallel or args.tp_rules
+                     else "hf" if detect_format(args.src) in ("oarlock", "paddle") else "oarlock")
     if to == "hf" and (parallel or args.tp_rules):
         print("oarlock: error: --tp/--pp/--dp/--tp-rules apply to --to oarlock; an HF export holds whole tensors",
               file=sys.stderr)
@@ -201,7 +202,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     cv.add_argument("src", metavar="SRC", help="source checkpoint (file or directory)")
     cv.add_argument("dst", metavar="DST", help="output directory")
     cv.add_argument("--to", choices=("hf", "oarlock"),
-                    help="output format (default: hf for oarlock/Paddle sources, oarlock for HF/safetensors ones)")
+                    help="output format (default: oarlock when --tp/--pp/--dp/--tp-rules is given, else hf for "
+                         "oarlock/Paddle sources and oarlock for HF/safetensors ones)")
     cv.add_argument("--aoa", metavar="CONFIG", help="AOA config: text (one statement per line) or JSON "
                                                     "{\"aoa_statements\": [...], \"aoa_config_reverse\": bool}")
     cv.add_argument("--reverse", action="store_true", help="invert the AOA statements (export model -> HF)")

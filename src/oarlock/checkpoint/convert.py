@@ -540,40 +540,62 @@ def _copy_run(src_fd: int, src_off: int, nbytes: int, fd: int, pos: int) -> int:
     return pos + nbytes
 
 
+class _SafetensorsOut:
+    """A safetensors file being written: the header (layout of :func:`oarlock.checkpoint.storage.write_safetensors`)
+    goes first, then each tensor's bytes land at their known offset, in any order, from a tensor (``pwrite``) or
+    from byte runs of a source file (``copy_file_range``)."""
+
+    def __init__(self, path: Path, entries: list[tuple[str, tuple[int, ...], str]]):
+        self.path = path
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        self.where: dict[str, tuple[int, tuple[int, ...], str]] = {}
+        off = 0
+        for name, shape, dtype in entries:
+            n = numel(shape) * dtype_itemsize(dtype)
+            header[name] = {"dtype": safetensors_code(dtype), "shape": list(shape), "data_offsets": [off, off + n]}
+            self.where[name] = (off, tuple(shape), dtype)
+            off += n
+        hb = json.dumps(header, separators=(",", ":")).encode()
+        hb += b" " * (-len(hb) % 8)
+        self.base = 8 + len(hb)
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        _write_all(self.fd, memoryview(struct.pack("<Q", len(hb)) + hb), 0)
+
+    def put(self, name: str, got: Any) -> int:
+        """Write tensor ``name`` from a tensor or from byte runs ``[(fd, offset, nbytes)]``; returns its bytes."""
+        off, shape, dtype = self.where[name]
+        pos = self.base + off
+        if isinstance(got, list):
+            for src_fd, src_off, n in got:
+                pos = _copy_run(src_fd, src_off, n, self.fd, pos)
+        else:
+            if tuple(got.shape) != shape or got.dtype != torch_dtype(dtype):  # pragma: no cover - internal
+                raise CheckpointError(f"{self.path}: produced {name!r} as {tuple(got.shape)} {got.dtype}, header "
+                                      f"says {list(shape)} {dtype}")
+            if got.numel():
+                pos = _write_all(self.fd, _tensor_bytes(got.contiguous()), pos)
+        return numel(shape) * dtype_itemsize(dtype)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            try:
+                os.fsync(self.fd)
+            finally:
+                os.close(self.fd)
+                self.fd = -1
+
+
 def _write_streaming(path: Path, entries: list[tuple[str, tuple[int, ...], str]], produce: Any,
                      bar: Any = None) -> None:
-    """One safetensors file with the header layout of :func:`oarlock.checkpoint.storage.write_safetensors`;
-    ``produce(index)`` gives each tensor (written as it comes) or its byte runs ``[(fd, offset, nbytes)]`` in a
-    source file (copied by the kernel)."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    off = 0
-    for name, shape, dtype in entries:
-        n = numel(shape) * dtype_itemsize(dtype)
-        header[name] = {"dtype": safetensors_code(dtype), "shape": list(shape), "data_offsets": [off, off + n]}
-        off += n
-    hb = json.dumps(header, separators=(",", ":")).encode()
-    hb += b" " * (-len(hb) % 8)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    """One safetensors file; ``produce(index)`` gives each tensor or its byte runs (see :class:`_SafetensorsOut`)."""
+    out = _SafetensorsOut(path, entries)
     try:
-        pos = _write_all(fd, memoryview(struct.pack("<Q", len(hb)) + hb), 0)
-        for i, (name, shape, dtype) in enumerate(entries):
-            got = produce(i)
-            nbytes = numel(shape) * dtype_itemsize(dtype)
-            if isinstance(got, list):
-                for src_fd, src_off, n in got:
-                    pos = _copy_run(src_fd, src_off, n, fd, pos)
-            else:
-                if tuple(got.shape) != tuple(shape) or got.dtype != torch_dtype(dtype):  # pragma: no cover
-                    raise CheckpointError(f"{path}: produced {name!r} as {tuple(got.shape)} {got.dtype}, header "
-                                          f"says {list(shape)} {dtype}")
-                if got.numel():
-                    pos = _write_all(fd, _tensor_bytes(got.contiguous()), pos)
-                del got
+        for i, (name, _, _) in enumerate(entries):
+            n = out.put(name, produce(i))
             if bar is not None:
-                bar.update(nbytes)
-        os.fsync(fd)
+                bar.update(n)
     finally:
-        os.close(fd)
+        out.close()
 
 
 def _producer(reader: CheckpointReader, planner: Planner, items: Sequence[tuple[str, Sequence[int], Sequence[int]]]
@@ -631,10 +653,36 @@ def convert_checkpoint(source: str | os.PathLike, out_dir: str | os.PathLike, *,
         try:
             (tmp / INCOMPLETE_MARKER).touch()
             bar = _byte_bar(total, show_progress)
-            for rank in sorted(writes):
-                ids = sorted((i[0], i[1], i[2]) for i in writes[rank])
-                entries = [(k, lshape, tensors[k].dtype) for k, _, lshape in ids]
-                _write_streaming(tmp / _data_file(rank), entries, _producer(reader, planner, ids), bar)
+            outs: dict[int, _SafetensorsOut] = {}
+            try:
+                by_key: dict[str, list[tuple[int, tuple, tuple]]] = {}
+                for rank in sorted(writes):
+                    ids = sorted((i[0], i[1], i[2]) for i in writes[rank])
+                    outs[rank] = _SafetensorsOut(tmp / _data_file(rank), [(k, lshape, tensors[k].dtype)
+                                                                          for k, _, lshape in ids])
+                    for k, off, lshape in ids:
+                        by_key.setdefault(k, []).append((rank, off, lshape))
+                # key by key over all rank files: a key whose shards are strided in the source (a row-parallel
+                # split) is read once whole and cut, instead of once per rank
+                for k in program.destination_keys():
+                    pieces = by_key.get(k, [])
+                    segs = [_segments(reader, planner, k, off, lshape) for _, off, lshape in pieces]
+                    whole = None
+                    if len(pieces) > 1 and any(sg is None for sg in segs):
+                        whole = read_destination(reader, planner, k)
+                    for (rank, off, lshape), sg in zip(pieces, segs):
+                        if sg is None:
+                            if whole is not None:
+                                sg = whole[tuple(slice(o, o + n) for o, n in zip(off, lshape))]
+                            else:
+                                sg = read_destination(reader, planner, k, offset=off, local_shape=lshape)
+                        n = outs[rank].put(k, sg)
+                        if bar is not None:
+                            bar.update(n)
+                    del whole
+            finally:
+                for o in outs.values():
+                    o.close()
             if bar is not None:
                 bar.close()
             if copy_side_files:

@@ -10,11 +10,11 @@ Record fields follow the FlexCheckpoint spec, section 1.4.
 from __future__ import annotations
 
 import io
-import pickle
 from pathlib import Path
 from typing import Any
 
 from oarlock.checkpoint.errors import CheckpointFormatError, UnsafePickleError
+from oarlock.utils import AllowlistUnpickler
 
 
 class _Record:
@@ -85,7 +85,7 @@ def _admitted(module: str, name: str) -> Any:
     return None
 
 
-class RestrictedUnpickler(pickle.Unpickler):
+class RestrictedUnpickler(AllowlistUnpickler):
     """A :class:`pickle.Unpickler` whose ``find_class`` admits only numpy arrays and dtypes, plain
     containers, ``slice`` and Paddle's checkpoint metadata records.
 
@@ -94,15 +94,8 @@ class RestrictedUnpickler(pickle.Unpickler):
     """
 
     def __init__(self, file: io.BufferedIOBase, source: str = "<pickle>"):
-        super().__init__(file)
-        self._source = source
-
-    def find_class(self, module: str, name: str) -> Any:
-        obj = _admitted(module, name)
-        if obj is None:
-            raise UnsafePickleError(f"{self._source}: refuses to unpickle {module}.{name} "
-                                    "(only numpy arrays, containers and Paddle checkpoint metadata are admitted)")
-        return obj
+        super().__init__(file, _admitted, UnsafePickleError, source,
+                         "numpy arrays, containers and Paddle checkpoint metadata")
 
 
 def restricted_load(path: str | Path) -> Any:

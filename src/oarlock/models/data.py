@@ -69,3 +69,75 @@ def pack_documents(documents: Sequence[Sequence[int]], seq_len: int, *, pad_id: 
         raise ModelError("pack_documents: no document has a token")
     return (torch.tensor(rows_ids, dtype=torch.int64), torch.tensor(rows_lab, dtype=torch.int64),
             torch.tensor(rows_doc, dtype=torch.int64))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Real English text that needs no download: the docstrings of Python's standard library.
+import importlib  # noqa: E402
+import inspect  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from typing import Callable  # noqa: E402
+
+#: Modules whose docstrings are mostly prose, in a fixed order: the corpus is deterministic per Python version.
+STDLIB_MODULES = (
+    "argparse", "bisect", "calendar", "collections", "contextlib", "copy", "csv", "dataclasses", "datetime",
+    "decimal", "difflib", "enum", "fractions", "functools", "gettext", "heapq", "http.client", "inspect",
+    "ipaddress", "itertools", "json", "logging", "mailbox", "os", "pathlib", "pickle", "pprint", "queue",
+    "random", "sched", "shlex", "shutil", "smtplib", "socket", "statistics", "string", "subprocess",
+    "tarfile", "tempfile", "textwrap", "threading", "timeit", "typing", "unittest", "urllib.parse", "uuid",
+    "wave", "zipfile",
+)
+
+
+def stdlib_documents(modules: Sequence[str] = STDLIB_MODULES, min_chars: int = 200) -> list[str]:
+    """Docstrings (module, class, function, method) of ``modules`` with at least ``min_chars`` characters,
+    cleaned with :func:`inspect.getdoc`, in a deterministic order, without duplicates."""
+    docs: list[str] = []
+    seen: set[str] = set()
+
+    def add(obj: object) -> None:
+        d = inspect.getdoc(obj)
+        if d and len(d) >= min_chars and d not in seen:
+            seen.add(d)
+            docs.append(d)
+
+    for name in modules:
+        mod = importlib.import_module(name)
+        add(mod)
+        for attr in sorted(vars(mod)):
+            obj = getattr(mod, attr)
+            if attr.startswith("_") or getattr(obj, "__module__", None) != mod.__name__:
+                continue
+            if inspect.isclass(obj):
+                add(obj)
+                for meth in sorted(vars(obj)):
+                    if not meth.startswith("_") and callable(getattr(obj, meth, None)):
+                        add(getattr(obj, meth))
+            elif inspect.isfunction(obj):
+                add(obj)
+    return docs
+
+
+@dataclass
+class PackedBatch:
+    """Packed rows: ``input_ids``, ``labels`` (``-100`` where no target) and ``doc_ids``, int64 ``[rows, seq_len]``."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    doc_ids: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+
+def stdlib_corpus(tokenize: Callable[[str], list[int]], eos_id: int, seq_len: int, *, heldout_fraction: float = 0.1,
+                  max_docs: int | None = None) -> tuple[PackedBatch, PackedBatch]:
+    """Train and held-out packed rows from the standard library's docstrings (each document ends with
+    ``eos_id``). Documents, not rows, are split: every ``1/heldout_fraction``-th document is held out, so the two
+    sets share no text."""
+    docs = stdlib_documents()[:max_docs]
+    every = max(2, round(1 / heldout_fraction))
+    train = [tokenize(d) + [eos_id] for i, d in enumerate(docs) if i % every]
+    held = [tokenize(d) + [eos_id] for i, d in enumerate(docs) if i % every == 0]
+    return (PackedBatch(*pack_documents(train, seq_len, pad_id=eos_id)),
+            PackedBatch(*pack_documents(held, seq_len, pad_id=eos_id)))
