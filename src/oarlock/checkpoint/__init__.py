@@ -2,12 +2,14 @@
 
 Public surface: :func:`save_state_dict` / :func:`load_state_dict` (any layout to any layout, byte-range reads),
 :class:`ShardedWeight` and its hashable :class:`ShardDesc`, :func:`sharded_state_dict` for modules,
-:func:`sharded_optimizer_state_dict` / :func:`load_sharded_optimizer_state_dict` for optimizers (exact resume), the pure
+:func:`sharded_optimizer_state_dict` / :func:`load_sharded_optimizer_state_dict` for optimizers (exact resume), :func:`async_save`, the pure
 load planner (:func:`plan_load`), the metadata model, readers for every source format, HF/Paddle interop
 (:func:`export_hf`, :func:`export_hf_sharded`, :func:`convert_checkpoint`, :func:`full_state_dict`), and errors.
 """
 
 from oarlock.checkpoint.api import LoadReport, load_state_dict, save_state_dict
+from oarlock.checkpoint.async_save import AsyncSaveHandle, async_save
+from oarlock.checkpoint.comm import COMM_METHODS
 from oarlock.checkpoint.convert import (ConversionPlan, ParallelLayout, convert_checkpoint, export_hf,
                                         export_hf_sharded, iter_full_tensors, plan_conversion)
 from oarlock.checkpoint.errors import (CheckpointError, CheckpointFormatError, CheckpointMismatchError,
@@ -23,7 +25,7 @@ from oarlock.checkpoint.sharded import ShardDesc, ShardedWeight, sharded_state_d
 from oarlock.checkpoint.storage import CheckpointReader, detect_format, open_checkpoint, read_metadata
 
 __all__ = [
-    "save_state_dict", "load_state_dict", "LoadReport",
+    "save_state_dict", "load_state_dict", "LoadReport", "async_save", "AsyncSaveHandle", "COMM_METHODS",
     "ShardedWeight", "ShardDesc", "sharded_state_dict",
     "sharded_optimizer_state_dict", "load_sharded_optimizer_state_dict", "OptimizerStateError",
     "OptimizerHyperparameterWarning",

@@ -9,8 +9,10 @@ it; rank 0 writes ``metadata.json`` last and renames the temporary directory to 
 Load: each rank reads the metadata itself, plans its reads with :mod:`oarlock.checkpoint.plan` (a pure
 function), and reads exactly the byte ranges its own shards need, straight into the target tensors when no
 permutation or cast is involved. Ranks exchange only small descriptions (two ``all_gather_object`` calls, so
-errors are raised on every rank alike); tensor data never crosses the network, which requires that every rank
-sees the checkpoint directory (a shared filesystem), as with torch.distributed.checkpoint.
+errors are raised on every rank alike); on a shared filesystem tensor data never crosses the network, as with
+torch.distributed.checkpoint. With node-local disks (a rank cannot see some file it needs) each file is read
+once and slices are shipped between ranks, and a same-layout restart reads only local files: see
+:mod:`oarlock.checkpoint.comm`. ``save_replicas`` and ``async_save``: see :func:`save_state_dict`.
 """
 
 from __future__ import annotations
@@ -48,11 +50,21 @@ class LoadReport:
             targets are left untouched.
         unexpected_keys: stored keys that no rank requested (and no mapping read).
         bytes_read: bytes this rank read from the checkpoint's data files.
+        comm_method: how data reached this rank: ``"direct"`` (own byte-range reads), ``"warm"`` (own file
+            only, no communication), ``"grouped_send_recv"`` or ``"broadcast"`` (see :mod:`oarlock.checkpoint.comm`).
+        files_read: data files this rank opened.
+        bytes_sent, bytes_received: tensor bytes this rank sent to / received from other ranks.
+        messages_sent: point-to-point sends (or broadcasts as the source) this rank issued.
     """
 
     missing_keys: list[str] = field(default_factory=list)
     unexpected_keys: list[str] = field(default_factory=list)
     bytes_read: int = 0
+    comm_method: str = "direct"
+    files_read: list[str] = field(default_factory=list)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    messages_sent: int = 0
 
 
 # ---------------------------------------------------------------- state dict traversal
@@ -125,12 +137,16 @@ def _data_file(rank: int) -> str:
     return f"rank-{rank:05d}.safetensors"
 
 
-def _assign_writes(per_rank: list[list[tuple]]) -> tuple[dict[str, TensorMeta], dict[int, list[tuple]]]:
+def _assign_writes(per_rank: list[list[tuple]], replicas: bool = False
+                   ) -> tuple[dict[str, TensorMeta], dict[int, list[tuple]]]:
     """Deterministic save plan from every rank's shard descriptions.
 
     ``per_rank[r]`` lists ``(key, global_shape, dtype, offset, local_shape, flattened_range, nbytes)``. Each
     distinct stored box goes to one holder: largest boxes first, each to the holder with the fewest bytes
     assigned so far (ties: lowest rank), which spreads replicated tensors over their holders.
+
+    With ``replicas`` every other holder also writes its copy, recorded with ``replica_id`` 1, 2, ... (the
+    primary gets 0), so each rank's file holds everything it needs for a same-layout restart.
 
     Returns ``(tensors, writes)``: the metadata per key, and per rank the shard identities it writes.
 
@@ -164,11 +180,16 @@ def _assign_writes(per_rank: list[list[tuple]]) -> tuple[dict[str, TensorMeta], 
     tensors = {key: TensorMeta(key, gshape, dtype) for key, (gshape, dtype, _) in spec.items()}
     for ident in sorted(owner, key=lambda i: (i[0], i[1], i[3] or ())):
         key, off, lshape, fr = ident
-        tensors[key].shards.append(ShardMeta(off, lshape, _data_file(owner[ident]), key, fr))
+        tensors[key].shards.append(ShardMeta(off, lshape, _data_file(owner[ident]), key, fr, 0 if replicas else None))
+        if replicas:
+            for k, h in enumerate((h for h in holders[ident] if h != owner[ident]), 1):
+                writes.setdefault(h, []).append(ident)
+                tensors[key].shards.append(ShardMeta(off, lshape, _data_file(h), key, fr, k))
     return tensors, writes
 
 
-def save_state_dict(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process_group: Any = None) -> None:
+def save_state_dict(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process_group: Any = None,
+                    save_replicas: bool = False, async_save: bool = False) -> Any:
     """Save a (possibly sharded) state dict as an oarlock checkpoint directory. Collective over
     ``process_group`` (default: the world when torch.distributed is initialised; else a single process).
 
@@ -186,11 +207,43 @@ def save_state_dict(state_dict: Mapping[str, Any], path: str | os.PathLike, *, p
     next to ``path`` holding an incomplete-marker file, fsynced, and renamed to ``path`` only when complete,
     so an interrupted save never leaves a directory that loads and never touches other checkpoints.
 
+        save_replicas: every rank also writes the replicas it holds (``replica_id >= 1`` in the metadata), so a
+            restart in the same layout reads only its own file with no communication (see
+            :func:`oarlock.checkpoint.comm.try_warm_start`). Costs disk space for every replica.
+        async_save: return at once with an :class:`~oarlock.checkpoint.async_save.AsyncSaveHandle` and write in
+            the background (see :func:`oarlock.checkpoint.async_save.async_save`).
+
     Raises:
         CheckpointError: (on every rank alike) bad leaves, disagreeing shapes/dtypes, shards that do not tile a
             tensor exactly (:class:`~oarlock.checkpoint.plan.CheckpointTilingError`), an existing non-checkpoint
             ``path``, or an I/O failure on any rank (the temporary directory is removed).
     """
+    from oarlock.checkpoint.async_save import async_save as _async, wait_pending
+
+    if async_save:
+        return _async(state_dict, path, process_group=process_group, save_replicas=save_replicas)
+    wait_pending()  # an earlier async save commits first
+    plan = _prepare_save(state_dict, path, process_group, save_replicas)
+    _write_and_commit(plan, {sw.key: sw.local_tensor for sw in plan.leaves.shards}, process_group)
+    return None
+
+
+@dataclass
+class _SavePlan:
+    path: Path
+    rank: int
+    world: int
+    tmp: Path
+    gathered: list[dict]
+    tensors: dict[str, TensorMeta]
+    writes: dict[int, list[tuple]]
+    leaves: _Leaves
+
+
+def _prepare_save(state_dict: Mapping[str, Any], path: str | os.PathLike, process_group: Any,
+                  save_replicas: bool) -> _SavePlan:
+    """The collective half of a save: describe, all-gather, validate, and assign writes (raises on every rank
+    alike). Tensor data is not touched."""
     path = Path(path)
     rank, world = _group_rank(process_group), _group_size(process_group)
     err = None
@@ -217,19 +270,35 @@ def save_state_dict(state_dict: Mapping[str, Any], path: str | os.PathLike, *, p
     _raise_gathered([g["err"] for g in gathered], rank)
     tmp = gathered[0]["tmp"]
     try:
-        tensors, writes = _assign_writes([g["descs"] for g in gathered])
+        tensors, writes = _assign_writes([g["descs"] for g in gathered], save_replicas)
         for t in tensors.values():
             KeyIndex(t)  # validates that the shards tile the global box
     except CheckpointError as e:
         _raise_gathered([_err(e)] * world, rank)  # every rank computed the same error
+    return _SavePlan(path, rank, world, tmp, gathered, tensors, writes, leaves)
+
+
+def _desc_tuple(sw: ShardedWeight) -> tuple:
+    d = sw.desc
+    return (d.global_offset, d.local_shape, d.global_shape, d.dtype, d.flattened_range)
+
+
+def _write_and_commit(plan: _SavePlan, local: dict[str, torch.Tensor], process_group: Any) -> None:
+    """The data half of a save: write this rank's file from ``local`` (key -> tensor), then commit (rank 0).
+    Collective over ``process_group`` (two small all-gathers of error reports)."""
+    rank, tmp = plan.rank, plan.tmp
     err = None
     try:
         tmp.mkdir(parents=True, exist_ok=True)
         (tmp / INCOMPLETE_MARKER).touch()  # before any data file: a partial directory must never load
-        ids = {(i[0], i[1]) for i in writes.get(rank, [])}
+        ids = {(i[0], i[1]) for i in plan.writes.get(rank, [])}
         if ids:
-            mine = {sw.key: sw for sw in leaves.shards}
-            write_safetensors(tmp / _data_file(rank), {k: mine[k].local_tensor for k, _ in sorted(ids)})
+            from oarlock.checkpoint.comm import shard_header
+
+            mine = {sw.key: sw for sw in plan.leaves.shards}
+            keys = [k for k, _ in sorted(ids)]
+            write_safetensors(tmp / _data_file(rank), {k: local[k] for k in keys},
+                              metadata=shard_header([(k, *_desc_tuple(mine[k])) for k in keys], plan.world))
     except Exception as e:
         err = _err(e)
     errs = _all_gather_objects(err, process_group)
@@ -240,7 +309,7 @@ def save_state_dict(state_dict: Mapping[str, Any], path: str | os.PathLike, *, p
     err = None
     if rank == 0:
         try:
-            _commit(tmp, path, gathered, tensors)
+            _commit(tmp, plan.path, plan.gathered, plan.tensors)
         except Exception as e:
             shutil.rmtree(tmp, ignore_errors=True)
             err = _err(e)
@@ -291,8 +360,8 @@ def _compile_aoa(aoa_config: Any, source: dict[str, TensorSpec], destination: di
 
 
 def load_state_dict(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process_group: Any = None,
-                    aoa_config: Any = None, strict: bool = True, program: MappingProgram | None = None
-                    ) -> LoadReport:
+                    aoa_config: Any = None, strict: bool = True, program: MappingProgram | None = None,
+                    comm_method: str = "auto") -> LoadReport:
     """Load a checkpoint in place into the tensors of ``state_dict``, whatever layout either side has.
     Collective over ``process_group`` (default: the world when torch.distributed is initialised).
 
@@ -308,6 +377,12 @@ def load_state_dict(state_dict: Mapping[str, Any], path: str | os.PathLike, *, p
         strict: raise on missing or unexpected keys; else report them in the returned :class:`LoadReport`.
         program: an already-compiled :class:`~oarlock.checkpoint.mapping.MappingProgram` (instead of
             ``aoa_config``). Default: the identity (same keys, global shapes and dtypes).
+        comm_method: ``"auto"`` (direct byte-range reads when every rank sees every file it needs, as on a
+            shared filesystem; else grouped send/recv), ``"grouped_send_recv"`` or ``"broadcast"``: see
+            :mod:`oarlock.checkpoint.comm`. With node-local disks each rank passes its own directory as ``path``;
+            each needed file is then read by exactly one rank and slices travel to the ranks that need them.
+            A same-layout restart (each rank's request equals what its own data file holds, e.g. after
+            ``save_state_dict(..., save_replicas=True)``) reads only local files and moves no data.
 
     Returns:
         A :class:`LoadReport` (missing and unexpected keys, bytes this rank read).
@@ -321,7 +396,15 @@ def load_state_dict(state_dict: Mapping[str, Any], path: str | os.PathLike, *, p
     """
     if aoa_config is not None and program is not None:
         raise CheckpointError("pass either aoa_config or program to load_state_dict, not both")
+    from oarlock.checkpoint import comm
+
+    comm.check_comm_method(comm_method)
     rank = _group_rank(process_group)
+    if aoa_config is None and program is None:
+        warm = comm.try_warm_start(state_dict, path, process_group, _data_file(rank))
+        if warm is not None:
+            return warm
+    view = comm.gather_view(path, process_group) if _group_size(process_group) > 1 else None
     err = None
     leaves = _Leaves()
     descs: list[ShardDesc] = []
@@ -342,7 +425,7 @@ def load_state_dict(state_dict: Mapping[str, Any], path: str | os.PathLike, *, p
     missing: set[str] = set()
     unexpected: list[str] = []
     try:
-        reader = open_checkpoint(path)
+        reader = comm.open_view(path, view, rank) if view is not None else open_checkpoint(path)
         meta = reader.metadata
         dest_all: dict[str, TensorSpec] = {}
         for g in gathered:
@@ -399,8 +482,12 @@ def load_state_dict(state_dict: Mapping[str, Any], path: str | os.PathLike, *, p
 
     report = LoadReport(all_missing, unexpected)
     with reader, torch.no_grad():
-        for sw, items in zip(leaves.shards, plans):
-            report.bytes_read += _execute(reader, sw.local_tensor, items)
+        work = [(it, sw.local_tensor) for sw, items in zip(leaves.shards, plans)
+                for it in sorted(items, key=lambda it: (it.file, it.name, it.src_flat_start, it.src_box))]
+        st = comm.execute(reader, work, comm_method=comm_method, view=view, group=process_group,
+                          direct=_execute_work)
+        report.bytes_read, report.comm_method, report.files_read = st.bytes_read, st.method, st.files_read
+        report.bytes_sent, report.bytes_received, report.messages_sent = st.bytes_sent, st.bytes_received, st.messages_sent
         for k, value in ((k, reader.metadata.objects[k]) for k in leaves.objects if k in reader.metadata.objects):
             _set_path(state_dict, leaves.object_paths[k], value)
     return report
@@ -418,6 +505,11 @@ def _set_path(root: Any, path: tuple, value: Any) -> None:
     if isinstance(node, tuple):
         raise CheckpointError(f"cannot load object {flat_key(path)!r} into a tuple; use a list")
     node[path[-1]] = value
+
+
+def _execute_work(reader: CheckpointReader, work: list[tuple[ReadItem, torch.Tensor]]) -> int:
+    """Run ``(read item, target)`` pairs in the given order; returns the bytes read."""
+    return sum(_execute(reader, target, [it]) for it, target in work)
 
 
 def _execute(reader: CheckpointReader, target: torch.Tensor, items: list[ReadItem]) -> int:

@@ -42,6 +42,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 
 from oarlock.checkpoint.api import _assign_writes, _data_file, _execute
+from oarlock.checkpoint.comm import shard_header
 from oarlock.checkpoint.errors import CheckpointError
 from oarlock.checkpoint.hf import HF_INDEX, parse_size, save_hf_checkpoint
 from oarlock.checkpoint.mapping import IdentityProgram, MappingProgram, TensorSpec
@@ -545,9 +546,10 @@ class _SafetensorsOut:
     goes first, then each tensor's bytes land at their known offset, in any order, from a tensor (``pwrite``) or
     from byte runs of a source file (``copy_file_range``)."""
 
-    def __init__(self, path: Path, entries: list[tuple[str, tuple[int, ...], str]]):
+    def __init__(self, path: Path, entries: list[tuple[str, tuple[int, ...], str]],
+                 metadata: dict[str, str] | None = None):
         self.path = path
-        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        header: dict[str, Any] = {"__metadata__": {"format": "pt", **(metadata or {})}}
         self.where: dict[str, tuple[int, tuple[int, ...], str]] = {}
         off = 0
         for name, shape, dtype in entries:
@@ -658,8 +660,11 @@ def convert_checkpoint(source: str | os.PathLike, out_dir: str | os.PathLike, *,
                 by_key: dict[str, list[tuple[int, tuple, tuple]]] = {}
                 for rank in sorted(writes):
                     ids = sorted((i[0], i[1], i[2]) for i in writes[rank])
+                    # the shard records a same-layout restart checks, as save_state_dict writes them
+                    hdr = shard_header([(i[0], i[1], i[2], tensors[i[0]].global_shape, tensors[i[0]].dtype, i[3])
+                                        for i in sorted(writes[rank])], layout.world)
                     outs[rank] = _SafetensorsOut(tmp / _data_file(rank), [(k, lshape, tensors[k].dtype)
-                                                                          for k, _, lshape in ids])
+                                                                          for k, _, lshape in ids], hdr)
                     for k, off, lshape in ids:
                         by_key.setdefault(k, []).append((rank, off, lshape))
                 # key by key over all rank files: a key whose shards are strided in the source (a row-parallel

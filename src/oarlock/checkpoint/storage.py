@@ -458,6 +458,7 @@ class SafetensorsFile:
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise CheckpointFormatError(f"{self.path}: invalid safetensors header: {e}") from None
             self.data_start = 8 + n
+            self.header_metadata: dict[str, str] = header.get("__metadata__") or {}
             self.entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
             for name, e in header.items():
                 if name == "__metadata__":
@@ -582,9 +583,11 @@ def np_prod(xs) -> int:
     return p
 
 
-def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], *, fsync: bool = True) -> int:
+def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], *, fsync: bool = True,
+                      metadata: dict[str, str] | None = None) -> int:
     """Write ``tensors`` (CPU or device, any layout) as one safetensors file, streaming each tensor's bytes
     without an intermediate copy for contiguous CPU tensors, and fsync it. Returns the bytes written.
+    ``metadata`` (str -> str) is added to the header's ``__metadata__`` block.
 
     Raises:
         CheckpointFormatError: a dtype that safetensors cannot store (naming the tensor).
@@ -592,7 +595,7 @@ def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], *, fsy
     from oarlock.utils import safetensors_code
 
     path = Path(path)
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", **(metadata or {})}}
     prepared = []
     off = 0
     for name, t in tensors.items():

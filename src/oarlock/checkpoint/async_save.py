@@ -1,0 +1,123 @@
+"""Asynchronous checkpoint saves: snapshot, return, write in the background (FlexCheckpoint spec 3.1
+``async_save``).
+
+:func:`async_save` runs the collective planning of a save (one ``all_gather_object`` of shard descriptions,
+validation, write assignment) on the caller's process group *before it returns*, so it is ordered with the
+training's own collectives like any synchronous call. It then copies the tensors this rank writes into CPU
+memory (the snapshot: later in-place updates of the training state do not reach the file) and hands the
+writing to a background thread. The thread's own collectives (two small all-gathers of error reports around the
+commit) run on a *separate* gloo process group created for this purpose on the first async save, so they never
+interleave with collectives of the training on the caller's group. The commit protocol is the synchronous one:
+every rank writes and fsyncs its file into a hidden temporary directory, rank 0 writes ``metadata.json`` last
+and renames the directory into place.
+
+A new save (async or not) first waits for the previous one
+to finish, so saves never overlap; :meth:`AsyncSaveHandle.wait` re-raises the background error, if any.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Mapping
+
+import torch
+
+from oarlock.checkpoint.sharded import _dist_active, _group_size
+
+_lock = threading.Lock()
+_pending: "AsyncSaveHandle | None" = None
+_side_groups: dict[Any, Any] = {}
+
+
+class AsyncSaveHandle:
+    """A save running in the background. ``wait()`` blocks until the checkpoint is committed (or failed) and
+    re-raises the error of the background write (a :class:`~oarlock.checkpoint.errors.CheckpointError`)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = path
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def done(self) -> bool:
+        """True once the background write has finished (committed or failed)."""
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the save is committed (``timeout`` in seconds; None waits forever).
+
+        Raises:
+            TimeoutError: still running after ``timeout``. CheckpointError: the save failed.
+        """
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise TimeoutError(f"async save to {self.path} still running after {timeout} s")
+        if self._error is not None:
+            raise self._error
+
+
+def _side_group(process_group: Any) -> Any:
+    """A gloo group with the same ranks as ``process_group`` for the background thread's collectives (created
+    once per group, by all its ranks: the first async save is collective like every save)."""
+    import torch.distributed as dist
+
+    if process_group in _side_groups:
+        return _side_groups[process_group]
+    ranks = sorted(dist.get_process_group_ranks(process_group if process_group is not None else dist.group.WORLD))
+    g = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+    _side_groups[process_group] = g
+    return g
+
+
+def async_save(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process_group: Any = None,
+               save_replicas: bool = False) -> AsyncSaveHandle:
+    """Save like :func:`~oarlock.checkpoint.api.save_state_dict`, returning as soon as the tensors this rank
+    writes are copied to CPU memory. Collective over ``process_group`` (the planning step, before returning).
+
+    Args:
+        state_dict, path, process_group, save_replicas: as for ``save_state_dict``.
+
+    Returns:
+        An :class:`AsyncSaveHandle`; call ``wait()`` before relying on the checkpoint.
+
+    Raises:
+        CheckpointError: planning errors (bad leaves, disagreeing shapes, bad tiling) at once, on every rank;
+            write and commit errors from ``handle.wait()``.
+    """
+    from oarlock.checkpoint.api import _prepare_save, _write_and_commit
+
+    wait_pending()  # saves never overlap: the previous one commits first
+    plan = _prepare_save(state_dict, path, process_group, save_replicas)
+    keys = {i[0] for i in plan.writes.get(plan.rank, [])}
+    with torch.no_grad():  # the snapshot: a CPU copy of only what this rank writes
+        snap = {sw.key: sw.local_tensor.detach().to("cpu", copy=True) for sw in plan.leaves.shards
+                if sw.key in keys}
+    group = _side_group(process_group) if _dist_active() and _group_size(process_group) > 1 else None
+    handle = AsyncSaveHandle(path)
+
+    def run() -> None:
+        try:
+            _write_and_commit(plan, snap, group)
+        except BaseException as e:  # re-raised by wait()
+            handle._error = e
+        finally:
+            snap.clear()
+
+    global _pending
+    with _lock:
+        handle._thread = threading.Thread(target=run, name="oarlock-async-save", daemon=True)
+        handle._thread.start()
+        _pending = handle
+    return handle
+
+
+def wait_pending() -> None:
+    """Wait for the last async save of this process, if any (its error, if any, is raised by its handle, not
+    here)."""
+    global _pending
+    with _lock:
+        h = _pending
+        _pending = None
+    if h is not None and h._thread is not None:
+        h._thread.join()
