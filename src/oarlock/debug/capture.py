@@ -464,7 +464,11 @@ def capture(path: str | os.PathLike, checksum: str | None = "fast", stacks: bool
         stack_depth: at most this many user frames per stack (innermost first).
 
     Raises:
-        DebugError: a bad checksum spec, ``save_tensors``, ``modules`` or ``stack_depth``.
+        DebugError: a bad checksum spec, ``save_tensors``, ``modules`` or ``stack_depth``; on entering, when
+            another capture is active (captures do not nest).
+
+    Notes: the module paths come from global ``nn.Module`` forward hooks, so modules called from other threads
+    during the capture are attributed too; ops run by ``torch.compile``-d code are not supported.
     """
     return Capture(path, checksum, stacks, save_tensors=save_tensors, modules=modules, only_regions=only_regions,
                    model=model, stack_depth=stack_depth)

@@ -268,13 +268,15 @@ def _train_steps(model, opt, data, s, first_step: int, steps: int, dp_rank, dp, 
 
 
 def hf_import_statements(cfg: LlamaConfig, hf_dir: str | Path) -> list[str]:
-    """:func:`~oarlock.models.llama.hf_aoa_config`, minus the statement dropping ``lm_head.weight`` when the HF
-    files of a tied model do not carry that copy (``save_pretrained`` omits it)."""
+    """:func:`~oarlock.models.llama.hf_aoa_config` for the files in ``hf_dir``: a tied model's HF files may or
+    may not carry an ``lm_head.weight`` copy (``save_pretrained`` omits it); when they do, it is dropped."""
     from oarlock.checkpoint import read_metadata
     from oarlock.models.llama import hf_aoa_config
 
-    keys = read_metadata(hf_dir).tensors
-    return [st for st in hf_aoa_config(cfg) if not (st.startswith("lm_head.weight -> _") and "lm_head.weight" not in keys)]
+    stmts = hf_aoa_config(cfg)
+    if cfg.tie_word_embeddings and "lm_head.weight" in read_metadata(hf_dir).tensors:
+        stmts.append("lm_head.weight -> _")
+    return stmts
 
 
 def _phase_a(rank: int, world: int, port: int, s: DemoSettings, hf_dir: str, out: str, q: Any) -> None:
