@@ -19,8 +19,9 @@ def _check_report(r: dict, settings: DemoSettings) -> None:
     # the resumed run (layout B, other world size) starts exactly where an uninterrupted layout-A run goes on
     ref = a["reference_next_loss"]
     assert b["losses"][0] == pytest.approx(ref, rel=1e-6, abs=1e-6)
-    # transformers on the HF export reproduces the trained oarlock model's logits
-    assert r["export"]["logits_max_abs_diff"] < 1e-4
+    # transformers on the HF export reproduces the trained oarlock model's logits (fp32; TP3 sums in another order
+    # than a single process, ~1e-4 on logits of magnitude ~20; a wrong or misplaced weight gives O(1))
+    assert r["export"]["logits_max_abs_diff"] < 1e-3
     assert r["export"]["logits_shape"][0] == 1
 
 
