@@ -87,3 +87,12 @@ def test_log_scope_only_inside_the_block_and_thread(tmp_path):
     with pytest.raises(od.DebugError, match="level="):
         with od.log_scope("LOUD"):
             pass
+
+
+def test_diff_of_missing_dumps_names_the_file(tmp_path, capsys):
+    from oarlock.cli import main
+
+    missing = tmp_path / "nope.jsonl"
+    assert main(["debug", "diff", str(missing), str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"oarlock: error: {missing}: no such file (expected a capture dump written by oarlock.debug.capture)\n"

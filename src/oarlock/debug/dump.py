@@ -63,10 +63,12 @@ class Dump:
 
 def load_dump(path: str | os.PathLike) -> Dump:
     """Read a capture dump. Raises :class:`DumpFormatError` naming the file and line when it is not one,
-    and FileNotFoundError when it does not exist."""
+    (also when it does not exist or cannot be read)."""
     path = Path(path)
     if path.is_dir():
         raise DumpFormatError(f"{path}: is a directory, expected a capture dump (.jsonl)")
+    if not path.is_file():
+        raise DumpFormatError(f"{path}: no such file (expected a capture dump written by oarlock.debug.capture)")
     with open(path, encoding="utf-8") as f:
         dump = None
         for lineno, line in enumerate(f, 1):

@@ -491,13 +491,18 @@ def _plot(report: dict, path: Path) -> None:
 def run_demo(settings: DemoSettings) -> dict:
     """Run the whole demo; returns the report (also written to ``<out_dir>/report.json`` and ``report.txt``,
     with ``loss.png``). Raises :class:`ModelError` with a one-line message on bad settings or a failed phase."""
-    out = Path(settings.out_dir).resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    for name in ("layout_a", "layout_b"):  # syntax first: fail before converting a model
+        try:
+            parse_layout(getattr(settings, name))
+        except Exception as e:
+            raise ModelError(f"demo: --{name.replace('_', '-')}: {e}") from None
     times: dict[str, float] = {}
     t0 = time.perf_counter()
     hf_dir, tokenizer = prepare_model(settings)
     times["prepare_model_s"] = time.perf_counter() - t0
     check_layouts(settings, hf_dir)
+    out = Path(settings.out_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     data_info = prepare_data(settings, tokenizer, out)
     times["prepare_data_s"] = time.perf_counter() - t0
