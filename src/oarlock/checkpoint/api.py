@@ -34,8 +34,8 @@ from oarlock.checkpoint.metadata import METADATA_FILE, CheckpointMetadata, Shard
 from oarlock.checkpoint.plan import KeyIndex, Planner, ReadItem, source_specs
 from oarlock.checkpoint.sharded import (ShardDesc, ShardedWeight, _all_gather_objects, _group_rank, _group_size,
                                         _is_dtensor, flat_key, iter_leaves)
-from oarlock.checkpoint.storage import (INCOMPLETE_MARKER, CheckpointReader, fsync_dir, open_checkpoint,
-                                        write_safetensors)
+from oarlock.checkpoint.storage import (INCOMPLETE_MARKER, CheckpointReader, open_checkpoint,
+                                        write_safetensors, publish_directory)
 from oarlock.utils import dtype_itemsize, numel, torch_dtype
 
 AOA_MODULE = "oarlock.checkpoint.aoa"
@@ -323,23 +323,7 @@ def _commit(tmp: Path, path: Path, gathered: list[dict], tensors: dict[str, Tens
     for g in reversed(gathered):  # rank 0's values win
         objects.update(g["objects"])
         nested.update(g["nested"])
-    meta = CheckpointMetadata("oarlock", tensors=tensors, objects=objects, nested=nested)
-    part = tmp / (METADATA_FILE + ".part")
-    with open(part, "w") as f:
-        f.write(meta.dumps())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(part, tmp / METADATA_FILE)
-    os.unlink(tmp / INCOMPLETE_MARKER)
-    fsync_dir(tmp)
-    if path.exists():  # replace an earlier checkpoint at the same path only now that the new one is complete
-        old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:12]}"
-        os.replace(path, old)
-        os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, path)
-    fsync_dir(path.parent)
+    publish_directory(tmp, path, CheckpointMetadata("oarlock", tensors=tensors, objects=objects, nested=nested))
 
 
 # ---------------------------------------------------------------- load

@@ -50,7 +50,7 @@ from oarlock.checkpoint.metadata import METADATA_FILE, CheckpointMetadata
 from oarlock.checkpoint.plan import KeyIndex, Planner, source_specs
 from oarlock.checkpoint.sharded import ShardDesc
 from oarlock.checkpoint.storage import (INCOMPLETE_MARKER, CheckpointReader, _tensor_bytes, contiguous_run,
-                                        fsync_dir, open_checkpoint)
+                                        open_checkpoint, publish_directory)
 from oarlock.utils import dtype_itemsize, numel, safetensors_code, torch_dtype
 
 # ---------------------------------------------------------------- TP rules
@@ -693,22 +693,7 @@ def convert_checkpoint(source: str | os.PathLike, out_dir: str | os.PathLike, *,
             if copy_side_files:
                 for name, f in side_files(source).items():
                     shutil.copyfile(f, tmp / name)
-            part = tmp / (METADATA_FILE + ".part")
-            with open(part, "w") as f:
-                f.write(meta.dumps())
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(part, tmp / METADATA_FILE)
-            os.unlink(tmp / INCOMPLETE_MARKER)
-            fsync_dir(tmp)
-            if out_dir.exists():
-                old = out_dir.parent / f".{out_dir.name}.old-{uuid.uuid4().hex[:12]}"
-                os.replace(out_dir, old)
-                os.replace(tmp, out_dir)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, out_dir)
-            fsync_dir(out_dir.parent)
+            publish_directory(tmp, out_dir, meta)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

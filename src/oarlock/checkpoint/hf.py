@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from oarlock.checkpoint.errors import CheckpointError
-from oarlock.checkpoint.storage import fsync_dir
+from oarlock.checkpoint.storage import publish_directory
 from oarlock.utils import progress
 
 HF_INDEX = "model.safetensors.index.json"
@@ -48,18 +48,10 @@ def parse_size(size: int | str) -> int:
 def commit_directory(tmp: Path, final: Path) -> None:
     """Atomically publish the fully written directory ``tmp`` as ``final``; an existing ``final`` is replaced
     only after the new one is complete (the old one is moved aside, then removed)."""
-    for f in tmp.iterdir():
+    for f in tmp.iterdir():  # safetensors' save_file does not fsync
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
-    fsync_dir(tmp)
-    old = None
-    if final.exists():
-        old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
-        os.rename(final, old)
-    os.rename(tmp, final)
-    fsync_dir(final.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    publish_directory(tmp, final)
 
 
 def save_hf_checkpoint(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str | Path, *,

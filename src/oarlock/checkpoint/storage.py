@@ -19,7 +19,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import struct
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -665,3 +667,33 @@ def fsync_dir(path: str | Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def publish_directory(tmp: Path, final: Path, metadata: CheckpointMetadata | None = None) -> None:
+    """The commit step of every writer (save, convert, HF export): make the fully written, fsynced directory
+    ``tmp`` appear as ``final`` in one rename.
+
+    With ``metadata``, first write ``metadata.json`` (via a ``.part`` file, fsync, rename) and remove the
+    incomplete-marker. An existing ``final`` is replaced only now that the new directory is complete: it is
+    moved aside, the new one renamed in, then the old one removed; a crash at any point leaves either the old
+    or the new complete directory at ``final`` (plus hidden leftovers), never a partial one.
+    """
+    if metadata is not None:
+        part = tmp / (METADATA_FILE + ".part")
+        with open(part, "w") as f:
+            f.write(metadata.dumps())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(part, tmp / METADATA_FILE)
+        marker = tmp / INCOMPLETE_MARKER
+        if marker.exists():
+            os.unlink(marker)
+    fsync_dir(tmp)
+    if final.exists():
+        old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:12]}"
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    fsync_dir(final.parent)
