@@ -33,7 +33,7 @@ from typing import Any
 
 from oarlock.memory.driver import CountingDriver
 from oarlock.memory.errors import MemoryToolError, SimulatedOOM
-from oarlock.memory.vmm import (FREE, GAP, MIN_BLOCK, STATE_NAMES, PagedHeap, RemapAllocator, _page_runs,
+from oarlock.memory.vmm import (FREE, GAP, MIN_BLOCK, HeapViews, PagedHeap, RemapAllocator, _page_runs,
                                 round_up)
 
 MiB = 1 << 20
@@ -267,7 +267,7 @@ class TorchCaching:
         assert total == self.reserved
 
 
-class TorchExpandable:
+class TorchExpandable(HeapViews):
     """PyTorch's ``expandable_segments:True`` (rules in the module docstring).
 
     Args:
@@ -357,13 +357,6 @@ class TorchExpandable:
                 self.driver.release(h)
                 freed += heap.page
         return freed
-
-    def blocks(self) -> list[tuple[int, int, str, str]]:
-        return [(b.addr, b.size, STATE_NAMES[b.state], h.name) for h in self.heaps.values() for b in h.blocks
-                if b.state != GAP]
-
-    def free_block_sizes(self) -> list[int]:
-        return [t[0] for h in self.heaps.values() for t in h.free]
 
     def check(self) -> None:
         for h in self.heaps.values():

@@ -264,7 +264,22 @@ class PagedHeap:
         assert sorted(t[:2] for t in self.free) == sorted((b.size, b.addr) for b in self.blocks if b.state == FREE)
 
 
-class RemapAllocator:
+class HeapViews:
+    """Block views shared by the allocators built on :class:`PagedHeap` (``self.heaps``: name -> heap)."""
+
+    heaps: dict[str, PagedHeap]
+
+    def blocks(self) -> list[tuple[int, int, str, str]]:
+        """``(addr, size, state, heap)`` of every non-GAP block, for views."""
+        return [(b.addr, b.size, STATE_NAMES[b.state], h.name) for h in self.heaps.values() for b in h.blocks
+                if b.state != GAP]
+
+    def free_block_sizes(self) -> list[int]:
+        """Sizes of the FREE (mapped, unused) blocks."""
+        return [t[0] for h in self.heaps.values() for t in h.free]
+
+
+class RemapAllocator(HeapViews):
     """The remap allocator over any driver (see the module docstring for the policy).
 
     Physical memory comes in fixed pages: one granule (the driver granularity, 2 MiB on current GPUs) in the
@@ -359,15 +374,6 @@ class RemapAllocator:
         for heap in self.heaps.values():
             self._unmap(heap, [c[0] for c in heap.reclaimable_handles()])
         return self._release_spare(lambda k: True)
-
-    def blocks(self) -> list[tuple[int, int, str, str]]:
-        """``(addr, size, state, heap)`` of every non-GAP block, for views."""
-        return [(b.addr, b.size, STATE_NAMES[b.state], h.name) for h in self.heaps.values() for b in h.blocks
-                if b.state != GAP]
-
-    def free_block_sizes(self) -> list[int]:
-        """Sizes of the FREE (mapped, unused) blocks."""
-        return [t[0] for h in self.heaps.values() for t in h.free]
 
     def check(self) -> None:
         for h in self.heaps.values():
