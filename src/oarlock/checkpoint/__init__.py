@@ -4,7 +4,8 @@ Public surface: :func:`save_state_dict` / :func:`load_state_dict` (any layout to
 :class:`ShardedWeight` and its hashable :class:`ShardDesc`, :func:`sharded_state_dict` for modules,
 :func:`sharded_optimizer_state_dict` / :func:`load_sharded_optimizer_state_dict` for optimizers (exact resume), :func:`async_save`, the pure
 load planner (:func:`plan_load`), the metadata model, readers for every source format, HF/Paddle interop
-(:func:`export_hf`, :func:`export_hf_sharded`, :func:`convert_checkpoint`, :func:`full_state_dict`), and errors.
+(:func:`export_hf`, :func:`export_hf_sharded`, :func:`convert_checkpoint`, :func:`full_state_dict`),
+:class:`CheckpointManager` (save every N steps, keep the last K, resume; :class:`RNGState`, :class:`RankLocal`, :class:`OptimizerState`), and errors.
 """
 
 from oarlock.checkpoint.api import LoadReport, load_state_dict, save_state_dict
@@ -16,6 +17,7 @@ from oarlock.checkpoint.errors import (CheckpointError, CheckpointFormatError, C
                                        CheckpointTilingError, UnsafePickleError)
 from oarlock.checkpoint.full import full_state_dict
 from oarlock.checkpoint.hf import save_hf_checkpoint
+from oarlock.checkpoint.manager import CheckpointManager, OptimizerState, RankLocal, RNGState
 from oarlock.checkpoint.mapping import IdentityProgram, MappingProgram, SliceMapping, TensorSpec
 from oarlock.checkpoint.metadata import CheckpointMetadata, ShardMeta, TensorMeta
 from oarlock.checkpoint.optim import (OptimizerHyperparameterWarning, OptimizerStateError,
@@ -37,4 +39,5 @@ __all__ = [
     "UnsafePickleError",
     "CheckpointMetadata", "ShardMeta", "TensorMeta",
     "CheckpointReader", "detect_format", "open_checkpoint", "read_metadata",
+    "CheckpointManager", "OptimizerState", "RankLocal", "RNGState",
 ]

@@ -1,0 +1,466 @@
+"""A checkpoint manager for training loops: save every N steps, keep the last K, find the latest, resume.
+
+Layout under ``root``::
+
+    root/step-00000100/      one oarlock checkpoint per saved step (see :func:`oarlock.checkpoint.save_state_dict`)
+    root/step-00000200/
+    root/latest              text file naming the directory of the latest committed step ("step-00000200")
+
+Protocol of :meth:`CheckpointManager.save` (rank 0 does the file-system steps; ``save_state_dict`` is collective):
+
+1. wait for the previous save of this manager, then remove leftovers of killed saves (hidden ``.step-*``
+   temporary directories, a half-written ``.latest.tmp-*``, directories half-way through deletion);
+2. write the new step through ``save_state_dict`` (a hidden temporary directory renamed into place when complete);
+3. write the new pointer into ``.latest.tmp-<id>``, fsync it, and ``os.replace`` it over ``latest`` (atomic);
+4. only then delete step directories beyond ``keep_last`` (each is first renamed to a hidden name, so a
+   half-deleted directory never looks like a checkpoint).
+
+A process killed at any point therefore leaves either the old or the new step as the latest, never neither.
+:meth:`CheckpointManager.latest` trusts the pointer when it names a committed checkpoint, and otherwise takes the
+highest committed step directory (the pointer of a first save may not exist yet).
+
+Values of the saved ``state`` may be anything ``save_state_dict`` takes (tensors, DTensors, ShardedWeights, JSON
+values, nested dicts) and also *stateful objects*: anything with ``state_dict()`` and ``load_state_dict()`` (LR
+schedulers, a data loader's position, :class:`RNGState`, :class:`OptimizerState`). Their ``state_dict()`` is saved in their place and,
+on load, given back to their ``load_state_dict()``. Objects whose state differs per rank (random generators, a
+rank's data position) set ``rank_local = True`` or are wrapped in :class:`RankLocal`; they are stored once per
+rank under ``<key>.rank<r>`` and resume only with the same number of ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+import signal
+import struct
+import threading
+import uuid
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from oarlock.checkpoint.errors import CheckpointError
+from oarlock.checkpoint.metadata import METADATA_FILE
+
+LATEST_FILE = "latest"
+#: Environment variable naming a protocol point (see :data:`CRASH_POINTS`) at which the process SIGKILLs itself:
+#: fault injection for testing that a killed save never loses the latest checkpoint.
+CRASH_ENV = "OARLOCK_MANAGER_CRASH_AT"
+CRASH_POINTS = ("before_save", "after_save", "pointer_written", "after_pointer", "during_delete", "after_delete")
+
+
+def _crash_point(name: str) -> None:
+    if os.environ.get(CRASH_ENV) == name:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def _rank(group: Any) -> int:
+    d = _dist()
+    return d.get_rank(group) if d is not None else 0
+
+
+def _world(group: Any) -> int:
+    d = _dist()
+    return d.get_world_size(group) if d is not None else 1
+
+
+def _agree(err: str | None, group: Any) -> None:
+    """Raise the same :class:`CheckpointError` on every rank when any rank reported ``err`` (a barrier too)."""
+    d = _dist()
+    errs = [err]
+    if d is not None and d.get_world_size(group) > 1:
+        errs = [None] * d.get_world_size(group)
+        d.all_gather_object(errs, err, group=group)
+    bad = [(r, e) for r, e in enumerate(errs) if e is not None]
+    if bad:
+        r, e = bad[0]
+        raise CheckpointError(e if len(errs) == 1 else f"rank {r}: {e}")
+
+
+def _is_stateful(v: Any) -> bool:
+    return (not isinstance(v, (torch.Tensor, Mapping, list, tuple)) and callable(getattr(v, "state_dict", None))
+            and callable(getattr(v, "load_state_dict", None)))
+
+
+class RankLocal:
+    """Marks a stateful object whose state differs on every rank (e.g. a per-rank data-loader position): the
+    manager saves one copy per rank (under ``<key>.rank<r>``) and restores each rank's own."""
+
+    rank_local = True
+
+    def __init__(self, obj: Any):
+        if not _is_stateful(obj):
+            raise CheckpointError(f"RankLocal needs an object with state_dict() and load_state_dict(), got "
+                                  f"{type(obj).__name__}")
+        self.obj = obj
+
+    def state_dict(self) -> Any:
+        return self.obj.state_dict()
+
+    def load_state_dict(self, state: Any) -> None:
+        self.obj.load_state_dict(state)
+
+
+class OptimizerState:
+    """An optimizer as a stateful object for :class:`CheckpointManager`, saved the sharded way: its state
+    tensors through :func:`~oarlock.checkpoint.sharded_optimizer_state_dict` (they reshard like the parameters and
+    are loaded in place) and, on load, its hyper-parameters (lr, betas, ... as the saved run last had them, e.g.
+    set by an LR scheduler) restored from the checkpoint so that the next ``step()`` is the saved run's.
+
+    Args:
+        optimizer: as for ``sharded_optimizer_state_dict``.
+        model_sharded_state_dict: the model's ``{key: ShardedWeight}`` in this run's layout.
+
+    Raises:
+        OptimizerStateError: on load, when the checkpoint was written by another optimizer algorithm or has
+            another number of parameter groups.
+    """
+
+    def __init__(self, optimizer: Any, model_sharded_state_dict: Mapping[str, Any]):
+        self.optimizer = optimizer
+        self.model_sharded_state_dict = model_sharded_state_dict
+
+    def state_dict(self) -> dict[str, Any]:
+        from oarlock.checkpoint.optim import sharded_optimizer_state_dict
+
+        return sharded_optimizer_state_dict(self.optimizer, self.model_sharded_state_dict)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Apply the loaded hyper-parameters (the state tensors were loaded in place, aliasing the optimizer's)."""
+        from oarlock.checkpoint.optim import (ALGORITHM_KEY, HYPERPARAMETERS, PARAM_GROUPS_KEY, OptimizerStateError,
+                                              optimizer_algorithm)
+
+        alg, groups = state.get(ALGORITHM_KEY), state.get(PARAM_GROUPS_KEY)
+        if alg is not None and alg != optimizer_algorithm(self.optimizer):
+            raise OptimizerStateError(f"optimizer state was saved by {alg}, this optimizer is "
+                                      f"{optimizer_algorithm(self.optimizer)}")
+        if not groups:
+            return
+        if len(groups) != len(self.optimizer.param_groups):
+            raise OptimizerStateError(f"{len(groups)} parameter groups saved, the optimizer has "
+                                      f"{len(self.optimizer.param_groups)}")
+        for saved, group in zip(groups, self.optimizer.param_groups):
+            for k in HYPERPARAMETERS:
+                if k in saved and k in group:
+                    cur = group[k]
+                    if isinstance(cur, torch.Tensor):
+                        cur.fill_(saved[k])
+                    else:
+                        group[k] = tuple(saved[k]) if isinstance(cur, tuple) else saved[k]
+
+
+class RNGState:
+    """The random generators of this process as a stateful object for :class:`CheckpointManager`: torch's CPU
+    generator, every CUDA device's generator (when CUDA is available), Python's ``random`` and numpy's legacy
+    global generator (``numpy.random.seed``/``rand``). Rank-local: every rank keeps its own streams.
+
+    ``state_dict()`` returns int64/uint8 CPU tensors: ``"torch"`` (uint8, torch's state bytes), ``"cuda"`` (uint8
+    ``[devices, n]``), ``"python"`` (int64 ``[628]``: version, the 625 Mersenne Twister words, whether a Gaussian
+    is cached and its float64 bits) and ``"numpy"`` (int64 ``[627]``: 624 key words, position, has-Gaussian and
+    the cached Gaussian's float64 bits). ``load_state_dict`` restores exactly what it is given.
+    """
+
+    rank_local = True
+
+    def __init__(self, cuda: bool | None = None):
+        self.cuda = torch.cuda.is_available() if cuda is None else cuda
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        import numpy as np
+
+        version, words, gauss = random.getstate()
+        py = [version, *words, 0 if gauss is None else 1, _f64_bits(gauss or 0.0)]
+        name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+        if name != "MT19937":  # pragma: no cover - numpy's legacy generator is always MT19937
+            raise CheckpointError(f"numpy's global generator is {name}, RNGState saves MT19937")
+        out = {"torch": torch.get_rng_state().clone(),
+               "python": torch.tensor(py, dtype=torch.int64),
+               "numpy": torch.tensor([*keys.astype(np.int64).tolist(), pos, has_gauss, _f64_bits(cached)],
+                                     dtype=torch.int64)}
+        if self.cuda:
+            out["cuda"] = torch.stack([s.cpu() for s in torch.cuda.get_rng_state_all()])
+        return out
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        import numpy as np
+
+        torch.set_rng_state(state["torch"].to(torch.uint8).cpu())
+        py = [int(x) for x in state["python"].tolist()]
+        random.setstate((py[0], tuple(py[1:626]), _bits_f64(py[627]) if py[626] else None))
+        nk = [int(x) for x in state["numpy"].tolist()]
+        np.random.set_state(("MT19937", np.array(nk[:624], dtype=np.uint32), nk[624], nk[625], _bits_f64(nk[626])))
+        if "cuda" in state and self.cuda:
+            torch.cuda.set_rng_state_all(list(state["cuda"].to(torch.uint8)))
+
+
+def _f64_bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def _bits_f64(b: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", int(b)))[0]
+
+
+class CheckpointManager:
+    """Save, rotate and resume checkpoints of a training loop under one directory (see the module docstring for
+    the layout and the crash-safe protocol).
+
+    Args:
+        root: directory holding the step directories and the ``latest`` pointer (created on first save).
+        keep_last: how many committed steps to keep (at least 1): the latest plus the ``keep_last - 1``
+            highest other steps; None keeps every step.
+        process_group: the group saves and loads are collective over (default: the world when torch.distributed
+            is initialised, else a single process). Rank 0 does the file-system steps.
+        save_replicas: passed to :func:`~oarlock.checkpoint.save_state_dict`.
+        prefix: step directory names are ``f"{prefix}{step:08d}"``.
+
+    Raises:
+        CheckpointError: ``keep_last < 1`` or a ``prefix`` that is not a plain file name.
+    """
+
+    def __init__(self, root: str | os.PathLike, keep_last: int | None = 3, *, process_group: Any = None,
+                 save_replicas: bool = False, prefix: str = "step-"):
+        if keep_last is not None and int(keep_last) < 1:
+            raise CheckpointError(f"keep_last must be >= 1 (or None to keep every step), got {keep_last}")
+        if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", prefix):
+            raise CheckpointError(f"prefix {prefix!r} must be a plain file-name prefix (letters, digits, _ . -)")
+        self.root = Path(root)
+        self.keep_last = None if keep_last is None else int(keep_last)
+        self.process_group = process_group
+        self.save_replicas = save_replicas
+        self.prefix = prefix
+        self._step_re = re.compile(re.escape(prefix) + r"(\d+)")
+        self._stale_re = re.compile(r"\." + re.escape(prefix) + r"\d+\..+|\." + re.escape(LATEST_FILE) + r"\.tmp-.+")
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    # ------------------------------------------------------------ queries
+
+    def path(self, step: int) -> Path:
+        """The directory of ``step``."""
+        return self.root / f"{self.prefix}{int(step):08d}"
+
+    def steps(self) -> list[int]:
+        """Committed steps under ``root`` (directories with ``metadata.json`` and no incomplete marker), ascending."""
+        if not self.root.is_dir():
+            return []
+        out = []
+        for p in self.root.iterdir():
+            m = self._step_re.fullmatch(p.name)
+            if m and self._committed(p):
+                out.append(int(m.group(1)))
+        return sorted(out)
+
+    @staticmethod
+    def _committed(p: Path) -> bool:
+        from oarlock.checkpoint.storage import INCOMPLETE_MARKER
+
+        return p.is_dir() and (p / METADATA_FILE).is_file() and not (p / INCOMPLETE_MARKER).exists()
+
+    def latest(self) -> int | None:
+        """The latest committed step: the one the ``latest`` pointer names when that directory is a committed
+        checkpoint, else the highest committed step directory; None when there is none. Waits for nothing (an
+        async save in flight is not the latest until committed)."""
+        ptr = self.root / LATEST_FILE
+        try:
+            name = ptr.read_text().strip()
+        except OSError:
+            name = ""
+        m = self._step_re.fullmatch(name)
+        if m and self._committed(self.root / name):
+            return int(m.group(1))
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    # ------------------------------------------------------------ save
+
+    def wait(self) -> None:
+        """Block until the last save (sync or async) is committed, the pointer replaced and old steps deleted;
+        re-raise its error if it failed."""
+        t = self._thread
+        if t is not None:
+            t.join()
+            self._thread = None
+        if self._error is not None:
+            e, self._error = self._error, None
+            raise e
+
+    def save(self, step: int, state: Mapping[str, Any], *, async_save: bool = False) -> None:
+        """Save ``state`` as step ``step`` (collective over the manager's process group).
+
+        Args:
+            step: the training step (a non-negative int); an existing directory of this step is replaced.
+            state: a dict of tensors, DTensors, ShardedWeights, JSON values and stateful objects (module
+                docstring), e.g. ``{"model": sharded_state_dict(model), "optim": sharded_optimizer_state_dict(
+                opt, msd), "scheduler": sched, "rng": RNGState(), "step": step}``.
+            async_save: return once this rank's tensors are copied to CPU memory; the write, the commit, the
+                pointer and the deletion of old steps run in the background (:meth:`wait` blocks for them and
+                re-raises their error; the next ``save`` waits first).
+
+        Raises:
+            CheckpointError: what :func:`~oarlock.checkpoint.save_state_dict` raises (on every rank alike), a
+                negative step, or the failure of the previous async save.
+        """
+        from oarlock.checkpoint.api import save_state_dict
+
+        if int(step) < 0:
+            raise CheckpointError(f"step must be >= 0, got {step}")
+        self.wait()
+        rank = _rank(self.process_group)
+        err = None
+        if rank == 0:
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                self.clean_stale()
+            except OSError as e:
+                err = f"{self.root}: cannot prepare the checkpoint root: {e}"
+        _agree(err, self.process_group)
+        flat = self._to_saveable(state)
+        _crash_point("before_save")
+        handle = save_state_dict(flat, self.path(step), process_group=self.process_group,
+                                 save_replicas=self.save_replicas, async_save=async_save)
+        if not async_save:
+            _crash_point("after_save")
+            self._publish(step)
+            _agree(None, self.process_group)  # every rank returns after the pointer is replaced
+            return
+
+        def finish() -> None:
+            try:
+                handle.wait()
+                self._publish(step)
+            except BaseException as e:  # re-raised by wait()
+                self._error = e
+
+        self._thread = threading.Thread(target=finish, name="oarlock-manager-commit", daemon=True)
+        self._thread.start()
+
+    def _publish(self, step: int) -> None:
+        """Rank 0: replace the pointer atomically, then delete steps beyond ``keep_last``."""
+        if _rank(self.process_group) != 0:
+            return
+        from oarlock.checkpoint.storage import fsync_dir
+
+        tmp = self.root / f".{LATEST_FILE}.tmp-{uuid.uuid4().hex[:12]}"
+        with open(tmp, "w") as f:
+            f.write(self.path(step).name + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        _crash_point("pointer_written")
+        os.replace(tmp, self.root / LATEST_FILE)
+        fsync_dir(self.root)
+        _crash_point("after_pointer")
+        if self.keep_last is not None:
+            others = [s for s in self.steps() if s != step]
+            keep = {step, *others[len(others) - (self.keep_last - 1):]} if self.keep_last > 1 else {step}
+            for s in self.steps():
+                if s not in keep:
+                    self._delete(s)
+        _crash_point("after_delete")
+
+    def _delete(self, step: int) -> None:
+        p = self.path(step)
+        trash = self.root / f".{p.name}.deleting-{uuid.uuid4().hex[:12]}"
+        os.replace(p, trash)  # gone from the listing in one step; the data is removed after
+        _crash_point("during_delete")
+        shutil.rmtree(trash, ignore_errors=True)
+
+    def clean_stale(self) -> list[str]:
+        """Remove leftovers of killed saves under ``root``: hidden ``.<prefix>N.*`` directories (temporary save
+        directories, replaced or half-deleted steps) and ``.latest.tmp-*`` files. Only names this manager and
+        ``save_state_dict`` create are touched. Call only while no save into ``root`` is running (``save`` does
+        this itself on rank 0). Returns the removed names."""
+        removed = []
+        if not self.root.is_dir():
+            return removed
+        for p in self.root.iterdir():
+            if self._stale_re.fullmatch(p.name):
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    p.unlink(missing_ok=True)
+                removed.append(p.name)
+        return sorted(removed)
+
+    # ------------------------------------------------------------ load
+
+    def load_latest(self, state: Mapping[str, Any], *, strict: bool = True, **load_kwargs: Any) -> int | None:
+        """Load the latest committed step into ``state`` (same structure as given to :meth:`save`: tensors are
+        loaded in place, JSON values replaced in their container, stateful objects get ``load_state_dict``).
+        Collective. Returns the step, or None (``state`` untouched) when ``root`` holds no checkpoint.
+
+        ``strict`` and ``load_kwargs`` (``aoa_config``, ``comm_method``, ...) go to
+        :func:`~oarlock.checkpoint.load_state_dict`.
+
+        Raises:
+            CheckpointError: what ``load_state_dict`` raises; ranks disagreeing on the latest step.
+        """
+        self.wait()
+        step = self.latest()
+        steps = [step]
+        d = _dist()
+        if d is not None and _world(self.process_group) > 1:
+            steps = [None] * _world(self.process_group)
+            d.all_gather_object(steps, step, group=self.process_group)
+        if len(set(steps)) != 1:
+            raise CheckpointError(f"{self.root}: ranks see different latest steps {steps}; the root must be one "
+                                  "shared directory")
+        if step is None:
+            return None
+        self.load(step, state, strict=strict, **load_kwargs)
+        return step
+
+    def load(self, step: int, state: Mapping[str, Any], *, strict: bool = True, **load_kwargs: Any) -> None:
+        """Load step ``step`` into ``state`` (see :meth:`load_latest`)."""
+        from oarlock.checkpoint.api import load_state_dict
+
+        request, stateful = self._load_request(state)
+        load_state_dict(request, self.path(step), process_group=self.process_group, strict=strict, **load_kwargs)
+        for k, (obj, rank_key) in stateful.items():
+            obj.load_state_dict(request[k][rank_key] if rank_key is not None else request[k])
+        if isinstance(state, dict):
+            for k, v in request.items():
+                if k not in stateful and v is not state[k]:
+                    state[k] = v  # top-level JSON values were replaced in ``request``, a copy of ``state``
+
+    # ------------------------------------------------------------ stateful objects
+
+    def _rank_key(self) -> str:
+        return f"rank{_rank(self.process_group):05d}"
+
+    def _to_saveable(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        if not isinstance(state, Mapping):
+            raise CheckpointError(f"state must be a dict, got {type(state).__name__}")
+        out: dict[str, Any] = {}
+        for k, v in state.items():
+            if _is_stateful(v):
+                sd = v.state_dict()
+                out[k] = {self._rank_key(): sd} if getattr(v, "rank_local", False) else sd
+            else:
+                out[k] = v
+        return out
+
+    def _load_request(self, state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[Any, str | None]]]:
+        """The dict handed to ``load_state_dict`` (stateful objects replaced by a template of their state: same
+        structure and shapes, filled by the load) and, per stateful key, the object and its rank key if any."""
+        if not isinstance(state, Mapping):
+            raise CheckpointError(f"state must be a dict, got {type(state).__name__}")
+        request: dict[str, Any] = {}
+        stateful: dict[str, tuple[Any, str | None]] = {}
+        for k, v in state.items():
+            if _is_stateful(v):
+                rank_key = self._rank_key() if getattr(v, "rank_local", False) else None
+                request[k] = {rank_key: v.state_dict()} if rank_key is not None else v.state_dict()
+                stateful[k] = (v, rank_key)
+            else:
+                request[k] = v
+        return request, stateful
