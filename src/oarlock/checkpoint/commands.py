@@ -1,4 +1,5 @@
-"""``oarlock inspect``, ``oarlock aoa explain`` and ``oarlock convert``: checkpoint subcommands of the CLI."""
+"""``oarlock inspect``, ``oarlock aoa explain``, ``oarlock convert`` and ``oarlock diff``: checkpoint subcommands of
+the CLI."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     with open_checkpoint(args.path) as reader:
         meta = reader.metadata
+    if args.include or args.exclude:
+        meta = meta.filtered(args.include, args.exclude)
     sharded = any(len(t.shards) > 1 or t.shards[0].local_shape != t.global_shape
                   or t.shards[0].flattened_range is not None for t in meta.tensors.values())
     if args.json:
@@ -159,6 +162,29 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_diff(args: argparse.Namespace) -> int:
+    from oarlock.checkpoint.diff import diff_checkpoints
+
+    if args.rtol < 0 or args.atol < 0:
+        print("oarlock: error: --rtol and --atol must be >= 0", file=sys.stderr)
+        return 2
+    rep = diff_checkpoints(args.a, args.b, rtol=args.rtol, atol=args.atol, include=args.include,
+                           exclude=args.exclude)
+    if args.json:
+        json.dump(rep.to_json(), sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        print(rep.render())
+    return 0 if rep.equal else 1
+
+
+def _add_filters(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--include", action="append", metavar="GLOB",
+                   help="only keys matching this glob (fnmatch syntax, e.g. 'model.layers.*'); repeatable")
+    p.add_argument("--exclude", action="append", metavar="GLOB",
+                   help="leave out keys matching this glob (e.g. '*.exp_avg*'); repeatable, applied after --include")
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("inspect", help="list the tensors of a checkpoint (safetensors file, HF, oarlock or "
                                        "Paddle directory)",
@@ -166,7 +192,24 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "checkpoints also each shard's global offset, local shape and file.")
     p.add_argument("path", help="a .safetensors file or a checkpoint directory")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    _add_filters(p)
     p.set_defaults(func=cmd_inspect)
+
+    d = sub.add_parser("diff", help="compare the tensors of two checkpoints (any formats and layouts)",
+                       description="Compare the logical (whole) tensors of checkpoints A and B, of any formats and "
+                                   "layouts (an HF directory against a TP=4 oarlock checkpoint compares whole "
+                                   "tensors), reading one tensor at a time: keys only in A or B, shape and dtype "
+                                   "changes, and per differing key the number of differing elements and the max "
+                                   "absolute/relative difference. Elements differ when |a-b| > atol + rtol*|b|. "
+                                   "Exit status: 0 equal, 1 different, 2 bad input. (For debug dumps see "
+                                   "'oarlock debug diff'.)")
+    d.add_argument("a", metavar="A", help="first checkpoint (file or directory)")
+    d.add_argument("b", metavar="B", help="second checkpoint (file or directory)")
+    d.add_argument("--json", action="store_true", help="machine-readable output")
+    d.add_argument("--rtol", type=float, default=0.0, metavar="R", help="relative tolerance (default 0: exact)")
+    d.add_argument("--atol", type=float, default=0.0, metavar="A", help="absolute tolerance (default 0: exact)")
+    _add_filters(d)
+    d.set_defaults(func=cmd_diff)
 
     aoa = sub.add_parser("aoa", help="AOA weight-transformation language tools",
                          description="Tools for AOA configs (checkpoint -> model key mappings).")

@@ -11,9 +11,10 @@ oarlock's own on-disk metadata is JSON (``metadata.json``), never pickle.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from oarlock.checkpoint.errors import CheckpointFormatError
 from oarlock.utils import dtype_itemsize, dtype_name, numel
@@ -122,6 +123,13 @@ class CheckpointMetadata:
                 "tensors": {k: t.to_json() for k, t in self.tensors.items()},
                 "objects": self.objects, "nested": self.nested, "extra": self.extra}
 
+    def filtered(self, include: Sequence[str] | None = None, exclude: Sequence[str] | None = None
+                 ) -> "CheckpointMetadata":
+        """A copy holding only the tensors and objects whose keys :func:`key_selected` keeps."""
+        return CheckpointMetadata(self.format, {k: t for k, t in self.tensors.items() if key_selected(k, include, exclude)},
+                                  {k: v for k, v in self.objects.items() if key_selected(k, include, exclude)},
+                                  dict(self.nested), dict(self.extra))
+
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=1, sort_keys=False)
 
@@ -145,3 +153,15 @@ class CheckpointMetadata:
                 raise CheckpointFormatError(f"{source}: malformed entry for key {key!r}: {e}") from None
             meta.tensors[key] = tm
         return meta
+
+
+def key_selected(key: str, include: Sequence[str] | str | None = None, exclude: Sequence[str] | str | None = None
+                 ) -> bool:
+    """Whether ``key`` passes the filters: it matches one of the ``include`` glob patterns (``fnmatch`` syntax,
+    case-sensitive; None or empty = every key) and none of the ``exclude`` patterns. A single pattern may be
+    given as a string. Used by ``oarlock inspect/convert/diff --include/--exclude``."""
+    inc = [include] if isinstance(include, str) else list(include or ())
+    exc = [exclude] if isinstance(exclude, str) else list(exclude or ())
+    if inc and not any(fnmatch.fnmatchcase(key, p) for p in inc):
+        return False
+    return not any(fnmatch.fnmatchcase(key, p) for p in exc)

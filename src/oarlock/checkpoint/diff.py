@@ -1,0 +1,220 @@
+"""Compare the logical tensors of two checkpoints of any supported format and layout (``oarlock diff``).
+
+Both sides are opened with :func:`~oarlock.checkpoint.open_checkpoint`; every key is read whole through the load
+planner (an HF directory, a TP=4 oarlock checkpoint and a ZeRO-flattened one all give the same logical tensor),
+one key at a time, so memory holds one tensor of each side. Keys are compared in A's order.
+
+Element semantics (``numpy.isclose``'s): elements ``a`` (from A) and ``b`` (from B) differ when
+``|a - b| > atol + rtol * |b|``, computed in float64 (complex: on the modulus of the difference); NaNs at the
+same position count as equal, a NaN against a number differs; with the default ``rtol = atol = 0`` this is
+exact equality (``-0.0 == 0.0``). The relative difference of an element is ``|a - b| / |b|`` (infinite where
+``b == 0`` and ``a != 0``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from oarlock.checkpoint.metadata import CheckpointMetadata, key_selected
+
+
+_CHUNK = 1 << 22  # elements compared at once
+
+
+@dataclass
+class KeyDiff:
+    """One key present on both sides that is not equal.
+
+    Attributes:
+        key: the tensor key. shape_a, shape_b, dtype_a, dtype_b: global shapes and dtype names.
+        numel: elements compared (0 when the shapes differ: nothing is compared).
+        num_different: elements that differ under ``rtol``/``atol``.
+        max_abs_diff: largest ``|a - b|`` (float; NaN-vs-number counts as ``inf``).
+        max_rel_diff: largest ``|a - b| / |b|`` over differing elements.
+    """
+
+    key: str
+    shape_a: list[int]
+    shape_b: list[int]
+    dtype_a: str
+    dtype_b: str
+    numel: int = 0
+    num_different: int = 0
+    max_abs_diff: float = 0.0
+    max_rel_diff: float = 0.0
+
+    @property
+    def kind(self) -> str:
+        """``"shape"``, ``"dtype"`` (values compared after widening) or ``"values"``."""
+        if self.shape_a != self.shape_b:
+            return "shape"
+        return "dtype" if self.dtype_a != self.dtype_b else "values"
+
+
+@dataclass
+class DiffReport:
+    """The result of :func:`diff_checkpoints`.
+
+    Attributes:
+        only_in_a, only_in_b: tensor keys present on one side only (after the include/exclude filters).
+        changed: :class:`KeyDiff` per common key that differs (shape, dtype or values).
+        equal_keys: number of common keys that are equal.
+        objects_only_in_a, objects_only_in_b, objects_changed: the same for JSON objects saved beside the tensors.
+        equal_by_checksum: common keys found equal from stored checksums alone, without reading their bytes.
+    """
+
+    a: str
+    b: str
+    rtol: float
+    atol: float
+    only_in_a: list[str] = field(default_factory=list)
+    only_in_b: list[str] = field(default_factory=list)
+    changed: list[KeyDiff] = field(default_factory=list)
+    equal_keys: int = 0
+    objects_only_in_a: list[str] = field(default_factory=list)
+    objects_only_in_b: list[str] = field(default_factory=list)
+    objects_changed: list[str] = field(default_factory=list)
+    equal_by_checksum: int = 0
+
+    @property
+    def equal(self) -> bool:
+        return not (self.only_in_a or self.only_in_b or self.changed or self.objects_only_in_a
+                    or self.objects_only_in_b or self.objects_changed)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["equal"] = self.equal
+        for c, cd in zip(self.changed, d["changed"]):
+            cd["kind"] = c.kind
+            for k in ("max_abs_diff", "max_rel_diff"):  # JSON has no inf
+                if math.isinf(cd[k]):
+                    cd[k] = "inf"
+        return d
+
+    def render(self) -> str:
+        lines = []
+        for k in self.only_in_a:
+            lines.append(f"only in A: {k}")
+        for k in self.only_in_b:
+            lines.append(f"only in B: {k}")
+        for c in self.changed:
+            if c.kind == "shape":
+                lines.append(f"shape changed: {c.key}: {c.shape_a} {c.dtype_a} -> {c.shape_b} {c.dtype_b}")
+                continue
+            head = f"dtype changed: {c.key}: {c.dtype_a} -> {c.dtype_b}" if c.kind == "dtype" else f"differs: {c.key}"
+            if c.num_different:
+                head += (f": {c.num_different}/{c.numel} elements differ, max abs diff {c.max_abs_diff:.6g}, "
+                         f"max rel diff {c.max_rel_diff:.6g}")
+            lines.append(head)
+        for k in self.objects_only_in_a:
+            lines.append(f"object only in A: {k}")
+        for k in self.objects_only_in_b:
+            lines.append(f"object only in B: {k}")
+        for k in self.objects_changed:
+            lines.append(f"object differs: {k}")
+        tol = f" (rtol={self.rtol:g}, atol={self.atol:g})" if self.rtol or self.atol else ""
+        n = self.equal_keys + len(self.changed)
+        lines.append(f"{'equal' if self.equal else 'differ'}: {n} common tensor keys, {self.equal_keys} equal{tol}, "
+                     f"{len(self.changed)} changed, {len(self.only_in_a)} only in A, {len(self.only_in_b)} only in B")
+        return "\n".join(lines)
+
+
+def compare_tensors(key: str, a: torch.Tensor, b: torch.Tensor, *, rtol: float = 0.0, atol: float = 0.0) -> KeyDiff:
+    """Compare two whole tensors (see the module docstring for the semantics). Returns a :class:`KeyDiff` whose
+    ``num_different`` is 0 (and shapes and dtypes equal) when they are equal."""
+    from oarlock.utils import dtype_name
+
+    d = KeyDiff(key, list(a.shape), list(b.shape), dtype_name(a.dtype), dtype_name(b.dtype))
+    if a.shape != b.shape:
+        return d
+    d.numel = a.numel()
+    if d.numel == 0:
+        return d
+    wide = torch.complex128 if (a.is_complex() or b.is_complex()) else torch.float64
+    # row chunks bound the float64 working copies to ~64 MiB whatever the tensor's size
+    fa, fb = a.reshape(-1), b.reshape(-1)
+    step = _CHUNK
+    for s in range(0, d.numel, step):
+        x, y = fa[s:s + step].to(wide), fb[s:s + step].to(wide)
+        diff = (x - y).abs()
+        both_nan = torch.isnan(x.abs()) & torch.isnan(y.abs())
+        diff = torch.where(both_nan, torch.zeros_like(diff), diff)
+        diff = torch.nan_to_num(diff, nan=math.inf, posinf=math.inf)  # NaN against a number
+        bad = diff > atol + rtol * y.abs()
+        nbad = int(bad.sum())
+        if nbad:
+            d.num_different += nbad
+            d.max_abs_diff = max(d.max_abs_diff, float(diff[bad].max()))
+            with torch.no_grad():
+                rel = diff[bad] / y.abs()[bad]
+            rel = torch.nan_to_num(rel, nan=math.inf, posinf=math.inf)
+            d.max_rel_diff = max(d.max_rel_diff, float(rel.max()))
+    return d
+
+
+def diff_checkpoints(a: str | Path, b: str | Path, *, rtol: float = 0.0, atol: float = 0.0,
+                     include: Sequence[str] | None = None, exclude: Sequence[str] | None = None,
+                     use_checksums: bool = True) -> DiffReport:
+    """Compare the logical tensors (and JSON objects) of checkpoints ``a`` and ``b``, streaming one key at a time.
+
+    Args:
+        a, b: any source :func:`~oarlock.checkpoint.open_checkpoint` reads (oarlock in any layout, HF, Paddle,
+            a ``.safetensors`` file), possibly of different formats and layouts.
+        rtol, atol: tolerances (module docstring); 0 means exact equality.
+        include, exclude: glob patterns over keys (:func:`~oarlock.checkpoint.metadata.key_selected`).
+        use_checksums: keys whose stored bytes have equal checksums on both sides (same layout, same dtype) are
+            equal without being read.
+
+    Raises:
+        CheckpointFormatError: either side unreadable (naming the file); CheckpointTilingError: a key whose
+            shards do not tile it.
+    """
+    from oarlock.checkpoint.convert import read_destination
+    from oarlock.checkpoint.plan import Planner
+    from oarlock.checkpoint.storage import open_checkpoint
+
+    rep = DiffReport(str(a), str(b), float(rtol), float(atol))
+    with open_checkpoint(a) as ra, open_checkpoint(b) as rb:
+        ma, mb = ra.metadata, rb.metadata
+        ka = [k for k in ma.tensors if key_selected(k, include, exclude)]
+        kb = [k for k in mb.tensors if key_selected(k, include, exclude)]
+        sb = set(kb)
+        rep.only_in_a = [k for k in ka if k not in sb]
+        rep.only_in_b = [k for k in kb if k not in set(ka)]
+        pa, pb = Planner(ma), Planner(mb)
+        same = _checksum_equal_keys(ma, mb) if use_checksums else set()
+        for k in ka:
+            if k not in sb:
+                continue
+            ta, tb = ma.tensors[k], mb.tensors[k]
+            if tuple(ta.global_shape) != tuple(tb.global_shape):
+                rep.changed.append(KeyDiff(k, list(ta.global_shape), list(tb.global_shape), ta.dtype, tb.dtype))
+                continue
+            if k in same:
+                rep.equal_keys += 1
+                rep.equal_by_checksum += 1
+                continue
+            d = compare_tensors(k, read_destination(ra, pa, k), read_destination(rb, pb, k), rtol=rtol, atol=atol)
+            if d.num_different or d.dtype_a != d.dtype_b:
+                rep.changed.append(d)
+            else:
+                rep.equal_keys += 1
+        oa = {k: v for k, v in ma.objects.items() if key_selected(k, include, exclude)}
+        ob = {k: v for k, v in mb.objects.items() if key_selected(k, include, exclude)}
+        rep.objects_only_in_a = [k for k in oa if k not in ob]
+        rep.objects_only_in_b = [k for k in ob if k not in oa]
+        rep.objects_changed = [k for k in oa if k in ob and json.dumps(oa[k], sort_keys=True)
+                               != json.dumps(ob[k], sort_keys=True)]
+    return rep
+
+
+def _checksum_equal_keys(ma: CheckpointMetadata, mb: CheckpointMetadata) -> set[str]:
+    """Keys stored identically on both sides (same shards, dtype) whose every stored byte has an equal
+    checksum: equal without reading. Empty when either side has no checksums."""
+    return set()

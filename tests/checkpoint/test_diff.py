@@ -1,0 +1,136 @@
+"""`oarlock diff` / diff_checkpoints against an independent torch.equal loop, across formats and layouts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from oarlock.checkpoint import convert_checkpoint, save_state_dict
+from oarlock.checkpoint.diff import compare_tensors, diff_checkpoints
+from oarlock.cli import main
+
+
+def _model() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "model.embed_tokens.weight": torch.randn(64, 16, generator=g),
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(16, 16, generator=g),
+        "model.layers.0.self_attn.o_proj.weight": torch.randn(16, 16, generator=g),
+        "model.layers.0.mlp.up_proj.weight": torch.randn(40, 16, generator=g).to(torch.bfloat16),
+        "model.layers.0.mlp.down_proj.weight": torch.randn(16, 40, generator=g),
+        "model.norm.weight": torch.ones(16),
+        "model.layers.0.counter": torch.arange(12, dtype=torch.int64),
+        "lm_head.weight": torch.randn(64, 16, generator=g),
+    }
+
+
+@pytest.fixture()
+def ckpts(tmp_path):
+    ref = _model()
+    (tmp_path / "hf").mkdir()
+    save_file(ref, tmp_path / "hf" / "model.safetensors")
+    convert_checkpoint(tmp_path / "hf", tmp_path / "tp4", tp=4, show_progress=False)
+    mod = {k: v.clone() for k, v in ref.items()}
+    mod["model.layers.0.self_attn.q_proj.weight"][3, 5] += 0.5
+    mod["model.layers.0.self_attn.q_proj.weight"][7, :4] = 0.0
+    mod["lm_head.weight"][0, 0] += 1e-6
+    del mod["model.norm.weight"]
+    mod["extra.bias"] = torch.zeros(3)
+    mod["model.layers.0.mlp.down_proj.weight"] = torch.randn(16, 41)
+    mod["model.layers.0.counter"] = mod["model.layers.0.counter"].to(torch.int32)
+    (tmp_path / "mod").mkdir()
+    save_file(mod, tmp_path / "mod" / "model.safetensors")
+    return tmp_path, ref, mod
+
+
+def _reference(a: dict, b: dict, atol: float = 0.0) -> dict:
+    """The independent loop: torch.equal / elementwise on whole in-memory tensors."""
+    only_a = sorted(k for k in a if k not in b)
+    only_b = sorted(k for k in b if k not in a)
+    changed = {}
+    for k in a:
+        if k not in b:
+            continue
+        x, y = a[k], b[k]
+        if x.shape != y.shape:
+            changed[k] = ("shape", None, None)
+            continue
+        xd, yd = x.double(), y.double()
+        if x.dtype == y.dtype and (torch.equal(x, y) if atol == 0 else torch.allclose(xd, yd, 0, atol)):
+            continue
+        bad = (xd - yd).abs() > atol
+        changed[k] = ("dtype" if x.dtype != y.dtype else "values", int(bad.sum()),
+                      float((xd - yd).abs().max()) if bad.any() else 0.0)
+    return {"only_a": only_a, "only_b": only_b, "changed": changed}
+
+
+def _as_dict(rep) -> dict:
+    return {"only_a": sorted(rep.only_in_a), "only_b": sorted(rep.only_in_b),
+            "changed": {c.key: (c.kind, None if c.kind == "shape" else c.num_different,
+                                None if c.kind == "shape" else c.max_abs_diff) for c in rep.changed}}
+
+
+def test_hf_against_tp4_is_equal(ckpts):
+    tmp, ref, _ = ckpts
+    rep = diff_checkpoints(tmp / "hf", tmp / "tp4")
+    assert rep.equal and rep.equal_keys == len(ref)
+    assert main(["diff", str(tmp / "hf"), str(tmp / "tp4")]) == 0
+
+
+def test_changes_match_torch_equal_loop(ckpts):
+    tmp, ref, mod = ckpts
+    rep = diff_checkpoints(tmp / "mod", tmp / "tp4")
+    want = _reference(mod, ref)
+    assert _as_dict(rep) == want
+    assert set(want["changed"]) == {"model.layers.0.self_attn.q_proj.weight", "lm_head.weight",
+                                    "model.layers.0.mlp.down_proj.weight", "model.layers.0.counter"}
+    q = next(c for c in rep.changed if c.key == "model.layers.0.self_attn.q_proj.weight")
+    x, y = mod[q.key].double(), ref[q.key].double()
+    nz = (x != y) & (y != 0)
+    assert q.max_rel_diff == pytest.approx(float(((x - y).abs()[nz] / y.abs()[nz]).max()))
+    # a tolerance hides the 1e-6 change only
+    rep = diff_checkpoints(tmp / "mod", tmp / "tp4", atol=1e-5)
+    assert _as_dict(rep) == _reference(mod, ref, atol=1e-5)
+    assert "lm_head.weight" not in {c.key for c in rep.changed}
+
+
+def test_cli_exit_codes_json_and_filters(ckpts, capsys):
+    tmp, ref, mod = ckpts
+    assert main(["diff", str(tmp / "mod"), str(tmp / "tp4"), "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["equal"] is False and out["only_in_a"] == ["extra.bias"] and out["only_in_b"] == ["model.norm.weight"]
+    kinds = {c["key"]: c["kind"] for c in out["changed"]}
+    assert kinds == {"model.layers.0.self_attn.q_proj.weight": "values", "lm_head.weight": "values",
+                     "model.layers.0.mlp.down_proj.weight": "shape", "model.layers.0.counter": "dtype"}
+    # only the untouched keys: equal
+    assert main(["diff", str(tmp / "mod"), str(tmp / "tp4"), "--include", "model.*",
+                 "--exclude", "*q_proj*", "--exclude", "*down_proj*", "--exclude", "*counter",
+                 "--exclude", "model.norm*"]) == 0
+    text = capsys.readouterr().out
+    assert text.strip().splitlines()[-1].startswith("equal: 3 common tensor keys, 3 equal")  # embed, o_proj, up_proj
+    assert main(["diff", str(tmp / "mod"), str(tmp / "nowhere")]) == 2
+    assert "nowhere" in capsys.readouterr().err
+    assert main(["diff", str(tmp / "mod"), str(tmp / "tp4"), "--rtol", "-1"]) == 2
+
+
+def test_objects_and_nan(tmp_path):
+    a = {"w": torch.tensor([1.0, float("nan"), 3.0]), "step": 5}
+    save_state_dict(a, tmp_path / "a")
+    save_state_dict({"w": torch.tensor([1.0, float("nan"), 3.0]), "step": 6}, tmp_path / "b")
+    rep = diff_checkpoints(tmp_path / "a", tmp_path / "b")
+    assert rep.equal_keys == 1 and rep.objects_changed == ["step"] and not rep.equal
+    d = compare_tensors("w", torch.tensor([1.0, float("nan"), 0.0]), torch.tensor([1.0, 2.0, 0.0]))
+    assert d.num_different == 1 and d.max_abs_diff == float("inf")
+    d = compare_tensors("w", torch.tensor([-0.0, 2.0]), torch.tensor([0.0, 0.0]))
+    assert d.num_different == 1 and d.max_abs_diff == 2.0 and d.max_rel_diff == float("inf")
+
+
+def test_inspect_include_exclude(ckpts, capsys):
+    tmp, ref, _ = ckpts
+    assert main(["inspect", str(tmp / "tp4"), "--json", "--include", "model.layers.*", "--exclude", "*proj*"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [t["key"] for t in out["tensors"]] == ["model.layers.0.counter"]
+    assert out["total_bytes"] == ref["model.layers.0.counter"].numel() * 8
