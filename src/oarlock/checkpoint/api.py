@@ -23,14 +23,15 @@ import shutil
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 from oarlock.checkpoint import errors as _errors
 from oarlock.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from oarlock.checkpoint.mapping import MappingProgram, TensorSpec, box_slices
-from oarlock.checkpoint.metadata import METADATA_FILE, CheckpointMetadata, ShardMeta, TensorMeta
+from oarlock.checkpoint.metadata import (ALGORITHM_KEY, METADATA_FILE, PARAM_GROUPS_KEY, CheckpointMetadata, ShardMeta,
+                                        TensorMeta)
 from oarlock.checkpoint.plan import KeyIndex, Planner, ReadItem, source_specs
 from oarlock.checkpoint.sharded import (ShardDesc, ShardedWeight, _all_gather_objects, _group_rank, _group_size,
                                         _is_dtensor, flat_key, iter_leaves)
@@ -345,7 +346,8 @@ def _compile_aoa(aoa_config: Any, source: dict[str, TensorSpec], destination: di
 
 def load_state_dict(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process_group: Any = None,
                     aoa_config: Any = None, strict: bool = True, program: MappingProgram | None = None,
-                    comm_method: str = "auto") -> LoadReport:
+                    comm_method: str = "auto", model_only: bool = False,
+                    ignore_unexpected: bool | str | Sequence[str] | Callable[[str], bool] = False) -> LoadReport:
     """Load a checkpoint in place into the tensors of ``state_dict``, whatever layout either side has.
     Collective over ``process_group`` (default: the world when torch.distributed is initialised).
 
@@ -359,6 +361,14 @@ def load_state_dict(state_dict: Mapping[str, Any], path: str | os.PathLike, *, p
             by ``oarlock.checkpoint.aoa.compile_aoa(aoa_config, source_specs, destination_specs)`` into a
             mapping program (renames, transposes, splits, concats, casts).
         strict: raise on missing or unexpected keys; else report them in the returned :class:`LoadReport`.
+        model_only: the checkpoint's optimizer state (keys of
+            :meth:`~oarlock.checkpoint.metadata.CheckpointMetadata.optimizer_state_keys` and the ``optimizer.*``
+            objects) is not this load's: under ``strict`` it is not "unexpected". The way to load a model strictly
+            from a model+optimizer checkpoint.
+        ignore_unexpected: the general form of "the rest of the checkpoint is not mine": True (every stored key
+            no rank requested), glob patterns (a string or a list, ``fnmatch`` syntax) or a predicate over stored
+            keys. Matching keys do not fail ``strict`` (they are still listed in ``LoadReport.unexpected_keys``);
+            missing keys always do.
         program: an already-compiled :class:`~oarlock.checkpoint.mapping.MappingProgram` (instead of
             ``aoa_config``). Default: the identity (same keys, global shapes and dtypes).
         comm_method: ``"auto"`` (direct byte-range reads when every rank sees every file it needs, as on a
@@ -454,15 +464,18 @@ def load_state_dict(state_dict: Mapping[str, Any], path: str | os.PathLike, *, p
         raise
     assert reader is not None
     all_missing = sorted({k for s in status for k in s["missing"]})
-    if strict and (all_missing or unexpected):
+    foreign = _not_mine(reader.metadata, model_only, ignore_unexpected)
+    if strict and (all_missing or [k for k in unexpected if not foreign(k)]):
+        unexpected_strict = [k for k in unexpected if not foreign(k)]
         reader.close()
         parts = []
         if all_missing:
             parts.append(f"missing keys (requested, not in the checkpoint): {_fmt_keys(all_missing)}")
-        if unexpected:
-            parts.append(f"unexpected keys (in the checkpoint, not requested): {_fmt_keys(unexpected)}")
+        if unexpected_strict:
+            parts.append(f"unexpected keys (in the checkpoint, not requested): {_fmt_keys(unexpected_strict)}")
         raise CheckpointMismatchError(f"{path}: " + "; ".join(parts) + " (pass strict=False to load the rest and "
-                                      "get them in the returned LoadReport)")
+                                      "get them in the returned LoadReport, or model_only=True / "
+                                      "ignore_unexpected=GLOBS when the rest of the checkpoint is not this load's)")
 
     report = LoadReport(all_missing, unexpected)
     with reader, torch.no_grad():
@@ -475,6 +488,20 @@ def load_state_dict(state_dict: Mapping[str, Any], path: str | os.PathLike, *, p
         for k, value in ((k, reader.metadata.objects[k]) for k in leaves.objects if k in reader.metadata.objects):
             _set_path(state_dict, leaves.object_paths[k], value)
     return report
+
+
+def _not_mine(meta: CheckpointMetadata, model_only: bool, ignore: Any) -> Callable[[str], bool]:
+    """Predicate over stored keys that the caller declared not to be this load's (see ``load_state_dict``)."""
+    import fnmatch
+
+    opt = set(meta.optimizer_state_keys()) | ({ALGORITHM_KEY, PARAM_GROUPS_KEY} & set(meta.objects)) \
+        if model_only else set()
+    if callable(ignore):
+        return lambda k: k in opt or bool(ignore(k))
+    if ignore is True:
+        return lambda k: True
+    pats = [ignore] if isinstance(ignore, str) else list(ignore or ())
+    return lambda k: k in opt or any(fnmatch.fnmatchcase(k, p) for p in pats)
 
 
 def _fmt_keys(keys: list[str], limit: int = 20) -> str:

@@ -145,18 +145,27 @@ def cmd_convert(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     layout = ParallelLayout(args.tp, args.pp, args.dp, tuple(resolve_tp_rules(args.tp_rules)))
+    keep_opt = args.keep_optimizer_state or to == "oarlock"
     if args.dry_run:
         print(plan_conversion(args.src, to=to, aoa_config=config, layout=layout,
-                              max_shard_size=args.max_shard_size).render())
+                              max_shard_size=args.max_shard_size, include=args.include, exclude=args.exclude,
+                              optimizer_state=keep_opt).render())
         return 0
     if to == "hf":
+        plan = plan_conversion(args.src, to="hf", aoa_config=config, max_shard_size=args.max_shard_size,
+                               include=args.include, exclude=args.exclude, optimizer_state=keep_opt)
         out = export_hf(args.src, args.dst, aoa_config=config, max_shard_size=args.max_shard_size,
-                        copy_side_files=not args.no_side_files)
+                        copy_side_files=not args.no_side_files, include=args.include, exclude=args.exclude,
+                        optimizer_state=keep_opt)
         files = sorted(p.name for p in out.iterdir() if p.suffix == ".safetensors")
-        print(f"{args.dst}: HuggingFace checkpoint, {len(files)} safetensors file(s)")
+        print(f"{args.dst}: HuggingFace checkpoint, {len(plan.keys)} tensors in {len(files)} safetensors file(s)")
+        if plan.dropped_optimizer_keys:
+            print(f"left out {len(plan.dropped_optimizer_keys)} optimizer state tensor(s) (model weights only; "
+                  "--keep-optimizer-state keeps them)")
     else:
         meta = convert_checkpoint(args.src, args.dst, aoa_config=config, tp=args.tp, pp=args.pp, dp=args.dp,
-                                  tp_rules=args.tp_rules, copy_side_files=not args.no_side_files)
+                                  tp_rules=args.tp_rules, copy_side_files=not args.no_side_files,
+                                  include=args.include, exclude=args.exclude, optimizer_state=keep_opt)
         print(f"{args.dst}: oarlock checkpoint, {len(meta.tensors)} tensors in {len(meta.files)} file(s) "
               f"(tp={args.tp} pp={args.pp} dp={args.dp})")
     return 0
@@ -263,6 +272,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="largest HF output file, e.g. 5GB, 500MiB or bytes (default 5GB)")
     cv.add_argument("--no-side-files", action="store_true",
                     help="do not copy config.json, tokenizer and other side files from SRC")
+    cv.add_argument("--keep-optimizer-state", action="store_true",
+                    help="--to hf: also export optimizer state tensors (exp_avg, ...); by default an HF export "
+                         "holds model weights only (--to oarlock keeps everything)")
+    _add_filters(cv)
     cv.add_argument("--dry-run", action="store_true",
                     help="print the plan (keys, shapes, dtypes, bytes, split axes, files) and write nothing")
     cv.set_defaults(func=cmd_convert)

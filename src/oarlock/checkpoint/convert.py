@@ -46,7 +46,7 @@ from oarlock.checkpoint.comm import shard_header
 from oarlock.checkpoint.errors import CheckpointError
 from oarlock.checkpoint.hf import HF_INDEX, parse_size, save_hf_checkpoint
 from oarlock.checkpoint.mapping import IdentityProgram, MappingProgram, TensorSpec
-from oarlock.checkpoint.metadata import METADATA_FILE, CheckpointMetadata
+from oarlock.checkpoint.metadata import METADATA_FILE, CheckpointMetadata, key_selected
 from oarlock.checkpoint.plan import KeyIndex, Planner, source_specs
 from oarlock.checkpoint.sharded import ShardDesc
 from oarlock.checkpoint.storage import (INCOMPLETE_MARKER, CheckpointReader, _tensor_bytes, contiguous_run,
@@ -201,6 +201,7 @@ class ConversionPlan:
     files: dict[str, tuple[list[str], int]] = field(default_factory=dict)
     metadata: CheckpointMetadata | None = None
     layout: ParallelLayout | None = None
+    dropped_optimizer_keys: list[str] = field(default_factory=list)
 
     @property
     def total_bytes(self) -> int:
@@ -222,6 +223,8 @@ class ConversionPlan:
             lines.append(f"{k.key:<{w}}  {str(list(k.shape)):<18} {k.dtype:<9} {k.nbytes:>11}{extra}")
         for f, (keys, n) in sorted(self.files.items()):
             lines.append(f"# {f}: {len(keys)} tensor(s), {n} bytes")
+        if self.dropped_optimizer_keys:
+            lines.append(f"# left out {len(self.dropped_optimizer_keys)} optimizer state tensor(s)")
         return "\n".join(lines)
 
 
@@ -239,6 +242,44 @@ def compile_program(metadata: CheckpointMetadata, aoa_config: Any = None, *,
 
     return compile_aoa(aoa_config, source_specs(metadata), None, source_shards=shard_counts(metadata),
                        destination_shards=destination_shards)
+
+
+class SelectedKeys:
+    """A mapping program restricted to some of its destination keys (same specs and mappings)."""
+
+    def __init__(self, program: MappingProgram, keys: Sequence[str]):
+        self.program = program
+        self.keys = list(keys)
+        self.deleted_keys = getattr(program, "deleted_keys", ())
+
+    def destination_keys(self) -> list[str]:
+        return list(self.keys)
+
+    def destination_spec(self, key: str) -> TensorSpec:
+        return self.program.destination_spec(key)
+
+    def mappings_for(self, key: str):
+        return self.program.mappings_for(key)
+
+
+def select_keys(program: MappingProgram, metadata: CheckpointMetadata, *, include: Sequence[str] | None = None,
+                exclude: Sequence[str] | None = None, optimizer_state: bool = True
+                ) -> tuple[MappingProgram, list[str]]:
+    """Restrict ``program`` to the destination keys that pass the ``include``/``exclude`` globs
+    (:func:`~oarlock.checkpoint.metadata.key_selected`) and, unless ``optimizer_state``, are not optimizer state:
+    a destination key is optimizer state when every source key it reads is one
+    (:meth:`~oarlock.checkpoint.metadata.CheckpointMetadata.optimizer_state_keys`). Returns ``(program, dropped
+    optimizer keys)``; ``program`` itself when nothing is filtered."""
+    opt = set() if optimizer_state else set(metadata.optimizer_state_keys())
+    if not opt and not include and not exclude:
+        return program, []
+    keep, dropped = [], []
+    for k in program.destination_keys():
+        if opt and all(m.src_key in opt for m in program.mappings_for(k)):
+            dropped.append(k)
+        elif key_selected(k, include, exclude):
+            keep.append(k)
+    return SelectedKeys(program, keep), dropped
 
 
 def _program_for_layout(metadata: CheckpointMetadata, aoa_config: Any, layout: ParallelLayout
@@ -279,8 +320,12 @@ def rank_descriptions(program: MappingProgram, axes: Mapping[str, int | None], l
 
 
 def plan_conversion(source: str | os.PathLike, *, to: str = "oarlock", aoa_config: Any = None,
-                    layout: ParallelLayout | None = None, max_shard_size: int | str = "5GB") -> ConversionPlan:
+                    layout: ParallelLayout | None = None, max_shard_size: int | str = "5GB",
+                    include: Sequence[str] | None = None, exclude: Sequence[str] | None = None,
+                    optimizer_state: bool | None = None) -> ConversionPlan:
     """Describe a conversion without writing anything (see :func:`convert_checkpoint`, :func:`export_hf`).
+    ``include``/``exclude``/``optimizer_state``: see :func:`select_keys`; ``optimizer_state`` None means False
+    for ``to="hf"`` (model weights only) and True for ``to="oarlock"``.
 
     Raises:
         CheckpointError: unreadable source, bad AOA config or TP rules, unknown ``to``.
@@ -291,8 +336,11 @@ def plan_conversion(source: str | os.PathLike, *, to: str = "oarlock", aoa_confi
     with open_checkpoint(source) as reader:
         meta = reader.metadata
         plan = ConversionPlan(str(source), meta.format, to, layout=layout)
+        keep_opt = (to == "oarlock") if optimizer_state is None else optimizer_state
         if to == "oarlock":
             program, axes = _program_for_layout(meta, aoa_config, layout)
+            program, plan.dropped_optimizer_keys = select_keys(program, meta, include=include, exclude=exclude,
+                                                               optimizer_state=keep_opt)
             tensors, _ = _assign_writes(rank_descriptions(program, axes, layout))
             stages = pp_stages(program.destination_keys(), layout.pp)
             plan.metadata = CheckpointMetadata("oarlock", tensors=tensors)
@@ -308,7 +356,9 @@ def plan_conversion(source: str | os.PathLike, *, to: str = "oarlock", aoa_confi
                     entry[1] += numel(s.local_shape) * dtype_itemsize(t.dtype)
             plan.files = {f: (keys, n) for f, (keys, n) in per_file.items()}
         else:
-            program = compile_program(meta, aoa_config)
+            program, plan.dropped_optimizer_keys = select_keys(compile_program(meta, aoa_config), meta,
+                                                               include=include, exclude=exclude,
+                                                               optimizer_state=keep_opt)
             limit = parse_size(max_shard_size)
             shards: list[list] = []  # [keys, bytes] per output file, packed greedily like save_hf_checkpoint
             for k in program.destination_keys():
@@ -357,12 +407,16 @@ def read_destination(reader: CheckpointReader, planner: Planner, key: str, *, of
     return out
 
 
-def iter_full_tensors(source: str | os.PathLike, aoa_config: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_full_tensors(source: str | os.PathLike, aoa_config: Any = None, *, include: Sequence[str] | None = None,
+                      exclude: Sequence[str] | None = None, optimizer_state: bool = True
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(key, full_tensor)`` for every destination key of a checkpoint on disk (any format), one at a time,
-    through ``aoa_config`` when given (e.g. a reverse config). The offline twin of
-    :func:`~oarlock.checkpoint.full.full_state_dict`."""
+    through ``aoa_config`` when given (e.g. a reverse config), filtered as :func:`select_keys` says. The offline
+    twin of :func:`~oarlock.checkpoint.full.full_state_dict`."""
     with open_checkpoint(source) as reader:
-        planner = Planner(reader.metadata, compile_program(reader.metadata, aoa_config))
+        program, _ = select_keys(compile_program(reader.metadata, aoa_config), reader.metadata, include=include,
+                                 exclude=exclude, optimizer_state=optimizer_state)
+        planner = Planner(reader.metadata, program)
         for key in planner.program.destination_keys():
             yield key, read_destination(reader, planner, key)
 
@@ -390,7 +444,8 @@ def side_files(source: str | os.PathLike) -> dict[str, Path]:
 
 def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike, *, aoa_config: Any = None,
               max_shard_size: int | str = "5GB", copy_side_files: bool = True,
-              show_progress: bool | None = None) -> Path:
+              show_progress: bool | None = None, include: Sequence[str] | None = None,
+              exclude: Sequence[str] | None = None, optimizer_state: bool = False) -> Path:
     """Export a checkpoint on disk (oarlock in any layout, Paddle, HF) to a HuggingFace directory:
     ``model.safetensors`` or ``model-0000i-of-0000N.safetensors`` + ``model.safetensors.index.json`` (files of at
     most ``max_shard_size`` bytes of tensor data, a larger tensor alone in its file).
@@ -402,13 +457,20 @@ def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike, *, aoa_conf
     ``copy_side_files`` copies ``config.json``, tokenizer files etc. from the source directory. The output appears
     atomically (an existing directory is replaced only when the new one is complete); the source is never written.
 
+    Model weights only by default: optimizer state keys of a training checkpoint (see :func:`select_keys`) are
+    left out unless ``optimizer_state=True``; ``include``/``exclude`` globs filter the destination keys.
+
     Raises:
         CheckpointError: unreadable source (naming file and key), a bad AOA config, I/O errors (nothing is
-            published).
+            published), or a filter that leaves no key.
     """
     from oarlock.checkpoint.hf import commit_directory
 
-    plan = plan_conversion(source, to="hf", aoa_config=aoa_config, max_shard_size=max_shard_size)
+    plan = plan_conversion(source, to="hf", aoa_config=aoa_config, max_shard_size=max_shard_size, include=include,
+                           exclude=exclude, optimizer_state=optimizer_state)
+    if not plan.keys:
+        raise CheckpointError(f"{source}: no tensor left to export after filtering "
+                              f"(include={include}, exclude={exclude}, optimizer_state={optimizer_state})")
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.with_name(f".{out_dir.name}.partial-{uuid.uuid4().hex[:8]}")
@@ -616,7 +678,9 @@ def _producer(reader: CheckpointReader, planner: Planner, items: Sequence[tuple[
 def convert_checkpoint(source: str | os.PathLike, out_dir: str | os.PathLike, *, aoa_config: Any = None,
                        tp: int = 1, pp: int = 1, dp: int = 1,
                        tp_rules: str | Path | Mapping[str, int | None] | Sequence | None = None,
-                       copy_side_files: bool = True, show_progress: bool | None = None) -> CheckpointMetadata:
+                       copy_side_files: bool = True, show_progress: bool | None = None,
+                       include: Sequence[str] | None = None, exclude: Sequence[str] | None = None,
+                       optimizer_state: bool = True) -> CheckpointMetadata:
     """Write an oarlock checkpoint from any source, sharded as a job of ``tp * dp * pp`` ranks would save it
     (see the module docstring for rank order, TP rules and stage assignment), from this one process.
 
@@ -627,6 +691,7 @@ def convert_checkpoint(source: str | os.PathLike, out_dir: str | os.PathLike, *,
         aoa_config: applied on the way (e.g. HF -> fused model layout); ``fused_ffn``/``fused_qkv_old`` see the
             destination TP degree ``tp`` for keys the rules split.
         tp_rules: see :func:`resolve_tp_rules`.
+        include, exclude, optimizer_state: key filters, see :func:`select_keys` (default: every key).
 
     Each rank's shard is read through the planner straight from the source's bytes and written before the next;
     memory holds one shard. Returns the written metadata (equal to what ``save_state_dict`` on those ranks
@@ -643,6 +708,8 @@ def convert_checkpoint(source: str | os.PathLike, out_dir: str | os.PathLike, *,
         raise CheckpointError(f"{out_dir}: exists and is not an oarlock checkpoint; refusing to replace it")
     with open_checkpoint(source) as reader, single_threaded_copies():
         program, axes = _program_for_layout(reader.metadata, aoa_config, layout)
+        program, _ = select_keys(program, reader.metadata, include=include, exclude=exclude,
+                                 optimizer_state=optimizer_state)
         tensors, writes = _assign_writes(rank_descriptions(program, axes, layout))
         for t in tensors.values():
             KeyIndex(t)

@@ -22,6 +22,12 @@ from oarlock.utils import dtype_itemsize, dtype_name, numel
 FORMAT_NAME = "oarlock.flexcheckpoint"
 FORMAT_VERSION = 1
 METADATA_FILE = "metadata.json"
+#: JSON objects an optimizer checkpoint holds (see :mod:`oarlock.checkpoint.optim`).
+ALGORITHM_KEY = "optimizer.algorithm"
+PARAM_GROUPS_KEY = "optimizer.param_groups"
+#: Suffixes of optimizer state keys: torch state names and Paddle's (see :mod:`oarlock.checkpoint.optim`).
+STATE_SUFFIXES = (".exp_avg", ".exp_avg_sq", ".max_exp_avg_sq", ".momentum_buffer", ".master_weight", ".step",
+                  ".moment1_0", ".moment2_0", ".velocity_0", ".w_0", ".beta1_pow_acc_0", ".beta2_pow_acc_0")
 
 
 @dataclass(frozen=True)
@@ -122,6 +128,23 @@ class CheckpointMetadata:
         return {"format": FORMAT_NAME, "version": FORMAT_VERSION,
                 "tensors": {k: t.to_json() for k, t in self.tensors.items()},
                 "objects": self.objects, "nested": self.nested, "extra": self.extra}
+
+    def optimizer_state_keys(self) -> list[str]:
+        """Tensor keys holding optimizer state rather than model weights, in stored order: ``<model key><suffix>``
+        for a suffix of :data:`STATE_SUFFIXES` where ``<model key>`` is itself a stored tensor or a parameter listed
+        in the saved ``optimizer.param_groups``. A model key that merely ends like a suffix is not included (its
+        base key is neither stored nor a listed parameter)."""
+        params: set[str] = set(self.tensors)
+        groups = self.objects.get(PARAM_GROUPS_KEY)
+        if isinstance(groups, list):
+            for g in groups:
+                if isinstance(g, dict) and isinstance(g.get("params"), list):
+                    params.update(str(p) for p in g["params"])
+        out = []
+        for k in self.tensors:
+            if any(k.endswith(suf) and k[:-len(suf)] in params for suf in STATE_SUFFIXES):
+                out.append(k)
+        return out
 
     def filtered(self, include: Sequence[str] | None = None, exclude: Sequence[str] | None = None
                  ) -> "CheckpointMetadata":

@@ -42,11 +42,9 @@ import torch
 
 from oarlock.checkpoint.api import LoadReport, load_state_dict
 from oarlock.checkpoint.errors import CheckpointError, CheckpointMismatchError
-from oarlock.checkpoint.sharded import ShardedWeight, _all_gather_objects, _group_rank, _is_dtensor
+from oarlock.checkpoint.sharded import ShardedWeight, _all_gather_objects, _group_rank, _is_dtensor, flat_key, iter_leaves
+from oarlock.checkpoint.metadata import ALGORITHM_KEY, PARAM_GROUPS_KEY, STATE_SUFFIXES
 from oarlock.checkpoint.storage import read_metadata
-
-ALGORITHM_KEY = "optimizer.algorithm"
-PARAM_GROUPS_KEY = "optimizer.param_groups"
 
 #: torch optimizer state name -> Paddle optimizer key suffix (spec 1.3), for reference and conversions.
 PADDLE_SUFFIXES = {"exp_avg": ".moment1_0", "exp_avg_sq": ".moment2_0", "momentum_buffer": ".velocity_0",
@@ -324,7 +322,7 @@ def _missing_message(missing: list[tuple[str, str]], algorithm: str, path: Any) 
 def load_sharded_optimizer_state_dict(optimizer: Any, model_sharded_state_dict: Mapping[str, Any],
                                       path: str | os.PathLike, *, process_group: Any = None,
                                       aoa_config: Any = None, load_model: bool = False,
-                                      restore_hyperparameters: bool = False) -> LoadReport:
+                                      restore_hyperparameters: bool = False, strict: bool = True) -> LoadReport:
     """Restore an optimizer (and, with ``load_model``, the model) from a checkpoint saved with
     :func:`sharded_optimizer_state_dict`, in whatever layout either side has. Collective over ``process_group``.
 
@@ -343,6 +341,11 @@ def load_sharded_optimizer_state_dict(optimizer: Any, model_sharded_state_dict: 
         restore_hyperparameters: replace the optimizer's hyper-parameters (lr, betas, ...) with the saved ones;
             by default the optimizer's own values are kept. Either way a difference raises an
             :class:`OptimizerHyperparameterWarning` listing saved and current values.
+        strict: raise when the checkpoint holds tensors this load does not take: with ``load_model``, any stored
+            tensor not requested (a 2-layer model never loads silently from a 30-layer checkpoint); without it,
+            optimizer state tensors of parameters this optimizer does not have (the model's weights are
+            ignored). JSON objects saved beside (a step counter) never count. Checked before anything is written
+            when no ``aoa_config`` is given; with AOA, after the load.
 
     Returns:
         The :class:`~oarlock.checkpoint.LoadReport` (stored keys not requested, e.g. the model's when
@@ -352,8 +355,9 @@ def load_sharded_optimizer_state_dict(optimizer: Any, model_sharded_state_dict: 
         OptimizerStateError: the checkpoint was written by another optimizer algorithm, or holds no state for
             some parameter (names the parameters and states). Checked on the stored keys before anything is
             written when no ``aoa_config`` is given; with AOA, after the load (targets may be partly written).
-        CheckpointMismatchError: with ``load_model``, model keys missing from the checkpoint; and everything
-            :func:`~oarlock.checkpoint.load_state_dict` raises.
+        CheckpointMismatchError: with ``load_model``, model keys missing from the checkpoint; under ``strict``,
+            stored tensors not taken (naming them); and everything :func:`~oarlock.checkpoint.load_state_dict`
+            raises.
     """
     rank = _group_rank(process_group)
     b = _build(optimizer, model_sharded_state_dict)
@@ -373,6 +377,13 @@ def load_sharded_optimizer_state_dict(optimizer: Any, model_sharded_state_dict: 
             missing = [owners[k] for k in b.shards if k not in meta.tensors]
             if missing:
                 raise OptimizerStateError(_missing_message(missing, b.algorithm, path))
+            if strict:
+                taken = set(b.shards)
+                if load_model:
+                    taken.update(leaf.key if isinstance(leaf, ShardedWeight) else flat_key(p)
+                                  for p, leaf in iter_leaves(model_sharded_state_dict))
+                _check_untaken([k for k in meta.tensors if k not in taken], meta, model_sharded_state_dict,
+                               load_model, path)
     except Exception as e:
         err = e
     errs = _all_gather_objects(None if err is None else (type(err).__name__, str(err)), process_group)
@@ -398,8 +409,29 @@ def load_sharded_optimizer_state_dict(optimizer: Any, model_sharded_state_dict: 
         missing_model = [k for k in report.missing_keys if k in model_sharded_state_dict]
         if missing_model:
             raise CheckpointMismatchError(f"{path}: model keys missing from the checkpoint: {missing_model[:20]}")
+    if strict and aoa_config is not None:
+        _check_untaken([k for k in report.unexpected_keys if k in meta.tensors], meta, model_sharded_state_dict,
+                       load_model, path)
     _check_hyperparameters(optimizer, b, saved_groups, restore_hyperparameters, path, rank)
     return report
+
+
+def _check_untaken(unused: list[str], meta: Any, model_sd: Mapping[str, Any], load_model: bool, path: Any) -> None:
+    """The ``strict`` check of :func:`load_sharded_optimizer_state_dict` over ``unused`` (stored tensor keys the
+    load does not take). An optimizer state counts only when no other state of its parameter was taken (AOA
+    fusions take a fused parameter's moments from each part but its step counter from one)."""
+    opt = meta.optimizer_state_keys()
+    unused_set = set(unused)
+    base_of = {k: next(k[:-len(s)] for s in STATE_SUFFIXES if k.endswith(s)) for k in opt}
+    taken_bases = {base_of[k] for k in opt if k not in unused_set}
+    extra = [k for k in unused if (k not in base_of and load_model) or (k in base_of and base_of[k] not in taken_bases)]
+    if extra:
+        what = ("tensors this model and optimizer do not take" if load_model else
+                "optimizer states of parameters this optimizer does not have")
+        more = f" ... ({len(extra) - 10} more)" if len(extra) > 10 else ""
+        raise CheckpointMismatchError(f"{path}: the checkpoint holds {len(extra)} {what}: "
+                                      f"{', '.join(repr(k) for k in extra[:10])}{more} (a different model? pass "
+                                      "strict=False to load anyway)")
 
 
 def _check_hyperparameters(optimizer: Any, b: _Built, saved: list[dict[str, Any]] | None, restore: bool,
