@@ -42,6 +42,7 @@ from typing import Any, Mapping
 
 import torch
 
+from oarlock.checkpoint.dist import DistWrapper
 from oarlock.checkpoint.errors import CheckpointError
 from oarlock.checkpoint.metadata import METADATA_FILE
 
@@ -55,35 +56,6 @@ CRASH_POINTS = ("before_save", "after_save", "pointer_written", "after_pointer",
 def _crash_point(name: str) -> None:
     if os.environ.get(CRASH_ENV) == name:
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _dist():
-    import torch.distributed as dist
-
-    return dist if dist.is_available() and dist.is_initialized() else None
-
-
-def _rank(group: Any) -> int:
-    d = _dist()
-    return d.get_rank(group) if d is not None else 0
-
-
-def _world(group: Any) -> int:
-    d = _dist()
-    return d.get_world_size(group) if d is not None else 1
-
-
-def _agree(err: str | None, group: Any) -> None:
-    """Raise the same :class:`CheckpointError` on every rank when any rank reported ``err`` (a barrier too)."""
-    d = _dist()
-    errs = [err]
-    if d is not None and d.get_world_size(group) > 1:
-        errs = [None] * d.get_world_size(group)
-        d.all_gather_object(errs, err, group=group)
-    bad = [(r, e) for r, e in enumerate(errs) if e is not None]
-    if bad:
-        r, e = bad[0]
-        raise CheckpointError(e if len(errs) == 1 else f"rank {r}: {e}")
 
 
 def _is_stateful(v: Any) -> bool:
@@ -315,23 +287,27 @@ class CheckpointManager:
         if int(step) < 0:
             raise CheckpointError(f"step must be >= 0, got {step}")
         self.wait()
-        rank = _rank(self.process_group)
+        dist = DistWrapper(self.process_group)
         err = None
-        if rank == 0:
+        if dist.is_coordinator:
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
                 self.clean_stale()
             except OSError as e:
-                err = f"{self.root}: cannot prepare the checkpoint root: {e}"
-        _agree(err, self.process_group)
+                err = CheckpointError(f"{self.root}: cannot prepare the checkpoint root: {e}")
+        dist.check(err)
         flat = self._to_saveable(state)
         _crash_point("before_save")
         handle = save_state_dict(flat, self.path(step), process_group=self.process_group,
                                  save_replicas=self.save_replicas, async_save=async_save)
         if not async_save:
             _crash_point("after_save")
-            self._publish(step)
-            _agree(None, self.process_group)  # every rank returns after the pointer is replaced
+            err = None
+            try:
+                self._publish(step)
+            except Exception as e:
+                err = e
+            dist.check(err)  # every rank returns after the pointer is replaced (or raises alike)
             return
 
         def finish() -> None:
@@ -346,7 +322,7 @@ class CheckpointManager:
 
     def _publish(self, step: int) -> None:
         """Rank 0: replace the pointer atomically, then delete steps beyond ``keep_last``."""
-        if _rank(self.process_group) != 0:
+        if not DistWrapper(self.process_group).is_coordinator:
             return
         from oarlock.checkpoint.storage import fsync_dir
 
@@ -406,11 +382,7 @@ class CheckpointManager:
         """
         self.wait()
         step = self.latest()
-        steps = [step]
-        d = _dist()
-        if d is not None and _world(self.process_group) > 1:
-            steps = [None] * _world(self.process_group)
-            d.all_gather_object(steps, step, group=self.process_group)
+        steps = DistWrapper(self.process_group).all_gather_object(step)
         if len(set(steps)) != 1:
             raise CheckpointError(f"{self.root}: ranks see different latest steps {steps}; the root must be one "
                                   "shared directory")
@@ -435,7 +407,7 @@ class CheckpointManager:
     # ------------------------------------------------------------ stateful objects
 
     def _rank_key(self) -> str:
-        return f"rank{_rank(self.process_group):05d}"
+        return f"rank{DistWrapper(self.process_group).rank:05d}"
 
     def _to_saveable(self, state: Mapping[str, Any]) -> dict[str, Any]:
         if not isinstance(state, Mapping):
