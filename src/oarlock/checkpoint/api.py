@@ -62,7 +62,8 @@ def save_state_dict(state_dict: Mapping[str, Any], path: str | os.PathLike, *, p
 def load_state_dict(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process_group: Any = None,
                     aoa_config: Any = None, strict: bool = True, program: MappingProgram | None = None,
                     comm_method: str = "auto", model_only: bool = False,
-                    ignore_unexpected: bool | str | Sequence[str] | Callable[[str], bool] = False) -> LoadReport:
+                    ignore_unexpected: bool | str | Sequence[str] | Callable[[str], bool] = False,
+                    verify_checksums: bool = True) -> LoadReport:
     """Load a checkpoint in place into the tensors of ``state_dict``, whatever layout either side has.
     Collective over ``process_group`` (default: the world when torch.distributed is initialised).
 
@@ -84,6 +85,9 @@ def load_state_dict(state_dict: Mapping[str, Any], path: str | os.PathLike, *, p
             no rank requested), glob patterns (a string or a list, ``fnmatch`` syntax) or a predicate over stored
             keys. Matching keys do not fail ``strict`` (they are still listed in ``LoadReport.unexpected_keys``);
             missing keys always do.
+        verify_checksums: before writing any target, verify the block checksums recorded at save of every block
+            this rank's reads touch (:mod:`oarlock.checkpoint.integrity`); checkpoints without checksums load
+            unchecked. False skips the check.
         program: an already-compiled :class:`~oarlock.checkpoint.mapping.MappingProgram` (instead of
             ``aoa_config``). Default: the identity (same keys, global shapes and dtypes).
         comm_method: ``"auto"`` (direct byte-range reads when every rank sees every file it needs, as on a
@@ -100,10 +104,11 @@ def load_state_dict(state_dict: Mapping[str, Any], path: str | os.PathLike, *, p
         CheckpointMismatchError: requested global shape differs from the saved one (names key, both shapes and
             the AOA hint), dtype differs without a requested cast, missing/unexpected keys under ``strict``.
         CheckpointTilingError: the stored shards of a key do not tile its global box (names key and box).
-        CheckpointFormatError: unreadable source.
+        CheckpointFormatError: unreadable source; :class:`~oarlock.checkpoint.integrity.ChecksumError` (a subclass)
+            when stored bytes do not match their checksum (naming file, byte range, key and shard box).
         AOAError / AOASyntaxError: a bad ``aoa_config`` (subclasses of CheckpointError).
         Every rank raises alike; no target is written before the whole plan is built and validated.
     """
     return run_load(state_dict, path, process_group=process_group, aoa_config=aoa_config, strict=strict,
                     program=program, comm_method=comm_method, model_only=model_only,
-                    ignore_unexpected=ignore_unexpected)
+                    ignore_unexpected=ignore_unexpected, verify_checksums=verify_checksums)

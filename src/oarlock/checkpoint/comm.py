@@ -46,6 +46,7 @@ from oarlock.checkpoint.balance import assign_readers
 from oarlock.checkpoint.dist import DistWrapper
 from oarlock.checkpoint.errors import CheckpointError
 from oarlock.checkpoint.executor import LoadReport, destination_view, place
+from oarlock.checkpoint.integrity import verify_own_file
 from oarlock.checkpoint.metadata import METADATA_FILE
 from oarlock.checkpoint.reader import CheckpointReader
 from oarlock.checkpoint.safetensors_io import SafetensorsFile
@@ -249,14 +250,16 @@ def _broadcast(remote, readers, consumers, mine, dw, stats, read, alloc, pbytes)
 
 # ---------------------------------------------------------------- warm restart
 
-def try_warm_start(state_dict: Any, path: str | os.PathLike, dist: DistWrapper, data_file: str) -> LoadReport | None:
+def try_warm_start(state_dict: Any, path: str | os.PathLike, dist: DistWrapper, data_file: str, *,
+                   verify_checksums: bool = True) -> LoadReport | None:
     """Same-layout restart without planning or communication (see ``docs/checkpoint-format.md``, warm restart).
 
     Each rank compares its requested shards with the shard records in the header of its own data file
     ``data_file`` (only that file's header is read; ``metadata.json`` only when the state dict holds JSON
     values); one ``all_reduce`` (MIN) of the match flag decides for all. On a match every rank reads its own
     file straight into its targets and a :class:`~oarlock.checkpoint.executor.LoadReport` with
-    ``comm_method="warm"`` is returned; otherwise None (nothing was written) and the normal load runs.
+    ``comm_method="warm"`` is returned; otherwise None (nothing was written) and the normal load runs. With
+    ``verify_checksums`` the own file's block checksums are verified first (:mod:`oarlock.checkpoint.integrity`).
 
     Raises:
         CheckpointError (or the format error of the failing read): on every rank alike when a read fails on any
@@ -285,6 +288,8 @@ def try_warm_start(state_dict: Any, path: str | os.PathLike, dist: DistWrapper, 
 
     def read_own() -> None:
         try:
+            if verify_checksums:  # the whole own file is read: verify all of it before writing any target
+                verify_own_file(p, data_file)
             with torch.no_grad():
                 for sw in leaves.shards:
                     dt, shape, _, _ = sf.entries[sw.key]

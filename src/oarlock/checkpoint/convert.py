@@ -43,6 +43,7 @@ from oarlock.checkpoint.dist import DistWrapper
 from oarlock.checkpoint.errors import CheckpointError
 from oarlock.checkpoint.executor import execute_items
 from oarlock.checkpoint.full import full_state_dict
+from oarlock.checkpoint.integrity import CHECKSUMS_KEY, BlockHasher, make_record, verify_all_blocks
 from oarlock.checkpoint.hf import HF_INDEX, hf_shard_names, parse_size, save_hf_checkpoint, write_hf_index
 from oarlock.checkpoint.mapping import IdentityProgram, MappingProgram, TensorSpec
 from oarlock.checkpoint.metadata import METADATA_FILE, CheckpointMetadata, key_selected
@@ -458,11 +459,12 @@ def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike, *, aoa_conf
     atomically (an existing directory is replaced only when the new one is complete); the source is never written.
 
     Model weights only by default: optimizer state keys of a training checkpoint (see :func:`select_keys`) are
-    left out unless ``optimizer_state=True``; ``include``/``exclude`` globs filter the destination keys.
+    left out unless ``optimizer_state=True``; ``include``/``exclude`` globs filter the destination keys. A
+    source with block checksums is verified whole first (:mod:`oarlock.checkpoint.integrity`).
 
     Raises:
         CheckpointError: unreadable source (naming file and key), a bad AOA config, I/O errors (nothing is
-            published), or a filter that leaves no key.
+            published), or a filter that leaves no key; ChecksumError: a corrupt source block.
     """
     plan = plan_conversion(source, to="hf", aoa_config=aoa_config, max_shard_size=max_shard_size, include=include,
                            exclude=exclude, optimizer_state=optimizer_state)
@@ -472,6 +474,7 @@ def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike, *, aoa_conf
     out_dir = Path(out_dir)
     with staged_directory(out_dir) as tmp:
         with open_checkpoint(source) as reader, single_threaded_copies():
+            verify_all_blocks(reader)
             planner = Planner(reader.metadata, compile_program(reader.metadata, aoa_config))
             specs = {k.key: k for k in plan.keys}
             bar = _byte_bar(plan.total_bytes, show_progress)
@@ -596,6 +599,9 @@ def convert_checkpoint(source: str | os.PathLike, out_dir: str | os.PathLike, *,
         tp_rules: see :func:`resolve_tp_rules`.
         include, exclude, optimizer_state: key filters, see :func:`select_keys` (default: every key).
 
+    A source with block checksums is verified whole before anything is written, and the output records its own
+    (:mod:`oarlock.checkpoint.integrity`).
+
     Each rank's shard is read through the planner straight from the source's bytes and written before the next;
     memory holds one shard. Returns the written metadata (equal to what ``save_state_dict`` on those ranks
     writes).
@@ -608,6 +614,7 @@ def convert_checkpoint(source: str | os.PathLike, out_dir: str | os.PathLike, *,
     layout = ParallelLayout(tp, pp, dp, tuple(resolve_tp_rules(tp_rules)))
     check_destination(out_dir)
     with open_checkpoint(source) as reader, single_threaded_copies():
+        verify_all_blocks(reader)  # a corrupt source must not turn into a valid-looking output
         program, axes = _program_for_layout(reader.metadata, aoa_config, layout)
         program, _ = select_keys(program, reader.metadata, include=include, exclude=exclude,
                                  optimizer_state=optimizer_state)
@@ -628,7 +635,8 @@ def convert_checkpoint(source: str | os.PathLike, out_dir: str | os.PathLike, *,
                     hdr = shard_header([(i[0], i[1], i[2], tensors[i[0]].global_shape, tensors[i[0]].dtype, i[3])
                                         for i in sorted(writes[rank])], layout.world)
                     outs[rank] = SafetensorsWriter(tmp / data_file_name(rank), [(k, lshape, tensors[k].dtype)
-                                                                          for k, _, lshape in ids], hdr)
+                                                                          for k, _, lshape in ids], hdr,
+                                                   hasher=BlockHasher())
                     for k, off, lshape in ids:
                         by_key.setdefault(k, []).append((rank, off, lshape))
                 # key by key over all rank files: a key whose shards are strided in the source (a row-parallel
@@ -654,6 +662,7 @@ def convert_checkpoint(source: str | os.PathLike, out_dir: str | os.PathLike, *,
                     o.close()
             if bar is not None:
                 bar.close()
+            meta.extra[CHECKSUMS_KEY] = make_record({data_file_name(r): o.checksum_record for r, o in outs.items()})
             if copy_side_files:
                 for name, f in side_files(source).items():
                     shutil.copyfile(f, tmp / name)

@@ -21,6 +21,7 @@ from typing import Any, Sequence
 
 import torch
 
+from oarlock.checkpoint.integrity import equal_by_checksum
 from oarlock.checkpoint.metadata import CheckpointMetadata, key_selected
 
 
@@ -215,6 +216,5 @@ def diff_checkpoints(a: str | Path, b: str | Path, *, rtol: float = 0.0, atol: f
 
 
 def _checksum_equal_keys(ma: CheckpointMetadata, mb: CheckpointMetadata) -> set[str]:
-    """Keys stored identically on both sides (same shards, dtype) whose every stored byte has an equal
-    checksum: equal without reading. Empty when either side has no checksums."""
-    return set()
+    """Keys stored identically on both sides whose bytes are equal by checksums: equal without reading."""
+    return equal_by_checksum(ma, mb)

@@ -21,6 +21,7 @@ from oarlock.checkpoint import comm
 from oarlock.checkpoint.dist import DistWrapper
 from oarlock.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from oarlock.checkpoint.executor import LoadReport, execute_work, read_order
+from oarlock.checkpoint.integrity import verify_read_items
 from oarlock.checkpoint.mapping import MappingProgram, TensorSpec
 from oarlock.checkpoint.metadata import ALGORITHM_KEY, PARAM_GROUPS_KEY, CheckpointMetadata
 from oarlock.checkpoint.plan import Planner, ReadItem, source_specs
@@ -67,14 +68,16 @@ def not_mine(meta: CheckpointMetadata, model_only: bool, ignore: Any) -> Callabl
 
 def run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process_group: Any = None,
              aoa_config: Any = None, strict: bool = True, program: MappingProgram | None = None,
-             comm_method: str = "auto", model_only: bool = False, ignore_unexpected: Any = False) -> LoadReport:
+             comm_method: str = "auto", model_only: bool = False, ignore_unexpected: Any = False,
+             verify_checksums: bool = True) -> LoadReport:
     """The body of :func:`oarlock.checkpoint.load_state_dict` (see there for arguments and errors)."""
     if aoa_config is not None and program is not None:
         raise CheckpointError("pass either aoa_config or program to load_state_dict, not both")
     comm.check_comm_method(comm_method)
     dist = DistWrapper(process_group)
     if aoa_config is None and program is None:
-        warm = comm.try_warm_start(state_dict, path, dist, data_file_name(dist.rank))
+        warm = comm.try_warm_start(state_dict, path, dist, data_file_name(dist.rank),
+                                   verify_checksums=verify_checksums)
         if warm is not None:
             return warm
     view = gather_view(path, dist) if dist.active else None
@@ -129,6 +132,8 @@ def run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process_
         wanted_objects = {k for g in gathered for k in g["objects"]}
         unexpected = sorted([k for k in meta.tensors if k not in used]
                             + [k for k in meta.objects if k not in wanted_objects and k not in dest_all])
+        if verify_checksums:  # before any target is written; a mismatch fails every rank in this gather
+            verify_read_items(reader, (it for items in plans for it in items))
         return sorted(missing)
 
     try:

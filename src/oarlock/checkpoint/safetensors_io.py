@@ -342,16 +342,20 @@ class SafetensorsWriter:
     ``__metadata__`` block, after ``"format": "pt"``) is written at once, then :meth:`put` writes each tensor's
     bytes at its known offset, in any order, from a tensor (any device, layout or storage sharing: it is copied
     to contiguous CPU memory when needed) or from byte runs ``[(fd, offset, nbytes)]`` of another file.
-    :meth:`close` fsyncs (with ``fsync``) and closes; use it as a context manager.
+    :meth:`close` fsyncs (with ``fsync``) and closes; use it as a context manager. A ``hasher`` (an
+    :class:`oarlock.checkpoint.integrity.BlockHasher`) is fed the bytes as they are written, and its record of the
+    file (``hasher.finish(fd, size)`` at close) is left in ``checksum_record``.
 
     Raises:
         CheckpointFormatError: a dtype safetensors cannot store (naming the tensor).
     """
 
     def __init__(self, path: str | Path, entries: Sequence[tuple[str, Sequence[int], Any]],
-                 metadata: dict[str, str] | None = None, *, fsync: bool = True):
+                 metadata: dict[str, str] | None = None, *, fsync: bool = True, hasher: Any = None):
         self.path = Path(path)
         self.fsync = fsync
+        self.checksum_record: dict[str, Any] | None = None
+        self._hasher = hasher
         header: dict[str, Any] = {"__metadata__": {"format": "pt", **(metadata or {})}}
         self.where: dict[str, tuple[int, tuple[int, ...], str]] = {}
         off = 0
@@ -372,9 +376,13 @@ class SafetensorsWriter:
         self.nbytes = self.base + off
         self._flushed = 0
         self._written = 0
-        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        mode = os.O_RDWR if hasher is not None else os.O_WRONLY  # the hasher may read blocks back
+        self.fd = os.open(self.path, mode | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            _write_all(self.fd, memoryview(struct.pack("<Q", len(hb)) + hb), 0)
+            head = memoryview(struct.pack("<Q", len(hb)) + hb)
+            _write_all(self.fd, head, 0)
+            if self._hasher is not None:
+                self._hasher.feed(0, head)
         except BaseException:
             self.close()
             raise
@@ -391,6 +399,8 @@ class SafetensorsWriter:
         off, shape, dtype = self.where[name]
         pos = self.base + off
         if isinstance(data, list):
+            if self._hasher is not None:
+                self._hasher.feed(pos, None)  # kernel copies: hashed from the file at close
             for src_fd, src_off, n in data:
                 pos = copy_run(src_fd, src_off, n, self.fd, pos)
         else:
@@ -401,7 +411,10 @@ class SafetensorsWriter:
             if t.numel():
                 if t.device.type != "cpu":
                     t = t.cpu()
-                pos = _write_all(self.fd, tensor_bytes(t.contiguous()), pos)
+                mv = tensor_bytes(t.contiguous())
+                if self._hasher is not None:
+                    self._hasher.feed(pos, mv)
+                pos = _write_all(self.fd, mv, pos)
         n = numel(shape) * dtype_itemsize(dtype)
         self._written += n
         if self.fsync and self._written - self._flushed >= _WRITEBACK_BYTES:
@@ -412,6 +425,8 @@ class SafetensorsWriter:
     def close(self) -> None:
         if self.fd >= 0:
             try:
+                if self._hasher is not None:
+                    self.checksum_record = self._hasher.finish(self.fd, self.nbytes)
                 if self.fsync:
                     os.fsync(self.fd)
             finally:
@@ -420,10 +435,11 @@ class SafetensorsWriter:
 
 
 def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], *, fsync: bool = True,
-                      metadata: dict[str, str] | None = None) -> int:
+                      metadata: dict[str, str] | None = None, hasher: Any = None) -> int:
     """Write ``tensors`` (CPU or device, any layout, storage shared or not) as one safetensors file in the given
     order with :class:`SafetensorsWriter`, and fsync it. Returns the bytes written. ``metadata`` (str -> str) is
-    added to the header's ``__metadata__`` block.
+    added to the header's ``__metadata__`` block. ``hasher``: see :class:`SafetensorsWriter` (its ``finish``
+    result is then in ``hasher.record``).
 
     Raises:
         CheckpointFormatError: a dtype that safetensors cannot store (naming the tensor).
@@ -435,10 +451,10 @@ def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], *, fsy
             raise CheckpointFormatError(f"{path}: tensor {name!r} has dtype {t.dtype}, which safetensors cannot "
                                         "store") from None
     with SafetensorsWriter(path, [(k, tuple(t.shape), t.dtype) for k, t in tensors.items()], metadata,
-                           fsync=fsync) as w:
+                           fsync=fsync, hasher=hasher) as w:
         for k, t in tensors.items():
             w.put(k, t)
-        return w.nbytes
+    return w.nbytes
 
 
 _WRITEBACK_BYTES = 16 * 1024 * 1024

@@ -24,6 +24,7 @@ import torch
 
 from oarlock.checkpoint.dist import DistWrapper
 from oarlock.checkpoint.errors import CheckpointError, CheckpointMismatchError
+from oarlock.checkpoint.integrity import CHECKSUMS_KEY, BlockHasher, make_record
 from oarlock.checkpoint.metadata import METADATA_FILE, CheckpointMetadata, ShardMeta, TensorMeta
 from oarlock.checkpoint.plan import KeyIndex
 from oarlock.checkpoint.safetensors_io import write_safetensors
@@ -177,30 +178,36 @@ def write_and_commit(plan: SavePlan, local: dict[str, torch.Tensor], process_gro
     dist = DistWrapper(process_group)
     tmp = plan.tmp
 
-    def write() -> None:
+    def write() -> dict[str, Any]:
         tmp.mkdir(parents=True, exist_ok=True)
         (tmp / INCOMPLETE_MARKER).touch()  # before any data file: a partial directory must never load
         ids = {(i[0], i[1]) for i in plan.writes.get(plan.rank, [])}
-        if ids:
-            mine = {sw.key: sw for sw in plan.leaves.shards}
-            keys = [k for k, _ in sorted(ids)]
-            write_safetensors(tmp / data_file_name(plan.rank), {k: local[k] for k in keys},
-                              metadata=shard_header([(k, *_desc_tuple(mine[k])) for k in keys], plan.world))
+        if not ids:
+            return {}
+        mine = {sw.key: sw for sw in plan.leaves.shards}
+        keys = [k for k, _ in sorted(ids)]
+        hasher = BlockHasher()
+        write_safetensors(tmp / data_file_name(plan.rank), {k: local[k] for k in keys},
+                          metadata=shard_header([(k, *_desc_tuple(mine[k])) for k in keys], plan.world),
+                          hasher=hasher)
+        return {data_file_name(plan.rank): hasher.record}  # block checksums, recorded in the metadata
 
-    def commit() -> None:
+    def commit(records: list[dict[str, Any]]) -> None:
         if dist.is_coordinator:
             objects: dict[str, Any] = {}
             nested: dict[str, list] = {}
             for g in reversed(plan.gathered):  # rank 0's values win
                 objects.update(g["objects"])
                 nested.update(g["nested"])
+            files = {f: r for rec in records for f, r in rec.items()}
             publish_directory(tmp, plan.path, CheckpointMetadata("oarlock", tensors=plan.tensors, objects=objects,
-                                                                 nested=nested))
+                                                                 nested=nested,
+                                                                 extra={CHECKSUMS_KEY: make_record(files)}))
 
-    for step in (write, commit):
-        try:
-            dist.run(step)
-        except BaseException:
-            if dist.is_coordinator:
-                shutil.rmtree(tmp, ignore_errors=True)
-            raise
+    try:
+        records = dist.gather(write)
+        dist.run(commit, records)
+    except BaseException:
+        if dist.is_coordinator:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -1,0 +1,562 @@
+"""Block checksums of checkpoint data files: computed while a file is written, recorded in the metadata,
+verified before a load writes anything, and checked in full by ``oarlock verify``.
+
+Every data file of an oarlock checkpoint is cut into fixed-size blocks of its bytes (:data:`BLOCK_SIZE`; the
+last block may be shorter), header included; each block's XXH3 64-bit hash (the ``xxhash`` library,
+https://xxhash.com) is stored as 16 hex digits in ``metadata.json`` under ``extra.checksums``::
+
+    {"algorithm": "xxh3_64", "block_size": 4194304,
+     "files": {"rank-00000.safetensors": {"size": 123456, "blocks": ["9d4c1e...", ...]}}}
+
+A load verifies, before any destination tensor is written, every block that holds a byte of the ranges it is
+about to read (a partial read checks only the blocks it touches); a mismatch raises :class:`ChecksumError`
+naming the file, byte range, key and shard box, on every rank. Checkpoints without ``extra.checksums``
+(written by earlier oarlock versions, or foreign formats) load without a check. See ``docs/checkpoint-format.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from oarlock.checkpoint.errors import CheckpointError, CheckpointFormatError
+from oarlock.checkpoint.metadata import METADATA_FILE
+from oarlock.checkpoint.safetensors_io import read_header
+from oarlock.utils import dtype_itemsize
+
+ALGORITHM = "xxh3_64"
+BLOCK_SIZE = 4 * 1024 * 1024
+CHECKSUMS_KEY = "checksums"  # in CheckpointMetadata.extra
+
+
+class ChecksumError(CheckpointFormatError):
+    """Stored bytes do not match the checksum recorded at save: the file was corrupted after it was written."""
+
+
+def _hasher():
+    import xxhash
+
+    return xxhash.xxh3_64()
+
+
+class BlockHasher:
+    """Checksums of fixed-size blocks of a file being written, fed its bytes in file order.
+
+    :meth:`feed` takes ``(position, bytes)``; bytes that arrive out of order, or that the writer does not see
+    (kernel copies), stop the streaming and :meth:`finish` reads the rest of the file back instead.
+    """
+
+    def __init__(self, block_size: int = BLOCK_SIZE):
+        self.block_size = int(block_size)
+        self.blocks: list[str] = []
+        self.pos = 0
+        self.streaming = True
+        self._h = _hasher()
+        self._fill = 0
+        self.record: dict[str, Any] | None = None
+
+    def feed(self, pos: int, data: Any | None) -> None:
+        """Bytes ``data`` (any buffer; None: unseen bytes) written at file offset ``pos``."""
+        if not self.streaming:
+            return
+        if data is None or pos != self.pos:
+            self.streaming = False
+            return
+        mv = memoryview(data).cast("B")
+        while len(mv):
+            take = min(len(mv), self.block_size - self._fill)
+            self._h.update(mv[:take])
+            self._fill += take
+            self.pos += take
+            mv = mv[take:]
+            if self._fill == self.block_size:
+                self.blocks.append(self._h.hexdigest())
+                self._h.reset()
+                self._fill = 0
+
+    def finish(self, fd: int, size: int) -> dict[str, Any]:
+        """The record of a file of ``size`` bytes open as ``fd``: ``{"size", "blocks"}``. Blocks not streamed
+        are read back from ``fd``."""
+        if self.streaming and self.pos == size:
+            if self._fill:
+                self.blocks.append(self._h.hexdigest())
+        else:  # recompute from the first block not completed in order
+            start = len(self.blocks) * self.block_size
+            self.blocks.extend(_hash_range(fd, start, size, self.block_size, Path(f"<fd {fd}>")))
+        self._fill = 0
+        self.record = {"size": int(size), "blocks": list(self.blocks)}
+        return self.record
+
+
+def _hash_range(fd: int, start: int, end: int, block_size: int, path: Path) -> list[str]:
+    out = []
+    pos = start
+    while pos < end:
+        n = min(block_size, end - pos)
+        data = os.pread(fd, n, pos)
+        if len(data) != n:
+            raise ChecksumError(f"{path}: file ends at byte {pos + len(data)}, the checksums cover {end} bytes")
+        out.append(_digest(data))
+        pos += n
+    return out
+
+
+def _digest(data: Any) -> str:
+    import xxhash
+
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+def file_checksums(path: str | Path, block_size: int = BLOCK_SIZE) -> dict[str, Any]:
+    """Compute the record ``{"size", "blocks"}`` of an existing file (reads it whole)."""
+    path = Path(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        return {"size": size, "blocks": _hash_range(fd, 0, size, block_size, path)}
+    finally:
+        os.close(fd)
+
+
+def make_record(files: dict[str, dict[str, Any]], block_size: int = BLOCK_SIZE) -> dict[str, Any]:
+    """The ``extra.checksums`` entry of a checkpoint's metadata from per-file records."""
+    return {"algorithm": ALGORITHM, "block_size": int(block_size), "files": dict(sorted(files.items()))}
+
+
+@dataclass
+class FileChecksums:
+    """The recorded checksums of one data file."""
+
+    file: str
+    size: int
+    block_size: int
+    blocks: list[str]
+
+    def block_range(self, start: int, stop: int) -> range:
+        """Indices of the blocks holding any byte of ``[start, stop)``."""
+        if stop <= start:
+            return range(0)
+        return range(start // self.block_size, (stop - 1) // self.block_size + 1)
+
+
+def recorded(metadata: Any) -> dict[str, FileChecksums] | None:
+    """The checksums recorded in a checkpoint's metadata (file -> :class:`FileChecksums`), or None when it has
+    none (older oarlock checkpoints, foreign formats).
+
+    Raises:
+        CheckpointFormatError: a malformed ``extra.checksums`` entry or an unknown algorithm.
+    """
+    return parse_checksums((getattr(metadata, "extra", None) or {}).get(CHECKSUMS_KEY))
+
+
+def parse_checksums(rec: Any) -> dict[str, FileChecksums] | None:
+    """Parse an ``extra.checksums`` entry (see :func:`recorded`)."""
+    if rec is None:
+        return None
+    try:
+        if rec["algorithm"] != ALGORITHM:
+            raise CheckpointFormatError(f"checksum algorithm {rec['algorithm']!r} is not supported (this oarlock "
+                                        f"reads {ALGORITHM})")
+        bs = int(rec["block_size"])
+        if bs <= 0:
+            raise ValueError("block_size must be positive")
+        out = {}
+        for f, r in rec["files"].items():
+            blocks = [str(b) for b in r["blocks"]]
+            size = int(r["size"])
+            if len(blocks) != -(-size // bs):
+                raise ValueError(f"file {f!r}: {len(blocks)} blocks recorded for {size} bytes")
+            out[str(f)] = FileChecksums(str(f), size, bs, blocks)
+        return out
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointFormatError(f"malformed checksums in the checkpoint metadata: {e}") from None
+
+
+class BlockVerifier:
+    """Verifies blocks of the data files of one opened checkpoint, each block at most once.
+
+    Args:
+        root_of: a callable giving the path of a data file (``reader.path_of``).
+        checksums: :func:`recorded` of the checkpoint.
+    """
+
+    def __init__(self, path_of: Any, checksums: dict[str, FileChecksums]):
+        self.path_of = path_of
+        self.checksums = checksums
+        self.verified: set[tuple[str, int]] = set()
+        self.bytes_verified = 0
+
+    def bad_blocks(self, file: str, blocks: Iterable[int]) -> list[int]:
+        """Check ``blocks`` of ``file`` (skipping ones already verified); returns the indices that do not match.
+
+        Raises:
+            ChecksumError: the file's size differs from the recorded one (truncated or extended).
+        """
+        fc = self.checksums.get(file)
+        if fc is None:
+            return []
+        todo = sorted({b for b in blocks if (file, b) not in self.verified})
+        if not todo:
+            return []
+        path = Path(self.path_of(file))
+        bad = []
+        with open(path, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            if size != fc.size:
+                raise ChecksumError(f"{path}: file has {size} bytes, {fc.size} were written at save (truncated or "
+                                    "overwritten)")
+            if size == 0:
+                return []
+            try:
+                mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+            except (OSError, ValueError):  # filesystems without mmap: read the blocks instead
+                mm = None
+            try:
+                view = memoryview(mm) if mm is not None else None
+                for b in todo:
+                    lo, hi = b * fc.block_size, min(size, (b + 1) * fc.block_size)
+                    data = view[lo:hi] if view is not None else os.pread(fh.fileno(), hi - lo, lo)
+                    if _digest(data) != fc.blocks[b]:
+                        bad.append(b)
+                    else:
+                        self.verified.add((file, b))
+                    self.bytes_verified += hi - lo
+                    if view is not None:
+                        data.release()
+                if view is not None:
+                    view.release()
+            finally:
+                if mm is not None:
+                    mm.close()
+        return bad
+
+
+def item_byte_range(reader: Any, file: str, name: str, flat_start: int, shape: Sequence[int],
+                    box: Sequence[tuple[int, int]]) -> tuple[int, int] | None:
+    """File byte range ``[start, stop)`` spanning the box of a read (the first to the last element it reads), for
+    safetensors data files; None when empty or not a safetensors file."""
+    if not file.endswith(".safetensors") or any(b <= a for a, b in box):
+        return None
+    f = reader.safetensors_file(file)
+    e = f.entries.get(name)
+    if e is None:
+        return None
+    dtype, _, begin, _ = e
+    isz = dtype_itemsize(dtype)
+    nd = len(shape)
+    strides = [1] * nd
+    for d in range(nd - 2, -1, -1):
+        strides[d] = strides[d + 1] * int(shape[d + 1])
+    first = sum(a * s for (a, _), s in zip(box, strides))
+    last = sum((b - 1) * s for (_, b), s in zip(box, strides))
+    base = f.data_start + begin + int(flat_start) * isz
+    return base + first * isz, base + (last + 1) * isz
+
+
+def _shard_words(metadata: Any, key: str, file: str, name: str) -> str:
+    """``shard box offset [..] shape [..]`` of the stored shard ``file``/``name`` of ``key``."""
+    t = metadata.tensors.get(key)
+    for sh in (t.shards if t is not None else ()):
+        if sh.file == file and sh.name == name:
+            words = f"shard box offset {list(sh.global_offset)} shape {list(sh.local_shape)}"
+            if sh.flattened_range is not None:
+                words += f" flat range {list(sh.flattened_range)}"
+            return words
+    return f"stored tensor {name!r}"
+
+
+def verify_read_items(reader: Any, items: Iterable[Any], verifier: BlockVerifier | None = None) -> int:
+    """Verify every block a load's read items touch, before anything is written. Items are
+    :class:`~oarlock.checkpoint.plan.ReadItem` s (``src_key``, ``file``, ``name``, ``src_flat_start``,
+    ``src_shape``, ``src_box``). Files this rank cannot see are skipped (another rank reads them). Returns the
+    bytes hashed; 0 when the checkpoint records no checksums.
+
+    Raises:
+        ChecksumError: naming the file, the corrupt block's byte range, and the key and shard box read from it.
+    """
+    checksums = recorded(reader.metadata)
+    if not checksums:
+        return 0
+    verifier = verifier or BlockVerifier(reader.path_of, checksums)
+    visible = reader.visible_files()
+    need: dict[str, dict[int, Any]] = {}
+    for it in items:
+        if it.file not in visible or it.file not in checksums:
+            continue
+        span = item_byte_range(reader, it.file, it.name, it.src_flat_start, it.src_shape, it.src_box)
+        if span is None:
+            continue
+        per = need.setdefault(it.file, {})
+        for b in checksums[it.file].block_range(*span):
+            per.setdefault(b, it)
+    before = verifier.bytes_verified
+    for file in sorted(need):
+        bad = verifier.bad_blocks(file, need[file])
+        if bad:
+            b = bad[0]
+            it = need[file][b]
+            fc = checksums[file]
+            lo, hi = b * fc.block_size, min(fc.size, (b + 1) * fc.block_size)
+            more = f" (and {len(bad) - 1} more corrupt block(s))" if len(bad) > 1 else ""
+            raise ChecksumError(f"{reader.path_of(file)}: checksum mismatch in bytes [{lo}, {hi}) (block {b}) of "
+                                f"key {it.src_key!r} {_shard_words(reader.metadata, it.src_key, file, it.name)}"
+                                f"{more}: the file was corrupted after it was written; nothing was loaded")
+    return verifier.bytes_verified - before
+
+
+def corrupt_keys(file_path: str | Path, blocks: Sequence[int], block_size: int) -> list[str]:
+    """Names of the tensors of safetensors file ``file_path`` whose bytes overlap any of ``blocks`` ("header"
+    when a block holds header bytes)."""
+    try:
+        h = read_header(file_path)
+    except CheckpointFormatError:
+        return ["header"]
+    out: list[str] = []
+    for b in blocks:
+        lo, hi = b * block_size, (b + 1) * block_size
+        if lo < h.data_start:
+            out.append("header")
+        for name, (_, _, begin, end) in h.entries.items():
+            if end > begin and h.data_start + begin < hi and h.data_start + end > lo:
+                out.append(name)
+    return list(dict.fromkeys(out))
+
+
+def verify_own_file(root: str | Path, file: str) -> None:
+    """Verify every block of data file ``file`` of the oarlock checkpoint directory ``root`` against the checksums
+    in its ``metadata.json`` (the warm restart reads whole own files). No checksums recorded: nothing to do.
+
+    Raises:
+        ChecksumError: naming the file, the first corrupt block's byte range and the tensors stored there.
+    """
+    root = Path(root)
+    try:
+        extra = json.loads((root / METADATA_FILE).read_text()).get("extra") or {}
+    except (OSError, ValueError):
+        return  # the normal path reports an unreadable metadata file; the warm path never needed it
+    sums = parse_checksums(extra.get(CHECKSUMS_KEY))
+    if not sums or file not in sums:
+        return
+    fc = sums[file]
+    bad = BlockVerifier(lambda f: root / f, sums).bad_blocks(file, range(len(fc.blocks)))
+    if bad:
+        b = bad[0]
+        lo, hi = b * fc.block_size, min(fc.size, (b + 1) * fc.block_size)
+        keys = corrupt_keys(root / file, [b], fc.block_size)
+        more = f" (and {len(bad) - 1} more corrupt block(s))" if len(bad) > 1 else ""
+        raise ChecksumError(f"{root / file}: checksum mismatch in bytes [{lo}, {hi}) (block {b}) holding "
+                            f"{', '.join(repr(k) for k in keys)}{more}: the file was corrupted after it was "
+                            "written; nothing was loaded")
+
+
+def verify_all_blocks(reader: Any) -> int:
+    """Verify every block of every data file of an opened checkpoint that records checksums (conversions read
+    whole checkpoints: check them before writing anything). Returns the bytes hashed (0 without checksums).
+
+    Raises:
+        ChecksumError: naming the file, the first corrupt block's byte range and the tensors stored there.
+    """
+    sums = recorded(reader.metadata)
+    if not sums:
+        return 0
+    v = BlockVerifier(reader.path_of, sums)
+    for file in sorted(set(reader.metadata.files) & set(sums)):
+        fc = sums[file]
+        bad = v.bad_blocks(file, range(len(fc.blocks)))
+        if bad:
+            b = bad[0]
+            lo, hi = b * fc.block_size, min(fc.size, (b + 1) * fc.block_size)
+            keys = corrupt_keys(reader.path_of(file), [b], fc.block_size)
+            raise ChecksumError(f"{reader.path_of(file)}: checksum mismatch in bytes [{lo}, {hi}) (block {b}) holding "
+                                f"{', '.join(repr(k) for k in keys)}: the file was corrupted after it was written")
+    return v.bytes_verified
+
+
+def equal_by_checksum(a: Any, b: Any) -> set[str]:
+    """Keys of metadata ``a`` and ``b`` whose stored bytes are equal as proven by checksums alone: the key has the
+    same dtype and the same shards (boxes, flat ranges, stored names) on both sides, and each shard lies in files
+    whose recorded sizes and block checksums are identical (so the files, header included, are the same bytes).
+    Empty when either side has no checksums."""
+    sa, sb = recorded(a), recorded(b)
+    if not sa or not sb:
+        return set()
+
+    def sig(meta: Any, sums: dict[str, FileChecksums], key: str) -> tuple | None:
+        t = meta.tensors[key]
+        out = []
+        for sh in t.shards:
+            fc = sums.get(sh.file)
+            if fc is None:
+                return None
+            out.append((tuple(sh.global_offset), tuple(sh.local_shape), sh.flattened_range, sh.name,
+                        sh.replica_id or 0, fc.size, fc.block_size, tuple(fc.blocks)))
+        return (t.dtype, tuple(t.global_shape), tuple(sorted(out, key=repr)))
+
+    same = set()
+    for k in a.tensors:
+        if k in b.tensors:
+            x = sig(a, sa, k)
+            if x is not None and x == sig(b, sb, k):
+                same.add(k)
+    return same
+
+
+# ---------------------------------------------------------------- oarlock verify
+
+@dataclass
+class Problem:
+    """One thing wrong with a checkpoint: ``file`` (relative; "" for the checkpoint as a whole), the byte range
+    of a corrupt block (``block``/``start``/``stop``; None for structural problems), the ``keys`` stored there
+    and a message."""
+
+    file: str
+    message: str
+    keys: list[str]
+    block: int | None = None
+    start: int | None = None
+    stop: int | None = None
+
+
+@dataclass
+class VerifyReport:
+    """The result of :func:`verify_checkpoint`. ``checksums``: whether the checkpoint records block checksums
+    (every block then hashed); without them only the structure is checked."""
+
+    path: str
+    format: str
+    checksums: bool
+    files_checked: int = 0
+    bytes_hashed: int = 0
+    problems: list[Problem] = None  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.problems is None:
+            self.problems = []
+
+    @property
+    def intact(self) -> bool:
+        return not self.problems
+
+    def to_json(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        d = asdict(self)
+        d["intact"] = self.intact
+        return d
+
+    def render(self) -> str:
+        lines = [f"{p.file or self.path}: {p.message}" for p in self.problems]
+        what = "every block checked against its checksum" if self.checksums else \
+            "no checksums recorded: headers, sizes, offsets and shard coverage checked"
+        lines.append(f"{self.path}: {self.format} checkpoint, {self.files_checked} file(s), "
+                     f"{'intact' if self.intact else f'{len(self.problems)} problem(s)'} ({what})")
+        return "\n".join(lines)
+
+
+def _check_structure(reader: Any, rep: VerifyReport) -> None:
+    """Checks that need no checksums: every key's shards tile its box, every data file opens with a valid header
+    (offsets inside the file, sizes matching shapes and dtypes), and holds each shard the metadata names with
+    the metadata's dtype and element count."""
+    from oarlock.checkpoint.plan import KeyIndex
+
+    for t in reader.metadata.tensors.values():
+        try:
+            KeyIndex(t)
+        except CheckpointError as e:  # CheckpointTilingError: a gap, an overlap, a box out of bounds
+            rep.problems.append(Problem("", str(e), [t.key]))
+    by_file: dict[str, list[tuple[str, Any]]] = {}
+    for t in reader.metadata.tensors.values():
+        for sh in t.shards:
+            by_file.setdefault(sh.file, []).append((t.key, sh))
+    for file, shards in sorted(by_file.items()):
+        rep.files_checked += 1
+        if not reader.path_of(file).is_file():
+            rep.problems.append(Problem(file, "data file is missing", sorted({k for k, _ in shards})))
+            continue
+        if not file.endswith(".safetensors"):  # Paddle pickles: read one element of every shard
+            for key, sh in shards:
+                try:
+                    if sh.numel:
+                        n = len(sh.local_shape) if sh.flattened_range is None else 1
+                        shape = tuple(sh.local_shape) if sh.flattened_range is None else (sh.numel,)
+                        reader.read_box(key, file, sh.name, 0, shape, tuple((0, 1) for _ in range(n)))
+                except Exception as e:
+                    rep.problems.append(Problem(file, f"key {key!r}: {e}", [key]))
+            continue
+        try:
+            f = reader.safetensors_file(file)
+        except CheckpointFormatError as e:
+            rep.problems.append(Problem(file, str(e), sorted({k for k, _ in shards})))
+            continue
+        for key, sh in shards:
+            e = f.entries.get(sh.name)
+            dtype = reader.metadata.tensors[key].dtype
+            if e is None:
+                rep.problems.append(Problem(file, f"tensor {sh.name!r} of key {key!r} is missing", [key]))
+            elif e[0] != dtype:
+                rep.problems.append(Problem(file, f"tensor {sh.name!r} is {e[0]}, the metadata says {dtype}", [key]))
+            else:
+                have = 1
+                for x in e[1]:
+                    have *= int(x)
+                if sh.numel > have:
+                    rep.problems.append(Problem(file, f"tensor {sh.name!r} holds {have} elements, the metadata's "
+                                                      f"shard of key {key!r} needs {sh.numel}", [key]))
+
+
+def _hash_file(reader: Any, fc: FileChecksums) -> tuple[list[Problem], int]:
+    path = reader.path_of(fc.file)
+    v = BlockVerifier(reader.path_of, {fc.file: fc})
+    try:
+        bad = v.bad_blocks(fc.file, range(len(fc.blocks)))
+    except ChecksumError as e:
+        return [Problem(fc.file, str(e), [])], 0
+    except OSError as e:
+        return [Problem(fc.file, f"cannot read: {e.strerror or e}", [])], 0
+    out = []
+    for b in bad:
+        lo, hi = b * fc.block_size, min(fc.size, (b + 1) * fc.block_size)
+        keys = corrupt_keys(path, [b], fc.block_size)
+        out.append(Problem(fc.file, f"checksum mismatch in bytes [{lo}, {hi}) (block {b}) holding "
+                                    f"{', '.join(repr(k) for k in keys)}", keys, b, lo, hi))
+    return out, v.bytes_verified
+
+
+def verify_checkpoint(path: str | Path, *, workers: int | None = None) -> VerifyReport:
+    """Check a checkpoint on disk without loading it (``oarlock verify``): its structure (see
+    :func:`_check_structure`) and, when block checksums are recorded, every block of every data file (files hashed
+    in parallel by ``workers`` threads, default ``min(4, cpus)``). Data files the metadata does not name are
+    not opened.
+
+    Raises:
+        CheckpointFormatError: ``path`` is not a checkpoint (no format detected) -- bad input, not corruption.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    from oarlock.checkpoint.storage import detect_format, open_checkpoint
+
+    fmt = detect_format(path)
+    try:
+        reader = open_checkpoint(path)
+    except CheckpointFormatError as e:  # detected but unreadable metadata or header: corruption
+        rep = VerifyReport(str(path), fmt, False)
+        rep.problems.append(Problem("", str(e), []))
+        return rep
+    with reader:
+        sums = recorded(reader.metadata)
+        rep = VerifyReport(str(path), fmt, bool(sums))
+        if sums:
+            missing = set(reader.metadata.files) - set(sums)
+            for f in sorted(missing):
+                rep.problems.append(Problem(f, "data file has no recorded checksums", []))
+            n = workers or min(4, os.cpu_count() or 1)
+            with ThreadPoolExecutor(max_workers=max(1, n)) as pool:
+                for probs, nbytes in pool.map(lambda fc: _hash_file(reader, fc), [sums[f] for f in sorted(sums)]):
+                    rep.problems.extend(probs)
+                    rep.bytes_hashed += nbytes
+        _check_structure(reader, rep)
+    return rep
