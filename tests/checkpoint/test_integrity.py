@@ -1,0 +1,186 @@
+"""Block checksums: a flipped byte anywhere in a data file is caught by load and by `oarlock verify`; partial
+reads check only their blocks; checkpoints without checksums still load; a 4-rank load fails alike everywhere."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import save_file
+
+import _integrity_worker as W
+from oarlock.checkpoint import ShardedWeight, convert_checkpoint, export_hf, load_state_dict, save_state_dict
+from oarlock.checkpoint.diff import diff_checkpoints
+from oarlock.checkpoint.integrity import BLOCK_SIZE, ChecksumError, file_checksums, verify_checkpoint
+from oarlock.checkpoint.safetensors_io import read_header
+from oarlock.cli import main
+
+DATA = "rank-00000.safetensors"
+
+
+def _state() -> dict:
+    g = torch.Generator().manual_seed(0)
+    # "a" spans about 3.5 blocks, "b" sits in the last one
+    return {"a": torch.randn(896, 4096, generator=g), "b": torch.arange(1000, dtype=torch.float64), "step": 11}
+
+
+def _flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+@pytest.fixture()
+def ck(tmp_path):
+    save_state_dict(_state(), tmp_path / "ck")
+    return tmp_path / "ck"
+
+
+def test_checksums_recorded_match_an_independent_hash(ck):
+    import xxhash
+
+    rec = json.loads((ck / "metadata.json").read_text())["extra"]["checksums"]
+    data = (ck / DATA).read_bytes()
+    want = [xxhash.xxh3_64_hexdigest(data[i:i + BLOCK_SIZE]) for i in range(0, len(data), BLOCK_SIZE)]
+    assert rec["algorithm"] == "xxh3_64" and rec["block_size"] == BLOCK_SIZE
+    assert rec["files"][DATA] == {"size": len(data), "blocks": want} and len(want) == 4
+    assert file_checksums(ck / DATA)["blocks"] == want
+
+
+def _where(ck: Path) -> dict[str, int]:
+    h = read_header(ck / DATA)
+    size = (ck / DATA).stat().st_size
+    return {"first": h.data_start + 100, "middle": 2 * BLOCK_SIZE + 12345, "last": size - 1}
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_flipped_byte_caught_by_load_and_verify(ck, where, capsys):
+    off = _where(ck)[where]
+    block = off // BLOCK_SIZE
+    key = "b" if where == "last" else "a"
+    _flip(ck / DATA, off)
+    # the same-layout (warm) path and the planned path (a 2-row shard holding the byte) both refuse, write nothing
+    h = read_header(ck / DATA)
+    if key == "a":
+        row = min(894, max(0, (off - h.data_start - h.entries["a"][2]) // (4096 * 4)))
+        part = {"a": ShardedWeight("a", torch.zeros(2, 4096), (2, 4096), (896, 4096), (row, 0))}
+    else:
+        part = {"b": ShardedWeight("b", torch.zeros(10, dtype=torch.float64), (10,), (1000,), (990,))}
+    for target in ({"a": torch.zeros(896, 4096), "b": torch.zeros(1000, dtype=torch.float64)}, part):
+        with pytest.raises(ChecksumError) as e:
+            load_state_dict(target, ck, strict=False)
+        msg = str(e.value)
+        assert str(ck / DATA) in msg and f"(block {block})" in msg and repr(key) in msg
+        for v in target.values():
+            t = v.local_tensor if isinstance(v, ShardedWeight) else v
+            assert bool((t == 0).all())  # no destination written
+    assert main(["verify", str(ck)]) == 1
+    out = capsys.readouterr().out
+    assert f"{DATA}: checksum mismatch" in out and f"(block {block})" in out and repr(key) in out
+    assert main(["verify", str(ck), "--json"]) == 1
+    rep = json.loads(capsys.readouterr().out)
+    keys = {"first": ["header", "a"], "middle": ["a"], "last": ["a", "b"]}[where]  # what each block holds
+    assert rep["intact"] is False and [(p["file"], p["block"], p["keys"]) for p in rep["problems"]] == \
+        [(DATA, block, keys)]
+    with pytest.raises(ChecksumError, match=re.escape(f"(block {block})")):
+        convert_checkpoint(ck, ck.parent / "out", tp=2, show_progress=False)
+    assert not (ck.parent / "out").exists()
+    _flip(ck / DATA, off)  # restored: intact again
+    assert main(["verify", str(ck)]) == 0
+    load_state_dict({"a": torch.zeros(896, 4096)}, ck, strict=False)
+
+
+def test_partial_read_checks_only_its_blocks(ck):
+    _flip(ck / DATA, 3 * BLOCK_SIZE + 50)  # inside the last block: rows near the end of "a", and "b"
+    ref = _state()["a"]
+    top = ShardedWeight("a", torch.zeros(100, 4096), (100, 4096), (896, 4096), (0, 0))
+    load_state_dict({"a": top}, ck, strict=False, comm_method="auto")
+    assert torch.equal(top.local_tensor, ref[:100])
+    bottom = ShardedWeight("a", torch.zeros(100, 4096), (100, 4096), (896, 4096), (796, 0))
+    with pytest.raises(ChecksumError, match=r"key 'a' shard box offset \[0, 0\] shape \[896, 4096\]"):
+        load_state_dict({"a": bottom}, ck, strict=False)
+    load_state_dict({"a": bottom}, ck, strict=False, verify_checksums=False)  # the opt-out reads what is there
+
+
+def test_checkpoint_without_checksums_still_loads(ck, capsys):
+    meta = json.loads((ck / "metadata.json").read_text())
+    del meta["extra"]["checksums"]  # what earlier oarlock versions wrote
+    (ck / "metadata.json").write_text(json.dumps(meta))
+    got = {"a": torch.zeros(896, 4096), "b": torch.zeros(1000, dtype=torch.float64), "step": None}
+    load_state_dict(got, ck)
+    assert torch.equal(got["a"], _state()["a"]) and got["step"] == 11
+    assert main(["verify", str(ck), "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["checksums"] is False and rep["intact"] is True and rep["files_checked"] == 1
+
+
+def test_verify_structure_of_hf_and_bad_input(tmp_path, capsys):
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    save_file({"x": torch.ones(100, 100), "y": torch.zeros(10)}, hf / "model.safetensors")
+    assert main(["verify", str(hf)]) == 0
+    assert "no checksums recorded" in capsys.readouterr().out
+    data = (hf / "model.safetensors").read_bytes()
+    (hf / "model.safetensors").write_bytes(data[:-8])  # truncated
+    assert main(["verify", str(hf)]) == 1
+    assert "model.safetensors" in capsys.readouterr().out
+    assert main(["verify", str(tmp_path / "missing")]) == 2
+    (tmp_path / "empty").mkdir()
+    assert main(["verify", str(tmp_path / "empty")]) == 2
+
+
+def test_verify_checks_tp_checkpoint_and_missing_file(ck, tmp_path, capsys):
+    convert_checkpoint(ck, tmp_path / "tp2", tp=2, show_progress=False)
+    rep = verify_checkpoint(tmp_path / "tp2")
+    assert rep.intact and rep.checksums and rep.bytes_hashed == sum(
+        p.stat().st_size for p in (tmp_path / "tp2").glob("*.safetensors"))
+    victim = sorted((tmp_path / "tp2").glob("rank-*.safetensors"))[-1]
+    victim.write_bytes(victim.read_bytes()[:-1] + b"\x00" if victim.read_bytes()[-1:] != b"\x00" else
+                       victim.read_bytes()[:-1] + b"\x01")
+    rep = verify_checkpoint(tmp_path / "tp2")
+    assert not rep.intact and rep.problems[0].file == victim.name
+
+
+def test_diff_fast_path_uses_checksums(ck, tmp_path):
+    shutil.copytree(ck, tmp_path / "copy")
+    rep = diff_checkpoints(ck, tmp_path / "copy")
+    assert rep.equal and rep.equal_by_checksum == 2
+    rep = diff_checkpoints(ck, tmp_path / "copy", use_checksums=False)
+    assert rep.equal and rep.equal_by_checksum == 0 and rep.equal_keys == 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.multiproc
+def test_four_ranks_one_reads_the_corrupt_block_all_fail_alike(tmp_path):
+    g = torch.Generator().manual_seed(1)
+    save_state_dict({"w": torch.randn(W.ROWS, W.COLS, generator=g)}, tmp_path / "ck")
+    data = tmp_path / "ck" / DATA
+    start = read_header(data).data_start
+    per_rank = W.ROWS // 4 * W.COLS * 4
+    off = start + 2 * per_rank + per_rank // 2  # the middle of rank 2's rows
+    ranges = [(start + r * per_rank, start + (r + 1) * per_rank) for r in range(4)]
+    touch = [set(range(lo // BLOCK_SIZE, (hi - 1) // BLOCK_SIZE + 1)) for lo, hi in ranges]
+    assert [r for r in range(4) if off // BLOCK_SIZE in touch[r]] == [2]  # only rank 2 reads that block
+    _flip(data, off)
+    mp.start_processes(W.run, args=(4, _free_port(), str(tmp_path)), nprocs=4, start_method="spawn", join=True)
+    out = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    assert all(o["untouched"] for o in out)
+    assert all(o["error"] is not None and o["error"][0] == "ChecksumError" for o in out), out
+    core = [re.sub(r"^rank 2: ", "", o["error"][1]) for o in out]
+    assert len(set(core)) == 1, core
+    assert out[2]["error"][1] == core[0]  # the rank that read it names it; the others prefix "rank 2: "
+    assert str(data) in core[0] and "key 'w'" in core[0] and f"(block {off // BLOCK_SIZE})" in core[0]
