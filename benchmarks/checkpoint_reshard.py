@@ -10,7 +10,13 @@ load; "above targets" is the peak minus the RSS after the target tensors were al
 Then the planner: 100,000 saved shards planned against 256 simulated ranks (pure planning, no files), with
 DCP's own planning function (``create_read_items_for_chunk_list``) on the same chunks as the anchor.
 
-Usage: python benchmarks/checkpoint_reshard.py [--dir DIR] [--reps N] [--append-results]
+Checksum verification (on by default in oarlock loads) is measured in the same run: every oarlock load is also
+timed with ``verify_checksums=False`` ("oarlock-noverify"), and a second table gives verify / no-verify per load.
+The machine's load average is printed beside the tables.
+
+Usage: python benchmarks/checkpoint_reshard.py [--dir DIR] [--reps N] [--quick] [--append-results]
+(``--quick``: 4 small tensors, one repetition, no planner benchmark: checks that the script works, times nothing
+worth reporting.)
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ from pathlib import Path
 import torch
 
 N_TENSORS, ROWS, COLS = 32, 4096, 2048
+QUICK_SIZES = (4, 512, 256)
+LIBS = ("dcp", "oarlock", "oarlock-noverify")  # the last: oarlock with verify_checksums=False
 
 
 # ---------------------------------------------------------------- memory sampling
@@ -83,7 +91,7 @@ def _drop_caches(rank: int) -> bool:
     return flag[0]
 
 
-def rank_main(rank: int, world: int, port: int, root: str, reps: int) -> None:
+def rank_main(rank: int, world: int, port: int, root: str, reps: int, quick: bool = False) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
@@ -91,6 +99,9 @@ def rank_main(rank: int, world: int, port: int, root: str, reps: int) -> None:
 
     from oarlock.checkpoint import load_state_dict, save_state_dict
 
+    global N_TENSORS, ROWS, COLS
+    if quick:
+        N_TENSORS, ROWS, COLS = QUICK_SIZES
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -122,6 +133,8 @@ def rank_main(rank: int, world: int, port: int, root: str, reps: int) -> None:
     del src
     gc.collect()
     ckpt = {"dcp": root / "dcp_save0", "oarlock": root / "oarlock_save0"}
+    if rank == 0:  # the loads below verify what this save recorded
+        assert "checksums" in json.loads((ckpt["oarlock"] / "metadata.json").read_text())["extra"]
 
     def targets(pl):
         return {f"layers.{i}.weight": DTensor.from_local(torch.zeros(*_local_shape(pl, mesh)), mesh, pl,
@@ -130,7 +143,7 @@ def rank_main(rank: int, world: int, port: int, root: str, reps: int) -> None:
 
     cold_ok = True
     for layout, pl in (("same-layout load", src_pl), ("reshard load", dst_pl)):
-        for lib in ("dcp", "oarlock"):
+        for lib in LIBS:
             for temp in ("cold", "hot"):
                 for r in range(reps):
                     gc.collect()
@@ -143,7 +156,8 @@ def rank_main(rank: int, world: int, port: int, root: str, reps: int) -> None:
                         if lib == "dcp":
                             t = timed(lambda: dcp.load(tgt, checkpoint_id=str(ckpt[lib])))
                         else:
-                            t = timed(lambda: load_state_dict(tgt, ckpt[lib]))
+                            t = timed(lambda: load_state_dict(tgt, ckpt["oarlock"],
+                                                              verify_checksums=lib == "oarlock"))
                     res["rows"].setdefault((f"{layout} ({temp})", lib), []).append(t)
                     tb = sum(v.to_local().numel() * 4 for v in tgt.values())
                     res["rss"].setdefault((f"{layout} ({temp})", lib), []).append(
@@ -247,7 +261,11 @@ def main(argv=None) -> int:
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temporary one, removed)")
     ap.add_argument("--reps", type=int, default=2, help="repetitions of every row (the best counts)")
     ap.add_argument("--append-results", action="store_true", help="append the tables to benchmarks/RESULTS.md")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes, one repetition, no planner benchmark: only "
+                                                         "checks that the script runs")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.reps = 1
     import torch.multiprocessing as mp
 
     scratch = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="oarlock-bench-"))
@@ -256,13 +274,15 @@ def main(argv=None) -> int:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     try:
-        mp.start_processes(rank_main, args=(4, port, str(scratch), args.reps), nprocs=4, start_method="spawn")
+        mp.start_processes(rank_main, args=(4, port, str(scratch), args.reps, args.quick), nprocs=4,
+                           start_method="spawn")
         results = [json.loads((scratch / f"result-{r}.json").read_text()) for r in range(4)]
     finally:
         if not args.dir:
             shutil.rmtree(scratch, ignore_errors=True)
     cold_ok = all(r["cold_ok"] for r in results)
     lines = ["| operation | oarlock s | DCP s | oarlock / DCP |", "|---|---:|---:|---:|"]
+    # rows of "oarlock-noverify" are reported in their own table
     ops = []
     for k in results[0]["rows"]:
         op = k.split("|")[0]
@@ -273,23 +293,35 @@ def main(argv=None) -> int:
         d = min(results[0]["rows"][f"{op}|dcp"])
         lines.append(f"| {op}{'' if cold_ok or 'cold' not in op else ' (cache NOT dropped: not root)'} | "
                      f"{o:.3f} | {d:.3f} | {o / d:.2f} |")
+    ver = ["| load | oarlock (verify) s | oarlock (no verify) s | verify / no verify |", "|---|---:|---:|---:|"]
+    for op in ops:
+        if "load" in op:
+            o = min(results[0]["rows"][f"{op}|oarlock"])
+            n = min(results[0]["rows"][f"{op}|oarlock-noverify"])
+            ver.append(f"| {op} | {o:.3f} | {n:.3f} | {o / n:.2f} |")
     mem = ["| load | lib | target MiB/rank | peak RSS above targets, max over ranks (MiB) | largest slice (MiB) |",
            "|---|---|---:|---:|---:|"]
-    slice_mib = {"same-layout load": (ROWS // 2) * (COLS // 2) * 4 / 2**20, "reshard load": (ROWS // 2) * (COLS // 2) * 4 / 2**20}
+    rows_, cols_ = (QUICK_SIZES[1], QUICK_SIZES[2]) if args.quick else (ROWS, COLS)
+    slice_mib = {"same-layout load": (rows_ // 2) * (cols_ // 2) * 4 / 2**20,
+                 "reshard load": (rows_ // 2) * (cols_ // 2) * 4 / 2**20}
     for op in ops:
         if "load" not in op:
             continue
-        for lib in ("oarlock", "dcp"):
+        for lib in ("oarlock", "oarlock-noverify", "dcp"):
             above = max(max(x["above_targets"] for x in r["rss"][f"{op}|{lib}"]) for r in results) / 2**20
             tb = results[0]["rss"][f"{op}|{lib}"][0]["target_bytes"] / 2**20
             mem.append(f"| {op} | {lib} | {tb:.0f} | {above:.1f} | {slice_mib[op.split(' (')[0]]:.0f} |")
     same = all(abs(r["checksums"][f"{layout}|oarlock"] - r["checksums"][f"{layout}|dcp"]) == 0
                for r in results for layout in ("same-layout load", "reshard load"))
-    plan_rows = planner_benchmark()
-    plan = ["| planner case | oarlock s | DCP s | oarlock / DCP | note |", "|---|---:|---:|---:|---|"]
-    for case, o, d, note in plan_rows:
-        plan.append(f"| {case} | {o:.2f} | {d:.2f} | {o / d:.2f} | {note} |")
-    text = "\n".join(lines + ["", f"Loaded data identical between oarlock and DCP (per-rank checksums): {same}", ""]
+    plan = []
+    if not args.quick:
+        plan = ["| planner case | oarlock s | DCP s | oarlock / DCP | note |", "|---|---:|---:|---:|---|"]
+        for case, o, d, note in planner_benchmark():
+            plan.append(f"| {case} | {o:.2f} | {d:.2f} | {o / d:.2f} | {note} |")
+    load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
+    text = "\n".join([f"Load average (1/5/15 min) at the end of the run: {load} on {os.cpu_count()} cores", ""]
+                     + lines + ["", f"Loaded data identical between oarlock and DCP (per-rank checksums): {same}", "",
+                                "Checksum verification overhead (same run, same checkpoint):", ""] + ver + [""]
                      + mem + [""] + plan)
     print(text)
     if args.append_results:

@@ -8,7 +8,12 @@ back to HF, with ``oarlock convert``; side by side with the anchors of issue 5:
 Every step runs in its own process (peak RSS from ``wait4``), with the page cache warm (the input is read once
 before each step). Reports wall time and peak RSS per step and the ratios oarlock / anchor.
 
-Usage: ``.venv/bin/python benchmarks/convert_smollm2.py [--repeat 3] [--append-results]``
+The TP=3 -> HF step reads an oarlock checkpoint that records block checksums, which ``convert`` verifies first;
+it is also timed with ``--no-verify`` so the table shows what verification costs. The machine's load average
+is printed with the table.
+
+Usage: ``.venv/bin/python benchmarks/convert_smollm2.py [--repeat 3] [--quick] [--append-results]``
+(``--quick``: one run of each step, to check the script works; figures from a busy machine mean nothing.)
 """
 
 from __future__ import annotations
@@ -152,7 +157,10 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="runs per step; the fastest is reported")
     ap.add_argument("--cache", default=str(REPO / ".cache" / "tests"), help="where the HF conversion is cached")
     ap.add_argument("--append-results", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    ap.add_argument("--quick", action="store_true", help="one run per step (checks the script works)")
     args = ap.parse_args()
+    if args.quick:
+        args.repeat = 1
 
     env = dict(os.environ, PYTHONPATH=str(REPO / "src"), OARLOCK_PROGRESS="0")
     py = sys.executable
@@ -173,6 +181,8 @@ def main() -> None:
             "oarlock HF -> TP=3": (hf, cli + [str(hf), str(work / "tp3"), "--aoa", str(aoa), "--tp", "3"]),
             "oarlock TP=3 -> HF": (work / "tp3", cli + [str(work / "tp3"), str(work / "back"), "--aoa", str(aoa),
                                                         "--reverse"]),
+            "oarlock TP=3 -> HF no-verify": (work / "tp3", cli + [str(work / "tp3"), str(work / "back_nv"), "--aoa",
+                                                                  str(aoa), "--reverse", "--no-verify"]),
             "torch-only HF -> TP=3": (hf, torch_only + [str(hf), str(work / "t_tp3"), "to_tp",
                                                         str(hf / "config.json")]),
             "torch-only TP=3 -> HF": (work / "t_tp3", torch_only + [str(work / "t_tp3"), str(work / "t_back"),
@@ -206,7 +216,13 @@ def main() -> None:
         t_p, t_w, t_rss = best[f"torch-only {d}"]
         rows.append(f"| {d} | {o_w:.2f} | {o_p:.2f} | {o_rss:.0f} | {o_w / cp_t:.2f} | {t_w:.2f} | {t_p:.2f} | "
                     f"{t_rss:.0f} | {o_w / t_w:.2f} | {o_rss / t_rss:.2f} | {o_rss / mib:.2f} |")
+    nv = best["oarlock TP=3 -> HF no-verify"][1]
+    load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
     table = "\n".join([
+        f"Load average (1/5/15 min) at the end of the run: {load} on {os.cpu_count()} cores. Checksum verification "
+        f"of the TP=3 source: {best['oarlock TP=3 -> HF'][1]:.2f} s with, {nv:.2f} s without "
+        f"({best['oarlock TP=3 -> HF'][1] / nv:.2f}x).",
+        "",
         f"Model file {mib:.0f} MiB (fp32); `cp` of it: {cp_t:.2f} s. Best of {args.repeat} runs, page cache warm, "
         "each step in its own process. *work* = time after imports (the conversion itself), *process* = whole "
         "process including interpreter start and `import torch`; peak RSS includes the Python + torch runtime. "

@@ -156,7 +156,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
                                include=args.include, exclude=args.exclude, optimizer_state=keep_opt)
         out = export_hf(args.src, args.dst, aoa_config=config, max_shard_size=args.max_shard_size,
                         copy_side_files=not args.no_side_files, include=args.include, exclude=args.exclude,
-                        optimizer_state=keep_opt)
+                        optimizer_state=keep_opt, verify_checksums=not args.no_verify)
         files = sorted(p.name for p in out.iterdir() if p.suffix == ".safetensors")
         print(f"{args.dst}: HuggingFace checkpoint, {len(plan.keys)} tensors in {len(files)} safetensors file(s)")
         if plan.dropped_optimizer_keys:
@@ -165,7 +165,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     else:
         meta = convert_checkpoint(args.src, args.dst, aoa_config=config, tp=args.tp, pp=args.pp, dp=args.dp,
                                   tp_rules=args.tp_rules, copy_side_files=not args.no_side_files,
-                                  include=args.include, exclude=args.exclude, optimizer_state=keep_opt)
+                                  include=args.include, exclude=args.exclude, optimizer_state=keep_opt,
+                                  verify_checksums=not args.no_verify)
         print(f"{args.dst}: oarlock checkpoint, {len(meta.tensors)} tensors in {len(meta.files)} file(s) "
               f"(tp={args.tp} pp={args.pp} dp={args.dp})")
     return 0
@@ -298,6 +299,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="--to hf: also export optimizer state tensors (exp_avg, ...); by default an HF export "
                          "holds model weights only (--to oarlock keeps everything)")
     _add_filters(cv)
+    cv.add_argument("--no-verify", action="store_true",
+                    help="do not verify the source's block checksums first (oarlock sources record them)")
     cv.add_argument("--dry-run", action="store_true",
                     help="print the plan (keys, shapes, dtypes, bytes, split axes, files) and write nothing")
     cv.set_defaults(func=cmd_convert)

@@ -446,7 +446,8 @@ def side_files(source: str | os.PathLike) -> dict[str, Path]:
 def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike, *, aoa_config: Any = None,
               max_shard_size: int | str = "5GB", copy_side_files: bool = True,
               show_progress: bool | None = None, include: Sequence[str] | None = None,
-              exclude: Sequence[str] | None = None, optimizer_state: bool = False) -> Path:
+              exclude: Sequence[str] | None = None, optimizer_state: bool = False,
+              verify_checksums: bool = True) -> Path:
     """Export a checkpoint on disk (oarlock in any layout, Paddle, HF) to a HuggingFace directory:
     ``model.safetensors`` or ``model-0000i-of-0000N.safetensors`` + ``model.safetensors.index.json`` (files of at
     most ``max_shard_size`` bytes of tensor data, a larger tensor alone in its file).
@@ -460,7 +461,8 @@ def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike, *, aoa_conf
 
     Model weights only by default: optimizer state keys of a training checkpoint (see :func:`select_keys`) are
     left out unless ``optimizer_state=True``; ``include``/``exclude`` globs filter the destination keys. A
-    source with block checksums is verified whole first (:mod:`oarlock.checkpoint.integrity`).
+    source with block checksums is verified whole first (:mod:`oarlock.checkpoint.integrity`; ``verify_checksums=False``
+    skips it).
 
     Raises:
         CheckpointError: unreadable source (naming file and key), a bad AOA config, I/O errors (nothing is
@@ -474,7 +476,8 @@ def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike, *, aoa_conf
     out_dir = Path(out_dir)
     with staged_directory(out_dir) as tmp:
         with open_checkpoint(source) as reader, single_threaded_copies():
-            verify_all_blocks(reader)
+            if verify_checksums:
+                verify_all_blocks(reader)
             planner = Planner(reader.metadata, compile_program(reader.metadata, aoa_config))
             specs = {k.key: k for k in plan.keys}
             bar = _byte_bar(plan.total_bytes, show_progress)
@@ -586,7 +589,7 @@ def convert_checkpoint(source: str | os.PathLike, out_dir: str | os.PathLike, *,
                        tp_rules: str | Path | Mapping[str, int | None] | Sequence | None = None,
                        copy_side_files: bool = True, show_progress: bool | None = None,
                        include: Sequence[str] | None = None, exclude: Sequence[str] | None = None,
-                       optimizer_state: bool = True) -> CheckpointMetadata:
+                       optimizer_state: bool = True, verify_checksums: bool = True) -> CheckpointMetadata:
     """Write an oarlock checkpoint from any source, sharded as a job of ``tp * dp * pp`` ranks would save it
     (see the module docstring for rank order, TP rules and stage assignment), from this one process.
 
@@ -599,8 +602,8 @@ def convert_checkpoint(source: str | os.PathLike, out_dir: str | os.PathLike, *,
         tp_rules: see :func:`resolve_tp_rules`.
         include, exclude, optimizer_state: key filters, see :func:`select_keys` (default: every key).
 
-    A source with block checksums is verified whole before anything is written, and the output records its own
-    (:mod:`oarlock.checkpoint.integrity`).
+    A source with block checksums is verified whole before anything is written (unless ``verify_checksums`` is
+    False), and the output records its own (:mod:`oarlock.checkpoint.integrity`).
 
     Each rank's shard is read through the planner straight from the source's bytes and written before the next;
     memory holds one shard. Returns the written metadata (equal to what ``save_state_dict`` on those ranks
@@ -614,7 +617,8 @@ def convert_checkpoint(source: str | os.PathLike, out_dir: str | os.PathLike, *,
     layout = ParallelLayout(tp, pp, dp, tuple(resolve_tp_rules(tp_rules)))
     check_destination(out_dir)
     with open_checkpoint(source) as reader, single_threaded_copies():
-        verify_all_blocks(reader)  # a corrupt source must not turn into a valid-looking output
+        if verify_checksums:  # a corrupt source must not turn into a valid-looking output
+            verify_all_blocks(reader)
         program, axes = _program_for_layout(reader.metadata, aoa_config, layout)
         program, _ = select_keys(program, reader.metadata, include=include, exclude=exclude,
                                  optimizer_state=optimizer_state)
