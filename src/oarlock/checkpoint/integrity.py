@@ -111,6 +111,21 @@ def _digest(data: Any) -> str:
     return xxhash.xxh3_64_hexdigest(data)
 
 
+def _digest_block(fd: int, offset: int, nbytes: int) -> str:
+    """Hash ``nbytes`` of ``fd`` at ``offset`` (a multiple of the page size) through a mapping of just that block,
+    unmapped at once: no copy, and the resident set does not grow with the file."""
+    if nbytes == 0:
+        return _digest(b"")
+    try:
+        mm = mmap.mmap(fd, nbytes, access=mmap.ACCESS_READ, offset=offset)
+    except (OSError, ValueError):  # filesystems without mmap: read the block instead
+        return _digest(os.pread(fd, nbytes, offset))
+    try:
+        return _digest(mm)
+    finally:
+        mm.close()
+
+
 def file_checksums(path: str | Path, block_size: int = BLOCK_SIZE) -> dict[str, Any]:
     """Compute the record ``{"size", "blocks"}`` of an existing file (reads it whole)."""
     path = Path(path)
@@ -209,29 +224,13 @@ class BlockVerifier:
             if size != fc.size:
                 raise ChecksumError(f"{path}: file has {size} bytes, {fc.size} were written at save (truncated or "
                                     "overwritten)")
-            if size == 0:
-                return []
-            try:
-                mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-            except (OSError, ValueError):  # filesystems without mmap: read the blocks instead
-                mm = None
-            try:
-                view = memoryview(mm) if mm is not None else None
-                for b in todo:
-                    lo, hi = b * fc.block_size, min(size, (b + 1) * fc.block_size)
-                    data = view[lo:hi] if view is not None else os.pread(fh.fileno(), hi - lo, lo)
-                    if _digest(data) != fc.blocks[b]:
-                        bad.append(b)
-                    else:
-                        self.verified.add((file, b))
-                    self.bytes_verified += hi - lo
-                    if view is not None:
-                        data.release()
-                if view is not None:
-                    view.release()
-            finally:
-                if mm is not None:
-                    mm.close()
+            for b in todo:
+                lo, hi = b * fc.block_size, min(size, (b + 1) * fc.block_size)
+                if _digest_block(fh.fileno(), lo, hi - lo) != fc.blocks[b]:
+                    bad.append(b)
+                else:
+                    self.verified.add((file, b))
+                self.bytes_verified += hi - lo
         return bad
 
 
