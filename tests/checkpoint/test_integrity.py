@@ -184,3 +184,22 @@ def test_four_ranks_one_reads_the_corrupt_block_all_fail_alike(tmp_path):
     assert len(set(core)) == 1, core
     assert out[2]["error"][1] == core[0]  # the rank that read it names it; the others prefix "rank 2: "
     assert str(data) in core[0] and "key 'w'" in core[0] and f"(block {off // BLOCK_SIZE})" in core[0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned staging of device tensors)")
+def test_async_save_stages_cuda_tensors_in_pinned_memory(tmp_path):
+    from oarlock.checkpoint import async_save
+
+    g = torch.Generator().manual_seed(3)
+    ref = {"w": torch.randn(2048, 1024, generator=g), "b": torch.randn(1024, generator=g)}
+    dev = {k: v.cuda() for k, v in ref.items()}
+    for i in range(2):  # the second save reuses the pinned buffers
+        h = async_save(dev, tmp_path / f"ck{i}")
+        for v in dev.values():
+            v.mul_(3.0).add_(1.0)  # queued after the copies on the same stream: must not reach the file
+        assert h.pinned_bytes == sum(v.numel() * 4 for v in ref.values())
+        h.wait()
+        got = {k: torch.zeros_like(v) for k, v in ref.items()}
+        load_state_dict(got, tmp_path / f"ck{i}")
+        assert all(torch.equal(got[k], ref[k]) for k in ref)
+        ref = {k: v.cuda().mul(3.0).add(1.0).cpu() for k, v in ref.items()}

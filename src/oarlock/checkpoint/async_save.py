@@ -36,6 +36,7 @@ class AsyncSaveHandle:
 
     def __init__(self, path: str | os.PathLike):
         self.path = path
+        self.pinned_bytes = 0  # bytes of the snapshot staged in pinned memory (CUDA tensors)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
@@ -73,7 +74,8 @@ def _side_group(process_group: Any) -> Any:
 def async_save(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process_group: Any = None,
                save_replicas: bool = False) -> AsyncSaveHandle:
     """Save like :func:`~oarlock.checkpoint.api.save_state_dict`, returning as soon as the tensors this rank
-    writes are copied to CPU memory. Collective over ``process_group`` (the planning step, before returning).
+    writes are copied to CPU memory -- or, for CUDA tensors, as soon as their copies into reused pinned buffers are
+    queued (see :func:`stage`). Collective over ``process_group`` (the planning step, before returning).
 
     Args:
         state_dict, path, process_group, save_replicas: as for ``save_state_dict``.
@@ -88,14 +90,15 @@ def async_save(state_dict: Mapping[str, Any], path: str | os.PathLike, *, proces
     wait_pending()  # saves never overlap: the previous one commits first
     plan = prepare_save(state_dict, path, process_group, save_replicas)
     keys = {i[0] for i in plan.writes.get(plan.rank, [])}
-    with torch.no_grad():  # the snapshot: a CPU copy of only what this rank writes
-        snap = {sw.key: sw.local_tensor.detach().to("cpu", copy=True) for sw in plan.leaves.shards
-                if sw.key in keys}
+    snap, copied = stage({sw.key: sw.local_tensor for sw in plan.leaves.shards if sw.key in keys})
     group = _side_group(process_group) if DistWrapper(process_group).active else None
     handle = AsyncSaveHandle(path)
+    handle.pinned_bytes = sum(t.numel() * t.element_size() for t in snap.values() if t.is_pinned())
 
     def run() -> None:
         try:
+            for e in copied:
+                e.synchronize()  # the device-to-host copies have landed in the pinned buffers
             write_and_commit(plan, snap, group)
         except BaseException as e:  # re-raised by wait()
             handle._error = e
@@ -108,6 +111,42 @@ def async_save(state_dict: Mapping[str, Any], path: str | os.PathLike, *, proces
         handle._thread.start()
         _pending = handle
     return handle
+
+
+_pinned: dict[tuple, torch.Tensor] = {}  # (key, shape, dtype, device) -> pinned staging buffer, reused
+
+
+def stage(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[Any]]:
+    """The snapshot of an async save: CPU copies of ``tensors`` that later in-place updates do not reach.
+
+    CUDA tensors are copied with ``non_blocking=True`` into page-locked (pinned) buffers that are kept and reused
+    by the next save of the same key, shape and dtype (saves never overlap, so a buffer is free again by then);
+    the copies are queued on each tensor's current stream and this function returns without waiting for them:
+    kernels queued later on the same stream (an optimizer step) run after the copy. Work on other streams that
+    updates a saved tensor must synchronize with the current stream first. CPU tensors are cloned. Returns
+    ``(snapshot, events)``: one CUDA event per device involved (none without CUDA tensors); ``synchronize()`` on
+    each waits for the copies.
+    """
+    snap: dict[str, torch.Tensor] = {}
+    events: list[Any] = []
+    with torch.no_grad():
+        for k, t in tensors.items():
+            t = t.detach()
+            if t.device.type == "cuda":
+                ident = (k, tuple(t.shape), t.dtype, t.device)
+                buf = _pinned.get(ident)
+                if buf is None:
+                    buf = _pinned[ident] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                buf.copy_(t, non_blocking=True)
+                snap[k] = buf
+            else:
+                snap[k] = t.to("cpu", copy=True)
+        for dev in sorted({t.device.index or 0 for t in tensors.values() if t.device.type == "cuda"}):
+            with torch.cuda.device(dev):  # the copies were queued on each device's current stream
+                e = torch.cuda.Event()
+                e.record()
+                events.append(e)
+    return snap, events
 
 
 def wait_pending() -> None:
