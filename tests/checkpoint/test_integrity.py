@@ -203,3 +203,29 @@ def test_async_save_stages_cuda_tensors_in_pinned_memory(tmp_path):
         load_state_dict(got, tmp_path / f"ck{i}")
         assert all(torch.equal(got[k], ref[k]) for k in ref)
         ref = {k: v.cuda().mul(3.0).add(1.0).cpu() for k, v in ref.items()}
+
+
+def test_threaded_reads_equal_sequential_reads(tmp_path, monkeypatch):
+    import threading
+
+    from oarlock.checkpoint import executor
+
+    g = torch.Generator().manual_seed(5)
+    sd = {f"w{i}": torch.randn(64, 96, generator=g) for i in range(6)}
+    save_state_dict(sd, tmp_path / "ck")
+    monkeypatch.setattr(executor, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setenv("OARLOCK_IO_THREADS", "3")
+    threads = []
+    real = executor.execute_items
+
+    def spy(*a):
+        threads.append(threading.current_thread().name)
+        return real(*a)
+
+    monkeypatch.setattr(executor, "execute_items", spy)
+    # parameters (requires_grad: the reader threads must not track the copies), resharded to column halves
+    params = {k: torch.nn.Parameter(torch.zeros(64, 48)) for k in sd}
+    load_state_dict({k: ShardedWeight(k, p, (64, 48), (64, 96), (0, 48)) for k, p in params.items()},
+                    tmp_path / "ck")
+    assert all(torch.equal(params[k].detach(), sd[k][:, 48:]) for k in params)
+    assert threads and all(t.startswith("oarlock-read") for t in threads)  # read on the pool, not the caller
