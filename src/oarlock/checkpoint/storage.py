@@ -33,6 +33,7 @@ from typing import Iterator
 from oarlock.checkpoint.dist import DistWrapper
 from oarlock.checkpoint.errors import CheckpointFormatError
 from oarlock.checkpoint.formats import load_formats
+from oarlock.checkpoint.formats.huggingface import HF_INDEX, HF_SINGLE, PADDLE_HF_CACHE
 from oarlock.checkpoint.metadata import METADATA_FILE, CheckpointMetadata
 from oarlock.checkpoint.reader import CheckpointReader
 from oarlock.checkpoint.safetensors_io import (SafetensorsFile, contiguous_run, np_prod, safetensors_header,
@@ -40,7 +41,8 @@ from oarlock.checkpoint.safetensors_io import (SafetensorsFile, contiguous_run, 
 
 __all__ = ["CheckpointReader", "SafetensorsFile", "View", "contiguous_run", "detect_format", "fsync_dir",
            "gather_view", "np_prod", "open_checkpoint", "publish_directory", "read_metadata", "safetensors_header",
-           "staged_directory", "staging_path", "write_safetensors", "INCOMPLETE_MARKER"]
+           "staged_directory", "staging_path", "write_safetensors", "HF_INDEX", "HF_SINGLE", "INCOMPLETE_MARKER",
+           "PADDLE_HF_CACHE"]
 
 INCOMPLETE_MARKER = ".oarlock-incomplete"  # present in a save's temporary directory until it is committed
 
