@@ -197,16 +197,18 @@ def fsync_dir(path: str | Path) -> None:
         os.close(fd)
 
 
-def publish_directory(tmp: Path, final: Path, metadata: CheckpointMetadata | None = None) -> None:
+def publish_directory(tmp: Path, final: Path, metadata: CheckpointMetadata | None = None, *,
+                      fsync_files: bool = True) -> None:
     """The commit step of every writer (save, convert, HF export): make the fully written directory ``tmp``
-    appear as ``final`` in one rename. Files in ``tmp`` are fsynced first.
+    appear as ``final`` in one rename. With ``fsync_files`` the files in ``tmp`` are fsynced first (a save
+    passes False: each rank fsynced its own data file, and rank 0 need not touch the others').
 
     With ``metadata``, first write ``metadata.json`` (via a ``.part`` file, fsync, rename) and remove the
     incomplete-marker. An existing ``final`` is replaced only now that the new directory is complete: it is
     moved aside, the new one renamed in, then the old one removed; a crash at any point leaves either the old
     or the new complete directory at ``final`` (plus hidden leftovers), never a partial one.
     """
-    for f in tmp.iterdir():
+    for f in tmp.iterdir() if fsync_files else ():
         if f.is_file():
             with open(f, "rb") as fh:  # files written without fsync (side files, an index)
                 os.fsync(fh.fileno())
