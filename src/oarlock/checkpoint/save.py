@@ -202,7 +202,8 @@ def write_and_commit(plan: SavePlan, local: dict[str, torch.Tensor], process_gro
             files = {f: r for rec in records for f, r in rec.items()}
             publish_directory(tmp, plan.path, CheckpointMetadata("oarlock", tensors=plan.tensors, objects=objects,
                                                                  nested=nested,
-                                                                 extra={CHECKSUMS_KEY: make_record(files)}))
+                                                                 extra={CHECKSUMS_KEY: make_record(files)}),
+                              fsync_files=False)
 
     try:
         records = dist.gather(write)
