@@ -32,3 +32,41 @@ def run(rank: int, world: int, port: int, root: str) -> None:
         (Path(root) / f"rank{rank}.json").write_text(json.dumps(out))
     finally:
         dist.destroy_process_group()
+
+
+def manager_run(rank: int, world: int, port: int, root: str) -> None:
+    """Two ranks: sharded rows + a per-rank RNG through CheckpointManager (sync and async saves, keep_last=2),
+    then a fresh manager resumes each rank's own rows and RNG stream."""
+    import random
+
+    from oarlock.checkpoint import CheckpointManager, RNGState
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    out: dict = {"rank": rank}
+    try:
+        n = 4
+        torch.manual_seed(100 + rank)
+        random.seed(100 + rank)
+        m = CheckpointManager(Path(root) / "ck", keep_last=2)
+        for step in (1, 2, 3):
+            local = torch.full((n, 3), float(10 * step + rank))
+            sw = ShardedWeight("w", local, (n, 3), (n * world, 3), (rank * n, 0))
+            m.save(step, {"w": sw, "rng": RNGState(), "step": step}, async_save=step == 3)
+        m.wait()
+        out["expect_torch"] = torch.rand(3).tolist()  # the streams right after the last save
+        out["expect_py"] = random.random()
+        torch.manual_seed(0)
+        random.seed(0)
+        got = torch.zeros(n, 3)
+        state = {"w": ShardedWeight("w", got, (n, 3), (n * world, 3), (rank * n, 0)), "rng": RNGState(), "step": None}
+        out["step"] = CheckpointManager(Path(root) / "ck", keep_last=2).load_latest(state)
+        out["rows_ok"] = bool((got == float(30 + rank)).all())
+        out["torch"] = torch.rand(3).tolist()
+        out["py"] = random.random()
+        out["loaded_step"] = state["step"]
+    except Exception as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        (Path(root) / f"mgr{rank}.json").write_text(json.dumps(out))
+        dist.destroy_process_group()

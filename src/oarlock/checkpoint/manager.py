@@ -377,15 +377,14 @@ class CheckpointManager:
         ``strict`` and ``load_kwargs`` (``aoa_config``, ``comm_method``, ...) go to
         :func:`~oarlock.checkpoint.load_state_dict`.
 
+        The step is the one rank 0 sees as the latest (every rank loads the same step).
+
         Raises:
-            CheckpointError: what ``load_state_dict`` raises; ranks disagreeing on the latest step.
+            CheckpointError: what ``load_state_dict`` raises (a rank that cannot see the step directory included).
         """
-        self.wait()
-        step = self.latest()
-        steps = DistWrapper(self.process_group).all_gather_object(step)
-        if len(set(steps)) != 1:
-            raise CheckpointError(f"{self.root}: ranks see different latest steps {steps}; the root must be one "
-                                  "shared directory")
+        self.wait()  # on rank 0 this includes replacing the pointer of an async save
+        dist = DistWrapper(self.process_group)
+        step = dist.broadcast_object(self.latest() if dist.is_coordinator else None)  # rank 0's view decides
         if step is None:
             return None
         self.load(step, state, strict=strict, **load_kwargs)
