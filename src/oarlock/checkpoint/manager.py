@@ -21,10 +21,10 @@ highest committed step directory (the pointer of a first save may not exist yet)
 
 Values of the saved ``state`` may be anything ``save_state_dict`` takes (tensors, DTensors, ShardedWeights, JSON
 values, nested dicts) and also *stateful objects*: anything with ``state_dict()`` and ``load_state_dict()`` (LR
-schedulers, a data loader's position, :class:`RNGState`, :class:`OptimizerState`). Their ``state_dict()`` is saved in their place and,
-on load, given back to their ``load_state_dict()``. Objects whose state differs per rank (random generators, a
+schedulers, a data loader's position, :class:`RNGState`, :class:`OptimizerState`). Their ``state_dict()`` is
+saved in their place and, on load, given back to their ``load_state_dict()``. Objects whose state differs per rank (random generators, a
 rank's data position) set ``rank_local = True`` or are wrapped in :class:`RankLocal`; they are stored once per
-rank under ``<key>.rank<r>`` and resume only with the same number of ranks.
+rank under ``<key>.rank<r>`` (``r`` zero-padded to 5 digits) and resume only with the same number of ranks.
 """
 
 from __future__ import annotations
@@ -42,9 +42,13 @@ from typing import Any, Mapping
 
 import torch
 
+from oarlock.checkpoint.api import load_state_dict, save_state_dict
 from oarlock.checkpoint.dist import DistWrapper
 from oarlock.checkpoint.errors import CheckpointError
-from oarlock.checkpoint.metadata import METADATA_FILE
+from oarlock.checkpoint.metadata import ALGORITHM_KEY, METADATA_FILE, PARAM_GROUPS_KEY
+from oarlock.checkpoint.optim import (HYPERPARAMETERS, OptimizerStateError, optimizer_algorithm,
+                                      sharded_optimizer_state_dict)
+from oarlock.checkpoint.storage import INCOMPLETE_MARKER, fsync_dir
 
 LATEST_FILE = "latest"
 #: Environment variable naming a protocol point (see :data:`CRASH_POINTS`) at which the process SIGKILLs itself:
@@ -65,7 +69,8 @@ def _is_stateful(v: Any) -> bool:
 
 class RankLocal:
     """Marks a stateful object whose state differs on every rank (e.g. a per-rank data-loader position): the
-    manager saves one copy per rank (under ``<key>.rank<r>``) and restores each rank's own."""
+    manager saves one copy per rank (under ``<key>.rank00000``, ``<key>.rank00001``, ...) and restores each rank's
+    own."""
 
     rank_local = True
 
@@ -102,15 +107,10 @@ class OptimizerState:
         self.model_sharded_state_dict = model_sharded_state_dict
 
     def state_dict(self) -> dict[str, Any]:
-        from oarlock.checkpoint.optim import sharded_optimizer_state_dict
-
         return sharded_optimizer_state_dict(self.optimizer, self.model_sharded_state_dict)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Apply the loaded hyper-parameters (the state tensors were loaded in place, aliasing the optimizer's)."""
-        from oarlock.checkpoint.optim import (ALGORITHM_KEY, HYPERPARAMETERS, PARAM_GROUPS_KEY, OptimizerStateError,
-                                              optimizer_algorithm)
-
         alg, groups = state.get(ALGORITHM_KEY), state.get(PARAM_GROUPS_KEY)
         if alg is not None and alg != optimizer_algorithm(self.optimizer):
             raise OptimizerStateError(f"optimizer state was saved by {alg}, this optimizer is "
@@ -234,8 +234,6 @@ class CheckpointManager:
 
     @staticmethod
     def _committed(p: Path) -> bool:
-        from oarlock.checkpoint.storage import INCOMPLETE_MARKER
-
         return p.is_dir() and (p / METADATA_FILE).is_file() and not (p / INCOMPLETE_MARKER).exists()
 
     def latest(self) -> int | None:
@@ -282,8 +280,6 @@ class CheckpointManager:
             CheckpointError: what :func:`~oarlock.checkpoint.save_state_dict` raises (on every rank alike), a
                 negative step, or the failure of the previous async save.
         """
-        from oarlock.checkpoint.api import save_state_dict
-
         if int(step) < 0:
             raise CheckpointError(f"step must be >= 0, got {step}")
         self.wait()
@@ -324,8 +320,6 @@ class CheckpointManager:
         """Rank 0: replace the pointer atomically, then delete steps beyond ``keep_last``."""
         if not DistWrapper(self.process_group).is_coordinator:
             return
-        from oarlock.checkpoint.storage import fsync_dir
-
         tmp = self.root / f".{LATEST_FILE}.tmp-{uuid.uuid4().hex[:12]}"
         with open(tmp, "w") as f:
             f.write(self.path(step).name + "\n")
@@ -392,8 +386,6 @@ class CheckpointManager:
 
     def load(self, step: int, state: Mapping[str, Any], *, strict: bool = True, **load_kwargs: Any) -> None:
         """Load step ``step`` into ``state`` (see :meth:`load_latest`)."""
-        from oarlock.checkpoint.api import load_state_dict
-
         request, stateful = self._load_request(state)
         load_state_dict(request, self.path(step), process_group=self.process_group, strict=strict, **load_kwargs)
         for k, (obj, rank_key) in stateful.items():

@@ -149,7 +149,8 @@ class CheckpointMetadata:
     def filtered(self, include: Sequence[str] | None = None, exclude: Sequence[str] | None = None
                  ) -> "CheckpointMetadata":
         """A copy holding only the tensors and objects whose keys :func:`key_selected` keeps."""
-        return CheckpointMetadata(self.format, {k: t for k, t in self.tensors.items() if key_selected(k, include, exclude)},
+        keep = {k: t for k, t in self.tensors.items() if key_selected(k, include, exclude)}
+        return CheckpointMetadata(self.format, keep,
                                   {k: v for k, v in self.objects.items() if key_selected(k, include, exclude)},
                                   dict(self.nested), dict(self.extra))
 
