@@ -229,3 +229,20 @@ def test_threaded_reads_equal_sequential_reads(tmp_path, monkeypatch):
                     tmp_path / "ck")
     assert all(torch.equal(params[k].detach(), sd[k][:, 48:]) for k in params)
     assert threads and all(t.startswith("oarlock-read") for t in threads)  # read on the pool, not the caller
+
+
+@pytest.mark.parametrize("data_format", ["distcp", "safetensors"])
+def test_verify_paddle_structure(tmp_path, data_format, capsys):
+    import numpy as np
+
+    from test_inspect import write_paddle_checkpoint
+
+    tensors = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.arange(5, dtype=np.int64)}
+    write_paddle_checkpoint(tmp_path, tensors, data_format)
+    assert main(["verify", str(tmp_path), "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["format"] == "paddle" and rep["checksums"] is False and rep["files_checked"] == 1
+    data = tmp_path / f"0_0.{data_format}"
+    data.write_bytes(data.read_bytes()[: len(data.read_bytes()) // 2])  # truncated data file
+    assert main(["verify", str(tmp_path)]) == 1
+    assert f"0_0.{data_format}" in capsys.readouterr().out
