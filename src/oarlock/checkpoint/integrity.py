@@ -19,13 +19,19 @@ from __future__ import annotations
 import json
 import mmap
 import os
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+import xxhash
+
 from oarlock.checkpoint.errors import CheckpointError, CheckpointFormatError
+from oarlock.checkpoint.executor import io_threads
 from oarlock.checkpoint.metadata import METADATA_FILE
+from oarlock.checkpoint.plan import KeyIndex
 from oarlock.checkpoint.safetensors_io import read_header
+from oarlock.checkpoint.storage import detect_format, open_checkpoint
 from oarlock.utils import dtype_itemsize
 
 ALGORITHM = "xxh3_64"
@@ -38,8 +44,6 @@ class ChecksumError(CheckpointFormatError):
 
 
 def _hasher():
-    import xxhash
-
     return xxhash.xxh3_64()
 
 
@@ -106,8 +110,6 @@ def _hash_range(fd: int, start: int, end: int, block_size: int, path: Path) -> l
 
 
 def _digest(data: Any) -> str:
-    import xxhash
-
     return xxhash.xxh3_64_hexdigest(data)
 
 
@@ -224,13 +226,24 @@ class BlockVerifier:
             if size != fc.size:
                 raise ChecksumError(f"{path}: file has {size} bytes, {fc.size} were written at save (truncated or "
                                     "overwritten)")
-            for b in todo:
+            fd = fh.fileno()
+
+            def check(b: int) -> bool:
                 lo, hi = b * fc.block_size, min(size, (b + 1) * fc.block_size)
-                if _digest_block(fh.fileno(), lo, hi - lo) != fc.blocks[b]:
-                    bad.append(b)
-                else:
+                return _digest_block(fd, lo, hi - lo) == fc.blocks[b]
+
+            n = io_threads()
+            if n > 1 and len(todo) > 2:  # xxhash releases the GIL on large inputs: blocks hash in parallel
+                with ThreadPoolExecutor(max_workers=min(n, len(todo)), thread_name_prefix="oarlock-hash") as pool:
+                    ok = list(pool.map(check, todo))
+            else:
+                ok = [check(b) for b in todo]
+            for b, good in zip(todo, ok):
+                if good:
                     self.verified.add((file, b))
-                self.bytes_verified += hi - lo
+                else:
+                    bad.append(b)
+                self.bytes_verified += min(size, (b + 1) * fc.block_size) - b * fc.block_size
         return bad
 
 
@@ -441,8 +454,6 @@ class VerifyReport:
         return not self.problems
 
     def to_json(self) -> dict[str, Any]:
-        from dataclasses import asdict
-
         d = asdict(self)
         d["intact"] = self.intact
         return d
@@ -460,8 +471,6 @@ def _check_structure(reader: Any, rep: VerifyReport) -> None:
     """Checks that need no checksums: every key's shards tile its box, every data file opens with a valid header
     (offsets inside the file, sizes matching shapes and dtypes), and holds each shard the metadata names with
     the metadata's dtype and element count."""
-    from oarlock.checkpoint.plan import KeyIndex
-
     for t in reader.metadata.tensors.values():
         try:
             KeyIndex(t)
@@ -525,19 +534,15 @@ def _hash_file(reader: Any, fc: FileChecksums) -> tuple[list[Problem], int]:
     return out, v.bytes_verified
 
 
-def verify_checkpoint(path: str | Path, *, workers: int | None = None) -> VerifyReport:
-    """Check a checkpoint on disk without loading it (``oarlock verify``): its structure (see
-    :func:`_check_structure`) and, when block checksums are recorded, every block of every data file (files hashed
-    in parallel by ``workers`` threads, default ``min(4, cpus)``). Data files the metadata does not name are
-    not opened.
+def verify_checkpoint(path: str | Path) -> VerifyReport:
+    """Check a checkpoint on disk without loading it (``oarlock verify``): its structure (headers, offsets, sizes,
+    the shards the metadata names, coverage of every key) and, when block checksums are recorded, every block of
+    every data file (hashed in parallel on ``OARLOCK_IO_THREADS`` threads, default ``min(4, CPUs)``). Data files
+    the metadata does not name are not opened.
 
     Raises:
         CheckpointFormatError: ``path`` is not a checkpoint (no format detected) -- bad input, not corruption.
     """
-    from concurrent.futures import ThreadPoolExecutor
-
-    from oarlock.checkpoint.storage import detect_format, open_checkpoint
-
     fmt = detect_format(path)
     try:
         reader = open_checkpoint(path)
@@ -552,10 +557,9 @@ def verify_checkpoint(path: str | Path, *, workers: int | None = None) -> Verify
             missing = set(reader.metadata.files) - set(sums)
             for f in sorted(missing):
                 rep.problems.append(Problem(f, "data file has no recorded checksums", []))
-            n = workers or min(4, os.cpu_count() or 1)
-            with ThreadPoolExecutor(max_workers=max(1, n)) as pool:
-                for probs, nbytes in pool.map(lambda fc: _hash_file(reader, fc), [sums[f] for f in sorted(sums)]):
-                    rep.problems.extend(probs)
-                    rep.bytes_hashed += nbytes
+            for f in sorted(sums):  # the blocks of each file are hashed in parallel (BlockVerifier)
+                probs, nbytes = _hash_file(reader, sums[f])
+                rep.problems.extend(probs)
+                rep.bytes_hashed += nbytes
         _check_structure(reader, rep)
     return rep
