@@ -409,12 +409,15 @@ def read_destination(reader: CheckpointReader, planner: Planner, key: str, *, of
 
 
 def iter_full_tensors(source: str | os.PathLike, aoa_config: Any = None, *, include: Sequence[str] | None = None,
-                      exclude: Sequence[str] | None = None, optimizer_state: bool = True
-                      ) -> Iterator[tuple[str, torch.Tensor]]:
+                      exclude: Sequence[str] | None = None, optimizer_state: bool = True,
+                      verify_checksums: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(key, full_tensor)`` for every destination key of a checkpoint on disk (any format), one at a time,
     through ``aoa_config`` when given (e.g. a reverse config), filtered as :func:`select_keys` says. The offline
-    twin of :func:`~oarlock.checkpoint.full.full_state_dict`."""
+    twin of :func:`~oarlock.checkpoint.full.full_state_dict`. A source with block checksums is verified whole
+    before the first tensor is yielded (ChecksumError on a corrupt block)."""
     with open_checkpoint(source) as reader:
+        if verify_checksums:
+            verify_all_blocks(reader)
         program, _ = select_keys(compile_program(reader.metadata, aoa_config), reader.metadata, include=include,
                                  exclude=exclude, optimizer_state=optimizer_state)
         planner = Planner(reader.metadata, program)
