@@ -124,6 +124,9 @@ def test_objects_and_nan(tmp_path):
     assert rep.equal_keys == 1 and rep.objects_changed == ["step"] and not rep.equal
     d = compare_tensors("w", torch.tensor([1.0, float("nan"), 0.0]), torch.tensor([1.0, 2.0, 0.0]))
     assert d.num_different == 1 and d.max_abs_diff == float("inf")
+    big = torch.tensor([2**60, 5], dtype=torch.int64)
+    d = compare_tensors("i", big, big + torch.tensor([1, 0]))  # beyond float64's exact integers
+    assert d.num_different == 1 and d.max_abs_diff == 1.0
     d = compare_tensors("w", torch.tensor([-0.0, 2.0]), torch.tensor([0.0, 0.0]))
     assert d.num_different == 1 and d.max_abs_diff == 2.0 and d.max_rel_diff == float("inf")
 

@@ -6,8 +6,9 @@ one key at a time, so memory holds one tensor of each side. Keys are compared in
 
 Element semantics (``numpy.isclose``'s): elements ``a`` (from A) and ``b`` (from B) differ when
 ``|a - b| > atol + rtol * |b|``, computed in float64 (complex: on the modulus of the difference); NaNs at the
-same position count as equal, a NaN against a number differs; with the default ``rtol = atol = 0`` this is
-exact equality (``-0.0 == 0.0``). The relative difference of an element is ``|a - b| / |b|`` (infinite where
+same position count as equal, a NaN against a number differs. With the default ``rtol = atol = 0`` and equal
+dtypes the comparison is exact equality in the stored dtype (``-0.0 == 0.0``; int64 values beyond 2**53
+compared exactly); the reported differences are then computed in float64. The relative difference of an element is ``|a - b| / |b|`` (infinite where
 ``b == 0`` and ``a != 0``).
 """
 
@@ -23,6 +24,7 @@ import torch
 
 from oarlock.checkpoint.integrity import equal_by_checksum
 from oarlock.checkpoint.metadata import CheckpointMetadata, key_selected
+from oarlock.utils import dtype_name
 
 
 _CHUNK = 1 << 22  # elements compared at once
@@ -129,8 +131,6 @@ class DiffReport:
 def compare_tensors(key: str, a: torch.Tensor, b: torch.Tensor, *, rtol: float = 0.0, atol: float = 0.0) -> KeyDiff:
     """Compare two whole tensors (see the module docstring for the semantics). Returns a :class:`KeyDiff` whose
     ``num_different`` is 0 (and shapes and dtypes equal) when they are equal."""
-    from oarlock.utils import dtype_name
-
     d = KeyDiff(key, list(a.shape), list(b.shape), dtype_name(a.dtype), dtype_name(b.dtype))
     if a.shape != b.shape:
         return d
@@ -138,23 +138,32 @@ def compare_tensors(key: str, a: torch.Tensor, b: torch.Tensor, *, rtol: float =
     if d.numel == 0:
         return d
     wide = torch.complex128 if (a.is_complex() or b.is_complex()) else torch.float64
-    # row chunks bound the float64 working copies to ~64 MiB whatever the tensor's size
+    exact = a.dtype == b.dtype and not rtol and not atol
     fa, fb = a.reshape(-1), b.reshape(-1)
-    step = _CHUNK
-    for s in range(0, d.numel, step):
-        x, y = fa[s:s + step].to(wide), fb[s:s + step].to(wide)
-        diff = (x - y).abs()
-        both_nan = torch.isnan(x.abs()) & torch.isnan(y.abs())
-        diff = torch.where(both_nan, torch.zeros_like(diff), diff)
-        diff = torch.nan_to_num(diff, nan=math.inf, posinf=math.inf)  # NaN against a number
-        bad = diff > atol + rtol * y.abs()
+    for s in range(0, d.numel, _CHUNK):  # chunks bound the float64 working copies whatever the tensor's size
+        x, y = fa[s:s + _CHUNK], fb[s:s + _CHUNK]
+        if exact:  # compared in their own dtype: no rounding of large integers
+            bad = x != y
+            if x.is_floating_point() or x.is_complex():
+                bad &= ~(torch.isnan(x) & torch.isnan(y))
+            xb, yb = x[bad].to(wide), y[bad].to(wide)
+            if x.dtype.is_floating_point or x.is_complex() or x.dtype == torch.bool:
+                diff = (xb - yb).abs()
+            else:  # integers: subtract exactly, then widen
+                diff = (x[bad].long() - y[bad].long()).abs().to(wide)
+        else:
+            xw, yw = x.to(wide), y.to(wide)
+            diff = (xw - yw).abs()
+            diff = torch.where(torch.isnan(xw) & torch.isnan(yw), torch.zeros_like(diff), diff)
+            diff = torch.nan_to_num(diff, nan=math.inf, posinf=math.inf)  # NaN against a number
+            bad = diff > atol + rtol * yw.abs()
+            diff, yb = diff[bad], yw[bad]
         nbad = int(bad.sum())
         if nbad:
+            diff = torch.nan_to_num(diff.real if diff.is_complex() else diff, nan=math.inf, posinf=math.inf)
             d.num_different += nbad
-            d.max_abs_diff = max(d.max_abs_diff, float(diff[bad].max()))
-            with torch.no_grad():
-                rel = diff[bad] / y.abs()[bad]
-            rel = torch.nan_to_num(rel, nan=math.inf, posinf=math.inf)
+            d.max_abs_diff = max(d.max_abs_diff, float(diff.max()))
+            rel = torch.nan_to_num(diff / yb.abs(), nan=math.inf, posinf=math.inf)
             d.max_rel_diff = max(d.max_rel_diff, float(rel.max()))
     return d
 
