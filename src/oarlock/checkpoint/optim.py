@@ -339,10 +339,10 @@ def load_sharded_optimizer_state_dict(optimizer: Any, model_sharded_state_dict: 
         restore_hyperparameters: replace the optimizer's hyper-parameters (lr, betas, ...) with the saved ones;
             by default the optimizer's own values are kept. Either way a difference raises an
             :class:`OptimizerHyperparameterWarning` listing saved and current values.
-        strict: raise when the checkpoint holds tensors this load does not take: with ``load_model``, any stored
-            tensor not requested (a 2-layer model never loads silently from a 30-layer checkpoint); without it,
-            optimizer state tensors of parameters this optimizer does not have (the model's weights are
-            ignored). JSON objects saved beside (a step counter) never count. Checked before anything is written
+        strict: raise when the checkpoint holds tensors this load does not take (over the union of every rank's
+            request, as pipeline stages load together): with ``load_model``, any stored tensor not requested (a
+            2-layer model never loads silently from a 30-layer checkpoint); without it, optimizer state tensors of
+            parameters this optimizer does not have (the model's weights are ignored). JSON objects saved beside (a step counter) never count. Checked before anything is written
             when no ``aoa_config`` is given; with AOA, after the load.
 
     Returns:
@@ -376,12 +376,18 @@ def load_sharded_optimizer_state_dict(optimizer: Any, model_sharded_state_dict: 
             if missing:
                 raise OptimizerStateError(_missing_message(missing, b.algorithm, path))
             if strict:
-                taken = set(b.shards)
-                if load_model:
-                    taken.update(sw.key for sw in collect_leaves(model_sharded_state_dict).shards)
                 _check_untaken([k for k in meta.tensors if k not in taken], meta, load_model, path)
         return meta
 
+    taken: set[str] = set()
+    if strict and aoa_config is None:  # judged over the union of the group's requests (pipeline stages...)
+        def mine() -> list[str]:
+            keys = set(b.shards)
+            if load_model:
+                keys.update(sw.key for sw in collect_leaves(model_sharded_state_dict).shards)
+            return sorted(keys)
+
+        taken = {k for keys in dist.gather(mine) for k in keys}
     meta = dist.run(check)
     saved_groups = meta.objects.get(PARAM_GROUPS_KEY)
 
