@@ -91,7 +91,7 @@ def _headless(chrome: str, *args: str) -> subprocess.CompletedProcess:
 def test_html_is_self_contained_and_renders_in_chromium(tmp_path):
     dump, _, _ = _capture_step(tmp_path)
     page = tmp_path / "g.html"
-    text = od.render_html(dump, page)
+    text = od.render_graph_html(dump, page)
     assert "<script" not in text and "<link" not in text
     assert re.findall(r"https?://[^\"' ]+", text) == ["http://www.w3.org/2000/svg"] * 2  # only SVG's namespace
     chrome = _chromium()

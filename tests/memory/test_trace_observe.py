@@ -14,7 +14,7 @@ import torch
 
 from oarlock.cli import main
 from oarlock.memory import (MoEConfig, TraceFormatError, UnsafeTraceError, load_trace, memory_summary,
-                            render_html, render_png, synthesize_moe, trace_from_ops, trace_region)
+                            render_memory_html, render_png, synthesize_moe, trace_from_ops, trace_region)
 from oarlock.memory.trace import trace_from_chrome
 
 REPO = Path(__file__).resolve().parents[2]
@@ -162,7 +162,7 @@ def _chromium() -> str:
 
 def test_html_view_renders_in_headless_chromium(tmp_path):
     tr = synthesize_moe(**SMALL)
-    page = render_html(tr, tmp_path / "v.html")
+    page = render_memory_html(tr, tmp_path / "v.html")
     text = page.read_text()
     assert "http://" not in text.replace("http://www.w3.org/2000/svg", "") and "https://" not in text
     expected = len(tr.peak_blocks())  # live allocations at the first peak, counted from the events

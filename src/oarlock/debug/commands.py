@@ -22,12 +22,12 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 def cmd_render(args: argparse.Namespace) -> int:
     from oarlock.debug.dump import load_dump
-    from oarlock.debug.graph import backward_dot, forward_dot, render_html
+    from oarlock.debug.graph import backward_dot, forward_dot, render_graph_html
 
     dump = load_dump(args.dump)
     out = Path(args.output) if args.output else dump.path.with_suffix(".html")
     out.parent.mkdir(parents=True, exist_ok=True)
-    render_html(dump, out)
+    render_graph_html(dump, out)
     written = [out]
     if args.dot:
         base = out.with_suffix("")

@@ -222,7 +222,7 @@ def _svg(title: str, items: list[dict], edges: list[tuple[str, str, str]]) -> st
     return "\n".join(out)
 
 
-def render_html(dump: Dump | str | os.PathLike, out: str | os.PathLike | None = None) -> str:
+def render_graph_html(dump: Dump | str | os.PathLike, out: str | os.PathLike | None = None) -> str:
     """A self-contained HTML page (inline SVG, no scripts, no network) with the forward and the backward
     graph of a dump. Writes it to ``out`` when given; returns the HTML text."""
     d = _as_dump(dump)
@@ -249,3 +249,6 @@ style="background:{_COLORS['acc']}">AccumulateGrad</span><span style="background
     if out is not None:
         Path(out).write_text(page, encoding="utf-8")
     return page
+
+
+render_html = render_graph_html  # the former name, kept for compatibility

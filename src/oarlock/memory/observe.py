@@ -6,7 +6,7 @@
 * :func:`memory_summary` prints Paddle-style tables (its ``memory_summary``: global snapshot, per-pool block
   statistics with the composite Frag Ratio, 12-bucket block-size distribution) for a trace replayed through
   an allocator model, or for a model directly.
-* :func:`render_html` writes one self-contained page (inline SVG drawn by inline JavaScript, no CDN): live
+* :func:`render_memory_html` writes one self-contained page (inline SVG drawn by inline JavaScript, no CDN): live
   bytes over time, the blocks live at the peak by address, and the largest allocations with their Python
   frames. :func:`render_png` draws the same three panels with matplotlib.
 """
@@ -283,7 +283,7 @@ document.getElementById("meta").textContent = D.source + ": " + D.events + " eve
 """
 
 
-def render_html(trace: Trace, path: str | Path, top: int = 20) -> Path:
+def render_memory_html(trace: Trace, path: str | Path, top: int = 20) -> Path:
     """Write the self-contained HTML view of ``trace`` to ``path`` (no network access needed to view it).
 
     The page holds its data as inline JSON and draws, with inline JavaScript, one ``<rect class="block">``
@@ -337,3 +337,6 @@ def render_png(trace: Trace, path: str | Path, top: int = 10) -> Path:
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
+
+
+render_html = render_memory_html  # the former name, kept for compatibility
