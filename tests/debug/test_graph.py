@@ -1,8 +1,6 @@
 """DOT output parses with pydot and matches the real autograd graph; the HTML renders in headless Chromium."""
 
 import re
-import subprocess
-import tempfile
 from pathlib import Path
 
 import pydot
@@ -72,37 +70,20 @@ def test_forward_and_backward_dot_parse_and_match(tmp_path):
     assert [e.get_label().strip('"') for e in into] == ["float32[16, 16]"]
 
 
-def _chromium() -> str:
-    r = subprocess.run(["bash", str(REPO / "scripts" / "chromium.sh")], capture_output=True, text=True,
-                       timeout=900)
-    if r.returncode != 0:
-        pytest.skip(r.stdout.strip() or r.stderr.strip() or "scripts/chromium.sh failed")
-    return r.stdout.strip().splitlines()[-1]
-
-
-def _headless(chrome: str, *args: str) -> subprocess.CompletedProcess:
-    with tempfile.TemporaryDirectory() as profile:
-        return subprocess.run([chrome, "--headless", "--no-sandbox", "--disable-gpu",
-                               "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                               "--no-first-run", f"--user-data-dir={profile}", *args],
-                              capture_output=True, text=True, timeout=120)
-
-
-def test_html_is_self_contained_and_renders_in_chromium(tmp_path):
+def test_html_is_self_contained_and_renders_in_chromium(tmp_path, headless_chromium):
     dump, _, _ = _capture_step(tmp_path)
     page = tmp_path / "g.html"
     text = od.render_graph_html(dump, page)
     assert "<script" not in text and "<link" not in text
     assert re.findall(r"https?://[^\"' ]+", text) == ["http://www.w3.org/2000/svg"] * 2  # only SVG's namespace
-    chrome = _chromium()
-    r = _headless(chrome, "--dump-dom", page.as_uri())
+    r = headless_chromium("--dump-dom", page.as_uri())
     assert r.returncode == 0, r.stderr[-2000:]
     dom = r.stdout
     assert dom.count('<g class="op"') == len(dump.forward_ops())
     assert dom.count('<g class="node"') == sum(1 for n in dump.nodes.values()
                                                if not n.get("ext") and n["name"] != "AccumulateGrad")
     shot = tmp_path / "g.png"
-    r = _headless(chrome, "--window-size=900,1200", f"--screenshot={shot}", page.as_uri())
+    r = headless_chromium("--window-size=900,1200", f"--screenshot={shot}", page.as_uri())
     assert r.returncode == 0 and shot.is_file(), r.stderr[-2000:]
     import matplotlib.image
 
