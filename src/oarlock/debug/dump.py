@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -74,9 +75,28 @@ class Dump:
             return f.get_tensor(key) if key in f.keys() else None
 
 
+_SRC_RE = re.compile(r"o\d+\.\d+|p:.*", re.S)  # an input's source: output j of op i, or a parameter
+
+
+def _is_meta(m) -> bool:
+    return m is None or (isinstance(m, list) and len(m) == 2 and isinstance(m[0], list)
+                         and all(isinstance(x, int) for x in m[0]) and isinstance(m[1], str))
+
+
+def _opt(rec: dict, key: str, kind) -> bool:
+    return rec.get(key) is None or (isinstance(rec[key], kind) and not isinstance(rec[key], bool))
+
+
 def _check_op(rec: dict) -> bool:
+    """The op record's fields have the types the readers rely on (see the format in ``capture``)."""
+    lists_of = {"in": _is_meta, "out": _is_meta,
+                "src": lambda x: x is None or (isinstance(x, str) and _SRC_RE.fullmatch(x) is not None),
+                "h": lambda x: x is None or isinstance(x, str), "sv": lambda x: x is None or isinstance(x, str)}
     return (isinstance(rec.get("i"), int) and isinstance(rec.get("op"), str) and rec.get("ph") in ("f", "b")
-            and all(isinstance(rec.get(k, []), (list, type(None))) for k in ("in", "out", "src", "h", "sv")))
+            and all(_opt(rec, k, str) for k in ("mod", "nname", "rg"))
+            and all(_opt(rec, k, int) for k in ("st", "fst", "node"))
+            and all(rec.get(k) is None or (isinstance(rec[k], list) and all(map(ok, rec[k])))
+                    for k, ok in lists_of.items()))
 
 
 def _check_frames(frames) -> bool:
@@ -138,7 +158,13 @@ def load_dump(path: str | os.PathLike, *, allow_incomplete: bool = False) -> Dum
                     u = rec.get("u", _guess_user(rec["frames"]))
                     dump.user_index[rec["id"]] = u if isinstance(u, int) and 0 <= u < len(rec["frames"]) else None
                 elif kind == "node":
-                    if not isinstance(rec.get("id"), int) or not isinstance(rec.get("name"), str):
+                    if (not isinstance(rec.get("id"), int) or not isinstance(rec.get("name"), str)
+                            or not _opt(rec, "mod", str) or not _opt(rec, "st", int)
+                            or not (rec.get("next") is None or (isinstance(rec["next"], list) and all(
+                                n is None or (isinstance(n, list) and len(n) == 2
+                                              and all(isinstance(x, int) for x in n)) for n in rec["next"])))
+                            or not (rec.get("grads") is None or (isinstance(rec["grads"], list)
+                                                                 and all(map(_is_meta, rec["grads"]))))):
                         raise DumpFormatError(f"{path}:{lineno}: malformed autograd node record")
                     dump.nodes[rec["id"]] = rec
                 elif kind == "end":

@@ -277,8 +277,10 @@ def load_trace(path: str | Path, device: int | None = None) -> Trace:
     if raw.lstrip()[:1] in (b"{", b"["):
         try:
             data = json.loads(raw)
-        except ValueError as e:
+        except ValueError as e:  # UnicodeDecodeError included
             raise TraceFormatError(f"{path}: invalid JSON ({e})") from None
+        except RecursionError:
+            raise TraceFormatError(f"{path}: JSON nested too deeply, not a memory trace") from None
         if isinstance(data, dict) and "traceEvents" in data:
             return trace_from_chrome(data, str(path))
         return trace_from_snapshot(data, device, str(path))
