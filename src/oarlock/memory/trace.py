@@ -205,7 +205,10 @@ def trace_from_snapshot(snap: Any, device: int | None = None, source: str = "<sn
     if not 0 <= device < max(len(traces), 1):
         raise TraceFormatError(f"{source}: device {device} not in the snapshot ({len(traces)} devices)")
     events = _check_events(traces[device] if traces else [], f"{source} device {device}")
-    segs = [s for s in snap.get("segments", []) if isinstance(s, dict) and s.get("device", device) == device]
+    segs = snap.get("segments", [])
+    if not isinstance(segs, list):
+        raise TraceFormatError(f"{source}: 'segments' is {type(segs).__name__}, expected a list")
+    segs = [s for s in segs if isinstance(s, dict) and s.get("device", device) == device]
     marks = snap.get("oarlock_marks", {})
     if not isinstance(marks, dict) or not all(isinstance(v, int) for v in marks.values()):
         raise TraceFormatError(f"{source}: 'oarlock_marks' must map names to event indices")
@@ -219,7 +222,11 @@ def trace_from_chrome(data: dict, source: str = "<chrome trace>", device_type: i
     They carry no stacks, so ``frames`` is empty. ``device_type`` (0 = CPU, 1 = CUDA) filters; None keeps
     the type of the first memory event.
     """
-    mem = [e for e in data.get("traceEvents", []) if isinstance(e, dict) and e.get("name") == "[memory]"]
+    events_in = data.get("traceEvents") if isinstance(data, dict) else None
+    if not isinstance(events_in, list):
+        raise TraceFormatError(f"{source}: chrome trace's 'traceEvents' is not a list")
+    mem = [e for e in events_in if isinstance(e, dict) and e.get("name") == "[memory]"
+           and isinstance(e.get("args", {}), dict)]
     if not mem:
         raise TraceFormatError(f"{source}: chrome trace has no '[memory]' events (profile with "
                                "profile_memory=True)")
@@ -227,12 +234,20 @@ def trace_from_chrome(data: dict, source: str = "<chrome trace>", device_type: i
         device_type = mem[0].get("args", {}).get("Device Type", 0)
     events = []
     dev = -1
-    for e in sorted(mem, key=lambda e: e.get("ts", 0)):
+    try:
+        ordered = sorted(mem, key=lambda e: float(e.get("ts", 0)))
+    except (TypeError, ValueError):
+        raise TraceFormatError(f"{source}: a '[memory]' event has a non-numeric 'ts'") from None
+    for e in ordered:
         a = e.get("args", {})
         if a.get("Device Type", 0) != device_type:
             continue
-        dev = int(a.get("Device Id", -1))
-        nbytes, addr = int(a.get("Bytes", 0)), int(a.get("Addr", 0))
+        try:
+            dev = int(a.get("Device Id", -1))
+            nbytes, addr = int(a.get("Bytes", 0)), int(a.get("Addr", 0))
+        except (TypeError, ValueError, OverflowError):
+            raise TraceFormatError(f"{source}: a '[memory]' event has non-integer 'Device Id', 'Bytes' or "
+                                   "'Addr'") from None
         if nbytes == 0:
             continue
         action = "alloc" if nbytes > 0 else "free_completed"
