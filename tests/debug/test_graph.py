@@ -91,3 +91,61 @@ def test_html_is_self_contained_and_renders_in_chromium(tmp_path, headless_chrom
     # the op boxes' fill colour (#dbe9f6) is on screen, i.e. the SVG was laid out and painted
     box = (abs(img - torch.tensor([219, 233, 246]).numpy()).sum(-1) <= 3).sum()
     assert box > 2000
+
+
+def test_render_diff_highlights_first_divergent_op_and_its_producers(run, tmp_path):
+    from oarlock.cli import main
+
+    a, b = run("a"), run("b", perturb=True)
+    rep = od.diff(a, b)
+    first = rep.first.a
+    page = tmp_path / "d.html"
+    assert main(["debug", "render", str(a), "--diff", str(b), "-o", str(page), "--layout", "outline"]) == 0
+    text = page.read_text()
+    divergent = re.findall(r'<g class="(?:op|node|param|input)[^"]*divergent" id="([^"]+)"', text)
+    assert divergent == [f"o{first['i']}"]
+    producers = set(re.findall(r'<g class="[a-z]+ producer" id="([^"]+)"', text))
+    expected = {s if s.startswith("p:") else s.split(".")[0] for s in first["src"] if s}
+    assert producers == expected and "p:layers.1.fc.weight" in producers
+    assert f'href="#o{first["i"]}"' in text and "First divergence against" in text
+    # the same run against itself: no divergence, nothing highlighted
+    od.render_graph_html(a, page, diff_with=a, layout="outline")
+    text = page.read_text()
+    assert "No divergence against" in text and "divergent\"" not in text
+
+
+def test_edge_labels_have_one_row_each_at_30_layers(tmp_path):
+    """At 30 layers the labels still never overlap: every edge label is written on its destination's own
+    row (one text line per row), and every edge into an op appears in that row's text."""
+    from debug_model import Net
+
+    torch.manual_seed(0)
+    model = Net(layers=30)
+    path = tmp_path / "big.jsonl"
+    with od.capture(path, checksum=None):
+        model(torch.randn(4, 16)).sum().backward()
+    dump = od.load_dump(path)
+    text = od.render_graph_html(dump, layout="outline")
+    forward_svg = text[text.index('<svg'):text.index('</svg>')]
+    ys = [float(y) for y in re.findall(r'<text class="ins" x="[0-9.]+" y="([0-9.]+)"', forward_svg)]
+    assert len(ys) == len(set(ys)) > 30 * 5
+    items, edges = __import__("oarlock.debug.graph", fromlist=["forward_graph"]).forward_graph(dump)
+    ins = {it["id"]: it.get("ins", "") for it in items}
+    for src, dst, lab in edges:
+        assert lab in ins[dst]
+
+
+def test_graphviz_layout_when_dot_is_installed(run, tmp_path):
+    import shutil
+
+    a, b = run("a"), run("b", perturb=True)
+    if shutil.which("dot") is None:
+        with pytest.raises(od.DebugError, match="Graphviz dot is not installed"):
+            od.render_graph_html(a, layout="dot")
+        pytest.skip("Graphviz dot not installed (scripts/setup.sh installs Debian's graphviz when run as root)")
+    text = od.render_graph_html(a, diff_with=b, layout="dot")
+    first = od.diff(a, b).first.a
+    assert "Laid out by Graphviz dot" in text
+    # dot keeps the node ids; the divergent node is drawn with the red outline
+    node = text[text.index(f'id="o{first["i"]}"'):]
+    assert "#c00000" in node[:node.index("</g>")]
