@@ -93,6 +93,11 @@ class DiffReport:
     structural: list[StructuralDiff] = field(default_factory=list)
     before_first: list[StructuralDiff] = field(default_factory=list)
 
+    def __repr__(self) -> str:
+        first = "None" if self.first is None else f"op #{self.first.a['i']} {self.first.a['op']}"
+        return (f"DiffReport(a={str(self.a.path)!r}, b={str(self.b.path)!r}, aligned={self.aligned}, "
+                f"mismatched={self.mismatched}, first={first}, structural={len(self.structural)})")
+
     @property
     def diverged(self) -> bool:
         return self.first is not None

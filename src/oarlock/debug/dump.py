@@ -35,6 +35,10 @@ class Dump:
     nodes: dict[int, dict] = field(default_factory=dict)
     user_index: dict[int, int | None] = field(default_factory=dict)
 
+    def __repr__(self) -> str:  # ops can number hundreds of thousands: summarise
+        return (f"Dump({str(self.path)!r}, ops={len(self.ops)}, stacks={len(self.stacks)}, nodes={len(self.nodes)}, "
+                f"checksum={self.checksum!r})")
+
     @property
     def checksum(self) -> str | None:
         return self.header.get("checksum")

@@ -56,7 +56,8 @@ class Trace:
         source: where the trace came from (file name, ``"profiler"``, ``"synthetic moe"``...).
         segments: the snapshot's ``segments`` list, when the source had one (real CUDA snapshots).
         marks: named event indices (``"step1"``: where the second training step starts), used for
-            steady-state metrics; stored in the snapshot under ``"oarlock_marks"``.
+            steady-state metrics; stored in the snapshot under ``"oarlock_marks"`` (a host trace, device -1,
+            is flagged by ``"oarlock_host": true``).
     """
 
     events: list[dict]
@@ -68,6 +69,11 @@ class Trace:
     def __len__(self) -> int:
         return len(self.events)
 
+    def __repr__(self) -> str:  # the events can number millions: summarise instead of listing them
+        n_alloc = sum(1 for e in self.events if e.get("action") == "alloc")
+        return (f"Trace(source={self.source[:60]!r}, device={self.device}, events={len(self.events)}, "
+                f"allocs={n_alloc}, peak_allocated={self.peak_allocated}, marks={len(self.marks)})")
+
     def to_snapshot(self) -> dict:
         """A ``{"segments", "device_traces"}`` dict that ``torch.cuda._memory_viz`` can read."""
         n = max(self.device, 0) + 1
@@ -76,6 +82,8 @@ class Trace:
         snap = {"segments": self.segments, "device_traces": traces}
         if self.marks:
             snap["oarlock_marks"] = dict(self.marks)
+        if self.device < 0:  # a host (CPU profiler) trace: its addresses are not a device layout
+            snap["oarlock_host"] = True
         return snap
 
     def save(self, path: str | Path) -> Path:
@@ -212,7 +220,7 @@ def trace_from_snapshot(snap: Any, device: int | None = None, source: str = "<sn
     marks = snap.get("oarlock_marks", {})
     if not isinstance(marks, dict) or not all(isinstance(v, int) for v in marks.values()):
         raise TraceFormatError(f"{source}: 'oarlock_marks' must map names to event indices")
-    return Trace(list(events), device, source, segs, dict(marks))
+    return Trace(list(events), -1 if snap.get("oarlock_host") is True else device, source, segs, dict(marks))
 
 
 def trace_from_chrome(data: dict, source: str = "<chrome trace>", device_type: int | None = None) -> Trace:
@@ -265,13 +273,47 @@ def trace_from_profiler(prof: Any) -> Trace:
     from torch.cuda._memory_viz import _profile_to_snapshot
 
     try:
-        snap = _profile_to_snapshot(prof)
+        memory_profile = prof._memory_profile()
+        snap = _profile_to_snapshot(_ProfileView(memory_profile))
     except Exception as e:  # no memory events, or a profile without profile_memory
         raise TraceFormatError(f"profiler: cannot build a memory trace ({type(e).__name__}: {e}); profile "
                                "with profile_memory=True") from None
     tr = trace_from_snapshot(snap, source="profiler")
+    _add_profiler_times(tr, memory_profile, len(snap["device_traces"]) - 1)
     tr.device = -1
     return tr
+
+
+class _ProfileView:
+    """Hands an already computed memory profile to ``_profile_to_snapshot`` (computing it costs seconds)."""
+
+    def __init__(self, memory_profile: Any):
+        self._mp = memory_profile
+
+    def _memory_profile(self) -> Any:
+        return self._mp
+
+
+def _add_profiler_times(tr: Trace, memory_profile: Any, cpu_index: int) -> None:
+    """Set ``time_us`` (Unix time, microseconds) on the events built from a profiler memory timeline.
+
+    ``_profile_to_snapshot`` turns each timeline entry of a tensor into events in order: create -> one
+    ``alloc``; destroy -> ``free_requested`` + ``free_completed``; version bump -> those two frees and an
+    ``alloc``; pre-existing -> none. Replaying that rule gives each event its entry's time (ns)."""
+    from torch.profiler._memory_profiler import Action, TensorKey
+
+    per_event = {Action.CREATE: 1, Action.DESTROY: 2, Action.INCREMENT_VERSION: 3}
+    times: list[int] = []
+    for t, action, (key, _version), _size in memory_profile.timeline:
+        if not isinstance(key, TensorKey) or action not in per_event:
+            continue
+        dev = key.device
+        index = cpu_index if dev.type != "cuda" else dev.index
+        if index == (tr.device if tr.device >= 0 else cpu_index):
+            times.extend([t] * per_event[action])
+    if len(times) == len(tr.events):  # otherwise torch changed its rule: leave the events untimed
+        for e, t in zip(tr.events, times):
+            e["time_us"] = t / 1000.0
 
 
 def load_trace(path: str | Path, device: int | None = None) -> Trace:
