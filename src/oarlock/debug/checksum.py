@@ -1,11 +1,15 @@
-"""Tensor checksums for run-to-run comparison.
+"""Tensor checksums for run-to-run comparison (definitions: ``docs/memory-debug.md`` section 7).
+
+Every checksum equals that of ``t.contiguous()`` with conjugate/negative bits resolved, whatever the
+strides (expanded, overlapping, zero-size); complex tensors are hashed as (real, imag) pairs.
 
 Three kinds, chosen by a spec string (``parse_checksum``):
 
 - ``"fast"``: a position-sensitive 64-bit fingerprint computed **on the tensor's device** with torch ops.
   The tensor's bit patterns (bit-cast to int32 words; 1- and 2-byte types widened to int32, 8-byte types
   split into two words) are multiplied by two fixed vectors of odd pseudo-random weights and each product
-  vector is summed with 32-bit wrap-around: ``lane_j = sum_i(word_i * w_j[i]) mod 2**32``. The fingerprint
+  vector is summed with 32-bit wrap-around: ``lane_j = sum_i(word_i * w_j[i]) mod 2**32`` (beyond 2**20
+  words, the sum of chunk ``k`` of 2**20 words is multiplied by ``w_0[k]`` before adding). The fingerprint
   is ``(lane_0 + n) mod 2**32`` in the high half and ``lane_1`` in the low half. No data is copied to the host;
   only the two lanes are read back, and the recorder reads those in batches. Any single-word change alters
   lane 0 (an odd weight is invertible mod 2**32), unlike ``torch.hash_tensor``'s XOR reduction, which cannot

@@ -1,4 +1,4 @@
-"""Allocator models that replay a trace (design brief section 2.4). One interface for all:
+"""Allocator models that replay a trace (``docs/memory-debug.md`` section 4). One interface for all:
 
 ``malloc(size, stream=0, category=None) -> block`` (``block.addr``, ``block.size``; raises
 :class:`~oarlock.memory.errors.SimulatedOOM`), ``free(block)``, ``reserved`` (physical bytes held),

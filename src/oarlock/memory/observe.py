@@ -1,4 +1,5 @@
-"""The memory observer: region tracing, summaries, and an offline HTML/PNG view (design brief section 3.1).
+"""The memory observer: region tracing, summaries, and an offline HTML/PNG view (``docs/memory-debug.md``
+section 2).
 
 * :func:`trace_region` records the allocations and frees of a code region: on CUDA through
   ``torch.cuda.memory._record_memory_history`` (Python stacks), on CPU through

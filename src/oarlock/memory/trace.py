@@ -5,13 +5,13 @@ One event is a dict shaped like an entry of ``torch.cuda.memory._snapshot()["dev
 ``free_requested``, ``free_completed`` (others such as ``segment_alloc`` or ``oom`` are kept but not
 replayed), ``size`` in bytes, ``addr`` an integer address, ``frames`` a list of
 ``{"filename", "line", "name"}``. Synthetic and profiler traces add ``category`` (parameter, gradient,
-optimizer, activation, temporary, ...). Sources (design brief section 2.3):
+optimizer, activation, temporary, ...). Sources (format: ``docs/memory-debug.md`` section 1):
 
 * ``torch.cuda.memory._dump_snapshot(path)`` pickles (read with a restricted unpickler: plain data only);
 * the same snapshot as JSON;
 * CPU traces from ``torch.profiler.profile(profile_memory=True)``: live via :func:`trace_from_profiler`, or
   its ``export_chrome_trace`` JSON (``[memory]`` instant events);
-* :func:`synthesize_moe`, a seeded MoE training-step generator (design brief section 2.6).
+* :func:`synthesize_moe`, a seeded MoE training-step generator.
 """
 
 from __future__ import annotations
@@ -419,7 +419,7 @@ class _FirstFitHeap:
 
 @dataclass
 class MoEConfig:
-    """Shape of a synthetic MoE training run on one rank (expert-parallel; design brief section 2.6).
+    """Shape of a synthetic MoE training run on one rank (expert-parallel).
 
     Sizes are in elements unless named ``*_bytes``. ``imbalance`` is the standard deviation of the
     log-popularity of experts (0 = perfectly balanced routing); each layer has a persistent skew plus fresh

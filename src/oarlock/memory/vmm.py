@@ -4,7 +4,7 @@ A :class:`PagedHeap` is one reserved virtual-address range cut into blocks that 
 FREE (mapped, unused) or GAP (no physical pages behind them; always page-aligned). Physical memory comes
 in driver handles covering one page, or (``mixed=True``) several consecutive pages.
 
-:class:`RemapAllocator` (the policy; design brief sections 1.6 and 2.4(5), after Paddle's post-3.3
+:class:`RemapAllocator` (the policy; ``docs/memory-debug.md`` section 4, after Paddle's post-3.3
 ``FreeBlockRemapCompactor`` and PyTorch's expandable segments) serves a request by
 
 1. best fit among FREE blocks (lowest size, then address; the front of a block is handed out);
@@ -551,10 +551,10 @@ def _page_runs(pages: Iterable[int]) -> list[tuple[int, int]]:
 
 
 class VmmArena:
-    """Explicit CUDA tensors from a :class:`RemapAllocator` on the real driver (integration mode 1 of the
-    design brief, section 2.7): ``arena.empty(shape, dtype)`` returns a ``torch.Tensor`` on ``cuda:device``
-    whose memory is a remap-pool block; the block returns to the pool when the tensor (and every view of
-    it) is garbage-collected. Pointers never move, so the tensors are safe to use anywhere.
+    """Explicit CUDA tensors from a :class:`RemapAllocator` on the real driver (the driver protocol:
+    ``docs/memory-debug.md`` section 5): ``arena.empty(shape, dtype)`` returns a ``torch.Tensor`` on
+    ``cuda:device`` whose memory is a remap-pool block; the block returns to the pool when the tensor (and
+    every view of it) is garbage-collected. Pointers never move, so the tensors are safe to use anywhere.
 
     Frees are stream-ordered like PyTorch's caching allocator: a freed block is reused at once on the same
     stream, and before any page is unmapped the pool synchronises the device, so no kernel still reads a
