@@ -22,7 +22,8 @@ from oarlock.memory.simulate import min_feasible_capacity, replay
 from oarlock.memory.trace import synthesize_moe
 
 MiB = 1 << 20
-MODELS = ["caching", "expandable", "gmlake", "paddle_vmm", "paddle_compact", "remap", "remap_fine"]
+MODELS = ["caching", "expandable", "gmlake", "paddle_vmm", "paddle_compact", "remap", "remap_fine",
+          "remap_binary"]
 CONFIGS = {
     "S imb0.2": dict(layers=4, hidden=1024, ffn=704, tokens=2048, imbalance=0.2),
     "S imb0.8": dict(layers=4, hidden=1024, ffn=704, tokens=2048, imbalance=0.8),
@@ -75,7 +76,7 @@ def main() -> int:
         lines.append(f"| {name} ({len(ops)} ops) | {pa / MiB:.0f} MiB | " + " | ".join(
             f"{100 * f:.2f}% / +{100 * o:.2f}% / {c}" for f, o, c in cells.values()) + " |")
         if cells["caching"][0] > 0.10:
-            for rm in ("remap", "remap_fine"):
+            for rm in ("remap", "remap_fine", "remap_binary"):
                 verdicts.append((f"{name}, {rm}", cells[rm][0] <= 0.03, cells[rm][2] < cells["expandable"][2],
                                  cells["caching"][0] / max(cells[rm][0], 1e-9),
                                  cells["expandable"][2] / max(cells[rm][2], 1)))
@@ -85,7 +86,8 @@ def main() -> int:
            "Each cell: fragmentation = 1 - peak_allocated/peak_reserved (unconstrained) / minimum feasible capacity "
            "over peak allocated (binary search, 2 MiB steps) / driver calls (cudaMalloc+cudaFree, or "
            "reserve+create+map+set_access+unmap+release). remap: 2 MiB small pages, 32 MiB large pages; remap_fine: "
-           "32 MiB handles plus 2 MiB granules at hole edges. paddle_compact moves data (pointers change), so it "
+           "32 MiB handles plus 2 MiB granules at hole edges; remap_binary: 64 MiB handles plus power-of-two "
+           "handles (32, 16, ... 2 MiB) for the rest of each hole. paddle_compact moves data (pointers change), so it "
            "is a lower bound that PyTorch cannot use.", "",
            *lines, "",
            "Target check on traces where the caching model exceeds 10% fragmentation "
