@@ -457,17 +457,28 @@ class RemapAllocator(HeapViews):
             pending_large = []
         hs = self._obtain(len(singles), unit, heap, exclude)
         got += [(p, 1, h) for p, h in zip(singles, hs)]
-        try:
+
+        def create() -> None:
             for p in singles[len(hs):]:
                 got.append((p, 1, self._create(unit, size, heap, exclude)))
             for sp in pending_large:
                 got.append((sp[0], sp[1], self._create(sp[1] * unit, size, heap, exclude)))
+
+        return self._commit(heap, a, len(pages), got, create)
+
+    def _commit(self, heap: PagedHeap, a: int, n_pages: int, got: list[tuple[int, int, int]],
+                collect: Any) -> int:
+        """Run ``collect()`` (which appends ``(first, granules, handle)`` to ``got``), then map ``got`` and
+        return ``a``; on an out-of-memory every handle gathered so far goes back to the spare lists."""
+        unit = self._unit(heap)
+        try:
+            collect()
         except SimulatedOOM:
             for _, k, h in got:
                 self.spare.setdefault(k * unit, []).append(h)
             raise
         self._map(heap, got)
-        self.counters["pages_mapped"] += len(pages)
+        self.counters["pages_mapped"] += n_pages
         return a
 
     def _grow_binary(self, heap: PagedHeap, size: int) -> int:
@@ -487,19 +498,16 @@ class RemapAllocator(HeapViews):
                 first, n = first + k, n - k
         exclude = (a, a + size)
         got: list[tuple[int, int, int]] = []
-        try:
+
+        def collect() -> None:
             for k in sorted({k for _, k in spans}, reverse=True):
                 want = [f for f, kk in spans if kk == k]
                 hs = self._obtain(len(want), k * unit, heap, exclude)
-                hs += [self._create(k * unit, size, heap, exclude) for _ in want[len(hs):]]
-                got += [(f, k, h) for f, h in zip(want, hs)]
-        except SimulatedOOM:
-            for _, k, h in got:
-                self.spare.setdefault(k * unit, []).append(h)
-            raise
-        self._map(heap, got)
-        self.counters["pages_mapped"] += len(pages)
-        return a
+                got.extend((f, k, h) for f, h in zip(want, hs))
+                for f in want[len(hs):]:
+                    got.append((f, k, self._create(k * unit, size, heap, exclude)))
+
+        return self._commit(heap, a, len(pages), got, collect)
 
     def _obtain(self, n: int, k: int, target: PagedHeap, exclude: tuple[int, int]) -> list[int]:
         """Up to ``n`` handles of ``k`` granules: spare ones, then ones reclaimed from under free blocks."""
