@@ -4,9 +4,10 @@ Traces: synthetic MoE training runs (three sizes, imbalance 0.2-0.8, 1F1B pipeli
 profiler trace of a small transformer's training steps. Every model replays the same trace in the same run;
 the anchor is PyTorch's caching allocator (and expandable segments for driver calls).
 
-    PYTHONPATH=src .venv/bin/python benchmarks/memory_fragmentation.py [--write]
+    PYTHONPATH=src .venv/bin/python benchmarks/memory_fragmentation.py [--write] [--sweep]
 
-``--write`` appends the table to benchmarks/RESULTS.md.
+``--write`` appends the table to benchmarks/RESULTS.md; ``--sweep`` only compares remap settings (fixed page
+sizes, mixed, binary) on the traces where the caching model exceeds 10% fragmentation.
 """
 
 from __future__ import annotations
@@ -54,10 +55,56 @@ def profiler_trace():
     return region.trace
 
 
+# remap settings swept by --sweep: (label, RemapAllocator keyword arguments)
+SWEEP = [(f"fixed {lp} MiB", dict(large_page=lp * MiB)) for lp in (16, 20, 24, 28, 32, 64)] + \
+    [("mixed 32 MiB", dict(large_page=32 * MiB, mixed=True))] + \
+    [(f"binary {lp} MiB", dict(large_page=lp * MiB, mixed="binary")) for lp in (16, 32, 48, 64, 128)]
+
+
+def sweep() -> str:
+    """Every SWEEP setting on the synthetic traces where the caching model exceeds 10% fragmentation:
+    fragmentation and driver calls against expandable segments (deterministic counts), and whether one
+    setting meets fragmentation <= 3% with fewer driver calls than expandable on all of them."""
+    from oarlock.memory.vmm import RemapAllocator
+
+    traces = {}
+    for name, kw in CONFIGS.items():
+        ops = synthesize_moe(**kw).ops()
+        if replay(ops, "caching").fragmentation > 0.10:
+            traces[name] = (ops, replay(ops, "expandable"))
+    head = "| setting | " + " | ".join(f"{n} (expandable: {100 * e.fragmentation:.2f}%, {e.driver_calls} calls)"
+                                         for n, (_, e) in traces.items()) + " | meets both everywhere |"
+    lines = [head, "|---" * (len(traces) + 2) + "|"]
+    for label, kw in SWEEP:
+        cells, ok_all = [], True
+        for ops, e in traces.values():
+            r = replay(ops, RemapAllocator(**kw))
+            ok = r.fragmentation <= 0.03 and r.driver_calls < e.driver_calls
+            ok_all &= ok
+            cells.append(f"{100 * r.fragmentation:.2f}% / {r.driver_calls} ({r.driver_calls / e.driver_calls:.2f}x)"
+                         + ("" if ok else " x"))
+            print(f"{label:16s} {cells[-1]}", file=sys.stderr)
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {'yes' if ok_all else 'no'} |")
+    return "\n".join(["", "## memory: remap settings sweep (issue 20 item 5)", "",
+                      "Command: `PYTHONPATH=src .venv/bin/python benchmarks/memory_fragmentation.py --sweep` "
+                      "(simulation; counts, not timings). Each cell: fragmentation / driver calls (ratio to "
+                      "expandable segments); x = misses fragmentation <= 3% or fewer calls than expandable.", "",
+                      *lines]) + "\n"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--write", action="store_true", help="append the results to benchmarks/RESULTS.md")
+    ap.add_argument("--sweep", action="store_true", help="only sweep the remap settings (SWEEP) on the "
+                                                         "high-fragmentation synthetic traces")
     args = ap.parse_args()
+    if args.sweep:
+        text = sweep()
+        print(text)
+        if args.write:
+            res = Path(__file__).with_name("RESULTS.md")
+            res.write_text(res.read_text() + text)
+        return 0
     t0 = time.time()
     traces = {name: synthesize_moe(**kw) for name, kw in CONFIGS.items()}
     traces["transformer CPU profiler"] = profiler_trace()

@@ -59,6 +59,10 @@ def test_cpu_view_has_size_lifetime_grid_and_no_address_panel(tmp_path):
 
     back = load_trace(p)
     assert back.device == -1 and back.marks == tr.marks
+    from oarlock.memory import render_png
+
+    png = render_png(back, tmp_path / "cpu.png")  # the size x lifetime panel instead of addresses
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_largest_blocks_merge_repeated_allocations_of_one_block():
