@@ -55,3 +55,15 @@ def headless_chromium():
                                   capture_output=True, text=True, timeout=timeout)
 
     return run
+
+
+@pytest.fixture
+def multirank(tmp_path):
+    """``multirank(module, world, names=None)``: run the named scenarios of ``module`` on ``world`` gloo ranks and
+    return the :class:`multirank.Outcome` (``.check()`` names every failed scenario and rank with its traceback)."""
+    from multirank import run_scenarios
+
+    def run(module: str, world: int, names: list[str] | None = None):
+        return run_scenarios(module, world, tmp_path / "ranks", names)
+
+    return run
