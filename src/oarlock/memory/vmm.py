@@ -489,7 +489,7 @@ class RemapAllocator(HeapViews):
         self.counters["misses"] += 1
         unit = self._unit(heap)
         spans: list[tuple[int, int]] = []  # (first granule, granules)
-        for first, n in _page_runs(pages):
+        for first, n in page_runs(pages):
             k = self.big
             while n:
                 while k > n:
