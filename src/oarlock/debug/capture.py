@@ -189,7 +189,8 @@ class _OpRecorder(TorchDispatchMode):
 
 class Capture:
     """Context manager returned by :func:`capture`; see there. Attributes after exit: ``path`` (the JSONL
-    dump), ``tensors_path`` (saved outputs, or None), ``num_ops``, ``num_nodes``."""
+    dump), ``tensors_path`` (saved outputs, or None), ``num_ops``, ``num_nodes``; ``partial_path``
+    (``<path>.partial``) is where the dump is written until the block ends, and what remains when it raised."""
 
     def __init__(self, path: str | os.PathLike, checksum: str | None = "fast", stacks: bool = True, *,
                  save_tensors: int = 0, modules: Sequence[str] | None = None, only_regions: bool = False,
