@@ -183,7 +183,7 @@ def test_validation_errors_name_argument_and_shapes():
         flashmask_attention(q, k, v, idx.long(), causal=True)
     with pytest.raises(AttentionInputError, match=r"seqlen_k=10.*n in \(2, 4\).*got shape \(2, 1, 10, 1\)"):
         flashmask_attention(q, k, v, idx, causal=False)
-    with pytest.raises(AttentionInputError, match=r"mask_heads in \(1, 2\).*got shape \(2, 3, 10, 1\)"):
+    with pytest.raises(AttentionInputError, match=r"mask_heads in \(1, 2, 4\).*got shape \(2, 3, 10, 1\)"):
         flashmask_attention(q, k, v, idx.expand(2, 3, 10, 1), causal=True)
     with pytest.raises(AttentionInputError, match=r"share a dtype.*torch.float16"):
         flashmask_attention(q, k.half(), v)

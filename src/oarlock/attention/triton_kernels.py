@@ -275,7 +275,8 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, canon: 
 
 def backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              out: torch.Tensor, lse: torch.Tensor, canon: torch.Tensor | None, *, causal: bool, scale: float,
-             block_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             block_mask: torch.Tensor | None = None,
+             grad_lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton backward; same contract as :func:`oarlock.attention.cpu.backward`."""
     b, sq, h, d = query.shape
     sk, hk, dv_ = key.shape[1], key.shape[2], value.shape[3]
@@ -283,6 +284,8 @@ def backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, val
     vec, tr, tc, kv_list, kv_cnt, q_list, q_cnt = _prepare(canon, b, sq, sk, causal, block_mask, query.device)
     hm = vec.shape[1]
     delta = (grad_out.float() * out.float()).sum(-1).transpose(1, 2).contiguous()  # [B, H, Sq]
+    if grad_lse is not None:  # d lse / d s = P, so it enters dS = P (dP - delta) as -grad_lse
+        delta = (delta - torch.nan_to_num(grad_lse.float(), posinf=0.0, neginf=0.0)).contiguous()
     lse = torch.where(torch.isinf(lse), torch.full_like(lse, float("inf")), lse).contiguous()
     dq = torch.empty(b, sq, h, d, dtype=torch.float32, device=query.device)
     dk = torch.empty(b, sk, hk, d, dtype=torch.float32, device=query.device)
