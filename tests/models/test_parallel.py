@@ -31,7 +31,7 @@ def test_layouts_train_like_a_single_process(world, tmp_path):
     results = json.loads(out.read_text())
     failed = {f"{spec} rank {r}": msg for spec, ranks in results.items() for r, msg in ranks.items() if msg != "ok"}
     assert not failed, "\n".join(f"{k}: {v}" for k, v in failed.items())
-    assert len(results) == {2: 7, 4: 8}[world] and all(len(r) == world for r in results.values())
+    assert len(results) == {2: 8, 4: 12}[world] and all(len(r) == world for r in results.values())
 
 
 def test_layout_notation_round_trips():
