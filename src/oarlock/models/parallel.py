@@ -385,7 +385,7 @@ def context_parallel_plan(model: Llama, input_ids: torch.Tensor, *,
     return plan_context_parallel(idx, causal=True, world_size=cp, chunk_size=size, block_size=size, seqlen_q=s)
 
 
-def _sum_grads(model: Llama, group: Any) -> None:
+def sum_gradients(model: Llama, group: Any) -> None:
     """All-reduce (sum) every parameter gradient over ``group`` in one collective per dtype (DTensor gradients:
     their local shards, which the ranks of a context-parallel group hold alike)."""
     from torch.distributed.tensor import DTensor
@@ -435,7 +435,7 @@ def forward_backward(model: Llama, input_ids: torch.Tensor, labels: torch.Tensor
 
     def finish(result: torch.Tensor) -> torch.Tensor:
         if plan is not None:
-            _sum_grads(model, state.cp_group)
+            sum_gradients(model, state.cp_group)
             dist.all_reduce(result, group=state.cp_group)
         return result
 
