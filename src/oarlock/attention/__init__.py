@@ -13,6 +13,7 @@ from oarlock.attention.context_parallel import (ContextParallelPlan, context_par
 from oarlock.attention.errors import AttentionError, AttentionInputError, MaskNotRepresentableError
 from oarlock.attention.flashmask import flashmask_attention
 from oarlock.attention.masks import (bidirectional_sliding_window_mask, causal_blockwise_mask, causal_document_mask,
+                                     causal_document_mask_from_ids,
                                      causal_mask, document_mask, from_dense_mask, global_sliding_window_mask,
                                      mask_picture, prefix_lm_causal_mask, prefix_lm_document_mask, qk_sparse_mask,
                                      random_eviction_mask, shared_question_mask, sliding_window_mask, to_dense_mask,
@@ -22,6 +23,7 @@ __all__ = [
     "flashmask_attention",
     "AttentionError", "AttentionInputError", "MaskNotRepresentableError",
     "causal_mask", "sliding_window_mask", "bidirectional_sliding_window_mask", "causal_document_mask",
+    "causal_document_mask_from_ids",
     "document_mask", "shared_question_mask", "global_sliding_window_mask", "prefix_lm_causal_mask",
     "prefix_lm_document_mask", "qk_sparse_mask", "random_eviction_mask", "causal_blockwise_mask",
     "to_dense_mask", "from_dense_mask", "to_mask_mod", "to_flex_block_mask", "mask_picture",

@@ -34,7 +34,7 @@ __all__ = [
     "canonicalize", "block_bounds", "classify_tiles", "dense_keep_rows", "to_dense_mask", "from_dense_mask",
     "to_mask_mod", "to_flex_block_mask", "window_to_indices", "mask_picture",
     "causal_mask", "sliding_window_mask", "bidirectional_sliding_window_mask", "causal_document_mask",
-    "document_mask", "shared_question_mask", "global_sliding_window_mask", "prefix_lm_causal_mask",
+    "causal_document_mask_from_ids", "document_mask", "shared_question_mask", "global_sliding_window_mask", "prefix_lm_causal_mask",
     "prefix_lm_document_mask", "qk_sparse_mask", "random_eviction_mask", "causal_blockwise_mask",
     "TILE_SKIP", "TILE_PARTIAL", "TILE_FULL",
 ]
@@ -486,6 +486,31 @@ def causal_document_mask(doc_lens, *, seqlen: int | None = None, batch_size: int
         _, ends, _, _ = _doc_ids(lens, seqlen)
         cols.append(ends.view(-1, 1))
     return _finish(cols, batch_size)
+
+
+def causal_document_mask_from_ids(document_ids: torch.Tensor) -> torch.Tensor:
+    """:func:`causal_document_mask` from per-token document ids instead of lengths (packed batches carry ids).
+
+    Args:
+        document_ids: integer ``[B, S]``, equal ids in contiguous runs (one run per document).
+
+    Returns:
+        int32 ``[B, 1, S, 1]``: for every key column ``j`` the end (exclusive) of ``j``'s document. Use with
+        ``causal=True``.
+
+    Raises:
+        AttentionInputError: ``document_ids`` is not 2-D.
+    """
+    if document_ids.dim() != 2:
+        raise AttentionInputError(f"document_ids must be [batch, seqlen], got shape {tuple(document_ids.shape)}")
+    b, s = document_ids.shape
+    pos = torch.arange(s, device=document_ids.device).expand(b, s)
+    last = torch.ones_like(document_ids, dtype=torch.bool)
+    last[:, :-1] = document_ids[:, 1:] != document_ids[:, :-1]
+    # end[j] = (index of the last token of j's document) + 1 = suffix minimum over the per-token candidates
+    cand = torch.where(last, pos + 1, torch.full_like(pos, s))
+    end = torch.flip(torch.cummin(torch.flip(cand, [1]), dim=1).values, [1])
+    return end.to(torch.int32).view(b, 1, s, 1)
 
 
 def document_mask(doc_lens, *, seqlen: int | None = None, batch_size: int = 1) -> torch.Tensor:

@@ -41,27 +41,20 @@ from oarlock.models.errors import ModelError
 
 # --------------------------------------------------------------------------------------------------------------
 # Attention: FlashMask (CPU tiled kernel, Triton on CUDA) with a column-wise start-row mask.
-from oarlock.attention import (ContextParallelPlan, context_parallel_flashmask_attention,  # noqa: E402
-                               flashmask_attention, shard_sequence)
+from oarlock.attention import (ContextParallelPlan, causal_document_mask_from_ids,  # noqa: E402
+                               context_parallel_flashmask_attention, flashmask_attention, shard_sequence)
 
 
 def causal_document_mask(document_ids: torch.Tensor) -> torch.Tensor:
-    """FlashMask ``startend_row_indices`` of a causal document mask for packed sequences.
+    """Deprecated: use :func:`oarlock.attention.causal_document_mask_from_ids` (``causal_document_mask`` is the
+    lengths-based constructor of :mod:`oarlock.attention`). Same result: int32 ``[B, 1, S, 1]``."""
+    import warnings
 
-    ``document_ids``: integer ``[B, S]``, equal ids in contiguous runs (one run per document). Returns int32
-    ``[B, 1, S, 1]`` holding, for every key column ``j``, the end (exclusive) of ``j``'s document: queries from that
-    row on are masked (``shared/design/flashmask.md`` section 2, "causal document"). Use with ``causal=True``.
-    """
+    warnings.warn("oarlock.models.causal_document_mask(document_ids) is deprecated: use "
+                  "oarlock.attention.causal_document_mask_from_ids", DeprecationWarning, stacklevel=2)
     if document_ids.dim() != 2:
         raise ModelError(f"document_ids must be [batch, seqlen], got shape {tuple(document_ids.shape)}")
-    b, s = document_ids.shape
-    pos = torch.arange(s, device=document_ids.device).expand(b, s)
-    last = torch.ones_like(document_ids, dtype=torch.bool)
-    last[:, :-1] = document_ids[:, 1:] != document_ids[:, :-1]
-    # end[j] = (index of the last token of j's document) + 1 = suffix minimum over the per-token candidates.
-    cand = torch.where(last, pos + 1, torch.full_like(pos, s))
-    end = torch.flip(torch.cummin(torch.flip(cand, [1]), dim=1).values, [1])
-    return end.to(torch.int32).view(b, 1, s, 1)
+    return causal_document_mask_from_ids(document_ids)
 
 
 def document_position_ids(document_ids: torch.Tensor) -> torch.Tensor:
@@ -417,7 +410,8 @@ class Llama(nn.Module):
     * ``x``: int64 token ids ``[B, S]`` on the first pipeline stage (``embed_tokens`` present), otherwise the
       previous stage's hidden states ``[B, S, hidden]``.
     * ``document_ids`` ``[B, S]``: document of each token of a packed sequence; builds the causal document mask
-      (:func:`causal_document_mask`) and, unless ``position_ids`` is given, positions restarting per document.
+      (:func:`oarlock.attention.causal_document_mask_from_ids`) and, unless ``position_ids`` is given, positions
+      restarting per document.
     * ``startend_row_indices``: an explicit FlashMask mask (int32 ``[B, Hm, S, n]``); default plain causal.
     * ``cp_plan`` / ``cp_group``: context parallelism. ``x`` then holds only this rank's tokens (``plan.shard``),
       while ``document_ids``, ``startend_row_indices`` and ``position_ids`` stay **global** ``[B, S]`` (the mask
@@ -464,7 +458,7 @@ class Llama(nn.Module):
             s = cp_plan.seqlen
         if document_ids is not None:
             if startend_row_indices is None:
-                startend_row_indices = causal_document_mask(document_ids)
+                startend_row_indices = causal_document_mask_from_ids(document_ids)
             if position_ids is None:
                 position_ids = document_position_ids(document_ids)
         if position_ids is None:

@@ -37,8 +37,9 @@ import torch.distributed as dist
 from torch import nn
 
 from oarlock.models.errors import ParallelLayoutError
-from oarlock.models.llama import (MLP, Llama, LlamaConfig, MoE, causal_document_mask, causal_lm_loss,
-                                  ffn_fused_permutation)
+from oarlock.utils import balanced_range
+from oarlock.attention import causal_document_mask_from_ids
+from oarlock.models.llama import MLP, Llama, LlamaConfig, MoE, causal_lm_loss, ffn_fused_permutation
 
 MESH_DIMS = ("pp", "dp", "cp", "ep", "tp")
 _LETTERS = {"d": "dp", "t": "tp", "p": "pp", "e": "ep", "c": "cp"}
@@ -135,23 +136,16 @@ def check_layout(config: LlamaConfig, layout: ParallelLayout) -> None:
                                   f"(a rank would hold none); degrees that work: 1..{config.num_experts}")
 
 
-def _balanced_range(n: int, parts: int, index: int) -> range:
-    """Contiguous ``index``-th of ``parts`` near-equal ranges of ``range(n)`` (the first ``n % parts`` get one
-    more)."""
-    base, extra = divmod(n, parts)
-    start = index * base + min(index, extra)
-    return range(start, start + base + (1 if index < extra else 0))
-
-
 def stage_layer_range(num_layers: int, pp: int, stage: int) -> range:
-    """Layers held by pipeline ``stage`` of ``pp``: contiguous, sizes differ by at most one."""
-    return _balanced_range(num_layers, pp, stage)
+    """Layers held by pipeline ``stage`` of ``pp``: contiguous, sizes differ by at most one, earlier stages larger
+    (:func:`oarlock.utils.balanced_range`; ``oarlock convert --pp`` places layers by the same rule)."""
+    return balanced_range(num_layers, pp, stage)
 
 
 def expert_range(num_experts: int, ep: int, rank: int) -> range:
     """Global expert indices held by expert-parallel ``rank`` of ``ep``: contiguous, sizes differ by at most one
     (an expert count not divisible by ``ep`` is allowed)."""
-    return _balanced_range(num_experts, ep, rank)
+    return balanced_range(num_experts, ep, rank)
 
 
 @dataclass
@@ -381,7 +375,7 @@ def context_parallel_plan(model: Llama, input_ids: torch.Tensor, *,
         raise ParallelLayoutError(f"context-parallel degree cp={cp} needs a sequence length divisible by it, got {s}")
     chunks = 2 * cp if s % (2 * cp) == 0 else cp
     size = s // chunks
-    idx = causal_document_mask(document_ids) if document_ids is not None else None
+    idx = causal_document_mask_from_ids(document_ids) if document_ids is not None else None
     return plan_context_parallel(idx, causal=True, world_size=cp, chunk_size=size, block_size=size, seqlen_q=s)
 
 
