@@ -1,6 +1,6 @@
 """Tiled FlashMask attention for CPU: forward and backward that skip fully masked tiles.
 
-Algorithm (spec sections 3.1-3.4, FlashMask paper arXiv 2410.01359, adapted to a CPU with BLAS):
+Algorithm (``docs/flashmask.md`` section 3, FlashMask paper arXiv 2410.01359, adapted to a CPU with BLAS):
 
 1. Per key block of ``BLOCK_N`` columns, min/max of the four canonical vectors; every (query block, key block)
    tile is classified skip / partial / full (:func:`oarlock.attention.masks.classify_tiles`), united over

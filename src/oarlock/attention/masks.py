@@ -2,7 +2,7 @@
 
 A FlashMask mask is ``startend_row_indices``, an int32 tensor ``[batch, mask_heads, seqlen_k, n]``. It is
 column-wise: for key ``j`` it lists the query rows that may *not* see ``j`` as at most two half-open row
-intervals (spec ``shared/design/flashmask.md`` section 1.3, after Paddle's ``flashmask_attention``):
+intervals (``docs/flashmask.md``, after Paddle's ``flashmask_attention``):
 
 ========  ===  =====================  ==============================================
 causal    n    last dim               row ``i`` masked for key ``j`` when
@@ -86,7 +86,7 @@ def canonicalize(startend_row_indices: torch.Tensor, *, causal: bool, seqlen_q: 
 
 
 def block_bounds(canon: torch.Tensor, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per key block minimum and maximum of each canonical vector (spec section 3.1).
+    """Per key block minimum and maximum of each canonical vector (``docs/flashmask.md`` section 3).
 
     Args:
         canon: int64 ``[B, Hm, Sk, 4]`` from :func:`canonicalize`.
@@ -110,7 +110,7 @@ def block_bounds(canon: torch.Tensor, block_n: int) -> tuple[torch.Tensor, torch
 
 def classify_tiles(canon: torch.Tensor, *, causal: bool, seqlen_q: int, block_m: int, block_n: int,
                    ragged_partial: bool = False) -> torch.Tensor:
-    """Classify every (query block, key block) tile as skipped, partial or full (spec section 3.2).
+    """Classify every (query block, key block) tile as skipped, partial or full (``docs/flashmask.md`` section 3).
 
     A tile is skipped when every element is masked, full when no element is masked (no element mask needed),
     partial otherwise (conservatively: a tile may be called partial although it is full). With
@@ -201,7 +201,7 @@ def mask_picture(startend_row_indices: torch.Tensor, *, causal: bool, seqlen_q: 
 
 
 def from_dense_mask(mask: torch.Tensor, *, causal: bool) -> torch.Tensor:
-    """FlashMask indices equal to a dense boolean mask (spec section 6, "mask_mod/dense -> startend").
+    """FlashMask indices equal to a dense boolean mask (``docs/flashmask.md`` section 1).
 
     Args:
         mask: bool ``[B, H, Sq, Sk]`` (or ``[Sq, Sk]``), True = attend.
@@ -284,7 +284,7 @@ def from_dense_mask(mask: torch.Tensor, *, causal: bool) -> torch.Tensor:
 
 def window_to_indices(window_size: int | tuple[int, int], *, causal: bool, batch_size: int, seqlen_q: int,
                       seqlen_k: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """Paddle's conversion of ``window_size`` into indices (spec section 1.3): query ``i`` sees keys
+    """Paddle's conversion of ``window_size`` into indices (``docs/flashmask.md`` section 2): query ``i`` sees keys
     ``[i - left, i + right]`` (``right`` ignored when causal). Returns int32 ``[batch_size, 1, Sk, 1 or 2]``."""
     if isinstance(window_size, int):
         left, right = window_size, window_size

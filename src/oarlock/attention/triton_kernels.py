@@ -1,7 +1,7 @@
 """FlashMask Triton kernels (GPU; the Triton interpreter runs them on CPU in tests). Imported lazily.
 
 FlashAttention-2 style (Dao 2023) forward and backward with FlashMask tile skipping (arXiv 2410.01359;
-spec sections 3.2-3.6):
+``docs/flashmask.md`` section 3):
 
 * Host preprocessing, O(B * Hm * (Sk + Tr * Tc)): per key block min/max of the canonical vectors, tile
   classification, then the FlashMask-V3 idea of a **compacted list of live key blocks per query block**
@@ -223,7 +223,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CANON, KV_LIST, KV_CNT,
 
 def _prepare(canon: torch.Tensor | None, b: int, sq: int, sk: int, causal: bool,
              block_mask: torch.Tensor | None, device: torch.device):
-    """Canonical vectors as int32 ``[B, Hm, 4, Sk]`` and the compacted live-block lists (spec 3.6)."""
+    """Canonical vectors as int32 ``[B, Hm, 4, Sk]`` and the compacted live-block lists (``docs/flashmask.md`` section 3)."""
     if canon is None:
         canon = torch.zeros(b, 1, sk, 4, dtype=torch.int64, device=device)
         canon[..., :2] = sq
