@@ -34,7 +34,8 @@ __all__ = [
     "canonicalize", "block_bounds", "classify_tiles", "dense_keep_rows", "to_dense_mask", "from_dense_mask",
     "to_mask_mod", "to_flex_block_mask", "window_to_indices", "mask_picture",
     "causal_mask", "sliding_window_mask", "bidirectional_sliding_window_mask", "causal_document_mask",
-    "causal_document_mask_from_ids", "document_mask", "shared_question_mask", "global_sliding_window_mask", "prefix_lm_causal_mask",
+    "causal_document_mask_from_ids", "document_mask", "shared_question_mask", "global_sliding_window_mask",
+    "prefix_lm_causal_mask",
     "prefix_lm_document_mask", "qk_sparse_mask", "random_eviction_mask", "causal_blockwise_mask",
     "TILE_SKIP", "TILE_PARTIAL", "TILE_FULL",
 ]

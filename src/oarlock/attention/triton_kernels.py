@@ -223,7 +223,8 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CANON, KV_LIST, KV_CNT,
 
 def _prepare(canon: torch.Tensor | None, b: int, sq: int, sk: int, causal: bool,
              block_mask: torch.Tensor | None, device: torch.device):
-    """Canonical vectors as int32 ``[B, Hm, 4, Sk]`` and the compacted live-block lists (``docs/flashmask.md`` section 3)."""
+    """Canonical vectors as int32 ``[B, Hm, 4, Sk]`` and the compacted live-block lists (``docs/flashmask.md``
+    section 3)."""
     if canon is None:
         canon = torch.zeros(b, 1, sk, 4, dtype=torch.int64, device=device)
         canon[..., :2] = sq
