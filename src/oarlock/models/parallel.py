@@ -216,8 +216,7 @@ def parallelize_llama(model: Llama, mesh: Any = None, *, tp: int = 1, dp: int = 
     ``"ep"``, ``"tp"``; :func:`build_mesh`), each of that size. ``cp`` changes no parameter (it records the
     context-parallel group that :func:`forward_backward` splits the sequence over). Every rank must start from the
     same single-device weights (same seed or the same loaded state dict); they are then pruned (pp, ep) and sharded
-    (tp). Create the
-    optimizer afterwards. Raises :class:`ParallelLayoutError` for impossible degrees (listing those that work)
+    (tp). Create the optimizer afterwards. Raises :class:`ParallelLayoutError` for impossible degrees (listing those that work)
     or a mesh that does not match them.
     """
     layout = ParallelLayout(dp=dp, tp=tp, pp=pp, ep=ep, cp=cp)
