@@ -212,11 +212,17 @@ def gather_sequence(plan: ContextParallelPlan, local: torch.Tensor, *, group=Non
     if world == 1:
         out.copy_(moved)
     else:
-        dist.all_gather_into_tensor(out, moved, group=group)
+        _all_gather(out, moved, group)
     perm = torch.cat([local_positions(plan, r) for r in range(world)]).to(out.device)
     full = torch.empty_like(out)
     full[perm] = out
     return full.movedim(0, dim)
+
+
+def _all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    """Concatenate every rank's ``inp`` along dim 0 into ``out`` (all_gather_single on torch >= 2.13)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, inp, group=group)
 
 
 def _gather_kv(k: torch.Tensor, v: torch.Tensor, group, world: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,7 +232,7 @@ def _gather_kv(k: torch.Tensor, v: torch.Tensor, group, world: int) -> tuple[tor
     dv = v.shape[3]
     flat = torch.cat([k.transpose(0, 1).reshape(s, -1), v.transpose(0, 1).reshape(s, -1)], 1).contiguous()
     out = torch.empty(world * s, flat.shape[1], dtype=flat.dtype, device=flat.device)
-    dist.all_gather_into_tensor(out, flat, group=group)
+    _all_gather(out, flat, group)
     kk = out[:, :b * hk * d].view(world * s, b, hk, d).transpose(0, 1)
     vv = out[:, b * hk * d:].view(world * s, b, hk, dv).transpose(0, 1)
     return kk, vv
@@ -239,6 +245,7 @@ def _reduce_scatter_kv(dk: torch.Tensor, dv: torch.Tensor, group, world: int) ->
     dvd = dv.shape[3]
     flat = torch.cat([dk.float().transpose(0, 1).reshape(s, -1), dv.float().transpose(0, 1).reshape(s, -1)], 1)
     out = torch.empty(s // world, flat.shape[1], dtype=flat.dtype, device=flat.device)
+    # torch >= 2.13 names it reduce_scatter_single (reduce_scatter_tensor is deprecated there)
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     reduce_scatter(out, flat.contiguous(), group=group)
     n = s // world
