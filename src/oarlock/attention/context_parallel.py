@@ -68,10 +68,11 @@ class ContextParallelPlan:
         return max(work) / mean if mean else 1.0
 
     def token_permutation(self) -> torch.Tensor:
-        """int64 ``[seqlen]``: original token positions in rank order (rank 0's chunks first). ``x[:, perm]``
-        lays a ``[batch, seqlen, ...]`` tensor out so that rank ``r`` owns the ``r``-th equal slice."""
+        """int64 ``[seqlen]``: original token positions in rank order (rank 0's chunks first, each rank's chunks
+        in increasing order). ``x[:, perm]`` lays a ``[batch, seqlen, ...]`` tensor out so that rank ``r`` owns the
+        ``r``-th equal slice."""
         parts = [torch.arange(c * self.chunk_size, min((c + 1) * self.chunk_size, self.seqlen))
-                 for chunks in self.assignment for c in chunks]
+                 for chunks in self.assignment for c in sorted(chunks)]
         return torch.cat(parts)
 
     def local_positions(self, rank: int) -> torch.Tensor:
