@@ -2,11 +2,6 @@
 mask heads equal to query heads, a differentiable log-sum-exp, the small-sequence dense path, and non-finite
 keys isolated by the mask."""
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -16,26 +11,19 @@ from oarlock.attention import flashmask as F
 from oarlock.attention.context_parallel import dual_chunk_swap, local_mask
 from oarlock.attention.masks import random_eviction_mask
 
-WORKER = Path(__file__).with_name("_cp_worker.py")
-
 
 @pytest.mark.multiproc
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
-def test_context_parallel_matches_single_process_and_float64(world, tmp_path):
-    """One launch per world size runs every scenario of _cp_worker.SCENARIOS (causal documents crossing chunk
+def test_context_parallel_matches_single_process_and_float64(world, multirank):
+    """One launch per world size runs every scenario of _cp_scenarios (causal documents crossing chunk
     boundaries, sliding window, shared question, non-causal prefix LM, GQA with per-KV-head 4-vector masks,
     fully masked rows, a mask per query head, plain causal under DualChunkSwap, MHA causal blockwise): every
     rank's out, lse, dq, dk, dv equal single-process flashmask_attention and float64 dense attention
     (atol 1e-5), and gather_sequence restores the full output."""
-    out = tmp_path / "results.json"
-    proc = subprocess.run([sys.executable, str(WORKER), str(world), str(out)], capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = json.loads(out.read_text())
-    failed = {f"{name} rank {r}": msg for name, ranks in results.items() for r, msg in ranks.items() if msg != "ok"}
-    assert not failed, "\n".join(f"{k}: {v}" for k, v in failed.items())
-    assert len(results) == 9 and all(len(r) == world for r in results.values())
+    outcome = multirank("_cp_scenarios", world)
+    outcome.check()
+    assert len(outcome.names) == 9 and len(outcome.ranks) == world
 
 
 def test_shard_helpers_follow_the_plan_permutation():

@@ -1,20 +1,11 @@
-"""Worker for tests/attention/test_cp_attention.py: ``python _cp_worker.py WORLD OUT.json [SCENARIO ...]``.
+"""Scenarios for tests/attention/test_cp_attention.py, run by the multirank harness on 2 and 4 gloo ranks.
 
-Spawns WORLD gloo ranks; every rank runs each scenario (a mask, a plan) with context-parallel FlashMask and
-compares its rows of out / lse and its dq, dk, dv with (a) single-process ``flashmask_attention`` on the whole
-sequence and (b) float64 dense attention written here from the dense mask. Writes ``{scenario: {rank: "ok" |
-error}}`` to OUT.json.
+Every rank runs each scenario (a mask, a plan) with context-parallel FlashMask and compares its rows of out / lse
+and its dq, dk, dv with (a) single-process ``flashmask_attention`` on the whole sequence and (b) float64 dense
+attention written here from the dense mask.
 """
 
-import json
-import os
-import socket
-import sys
-import traceback
-
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from oarlock.attention import (context_parallel_flashmask_attention, flashmask_attention, gather_sequence,
                                plan_context_parallel, shard_sequence)
@@ -94,7 +85,7 @@ def run(name, world, rank):
     ref = [x.clone().requires_grad_(True) for x in (q, k, v)]
     out1, lse1 = flashmask_attention(*ref, idx, causal=causal, return_softmax_lse=True)
     fin = torch.isfinite(lse1)
-    ((out1 * dout).sum() + torch.where(fin, lse1, 0) .mul(dlse).sum()).backward()
+    ((out1 * dout).sum() + torch.where(fin, lse1, 0).mul(dlse).sum()).backward()
     # float64 dense: out and gradients of <out, dout>
     r64 = [x.double().requires_grad_(True) for x in (q, k, v)]
     out64 = dense64(*r64, idx, causal)
@@ -124,39 +115,14 @@ def run(name, world, rank):
     torch.testing.assert_close(full, out1.detach(), **tol, msg=lambda m: f"gathered output: {m}")
 
 
-def worker(rank, world, port, out, names):
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    results = {}
-    for name in names:
-        try:
-            run(name, world, rank)
-            results[name] = "ok"
-        except Exception:  # report every failing scenario, not just the first
-            results[name] = traceback.format_exc(limit=-2)
-            print(rank, name, results[name], file=sys.stderr, flush=True)
-        dist.barrier()
-    with open(f"{out}.{rank}", "w") as f:
-        json.dump(results, f)
-    dist.destroy_process_group()
+def _scenario(name):
+    def scenario(ctx):
+        torch.set_num_threads(1)  # ranks share the machine's cores
+        run(name, ctx.world, ctx.rank)
+
+    scenario.__name__ = f"scenario_{name}"
+    return scenario
 
 
-def main():
-    world, out = int(sys.argv[1]), sys.argv[2]
-    names = sys.argv[3:] or list(SCENARIOS)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(worker, args=(world, port, out, names), nprocs=world)
-    merged: dict = {}
-    for r in range(world):
-        with open(f"{out}.{r}") as f:
-            for name, msg in json.load(f).items():
-                merged.setdefault(name, {})[str(r)] = msg
-    with open(out, "w") as f:
-        json.dump(merged, f, indent=1)
-
-
-if __name__ == "__main__":
-    main()
+for _name in SCENARIOS:
+    globals()[f"scenario_{_name}"] = _scenario(_name)
