@@ -32,6 +32,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "aoa": ("oarlock.checkpoint.commands", "AOA weight-transformation language tools"),
     "convert": ("oarlock.checkpoint.commands", "convert a checkpoint: HF <-> oarlock (TP/PP-sharded), Paddle -> "
                                                "either, optionally through an AOA config"),
+    "diff": ("oarlock.checkpoint.commands", "compare the tensors of two checkpoints (any formats and layouts)"),
+    "verify": ("oarlock.checkpoint.commands",
+               "check a checkpoint's integrity (block checksums, headers, coverage)"),
     "memory": ("oarlock.memory.commands", "allocator simulator and memory observer"),
     "debug": ("oarlock.debug.commands", "captured-run tools: diff two runs, render graphs, list ops"),
     "demo": ("oarlock.models.commands", "fine-tune SmolLM2-135M across parallel layouts (DP2 ZeRO-1 -> TP3), "
