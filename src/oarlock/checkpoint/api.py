@@ -338,6 +338,10 @@ def _compile_aoa(aoa_config: Any, source: dict[str, TensorSpec], destination: di
             raise
         raise CheckpointError("aoa_config was given but the AOA engine (oarlock.checkpoint.aoa) is not available "
                               "in this installation; load without aoa_config or install an oarlock with AOA") from None
+    from oarlock.checkpoint.aoa.layout import relayout_config
+
+    # a key saved in a TP-blocked layout at another degree: re-laid out, or an error naming the statement
+    aoa_config = relayout_config(aoa_config, meta, destination_shards or {}) if meta is not None else aoa_config
     # TP shard counts (distinct global offsets) on both sides: fused_ffn / fused_qkv_old layouts depend on them
     return compile_aoa(aoa_config, source, destination, source_shards=shard_counts(meta) if meta is not None else None,
                        destination_shards=destination_shards)
@@ -398,7 +402,7 @@ def load_state_dict(state_dict: Mapping[str, Any], path: str | os.PathLike, *, p
     except Exception as e:
         err = _err(e)
     wanted = {"err": err, "tensors": {d.key: (d.global_shape, d.dtype) for d in descs},
-              "offsets": {d.key: d.global_offset for d in descs if d.numel} if aoa_config is not None else {},
+              "offsets": {d.key: d.global_offset for d in descs if d.numel} if program is None else {},
               "objects": sorted(leaves.objects)}
     gathered = _all_gather_objects(wanted, process_group)
     _raise_gathered([g["err"] for g in gathered], rank)
@@ -408,6 +412,7 @@ def load_state_dict(state_dict: Mapping[str, Any], path: str | os.PathLike, *, p
     plans: list[list[ReadItem]] = []
     missing: set[str] = set()
     unexpected: list[str] = []
+    used: set[str] = set()
     try:
         reader = comm.open_view(path, view, rank) if view is not None else open_checkpoint(path)
         meta = reader.metadata
@@ -415,6 +420,8 @@ def load_state_dict(state_dict: Mapping[str, Any], path: str | os.PathLike, *, p
         for g in gathered:
             for k, (shape, dt) in g["tensors"].items():
                 dest_all.setdefault(k, TensorSpec(tuple(shape), dt))
+        if aoa_config is None and program is None and meta.extra.get("tp_layouts"):
+            aoa_config = []  # keys saved in a TP-blocked layout: compiled below, re-laid out if needed
         if aoa_config is not None:
             offsets: dict[str, set] = {}
             for g in gathered:
@@ -435,7 +442,6 @@ def load_state_dict(state_dict: Mapping[str, Any], path: str | os.PathLike, *, p
                 missing.add(k)
         # what the whole group reads, for the unexpected-key check
         dest_keys = set(planner.program.destination_keys())
-        used = set()
         for k in dest_all:
             if k in dest_keys:
                 used.update(m.src_key for m in planner.mappings(k))
@@ -461,8 +467,14 @@ def load_state_dict(state_dict: Mapping[str, Any], path: str | os.PathLike, *, p
             parts.append(f"missing keys (requested, not in the checkpoint): {_fmt_keys(all_missing)}")
         if unexpected:
             parts.append(f"unexpected keys (in the checkpoint, not requested): {_fmt_keys(unexpected)}")
-        raise CheckpointMismatchError(f"{path}: " + "; ".join(parts) + " (pass strict=False to load the rest and "
-                                      "get them in the returned LoadReport)")
+        dropped = _dropped_data(unexpected, used)
+        if dropped:  # strict=False would silently lose these tensors: never suggest it
+            hint = (f" ({_fmt_keys(dropped, 5)} belong to modules this load reads, e.g. biases: loading without them "
+                    "gives wrong numbers. Map them with an AOA statement (a preset built from the model's "
+                    "config.json maps biases, see docs/aoa.md), or drop them deliberately with 'KEY -> _')")
+        else:
+            hint = " (pass strict=False to load the rest and get them in the returned LoadReport)"
+        raise CheckpointMismatchError(f"{path}: " + "; ".join(parts) + hint)
 
     report = LoadReport(all_missing, unexpected)
     with reader, torch.no_grad():
@@ -475,6 +487,13 @@ def load_state_dict(state_dict: Mapping[str, Any], path: str | os.PathLike, *, p
         for k, value in ((k, reader.metadata.objects[k]) for k in leaves.objects if k in reader.metadata.objects):
             _set_path(state_dict, leaves.object_paths[k], value)
     return report
+
+
+def _dropped_data(unexpected: list[str], used: set[str]) -> list[str]:
+    """Unexpected keys that sit in a module whose other tensors the load reads (``q_proj.bias`` next to a read
+    ``q_proj.weight``): data a non-strict load would silently drop, unlike another pipeline stage's layers."""
+    modules = {k.rsplit(".", 1)[0] for k in used if "." in k}
+    return [k for k in unexpected if "." in k and k.rsplit(".", 1)[0] in modules]
 
 
 def _fmt_keys(keys: list[str], limit: int = 20) -> str:

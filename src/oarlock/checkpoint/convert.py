@@ -647,6 +647,8 @@ def convert_checkpoint(source: str | os.PathLike, out_dir: str | os.PathLike, *,
         for t in tensors.values():
             KeyIndex(t)
         meta = CheckpointMetadata("oarlock", tensors=tensors)
+        if getattr(program, "tp_layouts", None):  # fused_ffn/fused_qkv_old blocks: a load at another TP re-lays out
+            meta.extra["tp_layouts"] = program.tp_layouts
         planner = Planner(reader.metadata, program)
         total = sum(numel(s.local_shape) * dtype_itemsize(t.dtype) for t in tensors.values() for s in t.shards)
         out_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -25,6 +25,7 @@ from oarlock.checkpoint.aoa.parser import VOID, Expr, parse_statements
 from oarlock.checkpoint.mapping import Box, SliceMapping, TensorSpec, full_box
 from oarlock.utils import dtype_name
 
+TP_LAYOUTS_KEY = "tp_layouts"  # CheckpointMetadata.extra entry: AOAProgram.tp_layouts of the writer
 _ATTRS = ("axis", "dtype", "permute", "src_dtype", "dst_dtype")
 
 
@@ -334,7 +335,14 @@ def source_specs(metadata) -> dict[str, TensorSpec]:
 def shard_counts(metadata) -> dict[str, int]:
     """TP shard count of every key of a :class:`~oarlock.checkpoint.CheckpointMetadata`: the number of distinct
     global offsets among its primary shards (as Paddle derives it for ``fused_qkv_old``/``fused_ffn``)."""
-    return {k: len({s.global_offset for s in t.primary_shards()}) or 1 for k, t in metadata.tensors.items()}
+    counts = {k: len({s.global_offset for s in t.primary_shards()}) or 1 for k, t in metadata.tensors.items()}
+    recorded = (getattr(metadata, "extra", None) or {}).get(TP_LAYOUTS_KEY) or {}
+    if recorded:  # the degree a fused layout was written for wins over the offsets (a reshard may differ)
+        for k in counts:
+            rec = recorded.get(split_optimizer_suffix(k)[0])
+            if isinstance(rec, dict) and isinstance(rec.get("tp"), int) and rec["tp"] > 0:
+                counts[k] = rec["tp"]
+    return counts
 
 
 @dataclass
@@ -355,6 +363,10 @@ class AOAProgram:
         missing: destination keys that no statement and no source key provides, with the reason.
         deleted: source keys dropped with ``key -> _``.
         unused_sources: source keys (model level) that reach no destination key.
+        tp_layouts: destination keys written in a TP-degree-dependent layout (``fused_ffn``, ``fused_qkv_old``):
+            ``{key: {"statement": ..., "tp": degree, "axis": ..., ["num_heads", "num_key_value_groups"]}}``.
+            Writers store it in the checkpoint metadata (``extra["tp_layouts"]``) so that a load at another
+            degree re-lays it out (see :func:`oarlock.checkpoint.aoa.layout.relayout_config`).
     """
 
     def __init__(self, source: Mapping[str, TensorSpec], reverse: bool, statements: list[Primitive]):
@@ -365,6 +377,7 @@ class AOAProgram:
         self.missing: dict[str, str] = {}
         self.deleted: list[str] = []
         self.unused_sources: list[str] = []
+        self.tp_layouts: dict[str, dict] = {}
         self._entries: dict[str, _Entry] = {}
         self._cache: dict[str, list[SliceMapping]] = {}
 
@@ -435,6 +448,22 @@ class AOAProgram:
         return "\n".join(lines)
 
 
+_FUSED_STAGES = ("fused_qkv", "fused_qkv_old", "fused_ffn")
+
+
+def _fused_hint(e: Expr) -> str:
+    """What the parameters of a fused macro mean, for errors about piece sizes."""
+    root = e
+    while root.parent is not None and root.keyword is None:
+        root = root.parent
+    if e.stage == "fused_ffn":
+        return ("; fused_ffn expects gate and up of the same shape, and a fused tensor of 2 x (TP degree) equal "
+                "blocks")
+    h, g = root.attr("num_heads"), root.attr("num_key_value_groups")
+    return (f"; check num_heads={h} and num_key_value_groups={g} against the tensor shapes: num_key_value_groups "
+            "is the number of KV heads (HF num_key_value_heads), not the number of query heads per KV head")
+
+
 def _fmt_box(box: Box) -> str:
     return ", ".join(f"{a}:{b}" for a, b in box)
 
@@ -449,6 +478,7 @@ class _Executor:
         self.deleted: dict[str, None] = {}
         self.created: dict[str, None] = {}
         self._src_cache: dict[str, TensorDesc] = {}
+        self._pieces: dict[int, tuple] = {}  # fused statement -> (piece extent, name, count, shape, expr)
 
     def source_desc(self, name: str) -> TensorDesc:
         d = self._src_cache.get(name)
@@ -476,6 +506,24 @@ class _Executor:
         self.fresh.pop(name, None)
         assert isinstance(b, TensorDesc)
         return b
+
+    def _check_piece(self, p: Primitive, name: str, size: int, count: int, shape: Sequence[int]) -> None:
+        """Every head/block piece of one fused statement has the same extent along its axis: a q of 8 heads x 4
+        rows and a k of 2 heads x 4 rows under ``num_key_value_groups=4`` would otherwise be cut into 2-row
+        pieces and loaded silently wrong."""
+        root = p.expr.parent if p.expr.parent is not None else p.expr
+        first = self._pieces.setdefault(id(root), (size, name, count, tuple(shape), root))
+        if first[0] == size:
+            return
+        size0, name0, count0, shape0, _ = first
+        what = {"fused_qkv": "head", "fused_qkv_old": "head"}.get(p.expr.stage, "block")
+
+        def desc(n: str, sz: int, cnt: int, sh: tuple) -> str:
+            return (f"{n!r} (shape {list(sh)}) gives {cnt} {what}s of {sz}" if cnt > 1
+                    else f"a piece of {n!r} has extent {sz}")
+        raise AOAError(f"{p.expr.stage}: {what} sizes disagree: {desc(name0, size0, count0, shape0)}, but "
+                       f"{desc(name, size, count, tuple(shape))} along the fused axis"
+                       + _fused_hint(p.expr), root, name=name)
 
     def bind(self, name: str, desc: object) -> None:
         self.env[name] = desc
@@ -507,6 +555,10 @@ class _Executor:
             parts = [self.get(n, p) for n in p.lhs]
             nd = len(parts[0].shape)
             ax = _norm_axis(p.axis, nd, p.lhs[0], p)
+            if e.stage in _FUSED_STAGES:
+                for n, d in zip(p.lhs, parts):
+                    if len(d.shape) == nd:
+                        self._check_piece(p, n, d.shape[ax], 1, d.shape)
             for n, d in zip(p.lhs, parts):
                 if d.dtype != parts[0].dtype:
                     raise AOAError(f"All tensors must have the same dtype! {p.lhs[0]!r} is {parts[0].dtype} but "
@@ -523,13 +575,18 @@ class _Executor:
             n = len(p.rhs)
             if d.shape[ax] % n:
                 raise AOAError(f"cannot split {p.lhs[0]!r} of shape {list(d.shape)} into {n} equal parts along axis "
-                               f"{p.axis} ({d.shape[ax]} is not divisible by {n})", e, name=p.lhs[0])
+                               f"{p.axis} ({d.shape[ax]} is not divisible by {n})"
+                               + (_fused_hint(e) if e.stage in _FUSED_STAGES else ""), e, name=p.lhs[0])
             step = d.shape[ax] // n
+            if e.stage in _FUSED_STAGES:
+                self._check_piece(p, p.lhs[0], step, n, d.shape)
             for i, r in enumerate(p.rhs):
                 self.bind(r, d.slice(ax, i * step, (i + 1) * step, e))
         elif p.kind == "rename":
             if p.axis is not None:
-                _norm_axis(p.axis, len(d.shape), p.lhs[0], p)
+                ax = _norm_axis(p.axis, len(d.shape), p.lhs[0], p)
+                if e.stage in _FUSED_STAGES:
+                    self._check_piece(p, p.lhs[0], d.shape[ax], 1, d.shape)
             self.bind(p.rhs[0], d)
         elif p.kind == "permute":
             nd = len(d.shape)
@@ -549,10 +606,12 @@ class _Executor:
 
 def expand_statements(aoa_config: object, source_keys: Sequence[str], destination_keys: Sequence[str] | None = None,
                       *, source_shards: Mapping[str, int] | None = None,
-                      destination_shards: Mapping[str, int] | None = None) -> list[Expr]:
+                      destination_shards: Mapping[str, int] | None = None,
+                      layouts: dict[str, dict] | None = None) -> list[Expr]:
     """Parse and macro-expand ``aoa_config`` against key names only (no shapes): the primitive statements
     as written, before reverse-mode inversion. ``*_shards``: TP shard count per key for ``fused_qkv_old`` and
-    ``fused_ffn`` (1 where absent).
+    ``fused_ffn`` (1 where absent). ``layouts``, if given, receives ``{name: {"statement", "tp", "axis", ...}}``
+    for every destination-side name a TP-dependent fused statement writes.
 
     Raises:
         AOASyntaxError, AOAError: see :func:`compile_aoa`.
@@ -562,7 +621,10 @@ def expand_statements(aoa_config: object, source_keys: Sequence[str], destinatio
     src = KeySet(split_optimizer_suffix(k)[0] for k in source_keys)
     dst = KeySet(split_optimizer_suffix(k)[0] for k in destination_keys) if destination_keys is not None else None
     ctx = MacroContext(src, dst, reverse, fold_shard_counts(source_shards), fold_shard_counts(destination_shards))
-    return expand_macros(exprs, ctx)
+    out = expand_macros(exprs, ctx)
+    if layouts is not None:
+        layouts.update(ctx.layouts)
+    return out
 
 
 def compile_aoa(aoa_config: object, source: Mapping[str, TensorSpec],
@@ -630,8 +692,9 @@ def _compile(aoa_config: object, source: Mapping[str, TensorSpec], destination: 
     dst_model = None
     if destination is not None:
         dst_model = [split_optimizer_suffix(k)[0] for k in destination]
+    layouts: dict[str, dict] = {}
     exprs = expand_statements(aoa_config, list(source), dst_model, source_shards=source_shards,
-                              destination_shards=destination_shards)
+                              destination_shards=destination_shards, layouts=layouts)
     memo: dict = {}
     prims = [classify(e, memo) for e in exprs]
     if reverse:
@@ -738,4 +801,5 @@ def _compile(aoa_config: object, source: Mapping[str, TensorSpec], destination: 
         for r in d.refs:
             reached.add(r.src_key)
     prog.unused_sources = [k for k in model_src if k not in reached and k not in ex.deleted]
+    prog.tp_layouts = {k: v for k, v in layouts.items() if k in prog._entries}
     return prog

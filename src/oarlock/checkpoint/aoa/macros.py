@@ -102,6 +102,18 @@ class MacroContext:
     destination_shards: dict[str, int] = field(default_factory=dict)
     fwd: dict[str, list[str]] = field(default_factory=dict)
     bwd: dict[str, list[str]] = field(default_factory=dict)
+    # destination name -> the TP-dependent layout a fused_ffn / fused_qkv_old statement wrote it in
+    layouts: dict[str, dict] = field(default_factory=dict)
+
+    def record_layout(self, e: Expr, name: str, side: str, tp: int) -> None:
+        """Note that ``name`` (``side`` of ``->``) is written in ``e``'s TP-blocked layout of degree ``tp``, if
+        that side names destination keys (the right in forward mode, the left in reverse mode)."""
+        if (side == "right") != self.reverse:
+            rec: dict = {"statement": e.keyword, "tp": int(tp), "axis": e.attr("axis", 1)}
+            for k in ("num_heads", "num_key_value_groups"):
+                if e.attr(k) is not None:
+                    rec[k] = e.attr(k)
+            self.layouts[name] = rec
 
     @property
     def left(self) -> KeySet | None:
@@ -428,18 +440,22 @@ def _fused_qkv_old(e: Expr, ctx: MacroContext) -> list[Expr]:
         return out
     stage = "fused_qkv_old"
     qs, ks, vs = ([f"{t}.{c}_{i}" for i in range(n)] for c, n in (("Q", h), ("K", kv), ("V", kv)))
+    def count(name: str, side: str) -> int:
+        n = ctx.shard_count(name, side, e)
+        ctx.record_layout(e, name, side, n)
+        return n
     if len(e.lhs) == 1 and len(e.rhs) == 1:
         x, y = e.lhs[0], e.rhs[0]
-        return [e.derive(stage, [x], layout(ctx.shard_count(x, "left", e), x), ax),
-                e.derive(stage, layout(ctx.shard_count(y, "right", e), y), [y], ax)]
+        return [e.derive(stage, [x], layout(count(x, "left"), x), ax),
+                e.derive(stage, layout(count(y, "right"), y), [y], ax)]
     if len(e.lhs) == 1 and len(e.rhs) == 3:
         x = e.lhs[0]
-        return [e.derive(stage, [x], layout(ctx.shard_count(x, "left", e), x), ax)] + \
+        return [e.derive(stage, [x], layout(count(x, "left"), x), ax)] + \
             [e.derive(stage, names, [d], ax) for names, d in zip((qs, ks, vs), e.rhs)]
     if len(e.lhs) == 3 and len(e.rhs) == 1:
         y = e.rhs[0]
         return [e.derive(stage, [s], names, ax) for names, s in zip((qs, ks, vs), e.lhs)] + \
-            [e.derive(stage, layout(ctx.shard_count(y, "right", e), y), [y], ax)]
+            [e.derive(stage, layout(count(y, "right"), y), [y], ax)]
     raise AOASyntaxError(f"fused_qkv_old takes 1 -> 1, 1 -> 3 or 3 -> 1 names, got {len(e.lhs)} -> {len(e.rhs)}",
                          e, name=e.keyword)
 
@@ -459,17 +475,21 @@ def _fused_ffn(e: Expr, ctx: MacroContext) -> list[Expr]:
     if len(e.lhs) == 1 and len(e.rhs) == 1:
         x, y = e.lhs[0], e.rhs[0]
         ts, td = ctx.shard_count(x, "left", e), ctx.shard_count(y, "right", e)
+        ctx.record_layout(e, x, "left", ts)
+        ctx.record_layout(e, y, "right", td)
         n = math.lcm(ts, td)
         return [e.derive(stage, [x], layout(ts, n), ax), e.derive(stage, layout(td, n), [y], ax)]
     if len(e.lhs) == 1 and len(e.rhs) == 2:
         x = e.lhs[0]
         n = ctx.shard_count(x, "left", e)
+        ctx.record_layout(e, x, "left", n)
         return [e.derive(stage, [x], layout(n, n), ax),
                 e.derive(stage, [f"{t}.GATE_{i}" for i in range(n)], [e.rhs[0]], ax),
                 e.derive(stage, [f"{t}.UP_{i}" for i in range(n)], [e.rhs[1]], ax)]
     if len(e.lhs) == 2 and len(e.rhs) == 1:
         y = e.rhs[0]
         n = ctx.shard_count(y, "right", e)
+        ctx.record_layout(e, y, "right", n)
         return [e.derive(stage, [e.lhs[0]], [f"{t}.GATE_{i}" for i in range(n)], ax),
                 e.derive(stage, [e.lhs[1]], [f"{t}.UP_{i}" for i in range(n)], ax),
                 e.derive(stage, layout(n, n), [y], ax)]
