@@ -65,6 +65,9 @@ class LoadReport:
     bytes_sent: int = 0
     bytes_received: int = 0
     messages_sent: int = 0
+    skipped_keys: list[str] = field(default_factory=list)
+    """requested keys an AOA config deliberately does not load (``_ -> key``, or named like a key dropped with
+    ``key -> _``): left untouched, and no error under ``strict=True``."""
 
 
 # ---------------------------------------------------------------- state dict traversal
@@ -411,6 +414,7 @@ def load_state_dict(state_dict: Mapping[str, Any], path: str | os.PathLike, *, p
     reader: CheckpointReader | None = None
     plans: list[list[ReadItem]] = []
     missing: set[str] = set()
+    skipped: set[str] = set()
     unexpected: list[str] = []
     used: set[str] = set()
     try:
@@ -437,6 +441,8 @@ def load_state_dict(state_dict: Mapping[str, Any], path: str | os.PathLike, *, p
             p = planner.plan_rank([d])
             plans.append(p.items)
             missing.update(p.missing_keys)
+        skipped = missing & set(getattr(planner.program, "skipped", ()) or ())
+        missing -= skipped
         for k in leaves.objects:
             if k not in meta.objects:
                 missing.add(k)
@@ -451,7 +457,7 @@ def load_state_dict(state_dict: Mapping[str, Any], path: str | os.PathLike, *, p
                             + [k for k in meta.objects if k not in wanted_objects and k not in dest_all])
     except Exception as e:
         err = _err(e)
-    status = _all_gather_objects({"err": err, "missing": sorted(missing)}, process_group)
+    status = _all_gather_objects({"err": err, "missing": sorted(missing), "skipped": sorted(skipped)}, process_group)
     try:
         _raise_gathered([s["err"] for s in status], rank)
     except BaseException:
@@ -476,7 +482,7 @@ def load_state_dict(state_dict: Mapping[str, Any], path: str | os.PathLike, *, p
             hint = " (pass strict=False to load the rest and get them in the returned LoadReport)"
         raise CheckpointMismatchError(f"{path}: " + "; ".join(parts) + hint)
 
-    report = LoadReport(all_missing, unexpected)
+    report = LoadReport(all_missing, unexpected, skipped_keys=sorted({k for s in status for k in s["skipped"]}))
     with reader, torch.no_grad():
         work = [(it, sw.local_tensor) for sw, items in zip(leaves.shards, plans)
                 for it in sorted(items, key=lambda it: (it.file, it.name, it.src_flat_start, it.src_box))]

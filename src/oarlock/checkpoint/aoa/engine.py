@@ -359,7 +359,8 @@ class AOAProgram:
     Attributes:
         reverse: whether the statements were inverted (``aoa_config_reverse``).
         statements: the primitive statements as executed (expanded by macros, inverted in reverse mode).
-        skipped: destination keys declared source-less with ``_ -> key`` (left as initialised).
+        skipped: destination keys deliberately not loaded (left as initialised): declared source-less with
+            ``_ -> key``, or named like a source key dropped with ``key -> _`` (or whose state source was dropped).
         missing: destination keys that no statement and no source key provides, with the reason.
         deleted: source keys dropped with ``key -> _``.
         unused_sources: source keys (model level) that reach no destination key.
@@ -469,8 +470,9 @@ def _fmt_box(box: Box) -> str:
 
 
 class _Executor:
-    def __init__(self, model_src: dict[str, TensorSpec], keys: KeySet):
+    def __init__(self, model_src: dict[str, TensorSpec], keys: KeySet, states: Mapping[str, TensorSpec] = {}):
         self.model_src = model_src
+        self.states = states  # optimizer-state source keys, readable when a statement names one explicitly
         self.keys = keys
         self.env: dict[str, object] = {}
         self.fresh: dict[str, None] = {}
@@ -489,6 +491,9 @@ class _Executor:
     def get(self, name: str, prim: Primitive) -> TensorDesc:
         b = self.env.get(name, _MISSING)
         if b is _MISSING:
+            if name not in self.model_src and name in self.states:
+                self.read_sources.add(name)
+                return TensorDesc.source(name, self.states[name])
             if name not in self.model_src:
                 near = difflib.get_close_matches(name, list(self.env) + self.keys.with_prefix(name.split(".")[0]),
                                                  n=3, cutoff=0.5)
@@ -547,7 +552,7 @@ class _Executor:
         if p.kind == "delete":
             for n in p.lhs:
                 self.get(n, p)
-                if n in self.model_src and n not in self.env:
+                if (n in self.model_src or n in self.states) and n not in self.env:
                     self.deleted[n] = None
                 self.bind(n, _Deleted(p))
             return
@@ -604,6 +609,19 @@ class _Executor:
             raise AssertionError(p.kind)
 
 
+def _pattern_keys(keys: Sequence[str]) -> KeySet:
+    """What patterns match: the model-level keys, then the optimizer-state keys themselves (a template such as
+    ``model.*.exp_avg`` matches those; placeholders and ``*`` stand for digits only, so a template without the
+    suffix never matches a state key)."""
+    model, states = [], []
+    for k in keys:
+        base, suf = split_optimizer_suffix(k)
+        model.append(base)
+        if suf:
+            states.append(k)
+    return KeySet(model + states)
+
+
 def expand_statements(aoa_config: object, source_keys: Sequence[str], destination_keys: Sequence[str] | None = None,
                       *, source_shards: Mapping[str, int] | None = None,
                       destination_shards: Mapping[str, int] | None = None,
@@ -618,8 +636,8 @@ def expand_statements(aoa_config: object, source_keys: Sequence[str], destinatio
     """
     statements, reverse = normalize_config(aoa_config)
     exprs = parse_statements(statements)
-    src = KeySet(split_optimizer_suffix(k)[0] for k in source_keys)
-    dst = KeySet(split_optimizer_suffix(k)[0] for k in destination_keys) if destination_keys is not None else None
+    src = _pattern_keys(source_keys)
+    dst = _pattern_keys(destination_keys) if destination_keys is not None else None
     ctx = MacroContext(src, dst, reverse, fold_shard_counts(source_shards), fold_shard_counts(destination_shards))
     out = expand_macros(exprs, ctx)
     if layouts is not None:
@@ -700,10 +718,12 @@ def _compile(aoa_config: object, source: Mapping[str, TensorSpec], destination: 
     if reverse:
         prims = invert(prims)
     prog = AOAProgram(source, reverse, prims)
-    ex = _Executor(model_src, KeySet(model_src))
+    ex = _Executor(model_src, KeySet(model_src),
+                   {k: v for k, v in source.items() if k not in model_src and split_optimizer_suffix(k)[1]})
     for p in prims:
         ex.run(p)
-    prog.deleted = list(ex.deleted)
+    # a dropped model key takes its optimizer states along
+    prog.deleted = list(ex.deleted) + [k + s for k in ex.deleted for s in states.get(k, ()) if k + s not in ex.deleted]
 
     def resolve(key: str) -> TensorDesc | None | str:
         b = ex.env.get(key, _MISSING)
@@ -727,6 +747,8 @@ def _compile(aoa_config: object, source: Mapping[str, TensorSpec], destination: 
                 sufs = dict.fromkeys(s for sk in srcs for s in states.get(sk, ()))
                 for s in sufs:
                     ok = any if s in SCALAR_SUFFIXES else all
+                    if any(sk + s in ex.deleted or sk + s in ex.read_sources for sk in srcs):
+                        continue  # dropped, or moved by a statement of its own
                     if ok(sk + s in source for sk in srcs):
                         wanted.append((k + s, k, s))
         prog.skipped = [k for k in ex.created if ex.env.get(k) is _VOID]
@@ -741,7 +763,9 @@ def _compile(aoa_config: object, source: Mapping[str, TensorSpec], destination: 
     reached: set[str] = set()
     for key, model_key, suf in wanted:
         d = resolve(model_key)
-        if d is None:
+        if d is None or (isinstance(d, str) and d.startswith("deleted by")) or \
+                (suf and isinstance(d, TensorDesc) and any(r.src_key + suf in ex.deleted for r in d.refs)):
+            # '_ -> key', or named like a key dropped with 'key -> _': deliberately not loaded
             prog.skipped.append(key) if key not in prog.skipped else None
             continue
         if isinstance(d, str):

@@ -1,0 +1,71 @@
+"""AOA completeness (issue 18 item 3): optimizer-state keys visible to patterns, ``_`` semantics, macro corners,
+``reshape=``, chained casts, optimizer-state casts, prefix renames, and bounded range expansion. Every expected
+value is computed in the test with plain torch."""
+
+import pytest
+import torch
+
+from oarlock.checkpoint import load_state_dict, save_state_dict
+from oarlock.checkpoint.aoa import AOAError, compile_aoa
+from oarlock.checkpoint.mapping import TensorSpec, execute_on_full_tensors
+
+
+def spec(t):
+    return TensorSpec(tuple(t.shape), str(t.dtype).removeprefix("torch."))
+
+
+def rand(*shape, seed=0, dtype=torch.float32):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.fixture
+def with_moments(tmp_path):
+    sd = {}
+    for i in range(2):
+        sd[f"layers.{i}.w"] = rand(4, 3, seed=i)
+        sd[f"layers.{i}.w.exp_avg"] = rand(4, 3, seed=10 + i)
+        sd[f"layers.{i}.w.exp_avg_sq"] = rand(4, 3, seed=20 + i)
+    save_state_dict(sd, tmp_path / "ck")
+    return tmp_path / "ck", sd
+
+
+def test_optimizer_keys_match_patterns_and_drop(with_moments):
+    path, sd = with_moments
+    prog = compile_aoa(["layers.*.w.exp_avg -> _"], {k: spec(v) for k, v in sd.items()})
+    assert sorted(prog.deleted_keys) == ["layers.0.w.exp_avg", "layers.1.w.exp_avg"]
+    assert sorted(prog.destination_keys()) == sorted(k for k in sd if not k.endswith(".exp_avg"))
+    # a load that does not request the dropped moments: strict, nothing unexpected
+    got = {k: torch.zeros_like(v) for k, v in sd.items() if not k.endswith(".exp_avg")}
+    rep = load_state_dict(got, path, aoa_config=["layers.$LAYER_ID.w.exp_avg -> _"], strict=True)
+    assert rep.unexpected_keys == [] and rep.missing_keys == []
+    assert all(torch.equal(got[k], sd[k]) for k in got)
+    # a destination named like a dropped key keeps its value, reported as skipped, no strict error
+    keep = torch.full((4, 3), 7.0)
+    got = {"layers.0.w": torch.zeros(4, 3), "layers.0.w.exp_avg": keep.clone(), "layers.1.w": torch.zeros(4, 3)}
+    rep = load_state_dict(got, path, aoa_config=["layers.*.w.exp_avg -> _", "layers.*.w.exp_avg_sq -> _"],
+                          strict=True)
+    assert torch.equal(got["layers.0.w.exp_avg"], keep) and torch.equal(got["layers.0.w"], sd["layers.0.w"])
+    assert rep.skipped_keys == ["layers.0.w.exp_avg"] and rep.missing_keys == []
+
+
+def test_model_statement_still_moves_moments_and_explicit_state_rename(with_moments):
+    path, sd = with_moments
+    got = {"a.w": torch.zeros(4, 3), "a.w.exp_avg": torch.zeros(4, 3), "b.w": torch.zeros(3, 4),
+           "b.w.exp_avg": torch.zeros(3, 4), "x": torch.zeros(4, 3)}
+    load_state_dict(got, path, aoa_config=["layers.0.w -> a.w", "layers.1.w^T -> b.w",
+                                           "layers.0.w.exp_avg_sq -> x", "layers.1.w.exp_avg_sq -> _"])
+    assert torch.equal(got["a.w.exp_avg"], sd["layers.0.w.exp_avg"])
+    assert torch.equal(got["b.w"], sd["layers.1.w"].T) and torch.equal(got["b.w.exp_avg"], sd["layers.1.w.exp_avg"].T)
+    assert torch.equal(got["x"], sd["layers.0.w.exp_avg_sq"])
+
+
+def test_void_destination_keeps_value_and_satisfies_strict(with_moments):
+    path, sd = with_moments
+    buf = torch.arange(5.0)
+    got = {"layers.0.w": torch.zeros(4, 3), "layers.1.w": torch.zeros(4, 3), "rotary.inv_freq": buf.clone()}
+    rep = load_state_dict(got, path, aoa_config=["_ -> rotary.inv_freq", "layers.$LAYER_ID.w.exp_avg -> _",
+                                                 "layers.$LAYER_ID.w.exp_avg_sq -> _"], strict=True)
+    assert torch.equal(got["rotary.inv_freq"], buf) and rep.skipped_keys == ["rotary.inv_freq"]
+    assert torch.equal(got["layers.1.w"], sd["layers.1.w"])
+    with pytest.raises(Exception, match="missing keys"):  # without the statement it is a missing key
+        load_state_dict({"rotary.inv_freq": buf.clone()}, path, aoa_config=["layers.*.w -> _"])
