@@ -69,3 +69,29 @@ def test_void_destination_keeps_value_and_satisfies_strict(with_moments):
     assert torch.equal(got["layers.1.w"], sd["layers.1.w"])
     with pytest.raises(Exception, match="missing keys"):  # without the statement it is a missing key
         load_state_dict({"rotary.inv_freq": buf.clone()}, path, aoa_config=["layers.*.w -> _"])
+
+
+def test_star_with_layer_id():
+    src = {f"layers.{i}.experts.{e}.w": rand(2, 3, seed=10 * i + e) for i in range(2) for e in range(3)}
+    prog = compile_aoa(["layers.$LAYER_ID.experts.*.w -> stacked.$LAYER_ID, axis=0"], {k: spec(v) for k, v in src.items()})
+    out = execute_on_full_tensors(prog, src)
+    for i in range(2):
+        want = torch.cat([src[f"layers.{i}.experts.{e}.w"] for e in range(3)], 0)
+        assert torch.equal(out[f"stacked.{i}"], want)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_layer_id_statement_whose_first_name_is_a_temporary(reverse):
+    # HF-style fused [Q; K; V] rows (2 q heads, 1 k, 1 v of 2 rows each) -> per-head temporaries -> GQA order
+    src = {f"layers.{i}.qkv": rand(8, 3, seed=i) for i in range(2)}
+    stmts = ["layers.$LAYER_ID.qkv -> tmp.$LAYER_ID.0, tmp.$LAYER_ID.1, tmp.$LAYER_ID.2, tmp.$LAYER_ID.3, axis=0",
+             "tmp.$LAYER_ID.0, tmp.$LAYER_ID.2, tmp.$LAYER_ID.1, tmp.$LAYER_ID.3 -> out.$LAYER_ID, axis=0"]
+    prog = compile_aoa(stmts, {k: spec(v) for k, v in src.items()})
+    out = execute_on_full_tensors(prog, src)
+    for i in range(2):
+        rows = src[f"layers.{i}.qkv"].chunk(4, 0)
+        assert torch.equal(out[f"out.{i}"], torch.cat([rows[0], rows[2], rows[1], rows[3]], 0))
+    if reverse:  # and back: the same statements inverted, matched right to left
+        back = compile_aoa({"aoa_statements": stmts, "aoa_config_reverse": True}, {k: spec(v) for k, v in out.items()})
+        got = execute_on_full_tensors(back, out)
+        assert set(got) == set(src) and all(torch.equal(got[k], src[k]) for k in src)

@@ -175,8 +175,8 @@ def _template_regex(name: str, placeholders: Sequence[str]) -> tuple[str, re.Pat
     seen: set[str] = set()
     pat = []
     for i, p in enumerate(parts):
-        if i % 2 == 0:
-            pat.append(re.escape(p))
+        if i % 2 == 0:  # a '*' beside placeholders stands for any number (expanded later by the star macro)
+            pat.append(r"\d+".join(re.escape(x) for x in p.split("*")))
         else:
             g = p[1:]
             pat.append(f"(?P={g})" if g in seen else f"(?P<{g}>\\d+)")
@@ -185,7 +185,7 @@ def _template_regex(name: str, placeholders: Sequence[str]) -> tuple[str, re.Pat
 
 
 def _signature(template: str) -> str:
-    return _DIGITS.sub("#", _ANY_PLACEHOLDER.sub("#", template))  # 'w1$LAYER_ID' -> 'w#', like the key 'w15' 
+    return _DIGITS.sub("#", _ANY_PLACEHOLDER.sub("#", template).replace("*", "#"))  # 'w1$LAYER_ID' -> 'w#', like the key 'w15' 
 
 
 def _match_ids(template: str, keys: KeySet, placeholders: Sequence[str]) -> list[tuple[int, ...]]:
@@ -227,44 +227,82 @@ def macro_layer_id_offset(exprs: list[Expr], ctx: MacroContext) -> list[Expr]:
 
 
 def macro_ids(exprs: list[Expr], ctx: MacroContext) -> list[Expr]:
-    """``$LAYER_ID``/``$EXPERT_ID``: one statement per id tuple occurring jointly in one source key."""
-    out = []
-    for e in exprs:
-        used: list[str] = []
-        for n in e.names():
-            for m in _PLACEHOLDER.finditer(n):
-                if m.group(1) not in used:
-                    used.append(m.group(1))
-            if "$" in _PLACEHOLDER.sub("", n):
-                bad = n[n.index("$", ):].split(".")[0]
-                raise AOASyntaxError(f"unknown placeholder {bad!r} (known: $LAYER_ID, $EXPERT_ID, $LAYER_ID_OFFSET)",
-                                     e, name=n)
-        if not used:
-            out.append(e)
-            continue
-        src_side, dst_side = (e.rhs, e.lhs) if ctx.reverse else (e.lhs, e.rhs)
-        template = next((n for n in src_side if all(f"${p}" in n for p in used)), None)
-        keys = ctx.source
-        if template is None:
-            template = next((n for n in dst_side if all(f"${p}" in n for p in used)), None)
-            keys = ctx.destination if ctx.destination is not None else ctx.source
+    """``$LAYER_ID``/``$EXPERT_ID``: one statement per id tuple occurring jointly in one source key.
+
+    A template left of ``->`` (right in reverse mode) is matched against the source keys, then against the
+    temporaries that earlier statements produce (later ones in reverse mode, where data flows right to left);
+    a statement whose placeholders appear only on the other side is matched against the destination keys.
+    """
+    groups: list[list[Expr]] = []
+    temps = _Temps()
+    for e in (reversed(exprs) if ctx.reverse else exprs):
+        got = _expand_ids(e, ctx, temps)
+        groups.append(got)
+        for d in got:
+            temps.names.extend(n for n in (d.lhs if ctx.reverse else d.rhs) if n != VOID)
+    if ctx.reverse:
+        groups.reverse()
+    return [d for g in groups for d in g]
+
+
+class _Temps:
+    """Names produced by the statements expanded so far; their KeySet is built only when a template needs it."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self._keys: KeySet | None = None
+
+    def keys(self) -> KeySet | None:
+        if not self.names:
+            return None
+        if self._keys is None or len(self._keys.keys) != len(dict.fromkeys(self.names)):
+            self._keys = KeySet(self.names)
+        return self._keys
+
+
+def _expand_ids(e: Expr, ctx: MacroContext, temps: _Temps) -> list[Expr]:
+    used: list[str] = []
+    for n in e.names():
+        for m in _PLACEHOLDER.finditer(n):
+            if m.group(1) not in used:
+                used.append(m.group(1))
+        if "$" in _PLACEHOLDER.sub("", n):
+            bad = n[n.index("$", ):].split(".")[0]
+            raise AOASyntaxError(f"unknown placeholder {bad!r} (known: $LAYER_ID, $EXPERT_ID, $LAYER_ID_OFFSET)",
+                                 e, name=n)
+    if not used:
+        return [e]
+    src_side, dst_side = (e.rhs, e.lhs) if ctx.reverse else (e.lhs, e.rhs)
+    template = next((n for n in src_side if all(f"${p}" in n for p in used)), None)
+    tries: list[tuple[str, KeySet | None, str]] = []
+    if template is not None:
+        tries = [(template, ctx.source, "source"), (template, None, "temporary")]
+    else:
+        template = next((n for n in dst_side if all(f"${p}" in n for p in used)), None)
         if template is None:
             raise AOASyntaxError(f"no name of this statement contains every placeholder used "
                                  f"({', '.join('$' + p for p in used)}), so their values cannot be matched jointly",
                                  e)
-        order = [m.group(1) for m in _PLACEHOLDER.finditer(template)]
-        order = list(dict.fromkeys(order))
-        tuples = _match_ids(template, keys, order)
-        if not tuples:
-            raise _zero_match("placeholder pattern", _strip_t(template), keys,
-                              "source" if keys is ctx.source else "destination", e)
-        for t in tuples:
-            def sub(n: str, t=t) -> str:
-                for p, v in zip(order, t):
-                    n = n.replace(f"${p}", str(v))
-                return n
-            out.append(e.derive("$LAYER_ID/$EXPERT_ID", [sub(n) for n in e.lhs], [sub(n) for n in e.rhs],
-                                keyword=e.keyword))
+        keys = ctx.destination if ctx.destination is not None else ctx.source
+        tries = [(template, keys, "destination" if keys is ctx.destination else "source")]
+    order = list(dict.fromkeys(m.group(1) for m in _PLACEHOLDER.finditer(template)))
+    tuples: list[tuple[int, ...]] = []
+    for _, keys, side in tries:
+        keys = temps.keys() if side == "temporary" else keys
+        if keys is not None:
+            tuples = _match_ids(template, keys, order)
+            if tuples:
+                break
+    if not tuples:
+        raise _zero_match("placeholder pattern", _strip_t(template), tries[0][1], tries[0][2], e)
+    out = []
+    for t in tuples:
+        def sub(n: str, t=t) -> str:
+            for p, v in zip(order, t):
+                n = n.replace(f"${p}", str(v))
+            return n
+        out.append(e.derive("$LAYER_ID/$EXPERT_ID", [sub(n) for n in e.lhs], [sub(n) for n in e.rhs],
+                            keyword=e.keyword))
     return out
 
 
