@@ -425,24 +425,61 @@ class AOAProgram:
         self._cache[key] = out
         return out
 
-    def explain(self, keys: Sequence[str] | None = None) -> str:
-        """Human-readable listing: every primitive statement, then per destination key each slice's origin."""
-        lines = [f"# {len(self.statements)} primitive statement(s)" + (" (reverse mode: inverted)"
-                                                                       if self.reverse else "")]
-        lines += [f"  {p.render()}" for p in self.statements]
-        keys = list(self._entries) if keys is None else list(keys)
+    def explain(self, keys: Sequence[str] | None = None, *, only: str | None = None,
+                tp: int = 1, tp_axes: Mapping[str, int | None] | None = None) -> str:
+        """Human-readable listing: every primitive statement, then per destination key each slice's origin, then
+        the skipped, missing, deleted and unused keys.
+
+        Args:
+            keys: destination keys to list (default: all).
+            only: an ``fnmatch`` glob; every section keeps only what names a matching key (a statement is kept
+                when one of its names matches).
+            tp, tp_axes: with ``tp > 1``, each listed key also shows the row ranges the ``tp`` ranks hold
+                (``tp_axes``: key -> split axis or None, as ``convert --tp`` splits it).
+        """
+        import fnmatch
+
+        def hit(name: str) -> bool:
+            return only is None or fnmatch.fnmatchcase(name, only)
+
+        stmts = list(self.statements)
+        if only is not None:  # statements naming a matching key, or feeding one (walked backwards)
+            need = {k for k in self._entries if hit(k)}
+            kept = []
+            for p in reversed(stmts):
+                if any(hit(n) for n in (*p.lhs, *p.rhs)) or any(n in need for n in p.rhs):
+                    kept.append(p)
+                    need.difference_update(p.rhs)  # temporaries are reused: only the latest writer feeds a reader
+                    need.update(p.lhs)
+            stmts = kept[::-1]
+        lines = [f"# {len(stmts)} primitive statement(s)" + (" (reverse mode: inverted)" if self.reverse else "")
+                 + (f" for keys matching {only!r}" if only is not None else "")]
+        lines += [f"  {p.render()}" for p in stmts]
+        keys = [k for k in (list(self._entries) if keys is None else list(keys)) if hit(k)]
         lines.append(f"# {len(keys)} destination key(s)")
         for k in keys:
             spec = self.destination_spec(k)
             lines.append(f"{k}  {list(spec.shape)} {spec.dtype}")
+            axis = (tp_axes or {}).get(k) if tp > 1 else None
+            if axis is not None:
+                n = spec.shape[axis]
+                step = -(-n // tp)  # torch.chunk sizes, as convert --tp splits
+                parts = [f"rank {r}: {min(r * step, n)}:{min((r + 1) * step, n)}" for r in range(tp)]
+                layout = self.tp_layouts.get(k)
+                extra = f", {layout['statement']} blocks for tp={layout['tp']}" if layout else ""
+                lines.append(f"  TP {tp} on axis {axis}{extra}: {'; '.join(parts)}")
             for m in self.mappings_for(k):
                 extra = (f"  permute={list(m.permute)}" if m.permute else "") + (f"  cast={m.dtype}" if m.dtype else "")
                 lines.append(f"  [{_fmt_box(m.dst_box)}] <- {m.src_key}[{_fmt_box(m.src_box)}]{extra}")
         for k in self.skipped:
-            lines.append(f"{k}  (source-less: '_ -> {k}', keeps its initial value)")
+            if hit(k):
+                lines.append(f"{k}  (not loaded on purpose: '_ -> {k}' or a dropped key of that name; keeps its "
+                             "value)")
         for k, why in self.missing.items():
-            lines.append(f"{k}  MISSING: {why}")
+            if hit(k):
+                lines.append(f"{k}  MISSING: {why}")
         for what, names in (("deleted", self.deleted), ("unused", self.unused_sources)):
+            names = [n for n in names if hit(n)]
             if names:
                 more = f" ... ({len(names) - 10} more)" if len(names) > 10 else ""
                 lines.append(f"# {len(names)} {what} source key(s): {', '.join(names[:10])}{more}")

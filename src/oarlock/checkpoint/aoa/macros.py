@@ -35,6 +35,10 @@ _ARRAY = re.compile(r"^(.*)\[(-?\d+):(-?\d+)\]$")
 _DIGITS = re.compile(r"[#\d]+")  # digit runs (and '#' so that adjacent runs collapse into one '#')
 _ANY_PLACEHOLDER = re.compile(r"\$(?:LAYER_ID_OFFSET|LAYER_ID|EXPERT_ID)(?![A-Za-z0-9_])")
 
+# Most names one range or fused macro may expand to: `name[0:1000000000]` would otherwise build 10^9 strings until
+# memory runs out. A real model's largest expansion (experts x layers) is far below this.
+MAX_EXPANSION = 1_000_000
+
 # Suffixes of optimizer states saved next to a model key (Paddle names, then torch-style names used by oarlock).
 OPTIMIZER_SUFFIXES = (".moment1_0", ".moment2_0", ".w_0", ".velocity_0", ".beta1_pow_acc_0", ".beta2_pow_acc_0",
                       ".exp_avg_sq", ".exp_avg", ".momentum_buffer", ".max_exp_avg_sq", ".master_weight", ".step")
@@ -325,6 +329,9 @@ def macro_array(exprs: list[Expr], ctx: MacroContext) -> list[Expr]:
                 if not 0 <= a < b:
                     raise AOASyntaxError(f"array range [{a}:{b}] of {m.group(1)!r} must satisfy 0 <= a < b", e,
                                          name=n)
+                if b - a > MAX_EXPANSION:
+                    raise AOASyntaxError(f"array range [{a}:{b}] of {m.group(1)!r} expands to {b - a} names, more "
+                                         f"than the limit of {MAX_EXPANSION}", e, name=n)
                 res.extend(f"{m.group(1)}_{i}" for i in range(a, b))
             return res
         out.append(e.derive("array [a:b]", expand(e.lhs), expand(e.rhs), keyword=e.keyword))
@@ -407,6 +414,9 @@ def _int_param(e: Expr, name: str) -> int:
         raise AOASyntaxError(f"{e.keyword} needs the parameter {name}=", e, name=e.keyword)
     if not isinstance(v, int) or v <= 0:
         raise AOASyntaxError(f"{e.keyword}: {name} must be a positive integer, got {v!r}", e, name=name)
+    if v > MAX_EXPANSION:
+        raise AOASyntaxError(f"{e.keyword}: {name}={v} is more than the limit of {MAX_EXPANSION} pieces", e,
+                             name=name)
     return v
 
 
