@@ -29,14 +29,14 @@ import torch
 
 from oarlock.checkpoint import errors as _errors
 from oarlock.checkpoint.errors import CheckpointError, CheckpointMismatchError
-from oarlock.checkpoint.mapping import MappingProgram, TensorSpec, box_slices
+from oarlock.checkpoint.mapping import MappingProgram, TensorSpec, box_slices, cast_tensor
 from oarlock.checkpoint.metadata import METADATA_FILE, CheckpointMetadata, ShardMeta, TensorMeta
 from oarlock.checkpoint.plan import KeyIndex, Planner, ReadItem, source_specs
 from oarlock.checkpoint.sharded import (ShardDesc, ShardedWeight, _all_gather_objects, _group_rank, _group_size,
                                         _is_dtensor, flat_key, iter_leaves)
 from oarlock.checkpoint.storage import (INCOMPLETE_MARKER, CheckpointReader, open_checkpoint,
                                         write_safetensors, publish_directory)
-from oarlock.utils import dtype_itemsize, numel, torch_dtype
+from oarlock.utils import dtype_itemsize, numel
 
 AOA_MODULE = "oarlock.checkpoint.aoa"
 
@@ -537,6 +537,6 @@ def _execute(reader: CheckpointReader, target: torch.Tensor, items: list[ReadIte
             t = reader.read_box(it.src_key, it.file, it.name, it.src_flat_start, it.src_shape, it.src_box)
             if it.permute is not None:
                 t = t.permute(*it.permute)
-            dst.copy_(t.to(torch_dtype(it.dtype)) if it.dtype is not None else t)
+            dst.copy_(cast_tensor(t, it.dtype))
         nbytes += it.numel * dtype_itemsize(reader.metadata.tensors[it.src_key].dtype)
     return nbytes

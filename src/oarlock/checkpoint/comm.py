@@ -44,7 +44,7 @@ import torch
 
 from oarlock.checkpoint.balance import assign_readers
 from oarlock.checkpoint.errors import CheckpointError, CheckpointFormatError
-from oarlock.checkpoint.mapping import box_slices
+from oarlock.checkpoint.mapping import box_slices, cast_tensor
 from oarlock.checkpoint.metadata import METADATA_FILE, CheckpointMetadata
 from oarlock.checkpoint.sharded import ShardedWeight, _all_gather_objects, _dist_active, _group_rank, _group_size
 from oarlock.checkpoint.storage import INCOMPLETE_MARKER, CheckpointReader, SafetensorsFile, detect_format, open_checkpoint
@@ -192,7 +192,7 @@ def _apply(buf: torch.Tensor, it: Any, target: torch.Tensor) -> None:
     if view.data_ptr() == buf.data_ptr() and view.shape == buf.shape:
         return  # received or read in place
     t = buf.permute(*it.permute) if it.permute is not None else buf
-    view.copy_(t.to(torch_dtype(it.dtype)) if it.dtype is not None else t)
+    view.copy_(cast_tensor(t, it.dtype))
 
 
 def execute(reader: CheckpointReader, work: list[tuple[Any, torch.Tensor]], *, comm_method: str, view: View | None,

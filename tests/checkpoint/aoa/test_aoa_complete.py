@@ -95,3 +95,34 @@ def test_layer_id_statement_whose_first_name_is_a_temporary(reverse):
         back = compile_aoa({"aoa_statements": stmts, "aoa_config_reverse": True}, {k: spec(v) for k, v in out.items()})
         got = execute_on_full_tensors(back, out)
         assert set(got) == set(src) and all(torch.equal(got[k], src[k]) for k in src)
+
+
+def test_cast_chain_rounds_in_order(tmp_path):
+    x = rand(64, seed=3) * 3.0  # fp32 values that bfloat16 cannot hold exactly
+    save_state_dict({"s": x}, tmp_path / "ck")
+    chain = ["s -> d, dtype='bfloat16'", "d -> d, dtype='float32'"]
+    got = {"d": torch.zeros(64)}
+    load_state_dict(got, tmp_path / "ck", aoa_config=chain)
+    want = x.to(torch.bfloat16).to(torch.float32)  # Paddle applies each cast: the bfloat16 rounding stays
+    assert not torch.equal(want, x) and torch.equal(got["d"], want)
+    prog = compile_aoa(chain, {"s": spec(x)})
+    assert prog.mappings_for("d")[0].dtype == "bfloat16>float32"
+    assert torch.equal(execute_on_full_tensors(prog, {"s": x})["d"], want)
+    # a single cast still casts once
+    got = {"d": torch.zeros(64, dtype=torch.float16)}
+    load_state_dict(got, tmp_path / "ck", aoa_config=["s -> d, dtype='float16'"])
+    assert torch.equal(got["d"], x.to(torch.float16))
+
+
+def test_optimizer_state_cast(with_moments):
+    path, sd = with_moments
+    # a statement on the model key casts the weight; one naming the moment casts the moment
+    got = {"layers.0.w": torch.zeros(4, 3, dtype=torch.bfloat16),
+           "layers.0.w.exp_avg": torch.zeros(4, 3, dtype=torch.bfloat16),
+           "layers.0.w.exp_avg_sq": torch.zeros(4, 3, dtype=torch.float16)}
+    load_state_dict(got, path, aoa_config=["layers.0.w -> layers.0.w, dtype='bfloat16'",
+                                           "layers.0.w.exp_avg_sq -> layers.0.w.exp_avg_sq, dtype='float16'",
+                                           "layers.1.w -> _"], strict=True)
+    assert torch.equal(got["layers.0.w"], sd["layers.0.w"].to(torch.bfloat16))
+    assert torch.equal(got["layers.0.w.exp_avg"], sd["layers.0.w.exp_avg"].to(torch.bfloat16))
+    assert torch.equal(got["layers.0.w.exp_avg_sq"], sd["layers.0.w.exp_avg_sq"].to(torch.float16))

@@ -5,9 +5,9 @@ Every tensor name is bound to a :class:`TensorDesc`: a shape, a dtype and *refs*
 transpose/permute and cast are interval arithmetic on these refs; no tensor data is touched. A destination
 key's refs become :class:`~oarlock.checkpoint.mapping.SliceMapping` objects whose ``dst_box`` regions tile it.
 
-Unlike Paddle, a ref keeps *one* composed permutation (native source axes -> this tensor's axes) and the *last*
-cast instead of a post-process list: permutations compose exactly; of a cast chain only the final dtype is
-applied (an intermediate narrowing cast, e.g. fp32 -> fp16 -> fp32, is not reproduced bit for bit).
+Unlike Paddle, a ref keeps *one* composed permutation (native source axes -> this tensor's axes) instead of a
+post-process list (permutations compose exactly) and its casts as one chain ``"float16>float32"`` applied step by
+step, so an intermediate narrowing cast (fp32 -> fp16 -> fp32) rounds as in Paddle.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from oarlock.checkpoint.aoa.errors import AOAError, AOASyntaxError
 from oarlock.checkpoint.aoa.macros import (SCALAR_SUFFIXES, KeySet, MacroContext, expand_macros,
                                            split_optimizer_suffix)
 from oarlock.checkpoint.aoa.parser import VOID, Expr, parse_statements
-from oarlock.checkpoint.mapping import Box, SliceMapping, TensorSpec, full_box
+from oarlock.checkpoint.mapping import CAST_CHAIN, Box, SliceMapping, TensorSpec, full_box
 from oarlock.utils import dtype_name
 
 TP_LAYOUTS_KEY = "tp_layouts"  # CheckpointMetadata.extra entry: AOAProgram.tp_layouts of the writer
@@ -105,8 +105,14 @@ class TensorDesc:
         return TensorDesc(tuple([shape[i] for i in q]), self.dtype, refs, expr)
 
     def cast(self, dtype: str, expr: Expr | None = None) -> "TensorDesc":
+        """Cast to ``dtype``; after an earlier cast the steps chain (``"bfloat16>float32"``), so every narrowing
+        step still rounds, in order (Paddle applies each cast of a chain)."""
+        def chained(prev: str | None) -> str:
+            if prev is None or prev.rsplit(CAST_CHAIN, 1)[-1] == dtype:
+                return dtype if prev is None else prev
+            return prev + CAST_CHAIN + dtype
         return TensorDesc(self.shape, dtype,
-                          [Ref(r.src_key, r.src_box, r.dst_box, r.perm, dtype) for r in self.refs], expr)
+                          [Ref(r.src_key, r.src_box, r.dst_box, r.perm, chained(r.cast)) for r in self.refs], expr)
 
 
 @dataclass(slots=True)
@@ -420,7 +426,9 @@ class AOAProgram:
                     src = r.src_key + ent.suffix
                     cast = ent.spec.dtype if self.source[src].dtype != ent.spec.dtype else None
                 else:
-                    src, cast = r.src_key, (ent.cast_all or r.cast)
+                    src, cast = r.src_key, r.cast
+                    if ent.cast_all is not None and (cast or "").rsplit(CAST_CHAIN, 1)[-1] != ent.cast_all:
+                        cast = ent.cast_all if cast is None else cast + CAST_CHAIN + ent.cast_all
                 out.append(SliceMapping(key, r.dst_box, src, r.src_box, r.perm, cast))
         self._cache[key] = out
         return out
