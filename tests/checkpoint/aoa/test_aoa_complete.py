@@ -126,3 +126,21 @@ def test_optimizer_state_cast(with_moments):
     assert torch.equal(got["layers.0.w"], sd["layers.0.w"].to(torch.bfloat16))
     assert torch.equal(got["layers.0.w.exp_avg"], sd["layers.0.w.exp_avg"].to(torch.bfloat16))
     assert torch.equal(got["layers.0.w.exp_avg_sq"], sd["layers.0.w.exp_avg_sq"].to(torch.float16))
+
+
+def test_keys_ending_like_optimizer_states_that_are_model_keys(tmp_path):
+    # Paddle static-graph parameter names: fc_0.w_0 (weight) with fc_0.b_0; a parameter with states of its own
+    sd = {"fc_0.w_0": rand(4, 3, seed=1), "fc_0.b_0": rand(4, seed=2),
+          "emb.moment1_0": rand(5, 3, seed=3), "emb.moment1_0.moment1_0": rand(5, 3, seed=4)}
+    specs = {k: spec(v) for k, v in sd.items()}
+    prog = compile_aoa(["fc_0.w_0^T -> fc.weight", "fc_0.b_0 -> fc.bias", "emb.moment1_0 -> emb.weight"], specs)
+    out = execute_on_full_tensors(prog, sd)
+    assert torch.equal(out["fc.weight"], sd["fc_0.w_0"].T) and torch.equal(out["fc.bias"], sd["fc_0.b_0"])
+    assert torch.equal(out["emb.weight"], sd["emb.moment1_0"])
+    assert torch.equal(out["emb.weight.moment1_0"], sd["emb.moment1_0.moment1_0"])  # its state followed it
+    # a pattern over such keys
+    save_state_dict({f"fc_{i}.w_0": rand(2, 2, seed=i) for i in range(3)}, tmp_path / "ck")
+    got = {f"w{i}": torch.zeros(2, 2) for i in range(3)}
+    load_state_dict(got, tmp_path / "ck", aoa_config=["fc_$LAYER_ID.w_0 -> w$LAYER_ID"])
+    for i in range(3):
+        assert torch.equal(got[f"w{i}"], rand(2, 2, seed=i))

@@ -20,7 +20,7 @@ from typing import Mapping, Sequence
 
 from oarlock.checkpoint.aoa.errors import AOAError, AOASyntaxError
 from oarlock.checkpoint.aoa.macros import (SCALAR_SUFFIXES, KeySet, MacroContext, expand_macros,
-                                           split_optimizer_suffix)
+                                           optimizer_splitter, split_optimizer_suffix)
 from oarlock.checkpoint.aoa.parser import VOID, Expr, parse_statements
 from oarlock.checkpoint.mapping import CAST_CHAIN, Box, SliceMapping, TensorSpec, full_box
 from oarlock.utils import dtype_name
@@ -297,8 +297,9 @@ def fold_optimizer_keys(source: Mapping[str, TensorSpec]) -> tuple[dict[str, Ten
     first parameter-shaped state."""
     model: dict[str, TensorSpec] = {}
     states: dict[str, list[str]] = {}
+    split = optimizer_splitter(source)
     for k, spec in source.items():
-        base, suf = split_optimizer_suffix(k)
+        base, suf = split(k)
         if not suf:
             model[k] = spec
         else:
@@ -320,8 +321,9 @@ def fold_shard_counts(counts: Mapping[str, int] | None) -> dict[str, int]:
     """
     out: dict[str, int] = {}
     seen: dict[str, list[str]] = {}
+    split = optimizer_splitter(counts or {})
     for k, n in (counts or {}).items():
-        base, suf = split_optimizer_suffix(k)
+        base, suf = split(k)
         if suf in SCALAR_SUFFIXES:
             continue
         if base in out and out[base] != int(n):
@@ -659,8 +661,9 @@ def _pattern_keys(keys: Sequence[str]) -> KeySet:
     ``model.*.exp_avg`` matches those; placeholders and ``*`` stand for digits only, so a template without the
     suffix never matches a state key)."""
     model, states = [], []
+    split = optimizer_splitter(keys)
     for k in keys:
-        base, suf = split_optimizer_suffix(k)
+        base, suf = split(k)
         model.append(base)
         if suf:
             states.append(k)
@@ -753,8 +756,9 @@ def _compile(aoa_config: object, source: Mapping[str, TensorSpec], destination: 
         destination = _canonical_specs(destination, "destination")
     model_src, states = fold_optimizer_keys(source)
     dst_model = None
+    split_dst = optimizer_splitter(destination or {})
     if destination is not None:
-        dst_model = [split_optimizer_suffix(k)[0] for k in destination]
+        dst_model = [split_dst(k)[0] for k in destination]
     layouts: dict[str, dict] = {}
     exprs = expand_statements(aoa_config, list(source), dst_model, source_shards=source_shards,
                               destination_shards=destination_shards, layouts=layouts)
@@ -763,8 +767,7 @@ def _compile(aoa_config: object, source: Mapping[str, TensorSpec], destination: 
     if reverse:
         prims = invert(prims)
     prog = AOAProgram(source, reverse, prims)
-    ex = _Executor(model_src, KeySet(model_src),
-                   {k: v for k, v in source.items() if k not in model_src and split_optimizer_suffix(k)[1]})
+    ex = _Executor(model_src, KeySet(model_src), {k: v for k, v in source.items() if k not in model_src})
     for p in prims:
         ex.run(p)
     # a dropped model key takes its optimizer states along
@@ -803,7 +806,7 @@ def _compile(aoa_config: object, source: Mapping[str, TensorSpec], destination: 
             if k in ex.env or k in model_src:
                 wanted.append((k, k, ""))
             else:
-                base, suf = split_optimizer_suffix(k)
+                base, suf = split_dst(k)
                 wanted.append((k, base, suf) if suf else (k, k, ""))
     reached: set[str] = set()
     for key, model_key, suf in wanted:

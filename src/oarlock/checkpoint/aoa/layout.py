@@ -15,7 +15,6 @@ from typing import Any, Mapping
 
 from oarlock.checkpoint.aoa.engine import TP_LAYOUTS_KEY, expand_statements, normalize_config
 from oarlock.checkpoint.aoa.errors import AOAError
-from oarlock.checkpoint.aoa.macros import split_optimizer_suffix
 
 
 def relayout_statement(key: str, rec: Mapping[str, Any], target: str | None = None) -> str:
@@ -54,7 +53,7 @@ def relayout_config(aoa_config: Any, metadata: Any, destination_shards: Mapping[
     if aoa_config is not None:
         statements, reverse = normalize_config(aoa_config)
         try:
-            exprs = expand_statements(aoa_config, [split_optimizer_suffix(k)[0] for k in metadata.tensors])
+            exprs = expand_statements(aoa_config, list(metadata.tensors))
         except AOAError:
             return aoa_config  # a pattern needs the destination keys: compile_aoa reports any real error
         for e in exprs:

@@ -57,6 +57,29 @@ def split_optimizer_suffix(key: str) -> tuple[str, str]:
     return key, ""
 
 
+def optimizer_splitter(keys: Iterable[str]) -> Callable[[str], tuple[str, str]]:
+    """:func:`split_optimizer_suffix` that knows the whole key set, so that keys which merely *end* like an
+    optimizer state are recognised as model keys: a key with optimizer states of its own
+    (``linear_0.w_0`` next to ``linear_0.w_0.moment1_0``), and a lone ``.w_0`` key (Paddle's static-graph
+    parameter names ``fc_0.w_0``) whose base is no key and has no other state. Everything else splits as
+    :func:`split_optimizer_suffix` does (an optimizer-only checkpoint keeps its states)."""
+    keyset = set(keys)
+    bases: dict[str, int] = {}
+    for k in keyset:
+        b, s = split_optimizer_suffix(k)
+        if s:
+            bases[b] = bases.get(b, 0) + 1
+
+    def split(key: str) -> tuple[str, str]:
+        b, s = split_optimizer_suffix(key)
+        if not s or key in bases:  # not suffixed, or a parameter with states of its own
+            return key, ""
+        if s == ".w_0" and b not in keyset and bases.get(b, 0) == 1:
+            return key, ""  # a lone Paddle parameter name
+        return b, s
+    return split
+
+
 class KeySet:
     """An ordered key list with prefix search (sorted copy + bisect): matching a pattern against 50,000 keys
     only visits the keys that share the pattern's literal prefix."""
