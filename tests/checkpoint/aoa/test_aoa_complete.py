@@ -144,3 +144,25 @@ def test_keys_ending_like_optimizer_states_that_are_model_keys(tmp_path):
     load_state_dict(got, tmp_path / "ck", aoa_config=["fc_$LAYER_ID.w_0 -> w$LAYER_ID"])
     for i in range(3):
         assert torch.equal(got[f"w{i}"], rand(2, 2, seed=i))
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_prefix_rename_of_the_rest(reverse):
+    src = {"model.embed.weight": rand(5, 4, seed=1), "model.layers.0.q": rand(4, 4, seed=2),
+           "model.layers.0.k": rand(4, 4, seed=3), "model.layers.0.norm": rand(4, seed=4), "lm_head.weight":
+           rand(5, 4, seed=5), "model.layers.0.norm.exp_avg": rand(4, seed=6)}
+    # keys outside the prefix are named (in reverse mode '**' would match every remaining key)
+    stmts = ["model.layers.$LAYER_ID.q, model.layers.$LAYER_ID.k -> layers.$LAYER_ID.qk, axis=0",
+             "lm_head.weight -> lm_head.weight", "model.** -> **"]
+    prog = compile_aoa(stmts, {k: spec(v) for k, v in src.items()})
+    out = execute_on_full_tensors(prog, src)
+    assert sorted(out) == ["embed.weight", "layers.0.norm", "layers.0.norm.exp_avg", "layers.0.qk", "lm_head.weight"]
+    assert torch.equal(out["layers.0.qk"], torch.cat([src["model.layers.0.q"], src["model.layers.0.k"]]))
+    assert torch.equal(out["embed.weight"], src["model.embed.weight"])
+    assert torch.equal(out["layers.0.norm.exp_avg"], src["model.layers.0.norm.exp_avg"])
+    if reverse:
+        back = compile_aoa({"aoa_statements": stmts, "aoa_config_reverse": True}, {k: spec(v) for k, v in out.items()})
+        got = execute_on_full_tensors(back, out)
+        assert set(got) == set(src) and all(torch.equal(got[k], src[k]) for k in src)
+    with pytest.raises(AOAError, match="'\\*\\*' exactly once"):
+        compile_aoa(["model.** -> a.**.**"], {k: spec(v) for k, v in src.items()})

@@ -8,9 +8,12 @@ Each macro runs over *all* expressions before the next one starts, in this order
 3. ``name[a:b]``: the list ``name_a, ..., name_{b-1}``.
 4. ``prefix*suffix``: every key ``prefix<digits>suffix``, sorted by the number (left side: keys of the tensors
    read; right side: keys of the tensors produced).
-5. chain recorder: name edges used to find the TP shard count of a temporary name.
-6. ``X^T``: ``X -> X_transpose_tmp, permute='[]'`` then ``X_transpose_tmp`` in place of ``X^T``.
-7. ``fused_qkv_old``, ``fused_ffn``, ``fused_qkv``: split/concat head- or block-wise pieces.
+5. ``prefix**suffix`` (extension): every source key ``prefix<anything>suffix`` no other statement reads.
+6. chain recorder: name edges used to find the TP shard count of a temporary name.
+7. ``X^T``: ``X -> X_transpose_tmp, permute='[]'`` then ``X_transpose_tmp`` in place of ``X^T``.
+8. ``fused_qkv_old``, ``fused_ffn``, ``fused_qkv``: split/concat head- or block-wise pieces.
+
+The language reference is docs/aoa.md.
 
 In reverse mode the statements are expanded as written and inverted afterwards by the engine, so the
 placeholders are matched on the right side (which then names source keys).
@@ -365,7 +368,7 @@ def macro_star(exprs: list[Expr], ctx: MacroContext) -> list[Expr]:
     """``prefix*suffix`` -> every key ``prefix<digits>suffix`` sorted by the number."""
     out = []
     for e in exprs:
-        if not any("*" in n for n in e.names()):
+        if not any("*" in n for n in e.names()) or any("**" in n for n in e.names()):  # '**': macro_rest
             out.append(e)
             continue
 
@@ -391,6 +394,44 @@ def macro_star(exprs: list[Expr], ctx: MacroContext) -> list[Expr]:
         lside, rside = ("destination", "source") if ctx.reverse else ("source", "destination")
         out.append(e.derive("star *", expand(e.lhs, ctx.left, lside), expand(e.rhs, ctx.right, rside),
                             keyword=e.keyword))
+    return out
+
+
+def macro_rest(exprs: list[Expr], ctx: MacroContext) -> list[Expr]:
+    """``**`` (an extension): ``model.** -> **`` renames every source key ``model.<anything>`` that no other
+    statement reads to ``<anything>`` (prefix renames, e.g. dropping HF's ``model.`` prefix around the
+    statements that fuse q/k/v). Every name of the statement holds ``**`` exactly once; optimizer states follow
+    their model keys as usual."""
+    if not any("**" in n for e in exprs for n in e.names()):
+        return exprs
+    read = set()
+    for e in exprs:
+        if not any("**" in n for n in e.names()):
+            read.update(_strip_t(n) for n in (e.rhs if ctx.reverse else e.lhs))
+    keys = ctx.source
+    model = [k for k in keys.keys if not (split_optimizer_suffix(k)[1] and split_optimizer_suffix(k)[0] in keys)]
+    out = []
+    for e in exprs:
+        if not any("**" in n for n in e.names()):
+            out.append(e)
+            continue
+        for n in e.names():
+            if _strip_t(n).count("**") != 1 or "*" in _strip_t(n).replace("**", ""):
+                raise AOASyntaxError(f"{n!r}: with '**' every name of the statement holds '**' exactly once (and no "
+                                     "other '*')", e, name=n)
+        src_side = e.rhs if ctx.reverse else e.lhs
+        if len(src_side) != 1:
+            raise AOASyntaxError("a '**' statement reads one name", e, name=src_side[0])
+        prefix, suffix = _strip_t(src_side[0]).split("**")
+        hits = [k for k in model if k.startswith(prefix) and k.endswith(suffix) and len(k) > len(prefix) + len(suffix)
+                and k not in read]
+        if not hits:
+            raise _zero_match("pattern", _strip_t(src_side[0]), ctx.source, "source", e)
+        for k in hits:
+            mid = k[len(prefix):len(k) - len(suffix)]
+            out.append(e.derive("rest **", [n.replace("**", mid) for n in e.lhs], [n.replace("**", mid) for n in e.rhs],
+                                keyword=e.keyword))
+            read.add(k)
     return out
 
 
@@ -588,6 +629,7 @@ MACROS: tuple[tuple[str, Callable[[list[Expr], MacroContext], list[Expr]]], ...]
     ("$LAYER_ID/$EXPERT_ID", macro_ids),
     ("array [a:b]", macro_array),
     ("star *", macro_star),
+    ("rest **", macro_rest),
     ("chain recorder", macro_record_chain),
     ("transpose ^T", macro_transpose),
     ("fused", macro_fused),
