@@ -363,3 +363,35 @@ def preset(name: str | os.PathLike, config: Any = None, *, reverse: bool = False
     p = params_from_config(arch, cfg)
     return {"aoa_statements": statements(arch, p), "aoa_config_reverse": bool(reverse),
             "tp_rules": [list(r) for r in arch.tp_rules], "preset": arch.name}
+
+
+def rotary_permutation_statements(source: str, destination: str, num_heads: int, head_dim: int, *,
+                                  to_hf: bool = True) -> list[str]:
+    """AOA statements that permute the rows of a q/k projection between Meta's interleaved rotary layout
+    (``consolidated.pth``, GGUF) and HF's half-split layout, without a ``reshape=`` primitive: the rows are cut into
+    single rows (``split``) and concatenated in the new order (``concat``), all on axis 0.
+
+    HF's conversion script computes ``w.view(H, D // 2, 2, -1).transpose(1, 2).reshape(H * D, -1)`` (Meta -> HF):
+    within each head, HF row ``i * D/2 + j`` is Meta row ``2 * j + i``. ``to_hf=False`` gives the inverse.
+    ``source``/``destination`` may hold ``$LAYER_ID``. Shapes: ``[num_heads * head_dim, in]`` both sides.
+
+    Raises:
+        PresetError: an odd ``head_dim`` or non-positive sizes.
+    """
+    if num_heads <= 0 or head_dim <= 0 or head_dim % 2:
+        raise PresetError(f"rotary permutation needs positive num_heads and an even head_dim, got {num_heads}, "
+                          f"{head_dim}")
+    rows = [f"{destination}.rotary_row_{r}" for r in range(num_heads * head_dim)]
+    order = []
+    half = head_dim // 2
+    for h in range(num_heads):
+        for i in range(2):
+            for j in range(half):
+                meta = h * head_dim + 2 * j + i  # HF row h*D + i*half + j comes from this Meta row
+                order.append(meta)
+    if not to_hf:  # the inverse permutation
+        inv = [0] * len(order)
+        for new, old in enumerate(order):
+            inv[old] = new
+        order = inv
+    return [f"{source} -> {', '.join(rows)}, axis=0", f"{', '.join(rows[r] for r in order)} -> {destination}, axis=0"]

@@ -166,3 +166,17 @@ def test_prefix_rename_of_the_rest(reverse):
         assert set(got) == set(src) and all(torch.equal(got[k], src[k]) for k in src)
     with pytest.raises(AOAError, match="'\\*\\*' exactly once"):
         compile_aoa(["model.** -> a.**.**"], {k: spec(v) for k, v in src.items()})
+
+
+@pytest.mark.parametrize("to_hf", [True, False])
+def test_rotary_permutation_meta_hf(to_hf):
+    from oarlock.checkpoint.presets import rotary_permutation_statements
+
+    H, D, n_in = 3, 8, 5
+    meta = rand(H * D, n_in, seed=7)
+    hf = meta.view(H, D // 2, 2, n_in).transpose(1, 2).reshape(H * D, n_in)  # HF's own conversion formula
+    src, want = (meta, hf) if to_hf else (hf, meta)
+    stmts = rotary_permutation_statements("layers.$LAYER_ID.wq", "layers.$LAYER_ID.q_proj", H, D, to_hf=to_hf)
+    prog = compile_aoa(stmts, {"layers.0.wq": spec(src), "layers.1.wq": spec(src * 2)})
+    out = execute_on_full_tensors(prog, {"layers.0.wq": src, "layers.1.wq": src * 2})
+    assert torch.equal(out["layers.0.q_proj"], want) and torch.equal(out["layers.1.q_proj"], want * 2)
