@@ -4,7 +4,7 @@ A program says, for each destination (model) key, which slices of which source (
 ``dst[dst_box] = cast(permute(src[src_box], permute), dtype)``. Boxes are global coordinates, one
 ``(start, stop)`` pair per dimension (``()`` for scalars). The planner intersects these boxes with the shards
 a rank owns and with the shards stored on disk, so no full tensor is ever materialised
-(FlexCheckpoint spec, sections 2.7 and 4.3.6).
+(docs/aoa.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The AOA engine (FlexCheckpoint spec, sections 2.4, 2.6-2.8): primitive statements -> exact slice mappings.
+"""The AOA engine (docs/aoa.md, "Primitive statements", "Reverse mode"): primitive statements -> exact slice mappings.
 
 Every tensor name is bound to a :class:`TensorDesc`: a shape, a dtype and *refs*, each saying that the box
 ``dst_box`` of this tensor is ``cast(permute(src[src_box], perm))`` for one source key. Split, concat,
@@ -169,7 +169,7 @@ def _parse_perm(e: Expr, value: object) -> tuple[int, ...] | None:
 
 
 def classify(e: Expr, memo: dict | None = None) -> Primitive:
-    """Check a macro-expanded statement against the primitive forms of spec section 2.4. ``memo`` caches the
+    """Check a macro-expanded statement against the primitive forms (docs/aoa.md, "Primitive statements"). ``memo`` caches the
     verdict per attribute list and arity (macro expansions repeat a few forms tens of thousands of times).
 
     Raises:
@@ -229,7 +229,7 @@ def classify(e: Expr, memo: dict | None = None) -> Primitive:
 
 
 def invert(prims: list[Primitive]) -> list[Primitive]:
-    """The inverse program (spec section 2.8): reversed order, split <-> concat, renames and permutations
+    """The inverse program (docs/aoa.md, "Reverse mode"): reversed order, split <-> concat, renames and permutations
     inverted, ``X -> _`` <-> ``_ -> X``, ``src_dtype``/``dst_dtype`` swapped; a plain ``dtype=`` cast becomes
     a cast to the destination's dtype."""
     out = []
@@ -314,7 +314,7 @@ def fold_optimizer_keys(source: Mapping[str, TensorSpec]) -> tuple[dict[str, Ten
 
 
 def fold_shard_counts(counts: Mapping[str, int] | None) -> dict[str, int]:
-    """Model-level TP shard counts; a key and its optimizer states must agree (spec section 2.5 (h)).
+    """Model-level TP shard counts; a key and its optimizer states must agree.
 
     Raises:
         AOAError: naming the key and the disagreeing counts.
@@ -697,7 +697,7 @@ def compile_aoa(aoa_config: object, source: Mapping[str, TensorSpec],
                 destination: Mapping[str, TensorSpec] | None = None, *,
                 source_shards: Mapping[str, int] | None = None, destination_shards: Mapping[str, int] | None = None,
                 allow_cast: bool = False) -> AOAProgram:
-    """Compile an AOA config into slice mappings (FlexCheckpoint spec, section 2).
+    """Compile an AOA config into slice mappings (the language: docs/aoa.md).
 
     Args:
         aoa_config: ``{"aoa_statements": [str, ...], "aoa_config_reverse": bool}`` or a list of statement strings.

@@ -1,4 +1,4 @@
-"""Tokens of the AOA language (FlexCheckpoint spec, section 2.2), tried in this order at each position.
+"""Tokens of the AOA language (docs/aoa.md, "Grammar"), tried in this order at each position.
 
 Extensions over PaddlePaddle 3.3: ``NUMBER`` may carry a leading ``-`` (negative axes), a quoted ``STRING`` may
 stand for a key in a variable list (keys that start with a digit or contain ``-``, ``/``, ``:``), and an ``IDENT``

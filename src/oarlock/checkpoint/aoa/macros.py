@@ -1,4 +1,4 @@
-"""Macro expansion (FlexCheckpoint spec, section 2.5): rewrite parsed statements into primitive statements.
+"""Macro expansion (docs/aoa.md, "Macros"): rewrite parsed statements into primitive statements.
 
 Each macro runs over *all* expressions before the next one starts, in this order:
 
