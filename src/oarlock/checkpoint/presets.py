@@ -395,3 +395,64 @@ def rotary_permutation_statements(source: str, destination: str, num_heads: int,
             inv[old] = new
         order = inv
     return [f"{source} -> {', '.join(rows)}, axis=0", f"{', '.join(rows[r] for r in order)} -> {destination}, axis=0"]
+
+
+def reference_convert(arch: Architecture, p: Params, hf_state_dict: Mapping[str, Any], *,
+                      tp: int = 1) -> dict[str, Any]:
+    """Plain-torch execution of a preset table (the test oracle for its AOA statements): HF tensors -> the
+    training layout whose TP-blocked ``fused_ffn`` tensors are laid out for degree ``tp``. Keys no row names pass
+    through unchanged, as under AOA.
+
+    Raises:
+        PresetError: a row template that matches no key of ``hf_state_dict``.
+    """
+    import re
+
+    import torch
+
+    def regex(template: str) -> re.Pattern:
+        t = re.escape(_expand(template, arch.prefix))
+        return re.compile(t.replace(re.escape("$LAYER_ID"), r"(?P<L>\d+)").replace(re.escape("$EXPERT_ID"),
+                                                                                      r"(?P<E>\d+)"))
+
+    def fill(template: str, ids: Mapping[str, str]) -> str:
+        return template.replace("{L}", ids.get("L", "{L}")).replace("{E}", ids.get("E", "{E}"))
+
+    def blocked(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x for r in range(tp) for x in (gate.chunk(tp)[r], up.chunk(tp)[r])])
+
+    def gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        qs, ks, vs, r = q.chunk(p.h), k.chunk(p.g), v.chunk(p.g), p.h // p.g
+        return torch.cat([x for j in range(p.g) for x in (*qs[j * r:(j + 1) * r], ks[j], vs[j])])
+
+    out: dict[str, Any] = {}
+    used: set[str] = set()
+    for row in _rows(arch, p):
+        rx = regex(row.hf[0])
+        matches = [m for k in hf_state_dict if (m := rx.fullmatch(k))]
+        if not matches:
+            raise PresetError(f"preset {arch.name!r}: no HF key matches {_expand(row.hf[0], arch.prefix)!r}")
+        for m in matches:
+            ids = {k: v for k, v in m.groupdict().items() if v is not None}
+            names = [_expand(fill(t, ids), arch.prefix) for t in row.hf]
+            src = [hf_state_dict[n] for n in names]
+            used.update(names)
+            if row.op == "rename":
+                val = src[0]
+            elif row.op == "T":
+                val = src[0].T
+            elif row.op == "qkv":
+                val = gqa(*src)
+            elif row.op == "ffn":
+                val = blocked(*src)
+            elif row.op == "ffn_fused":
+                val = blocked(*src[0].chunk(2))
+            else:  # qkv_cat, qkv_cat_T: HF [Q; K; V] rows
+                w = src[0].T if row.op == "qkv_cat_T" else src[0]
+                d = w.shape[0] // (p.h + 2 * p.g)
+                val = gqa(w[:p.h * d], w[p.h * d:(p.h + p.g) * d], w[(p.h + p.g) * d:])
+            out[fill(row.model, ids)] = val
+    for k, v in hf_state_dict.items():
+        if k not in used:
+            out.setdefault(k, v)
+    return out
