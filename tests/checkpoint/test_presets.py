@@ -166,10 +166,8 @@ def test_llama_family_loads_into_oarlock_llama(arch, tmp_path):
 
     hf = tmp_path / "hf"
     model = make(arch, 3, hf)
-    cfg_json = json.loads((hf / "config.json").read_text())
-    if arch == "qwen2":
-        cfg_json["qkv_bias"] = True  # Qwen2's config has no flag for its q/k/v biases
-    config = LlamaConfig.from_hf(cfg_json)
+    config = LlamaConfig.from_hf(json.loads((hf / "config.json").read_text()))
+    assert config.qkv_bias == (arch in ("qwen2", "qwen2_moe"))  # Qwen2's config has no flag for its biases
     cfg = preset(hf)
     convert_checkpoint(hf, tmp_path / "tp3", aoa_config=cfg, tp=3, tp_rules=cfg["tp_rules"], show_progress=False)
     ours = Llama(config)

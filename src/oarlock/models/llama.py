@@ -138,7 +138,8 @@ class LlamaConfig:
 
     @classmethod
     def from_hf(cls, hf: Any) -> "LlamaConfig":
-        """From a transformers config (``LlamaConfig``, ``MixtralConfig``, ``Qwen2MoeConfig``) or its dict."""
+        """From a transformers config (``LlamaConfig``, ``MistralConfig``, ``Qwen2Config``, ``MixtralConfig``,
+        ``Qwen2MoeConfig``) or its dict; Qwen2's q/k/v biases are set from its ``model_type``."""
         get = (lambda k, default=None: hf.get(k, default)) if isinstance(hf, Mapping) else \
             (lambda k, default=None: getattr(hf, k, default))
         rope = get("rope_parameters") or {}
@@ -153,7 +154,9 @@ class LlamaConfig:
             num_key_value_heads=get("num_key_value_heads") or get("num_attention_heads"),
             head_dim=get("head_dim"), rms_norm_eps=float(get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
             tie_word_embeddings=bool(get("tie_word_embeddings", False)),
-            attention_bias=bool(get("attention_bias", False)), qkv_bias=bool(get("qkv_bias", False)),
+            # Qwen2's config has no flag for the q/k/v biases every Qwen2 checkpoint carries
+            attention_bias=bool(get("attention_bias", False)),
+            qkv_bias=bool(get("qkv_bias", get("model_type") in ("qwen2", "qwen2_moe"))),
             num_experts=int(num_experts), num_experts_per_tok=int(get("num_experts_per_tok", 2) or 2),
             moe_intermediate_size=get("moe_intermediate_size") if num_experts else None,
             shared_expert_intermediate_size=int(get("shared_expert_intermediate_size", 0) or 0) if num_experts else 0,
