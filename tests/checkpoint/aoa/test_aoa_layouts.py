@@ -124,3 +124,31 @@ def test_strict_error_does_not_suggest_dropping_biases(tmp_path):
     msg = str(ei.value)
     assert "model.layers.0.self_attn.q_proj.bias" in msg
     assert "strict=False" not in msg and "wrong numbers" in msg and "'KEY -> _'" in msg
+
+
+def test_recorded_layout_survives_convert_and_export(tiny_llama, tmp_path):
+    """A TP=3 checkpoint converted to TP=2 and exported to HF without any AOA config: the gate/up blocks are
+    re-laid out for each output (and the TP=2 output records its own degree)."""
+    from oarlock.checkpoint.convert import export_hf
+    from oarlock.models.llama import convert_hf_state_dict, ffn_fused_permutation, hf_aoa_config
+
+    hf_dir, hf_model = tiny_llama
+    _, config = _oarlock_model(hf_dir)
+    want = convert_hf_state_dict(hf_model.state_dict(), config)
+    key = "layers.1.mlp.gate_up_proj.weight"
+    convert_checkpoint(hf_dir, tmp_path / "tp3", aoa_config=hf_aoa_config(config), tp=3)
+    meta = convert_checkpoint(tmp_path / "tp3", tmp_path / "tp2", tp=2)
+    assert meta.extra["tp_layouts"][key]["tp"] == 2
+    got = torch.zeros_like(want[key])
+    load_state_dict({key: got}, tmp_path / "tp2", strict=False)
+    assert torch.equal(got, want[key])
+    with open_checkpoint(tmp_path / "tp2") as r:  # on disk: the degree-2 blocks
+        s = r.metadata.tensors[key].shards[0]
+        assert s.local_shape[0] == want[key].shape[0] // 2
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "tp2" / s.file), "pt") as fh:
+        assert torch.equal(fh.get_tensor(key), want[key][ffn_fused_permutation(config.intermediate_size, 2)][:48])
+    export_hf(tmp_path / "tp3", tmp_path / "flat")
+    with safe_open(str(tmp_path / "flat" / "model.safetensors"), "pt") as fh:
+        assert torch.equal(fh.get_tensor(key), want[key])  # [gate | up], not rank blocks
