@@ -2,8 +2,8 @@
 
 On clusters with node-local disks a rank sees only some checkpoint files. Every needed file is read exactly
 once, by one rank that can see it, preferring a rank that needs its bytes itself (no transfer), and balancing
-bytes read per rank; other consumers then receive their slices from that reader. Greedy rule (FlexCheckpoint
-spec 4.3.3, with bytes rather than file counts as the load): files with the fewest candidate readers first,
+bytes read per rank; other consumers then receive their slices from that reader. Greedy rule (``docs/checkpoint-format.md``,
+"Node-local disks"; bytes rather than file counts are the load): files with the fewest candidate readers first,
 each to the least-loaded candidate, ties to the lower rank. Phase 1 considers only ranks that need the file;
 phase 2 places files that no needing rank can see on any rank that sees them. Deterministic: every rank
 computes the same answer from the same (all-gathered) inputs.
@@ -11,8 +11,7 @@ computes the same answer from the same (all-gathered) inputs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Hashable, Iterable, Mapping
+from typing import Iterable, Mapping
 
 from oarlock.checkpoint.errors import CheckpointError
 
@@ -60,35 +59,3 @@ def assign_readers(needs: Mapping[int, Mapping[str, int]], visible: Mapping[int,
     rest = [f for f in needed if f not in readers]
     place(rest, lambda f: [r for r, fs in vis.items() if f in fs])
     return readers
-
-
-@dataclass(frozen=True)
-class Transfer:
-    """One slice shipped from the rank that read it to a rank that needs it."""
-
-    src: int
-    dst: int
-    item: Hashable
-    nbytes: int
-
-
-def plan_transfers(consumers: Mapping[Hashable, tuple[str, int, int]], readers: Mapping[str, int]) -> list[Transfer]:
-    """Transfers for read items whose consumer is not the file's reader.
-
-    Args:
-        consumers: item -> (file, consumer rank, bytes). Items must be sortable-by-repr deterministic keys.
-        readers: file -> reader rank (from :func:`assign_readers`).
-
-    Returns transfers sorted by (src, dst, item) so every rank issues matching P2P operations in one order.
-    """
-    out = [Transfer(readers[f], dst, item, nbytes) for item, (f, dst, nbytes) in consumers.items()
-           if readers[f] != dst]
-    return sorted(out, key=lambda t: (t.src, t.dst, repr(t.item)))
-
-
-def bytes_per_rank(readers: Mapping[str, int], file_bytes: Mapping[str, int]) -> dict[int, int]:
-    """Bytes each reader rank reads."""
-    out: dict[int, int] = {}
-    for f, r in readers.items():
-        out[r] = out.get(r, 0) + file_bytes[f]
-    return out
