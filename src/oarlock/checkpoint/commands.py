@@ -162,7 +162,7 @@ def cmd_aoa_explain(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from oarlock.checkpoint.convert import (ParallelLayout, convert_checkpoint, export_hf, plan_conversion,
+    from oarlock.checkpoint.convert import (ConversionLayout, convert_checkpoint, export_hf, plan_conversion,
                                             resolve_tp_rules)
     from oarlock.checkpoint.storage import detect_format
 
@@ -193,7 +193,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         reverse = args.reverse or (to == "hf" and detect_format(args.src) == "oarlock")
         config = preset(args.preset, args.model_config or args.src, reverse=reverse)
         tp_rules = tp_rules or config["tp_rules"]
-    layout = ParallelLayout(args.tp, args.pp, args.dp, tuple(resolve_tp_rules(tp_rules)))
+    layout = ConversionLayout(args.tp, args.pp, args.dp, tuple(resolve_tp_rules(tp_rules)))
     if args.dry_run:
         print(plan_conversion(args.src, to=to, aoa_config=config, layout=layout,
                               max_shard_size=args.max_shard_size).render())
