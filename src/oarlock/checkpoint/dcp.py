@@ -1,0 +1,657 @@
+"""PyTorch Distributed Checkpoint (``torch.distributed.checkpoint``, "DCP") directories, read without trusting them.
+
+What torch 2.x's ``FileSystemWriter`` puts on disk (the format oarlock reads; see ``docs/formats.md``):
+
+* ``.metadata``: a pickle of ``torch.distributed.checkpoint.metadata.Metadata`` with
+  ``state_dict_metadata`` (flat key -> ``TensorStorageMetadata(properties, size, chunks)`` or
+  ``BytesStorageMetadata()``), ``planner_data`` (flat key -> path tuple of the nested state dict, for the
+  default planner), ``storage_data`` (``MetadataIndex(fqn, offset)`` -> ``_StorageInfo(relative_path,
+  offset, length[, transform_descriptors])``), ``storage_meta`` and ``version``. A checkpoint saved without
+  collectives has one ``__{rank}.metadata`` per rank instead; they are merged.
+* ``__{rank}_{i}.distcp``: data files. With the default ``SerializationFormat.TORCH_SAVE`` every tensor chunk
+  and every non-tensor value is one ``torch.save`` archive at ``[offset, offset + length)``. With
+  ``SerializationFormat.SAFETENSORS`` the non-tensor values come first (``torch.save`` archives as before) and
+  all tensor chunks of the file follow as one embedded safetensors blob starting at the chunks' common
+  ``offset``, keyed by flat key, with ``{"DCP_SHARDING_INFO": {key: {"saved_offsets": [...]}}}`` in its
+  ``__metadata__``.
+* ``transform_descriptors`` (for example ``["stream.zstd/1"]``) name stream transforms applied to an entry's
+  bytes, outermost last; oarlock undoes ``stream.zstd`` with the ``zstandard`` package.
+
+Safety: the ``.metadata`` pickle goes through :class:`DcpUnpickler`, which admits exactly the DCP metadata
+classes (mapped onto inert local records), ``torch.Size``, dtypes, the layout and memory-format tags and plain
+containers; anything else raises :class:`~oarlock.checkpoint.errors.UnsafePickleError` before it runs. Chunk
+archives and non-tensor values are loaded with ``torch.load(weights_only=True)`` on their byte range only.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from oarlock.checkpoint.errors import CheckpointFormatError, UnsafePickleError
+from oarlock.checkpoint.metadata import CheckpointMetadata, ShardMeta, TensorMeta
+from oarlock.utils import AllowlistUnpickler, dtype_name, torch_dtype
+
+DCP_METADATA = ".metadata"
+DCP_SUFFIX = ".distcp"
+RANK_METADATA = re.compile(r"^__(\d+)\.metadata$")
+ZSTD_DESCRIPTOR = "stream.zstd"
+_MAX_METADATA_BYTES = 1 << 30
+
+
+# ---------------------------------------------------------------- inert records for the pickled classes
+
+class DcpRecord:
+    """Inert stand-in for one pickled DCP metadata dataclass: it stores the pickled fields and runs nothing.
+
+    The pickle builds these with ``NEWOBJ`` (no constructor call) and ``BUILD`` (``__setstate__`` below), so a
+    hostile file can set attributes but never call code.
+    """
+
+    _fields: tuple[str, ...] = ()
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 2 and (state[0] is None or isinstance(state[0], dict)):
+            state = {**(state[0] or {}), **(state[1] or {})}  # (dict, slots) form
+        if isinstance(state, tuple) and self._fields and len(state) == len(self._fields):
+            state = dict(zip(self._fields, state))  # TensorProperties pickles a plain tuple
+        if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
+            raise UnsafePickleError(f"unexpected pickled state for {type(self).__name__}: {type(state).__name__}")
+        self.__dict__.update(state)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.__dict__.get(name, default)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.__dict__})"
+
+
+class DcpMetadata(DcpRecord):
+    """``Metadata``: ``state_dict_metadata``, ``planner_data``, ``storage_data``, ``storage_meta``, ``version``."""
+
+
+class DcpTensorStorage(DcpRecord):
+    """``TensorStorageMetadata``: ``properties``, ``size`` (global shape), ``chunks``."""
+
+
+class DcpChunk(DcpRecord):
+    """``ChunkStorageMetadata``: ``offsets`` (global offset), ``sizes`` (local shape)."""
+
+
+class DcpBytesStorage(DcpRecord):
+    """``BytesStorageMetadata``: a non-tensor value stored as a ``torch.save`` archive."""
+
+
+class DcpTensorProperties(DcpRecord):
+    """``TensorProperties``: pickled as the tuple ``(dtype, layout, requires_grad, memory_format, pin_memory)``."""
+
+    _fields = ("dtype", "layout", "requires_grad", "memory_format", "pin_memory")
+
+
+class DcpIndex(DcpRecord):
+    """``MetadataIndex``: ``fqn``, ``offset`` (global offset of the chunk, None for non-tensors), ``index``."""
+
+
+class DcpStorageMeta(DcpRecord):
+    """``StorageMeta``: ``checkpoint_id``, ``save_id``, ``load_id``, ``modules``."""
+
+
+class DcpStorageInfo(DcpRecord):
+    """``_StorageInfo``: ``relative_path``, ``offset``, ``length``, ``transform_descriptors`` (optional)."""
+
+
+_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+_RECORDS: dict[tuple[str, str], type] = {
+    (_METADATA_MODULE, "Metadata"): DcpMetadata,
+    (_METADATA_MODULE, "TensorStorageMetadata"): DcpTensorStorage,
+    (_METADATA_MODULE, "ChunkStorageMetadata"): DcpChunk,
+    (_METADATA_MODULE, "BytesStorageMetadata"): DcpBytesStorage,
+    (_METADATA_MODULE, "TensorProperties"): DcpTensorProperties,
+    (_METADATA_MODULE, "MetadataIndex"): DcpIndex,
+    (_METADATA_MODULE, "StorageMeta"): DcpStorageMeta,
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): DcpStorageInfo,
+}
+
+
+def _size(dims: Any = ()) -> tuple[int, ...]:
+    """Stand-in for ``torch.Size(dims)``: only a sequence of non-negative ints is accepted."""
+    if not isinstance(dims, (tuple, list)) or not all(type(d) is int and d >= 0 for d in dims):
+        raise UnsafePickleError(f"torch.Size with non-integer dimensions {dims!r}")
+    return tuple(dims)
+
+
+_LAYOUTS = {"torch.strided": "strided", "torch.sparse_coo": "sparse_coo"}
+
+
+def _layout(name: Any) -> str:
+    """Stand-in for ``torch.serialization._get_layout(name)``: returns the layout's name, admits known names only."""
+    if name not in _LAYOUTS:
+        raise UnsafePickleError(f"unknown tensor layout {name!r}")
+    return _LAYOUTS[name]
+
+
+def _memory_format(code: Any) -> int:
+    """Stand-in for the ``_MEM_FORMAT_ENCODING`` enum (0 contiguous, 1 channels-last, 2 preserve)."""
+    if code not in (0, 1, 2):
+        raise UnsafePickleError(f"unknown memory-format code {code!r}")
+    return int(code)
+
+
+def _path_str(*parts: Any) -> str:
+    """Stand-in for ``pathlib.PosixPath(*parts)`` (the pickled ``checkpoint_id``): the joined string."""
+    if not all(isinstance(p, str) for p in parts):
+        raise UnsafePickleError(f"path with non-string parts {parts!r}")
+    return os.path.join(*parts) if parts else ""
+
+
+def _admit(module: str, name: str) -> Any:
+    rec = _RECORDS.get((module, name))
+    if rec is not None:
+        return rec
+    if module == _METADATA_MODULE and name == "_MEM_FORMAT_ENCODING":
+        return _memory_format
+    if module == "torch" and name == "Size":
+        return _size
+    if module == "torch":
+        obj = getattr(torch, name, None)
+        return obj if isinstance(obj, torch.dtype) else None
+    if module == "torch.serialization" and name == "_get_layout":
+        return _layout
+    if module == "pathlib" and name in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"):
+        return _path_str
+    if module == "collections" and name == "OrderedDict":
+        import collections
+
+        return collections.OrderedDict
+    return None
+
+
+class DcpUnpickler(AllowlistUnpickler):
+    """A :class:`pickle.Unpickler` for DCP ``.metadata`` files whose ``find_class`` admits only the DCP
+    metadata classes (as inert :class:`DcpRecord` subclasses), ``torch.Size``, torch dtypes, the layout and
+    memory-format tags, ``pathlib`` paths (as strings) and ``OrderedDict``.
+
+    Raises:
+        UnsafePickleError: naming the file and the forbidden ``module.name`` (``os.system``, ``builtins.eval``,
+            numpy object arrays, ...) before anything it names is called.
+    """
+
+    def __init__(self, file: Any, source: str = "<pickle>"):
+        super().__init__(file, _admit, UnsafePickleError, source,
+                         "torch.distributed.checkpoint metadata records, torch.Size, dtypes and containers")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise UnsafePickleError(f"{self._source}: refuses a persistent id in a DCP metadata pickle")
+
+
+def load_dcp_pickle(path: str | Path) -> Any:
+    """Unpickle one DCP ``.metadata`` file with :class:`DcpUnpickler`.
+
+    Raises:
+        UnsafePickleError: the pickle names anything outside the admitted set.
+        CheckpointFormatError: the file is missing, unreadable, truncated or not a pickle (naming it).
+    """
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size > _MAX_METADATA_BYTES:
+                raise CheckpointFormatError(f"{path}: DCP metadata larger than 1 GiB; refusing to unpickle it")
+            return DcpUnpickler(f, str(path)).load()
+    except CheckpointFormatError:
+        raise
+    except OSError as e:
+        raise CheckpointFormatError(f"{path}: cannot read: {e.strerror or e}") from None
+    except Exception as e:  # truncated or corrupt pickle streams raise many types
+        raise CheckpointFormatError(f"{path}: not a readable DCP metadata pickle ({type(e).__name__}: {e})") from None
+
+
+# ---------------------------------------------------------------- metadata -> CheckpointMetadata
+
+@dataclass(frozen=True)
+class DcpEntry:
+    """Where one stored item lives: ``file`` (relative path), byte ``offset`` and ``length`` in it, the stream
+    ``transforms`` to undo (descriptors, applied in order when reading), and ``serialization``
+    (``"torch_save"`` or ``"safetensors"``; see the module docstring)."""
+
+    file: str
+    offset: int
+    length: int
+    transforms: tuple[str, ...] = ()
+    serialization: str = "torch_save"
+
+
+def is_dcp_dir(names: set[str] | list[str]) -> bool:
+    """True when a directory listing holds DCP metadata (``.metadata`` or ``__{rank}.metadata``)."""
+    return DCP_METADATA in names or any(RANK_METADATA.match(n) for n in names)
+
+
+def _metadata_files(root: Path) -> list[Path]:
+    if (root / DCP_METADATA).is_file():
+        return [root / DCP_METADATA]
+    ranks = sorted(int(m.group(1)) for n in os.listdir(root) if (m := RANK_METADATA.match(n)))
+    if not ranks:
+        raise CheckpointFormatError(f"{root}: no DCP metadata ({DCP_METADATA} or __<rank>{DCP_METADATA})")
+    return [root / f"__{r}{DCP_METADATA}" for r in ranks]
+
+
+def _ints(v: Any, what: str, source: Path) -> tuple[int, ...]:
+    if not isinstance(v, (tuple, list)) or not all(type(x) is int and x >= 0 for x in v):
+        raise CheckpointFormatError(f"{source}: {what} is not a tuple of non-negative ints: {v!r}")
+    return tuple(v)
+
+
+def parse_dcp_metadata(root: str | Path) -> tuple[CheckpointMetadata, dict[tuple[str, str], DcpEntry],
+                                                   dict[str, DcpEntry]]:
+    """Read and validate the DCP metadata of directory ``root``.
+
+    Returns:
+        ``(metadata, tensor_entries, object_entries)``: ``metadata`` has one :class:`TensorMeta` per tensor key
+        (global shape, dtype, one :class:`ShardMeta` per chunk, whose ``file`` is the ``.distcp`` file and whose
+        ``name`` is unique within that file), ``nested`` paths from the planner data, and
+        ``extra["dcp"]`` (version, save id, serialisation, transforms seen); ``tensor_entries`` maps
+        ``(file, shard name)`` to the chunk's :class:`DcpEntry`; ``object_entries`` maps each non-tensor key to
+        its :class:`DcpEntry`. No data file is opened.
+
+    Raises:
+        UnsafePickleError: a metadata pickle names anything outside the admitted set.
+        CheckpointFormatError: malformed metadata (naming the key), a chunk without storage entry, a data file
+            that is missing or shorter than an entry it holds.
+    """
+    root = Path(root)
+    sdm: dict[str, Any] = {}
+    storage: list[tuple[Any, Any]] = []
+    planner: dict[str, Any] = {}
+    versions, save_ids = set(), set()
+    mfiles = _metadata_files(root)
+    for mpath in mfiles:
+        raw = load_dcp_pickle(mpath)
+        if not isinstance(raw, DcpMetadata):
+            raise CheckpointFormatError(f"{mpath}: expected a DCP Metadata record, found {type(raw).__name__}")
+        part = raw.get("state_dict_metadata")
+        sdata = raw.get("storage_data")
+        if not isinstance(part, dict) or not isinstance(sdata, dict):
+            raise CheckpointFormatError(f"{mpath}: DCP metadata lacks state_dict_metadata or storage_data "
+                                        "(saved by a storage writer other than FileSystemWriter?)")
+        for key, v in part.items():
+            if isinstance(v, DcpTensorStorage) and isinstance(sdm.get(key), DcpTensorStorage):
+                sdm[key].chunks = list(sdm[key].get("chunks") or []) + list(v.get("chunks") or [])
+            else:
+                sdm[key] = v
+        storage.extend(sdata.items())
+        if isinstance(raw.get("planner_data"), dict):
+            planner.update(raw.get("planner_data"))
+        versions.add(raw.get("version"))
+        sm = raw.get("storage_meta")
+        if isinstance(sm, DcpStorageMeta):
+            save_ids.add(sm.get("save_id"))
+    mname = mfiles[0].name if len(mfiles) == 1 else f"__<rank>{DCP_METADATA}"
+    msrc = root / mname
+
+    by_index: dict[tuple[str, tuple[int, ...] | None], DcpEntry] = {}
+    sizes: dict[str, int] = {}
+    transforms_seen: set[str] = set()
+    for idx, info in storage:
+        if not isinstance(idx, DcpIndex) or not isinstance(info, DcpStorageInfo):
+            raise CheckpointFormatError(f"{msrc}: storage_data holds {type(idx).__name__} -> "
+                                        f"{type(info).__name__}, expected MetadataIndex -> _StorageInfo")
+        fqn = idx.get("fqn")
+        rel = info.get("relative_path")
+        off, length = info.get("offset"), info.get("length")
+        if (not isinstance(fqn, str) or not isinstance(rel, str) or type(off) is not int or type(length) is not int
+                or off < 0 or length < 0):
+            raise CheckpointFormatError(f"{msrc}: malformed storage entry for {fqn!r}: {info!r}")
+        if os.path.isabs(rel) or ".." in Path(rel).parts or not rel:
+            raise CheckpointFormatError(f"{msrc}: key {fqn!r} is stored in {rel!r}, outside the checkpoint directory")
+        td = info.get("transform_descriptors") or ()
+        if not isinstance(td, (list, tuple)) or not all(isinstance(t, str) for t in td):
+            raise CheckpointFormatError(f"{msrc}: key {fqn!r} has malformed transform_descriptors {td!r}")
+        for t in td:
+            if t.partition("/")[0] != ZSTD_DESCRIPTOR:
+                raise CheckpointFormatError(f"{msrc}: key {fqn!r} is stored with stream transform {t!r}; oarlock "
+                                            f"undoes only {ZSTD_DESCRIPTOR}/1")
+            transforms_seen.add(t)
+        o = idx.get("offset")
+        okey = None if o is None else _ints(o, f"storage offset of {fqn!r}", msrc)
+        if rel not in sizes:
+            p = root / rel
+            if not p.is_file():
+                raise CheckpointFormatError(f"{p}: DCP data file holding {fqn!r} is missing")
+            sizes[rel] = p.stat().st_size
+        by_index[(fqn, okey)] = DcpEntry(rel, off, length, tuple(td))
+
+    meta = CheckpointMetadata("dcp")
+    tensor_entries: dict[tuple[str, str], DcpEntry] = {}
+    object_entries: dict[str, DcpEntry] = {}
+    chunk_files: dict[tuple[str, str], int] = {}
+    for key, v in sdm.items():
+        if not isinstance(key, str):
+            raise CheckpointFormatError(f"{msrc}: state_dict_metadata has a non-string key {key!r}")
+        if isinstance(v, DcpTensorStorage):
+            continue
+        if not isinstance(v, DcpBytesStorage):
+            raise CheckpointFormatError(f"{msrc}: key {key!r} has storage metadata {type(v).__name__}")
+        e = by_index.get((key, None))
+        if e is None:
+            raise CheckpointFormatError(f"{msrc}: non-tensor key {key!r} has no storage entry")
+        _check_range(root, e, sizes, key)
+        object_entries[key] = e
+    for key, v in sdm.items():
+        if not isinstance(v, DcpTensorStorage):
+            continue
+        props = v.get("properties")
+        dt = props.get("dtype") if isinstance(props, DcpTensorProperties) else None
+        if not isinstance(dt, torch.dtype):
+            raise CheckpointFormatError(f"{msrc}: tensor {key!r} has no dtype")
+        try:
+            dtn = dtype_name(dt)
+        except ValueError:
+            raise CheckpointFormatError(f"{msrc}: tensor {key!r} has dtype {dt}, which oarlock does not support") from None
+        if props.get("layout", "strided") != "strided":
+            raise CheckpointFormatError(f"{msrc}: tensor {key!r} has layout {props.get('layout')}; only strided "
+                                        "tensors are supported")
+        gshape = _ints(v.get("size"), f"size of {key!r}", msrc)
+        chunks = v.get("chunks")
+        if not isinstance(chunks, list):
+            raise CheckpointFormatError(f"{msrc}: tensor {key!r} has no chunk list")
+        for c in chunks:
+            if not isinstance(c, DcpChunk):
+                raise CheckpointFormatError(f"{msrc}: tensor {key!r} has a chunk of type {type(c).__name__}")
+            off = _ints(c.get("offsets"), f"chunk offset of {key!r}", msrc)
+            e = by_index.get((key, off))
+            if e is None:
+                raise CheckpointFormatError(f"{msrc}: chunk of {key!r} at offset {list(off)} has no storage entry")
+            chunk_files[(e.file, key)] = chunk_files.get((e.file, key), 0) + 1
+    for key, v in sdm.items():
+        if not isinstance(v, DcpTensorStorage):
+            continue
+        dtn = dtype_name(v.properties.get("dtype"))
+        gshape = tuple(v.size)
+        tm = TensorMeta(key, gshape, dtn)
+        for c in v.chunks:
+            off, loc = tuple(c.offsets), _ints(c.get("sizes"), f"chunk size of {key!r}", msrc)
+            if len(off) != len(gshape) or len(loc) != len(gshape) or any(
+                    o + s > g for o, s, g in zip(off, loc, gshape)):
+                raise CheckpointFormatError(f"{msrc}: chunk of {key!r} at offset {list(off)} with shape {list(loc)} "
+                                            f"does not fit the global shape {list(gshape)}")
+            e = by_index[(key, off)]
+            name = key if chunk_files[(e.file, key)] == 1 else f"{key}@{','.join(map(str, off))}"
+            tensor_entries[(e.file, name)] = e
+            tm.shards.append(ShardMeta(off, loc, e.file, name))
+        meta.tensors[key] = tm
+    # Safetensors serialisation: the tensor chunks of a file share one offset (the embedded blob's start) and
+    # their length is the raw byte count, so only the blob header can be checked against the file size.
+    serial = _detect_serialization(root, tensor_entries, sizes)
+    if serial == "safetensors":
+        tensor_entries = {k: DcpEntry(e.file, e.offset, e.length, e.transforms, "safetensors")
+                          for k, e in tensor_entries.items()}
+    else:
+        for (f, name), e in tensor_entries.items():
+            _check_range(root, e, sizes, name)
+    for key, path in planner.items():
+        if key in sdm and isinstance(path, (tuple, list)) and all(isinstance(p, (str, int)) for p in path):
+            if len(path) > 1 or (path and path[0] != key):
+                meta.nested[key] = list(path)
+    meta.extra["dcp"] = {"version": sorted(str(x) for x in versions if x is not None),
+                         "save_id": sorted(str(x) for x in save_ids if x is not None),
+                         "serialization": serial, "transforms": sorted(transforms_seen),
+                         "metadata_files": [p.name for p in mfiles]}
+    return meta, tensor_entries, object_entries
+
+
+def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n * torch_dtype(dtype).itemsize
+
+
+def _check_range(root: Path, e: DcpEntry, sizes: dict[str, int], what: str) -> None:
+    if e.offset + e.length > sizes[e.file]:
+        raise CheckpointFormatError(f"{root / e.file}: truncated: {what!r} is stored at bytes "
+                                    f"[{e.offset}, {e.offset + e.length}) but the file has {sizes[e.file]} bytes")
+
+
+def _detect_serialization(root: Path, entries: dict[tuple[str, str], DcpEntry], sizes: dict[str, int]) -> str:
+    """``"safetensors"`` when the tensor entries point at embedded safetensors blobs, else ``"torch_save"``.
+
+    A torch.save archive is a zip file (starts with ``PK``); a safetensors blob starts with its 8-byte header
+    length followed by ``{``. One file is probed (the writer uses one format for the whole checkpoint)."""
+    if not entries:
+        return "torch_save"
+    e = next(iter(entries.values()))
+    if e.transforms:
+        return "torch_save"  # the safetensors writer path applies no stream transforms to tensors
+    with open(root / e.file, "rb") as f:
+        f.seek(e.offset)
+        head = f.read(9)
+    if head[:2] == b"PK":
+        return "torch_save"
+    if len(head) == 9 and head[8:9] == b"{":
+        return "safetensors"
+    raise CheckpointFormatError(f"{root / e.file}: bytes at offset {e.offset} are neither a torch.save archive nor "
+                                "a safetensors blob")
+
+
+# ---------------------------------------------------------------- byte-range reads
+
+class _RangeFile(io.RawIOBase):
+    """A read-only, seekable view of bytes ``[start, start + length)`` of an open file descriptor."""
+
+    def __init__(self, fd: int, start: int, length: int):
+        super().__init__()
+        self._fd, self._start, self._len, self._pos = fd, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self._len}[whence]
+        self._pos = max(0, base + pos)
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        mv = memoryview(b).cast("B")
+        n = max(0, min(len(mv), self._len - self._pos))
+        got = 0
+        while got < n:
+            k = os.preadv(self._fd, [mv[got:n]], self._start + self._pos + got)
+            if k <= 0:
+                break
+            got += k
+        self._pos += got
+        return got
+
+
+def _undo_transforms(raw: io.RawIOBase | io.BytesIO, transforms: tuple[str, ...], where: str) -> Any:
+    """A seekable stream of the entry's bytes with its stream transforms undone (zstd frames decompressed)."""
+    if not transforms:
+        return raw
+    try:
+        import zstandard
+    except ImportError:
+        raise CheckpointFormatError(f"{where}: stored zstd-compressed ({', '.join(transforms)}); install the "
+                                    "'zstandard' package to read it") from None
+    data = raw.read()
+    for _ in transforms:
+        try:
+            data = zstandard.ZstdDecompressor().decompressobj().decompress(data)
+        except zstandard.ZstdError as e:
+            raise CheckpointFormatError(f"{where}: corrupt zstd stream ({e})") from None
+    return io.BytesIO(data)
+
+
+def load_archive(path: Path, fd: int, entry: DcpEntry, what: str) -> Any:
+    """``torch.load(weights_only=True)`` of the ``torch.save`` archive at ``entry``'s byte range of ``fd``.
+
+    Raises:
+        CheckpointFormatError: the range is not a loadable weights-only archive (naming the file and ``what``);
+            a pickle inside it that asks for anything beyond tensors and plain data is refused by torch's
+            weights-only unpickler, and reported here.
+    """
+    where = f"{path} [{entry.offset}, {entry.offset + entry.length}) ({what!r})"
+    stream = _undo_transforms(_RangeFile(fd, entry.offset, entry.length), entry.transforms, where)
+    try:
+        return torch.load(stream, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated zips, refused globals, ...
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointFormatError(f"{where}: not a weights-only torch.save archive: {msg}") from None
+
+
+class DcpDataFiles:
+    """Open DCP data files of one checkpoint and read chunks out of them.
+
+    ``chunk(file, name, ...)`` returns the whole stored chunk as a CPU tensor: a ``torch.save`` archive is loaded
+    from its byte range with ``torch.load(weights_only=True)``; an embedded-safetensors chunk is read with one
+    ``os.preadv`` straight into a new tensor. The most recently read chunk is kept, so the several boxes one
+    chunk feeds cost one read (memory bound: one chunk).
+    """
+
+    def __init__(self, root: Path, tensor_entries: dict[tuple[str, str], DcpEntry],
+                 tensors: dict[str, TensorMeta]):
+        self.root = root
+        self.entries = tensor_entries
+        self.tensors = tensors
+        self._fds: dict[str, int] = {}
+        self._blobs: dict[tuple[str, int], dict[str, tuple[str, tuple[int, ...], int, int]]] = {}
+        self._last: tuple[tuple[str, str], torch.Tensor] | None = None
+        self.files_opened: list[str] = []
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        self._last = None
+
+    def fd(self, file: str) -> int:
+        fd = self._fds.get(file)
+        if fd is None:
+            try:
+                fd = os.open(self.root / file, os.O_RDONLY)
+            except OSError as e:
+                raise CheckpointFormatError(f"{self.root / file}: cannot open: {e.strerror or e}") from None
+            self._fds[file] = fd
+            self.files_opened.append(file)
+        return fd
+
+    def chunk(self, key: str, file: str, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The stored chunk ``name`` of ``file`` (tensor ``key``, local shape ``shape``) as a CPU tensor.
+
+        Raises:
+            CheckpointFormatError: missing entry, unreadable bytes, or a stored tensor whose shape or dtype
+                differs from the metadata (naming file and key).
+        """
+        if self._last is not None and self._last[0] == (file, name):
+            return self._last[1]
+        e = self.entries.get((file, name))
+        if e is None:
+            raise CheckpointFormatError(f"{self.root / file}: no DCP storage entry for chunk {name!r}")
+        dtype = self.tensors[key].dtype
+        path = self.root / file
+        if e.serialization == "safetensors":
+            t = self._blob_tensor(path, e, key, dtype, shape)
+        else:
+            t = load_archive(path, self.fd(file), e, key)
+            if not isinstance(t, torch.Tensor):
+                raise CheckpointFormatError(f"{path}: chunk of {key!r} holds {type(t).__name__}, not a tensor")
+            if tuple(t.shape) != tuple(shape) or t.dtype != torch_dtype(dtype):
+                raise CheckpointFormatError(f"{path}: chunk of {key!r} is {t.dtype} {list(t.shape)}, metadata says "
+                                            f"{dtype} {list(shape)}")
+        self._last = ((file, name), t)
+        return t
+
+    def _blob_tensor(self, path: Path, e: DcpEntry, key: str, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+        fd = self.fd(e.file)
+        header = self._blob_header(path, fd, e.offset)
+        ent = header.get(key)
+        if ent is None:
+            raise CheckpointFormatError(f"{path}: embedded safetensors blob at byte {e.offset} lacks tensor {key!r}")
+        sdt, sshape, begin, data_start = ent
+        if sdt != dtype or tuple(sshape) != tuple(shape):
+            raise CheckpointFormatError(f"{path}: tensor {key!r} is stored as {sdt} {list(sshape)}, metadata says "
+                                        f"{dtype} {list(shape)} (several chunks of one key in one file are not "
+                                        "representable in DCP's safetensors serialisation)")
+        out = torch.empty(shape, dtype=torch_dtype(dtype))
+        mv = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+        got = 0
+        while got < len(mv):
+            k = os.preadv(fd, [mv[got:]], data_start + begin + got)
+            if k <= 0:
+                raise CheckpointFormatError(f"{path}: truncated: tensor {key!r} ends past the end of the file")
+            got += k
+        return out
+
+    def _blob_header(self, path: Path, fd: int, start: int) -> dict[str, tuple[str, tuple[int, ...], int, int]]:
+        """Parse and check the header of the safetensors blob embedded at byte ``start`` (format:
+        https://github.com/huggingface/safetensors#format): ``{name: (dtype, shape, begin, data start)}``."""
+        cached = self._blobs.get((str(path), start))
+        if cached is not None:
+            return cached
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, 8, start)
+        if len(head) < 8:
+            raise CheckpointFormatError(f"{path}: truncated safetensors blob at byte {start}")
+        (n,) = struct.unpack("<Q", head)
+        if n > min(size - start - 8, 100 * 1024 * 1024):
+            raise CheckpointFormatError(f"{path}: safetensors blob at byte {start}: header length {n} exceeds the file")
+        try:
+            header = json.loads(os.pread(fd, n, start + 8))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise CheckpointFormatError(f"{path}: safetensors blob at byte {start}: invalid header ({err})") from None
+        if not isinstance(header, dict):
+            raise CheckpointFormatError(f"{path}: safetensors blob at byte {start}: header is not a JSON object")
+        data_start = start + 8 + n
+        out = {}
+        for name, ent in header.items():
+            if name == "__metadata__":
+                continue
+            try:
+                dt = dtype_name(ent["dtype"])
+                shape = tuple(int(x) for x in ent["shape"])
+                begin, end = (int(x) for x in ent["data_offsets"])
+            except (KeyError, TypeError, ValueError) as err:
+                raise CheckpointFormatError(f"{path}: blob tensor {name!r}: bad header entry ({err})") from None
+            if begin < 0 or end - begin != _nbytes(shape, dt) or data_start + end > size:
+                raise CheckpointFormatError(f"{path}: truncated or corrupt: blob tensor {name!r} at data offsets "
+                                            f"[{begin}, {end}) does not fit shape {list(shape)} {dt} in a file of "
+                                            f"{size} bytes")
+            out[name] = (dt, shape, begin, data_start)
+        self._blobs[(str(path), start)] = out
+        return out
+
+
+def read_dcp_objects(root: Path, entries: dict[str, DcpEntry]) -> tuple[dict[str, Any], dict[str, str]]:
+    """Load the non-tensor values (``BytesStorageMetadata`` entries) with ``torch.load(weights_only=True)``.
+
+    Returns:
+        ``(values, refused)``: key -> value for the ones that load; key -> reason for the ones whose archive
+        holds something a weights-only load refuses (a custom class): they are reported, never unpickled.
+    """
+    values: dict[str, Any] = {}
+    refused: dict[str, str] = {}
+    fds: dict[str, int] = {}
+    try:
+        for key, e in entries.items():
+            if e.file not in fds:
+                fds[e.file] = os.open(root / e.file, os.O_RDONLY)
+            try:
+                values[key] = load_archive(root / e.file, fds[e.file], e, key)
+            except CheckpointFormatError as err:
+                refused[key] = str(err)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return values, refused
