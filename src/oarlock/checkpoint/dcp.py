@@ -108,6 +108,12 @@ class DcpStorageInfo(DcpRecord):
     """``_StorageInfo``: ``relative_path``, ``offset``, ``length``, ``transform_descriptors`` (optional)."""
 
 
+class DcpPlanRecord(DcpRecord):
+    """``SavePlan``, ``WriteItem``, ``TensorWriteData``, ``BytesIOWriteData`` or ``_StoragePrefix``: save plans
+    that some writers (Megatron-Core's ``torch_dist``) keep in the metadata as ``all_local_plans``; kept inert
+    and ignored."""
+
+
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _RECORDS: dict[tuple[str, str], type] = {
     (_METADATA_MODULE, "Metadata"): DcpMetadata,
@@ -118,6 +124,9 @@ _RECORDS: dict[tuple[str, str], type] = {
     (_METADATA_MODULE, "MetadataIndex"): DcpIndex,
     (_METADATA_MODULE, "StorageMeta"): DcpStorageMeta,
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): DcpStorageInfo,
+    ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"): DcpPlanRecord,
+    **{("torch.distributed.checkpoint.planner", n): DcpPlanRecord
+       for n in ("SavePlan", "WriteItem", "TensorWriteData", "BytesIOWriteData")},
 }
 
 
@@ -145,6 +154,13 @@ def _memory_format(code: Any) -> int:
     return int(code)
 
 
+def _write_item_type(code: Any) -> int:
+    """Stand-in for the ``WriteItemType`` enum (1 tensor, 2 shard, 3 bytes)."""
+    if code not in (1, 2, 3):
+        raise UnsafePickleError(f"unknown write-item type {code!r}")
+    return int(code)
+
+
 def _path_str(*parts: Any) -> str:
     """Stand-in for ``pathlib.PosixPath(*parts)`` (the pickled ``checkpoint_id``): the joined string."""
     if not all(isinstance(p, str) for p in parts):
@@ -158,6 +174,8 @@ def _admit(module: str, name: str) -> Any:
         return rec
     if module == _METADATA_MODULE and name == "_MEM_FORMAT_ENCODING":
         return _memory_format
+    if module == "torch.distributed.checkpoint.planner" and name == "WriteItemType":
+        return _write_item_type
     if module == "torch" and name == "Size":
         return _size
     if module == "torch":
