@@ -255,7 +255,7 @@ def _run(rank: int, root: Path) -> None:
     assert not (root / "bad").exists()
 
     # ---- crash safety with several ranks: rank 2 fails mid-write; nothing appears, 'oar' stays intact
-    import oarlock.checkpoint.api as api
+    import oarlock.checkpoint.save as api  # the save pipeline writes through save.write_safetensors
 
     real = api.write_safetensors
 

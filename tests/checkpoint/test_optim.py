@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from oarlock.checkpoint import (OptimizerHyperparameterWarning, OptimizerStateError, ShardDesc,
                                 load_sharded_optimizer_state_dict, plan_load, save_state_dict,
                                 sharded_optimizer_state_dict, sharded_state_dict)
-from oarlock.checkpoint.api import _execute
+from oarlock.checkpoint.executor import execute_items
 from oarlock.checkpoint.metadata import CheckpointMetadata, ShardMeta, TensorMeta
 from oarlock.models.llama import Llama, LlamaConfig, causal_lm_loss, hf_aoa_config
 
@@ -310,5 +310,5 @@ def test_flattened_reassembly_matches_full_tensor(lay):
         box = full[tuple(slice(o, o + e) for o, e in zip(off, ext))]
         expect = box.reshape(-1)[fr[0]:fr[1]] if fr else box
         target = torch.full_like(expect, float("nan"))
-        _execute(reader, target, plan.items)
+        execute_items(reader, target, plan.items)
         assert torch.equal(target, expect), (shape, off, ext, fr)

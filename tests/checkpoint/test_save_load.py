@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import oarlock.checkpoint.api as api
+import oarlock.checkpoint.save as api
 from oarlock.checkpoint import (CheckpointError, CheckpointFormatError, CheckpointMismatchError,
                                 CheckpointTilingError, ShardedWeight, SliceMapping, TensorSpec, load_state_dict,
                                 open_checkpoint, save_state_dict, sharded_state_dict)
@@ -152,15 +152,6 @@ def test_hand_built_program_through_files(tmp_path):
     assert report.unexpected_keys == []
 
 
-def test_aoa_config_without_engine_is_rejected(tmp_path, monkeypatch):
-    save_state_dict({"w": torch.ones(2)}, tmp_path / "ck")
-    monkeypatch.setitem(sys.modules, "oarlock.checkpoint.aoa", None)  # as if the engine were not installed
-    t = torch.zeros(2)
-    with pytest.raises(CheckpointError, match="AOA engine .* is not available"):
-        load_state_dict({"w": t}, tmp_path / "ck", aoa_config={"aoa_statements": ["w -> w"]})
-    assert torch.equal(t, torch.zeros(2))
-
-
 def test_aoa_config_goes_to_compile_aoa(tmp_path, monkeypatch):
     full = torch.randn(4, 6)
     save_state_dict({"w": full}, tmp_path / "ck")
@@ -271,7 +262,7 @@ def test_injected_failure_leaves_nothing_and_keeps_the_earlier_checkpoint(tmp_pa
 
 KILL_SCRIPT = r"""
 import os, signal, sys, torch
-import oarlock.checkpoint.api as api
+import oarlock.checkpoint.save as api
 from oarlock.checkpoint import save_state_dict
 real = api.write_safetensors
 def killed_mid_write(path, tensors, **kw):

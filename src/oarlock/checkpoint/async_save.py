@@ -1,5 +1,4 @@
-"""Asynchronous checkpoint saves: snapshot, return, write in the background (FlexCheckpoint spec 3.1
-``async_save``).
+"""Asynchronous checkpoint saves: snapshot, return, write in the background.
 
 :func:`async_save` runs the collective planning of a save (one ``all_gather_object`` of shard descriptions,
 validation, write assignment) on the caller's process group *before it returns*, so it is ordered with the
@@ -23,7 +22,8 @@ from typing import Any, Mapping
 
 import torch
 
-from oarlock.checkpoint.sharded import _dist_active, _group_size
+from oarlock.checkpoint.dist import DistWrapper
+from oarlock.checkpoint.save import prepare_save, write_and_commit
 
 _lock = threading.Lock()
 _pending: "AsyncSaveHandle | None" = None
@@ -85,20 +85,18 @@ def async_save(state_dict: Mapping[str, Any], path: str | os.PathLike, *, proces
         CheckpointError: planning errors (bad leaves, disagreeing shapes, bad tiling) at once, on every rank;
             write and commit errors from ``handle.wait()``.
     """
-    from oarlock.checkpoint.api import _prepare_save, _write_and_commit
-
     wait_pending()  # saves never overlap: the previous one commits first
-    plan = _prepare_save(state_dict, path, process_group, save_replicas)
+    plan = prepare_save(state_dict, path, process_group, save_replicas)
     keys = {i[0] for i in plan.writes.get(plan.rank, [])}
     with torch.no_grad():  # the snapshot: a CPU copy of only what this rank writes
         snap = {sw.key: sw.local_tensor.detach().to("cpu", copy=True) for sw in plan.leaves.shards
                 if sw.key in keys}
-    group = _side_group(process_group) if _dist_active() and _group_size(process_group) > 1 else None
+    group = _side_group(process_group) if DistWrapper(process_group).active else None
     handle = AsyncSaveHandle(path)
 
     def run() -> None:
         try:
-            _write_and_commit(plan, snap, group)
+            write_and_commit(plan, snap, group)
         except BaseException as e:  # re-raised by wait()
             handle._error = e
         finally:

@@ -11,8 +11,7 @@ computes the same answer from the same (all-gathered) inputs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Hashable, Iterable, Mapping
+from typing import Iterable, Mapping
 
 from oarlock.checkpoint.errors import CheckpointError
 
@@ -60,35 +59,3 @@ def assign_readers(needs: Mapping[int, Mapping[str, int]], visible: Mapping[int,
     rest = [f for f in needed if f not in readers]
     place(rest, lambda f: [r for r, fs in vis.items() if f in fs])
     return readers
-
-
-@dataclass(frozen=True)
-class Transfer:
-    """One slice shipped from the rank that read it to a rank that needs it."""
-
-    src: int
-    dst: int
-    item: Hashable
-    nbytes: int
-
-
-def plan_transfers(consumers: Mapping[Hashable, tuple[str, int, int]], readers: Mapping[str, int]) -> list[Transfer]:
-    """Transfers for read items whose consumer is not the file's reader.
-
-    Args:
-        consumers: item -> (file, consumer rank, bytes). Items must be sortable-by-repr deterministic keys.
-        readers: file -> reader rank (from :func:`assign_readers`).
-
-    Returns transfers sorted by (src, dst, item) so every rank issues matching P2P operations in one order.
-    """
-    out = [Transfer(readers[f], dst, item, nbytes) for item, (f, dst, nbytes) in consumers.items()
-           if readers[f] != dst]
-    return sorted(out, key=lambda t: (t.src, t.dst, repr(t.item)))
-
-
-def bytes_per_rank(readers: Mapping[str, int], file_bytes: Mapping[str, int]) -> dict[int, int]:
-    """Bytes each reader rank reads."""
-    out: dict[int, int] = {}
-    for f, r in readers.items():
-        out[r] = out.get(r, 0) + file_bytes[f]
-    return out

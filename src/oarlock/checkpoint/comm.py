@@ -1,5 +1,5 @@
 """Distributed data movement for loads: node-local files, one reader per file, slices shipped to consumers,
-and the communication-free warm restart (FlexCheckpoint spec 4.3.1-4.3.3 and 4.4).
+and the communication-free warm restart (``docs/checkpoint-format.md``, "Loading").
 
 Visibility. Each rank passes *its own* view of the checkpoint as ``path``: on a shared filesystem every rank
 sees every file; with node-local disks each rank's directory holds only its node's data files (and possibly no
@@ -43,17 +43,19 @@ from typing import Any, Callable
 import torch
 
 from oarlock.checkpoint.balance import assign_readers
-from oarlock.checkpoint.errors import CheckpointError, CheckpointFormatError
-from oarlock.checkpoint.mapping import box_slices
-from oarlock.checkpoint.metadata import METADATA_FILE, CheckpointMetadata
-from oarlock.checkpoint.sharded import ShardedWeight, _all_gather_objects, _dist_active, _group_rank, _group_size
-from oarlock.checkpoint.storage import INCOMPLETE_MARKER, CheckpointReader, SafetensorsFile, detect_format, open_checkpoint
+from oarlock.checkpoint.dist import DistWrapper
+from oarlock.checkpoint.errors import CheckpointError
+from oarlock.checkpoint.executor import LoadReport, destination_view, place
+from oarlock.checkpoint.metadata import METADATA_FILE
+from oarlock.checkpoint.reader import CheckpointReader
+from oarlock.checkpoint.safetensors_io import SafetensorsFile
+from oarlock.checkpoint.save import SHARDS_HEADER, WORLD_HEADER, sharded_weight_record
+from oarlock.checkpoint.storage import INCOMPLETE_MARKER, View
+from oarlock.checkpoint.traversal import collect_leaves, set_path
 from oarlock.utils import dtype_itemsize, numel, torch_dtype
 
 COMM_METHODS = ("auto", "grouped_send_recv", "broadcast")
 BATCH_BYTES = 128 * 1024 * 1024  # bytes of pieces per grouped send/recv batch (bounds receive buffers)
-SHARDS_HEADER = "oarlock.shards"  # safetensors __metadata__ entry: {name: [offset, local shape, flat range]}
-WORLD_HEADER = "oarlock.world_size"  # ... and the size of the group that saved
 
 
 def check_comm_method(comm_method: str) -> None:
@@ -76,102 +78,10 @@ class CommStats:
     files_read: list[str] = field(default_factory=list)
 
 
-# ---------------------------------------------------------------- visibility and opening
-
-@dataclass
-class View:
-    """Every rank's directory listing (``visible[rank]``) and, for ranks without ``metadata.json``, its text."""
-
-    visible: dict[int, set[str]]
-    metadata_text: str | None = None
-
-
-def _global_rank(group: Any, r: int) -> int:
-    import torch.distributed as dist
-
-    return r if group is None else dist.get_global_rank(group, r)
-
-
-def gather_view(path: str | os.PathLike, group: Any) -> View:
-    """Collective: all-gather each rank's listing of ``path``; ship ``metadata.json`` to ranks lacking it.
-    Never raises (problems surface when the checkpoint is opened, on every rank alike)."""
-    p = Path(path)
-    try:
-        names = sorted(os.listdir(p)) if p.is_dir() else ([p.name] if p.exists() else [])
-    except OSError:
-        names = []
-    gathered = _all_gather_objects(names, group)
-    visible = {r: set(n) for r, n in enumerate(gathered)}
-    holders = [r for r, n in visible.items() if METADATA_FILE in n]
-    text = None
-    if holders and len(holders) < len(visible) and _dist_active():
-        import torch.distributed as dist
-
-        rank = _group_rank(group)
-        obj: list[Any] = [None]
-        if rank == holders[0]:
-            try:
-                obj[0] = (p / METADATA_FILE).read_text()
-            except OSError:
-                obj[0] = None
-        dist.broadcast_object_list(obj, src=_global_rank(group, holders[0]), group=group)
-        if METADATA_FILE not in visible[rank]:
-            text = obj[0]
-    return View(visible, text)
-
-
-def open_view(path: str | os.PathLike, view: View, rank: int) -> CheckpointReader:
-    """Open this rank's view of an oarlock checkpoint whose data files may be spread over the ranks; other
-    formats (and shared directories) go through :func:`~oarlock.checkpoint.storage.open_checkpoint`.
-
-    Raises:
-        CheckpointFormatError: no metadata anywhere, an incomplete save, or data files visible to no rank.
-    """
-    p = Path(path)
-    mine = view.visible.get(rank, set())
-    if view.metadata_text is None:
-        if detect_format(p) != "oarlock" or not p.is_dir():
-            return open_checkpoint(p)
-        text = (p / METADATA_FILE).read_text()
-        source = str(p / METADATA_FILE)
-    else:
-        if INCOMPLETE_MARKER in mine:
-            detect_format(p)  # raises the incomplete-checkpoint error
-        text, source = view.metadata_text, f"{METADATA_FILE} (received from another rank)"
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise CheckpointFormatError(f"{source}: invalid JSON: {e}") from None
-    meta = CheckpointMetadata.from_json(raw, source=source)
-    if all(f in mine for f in meta.files):
-        return open_checkpoint(p) if view.metadata_text is None else CheckpointReader(p, meta)
-    unseen = [f for f in meta.files if not any(f in v for v in view.visible.values())]
-    if unseen:
-        raise CheckpointFormatError(f"{p}: checkpoint files are not complete: {', '.join(unseen[:5])}"
-                                    f"{' ...' if len(unseen) > 5 else ''} visible to no rank")
-    return CheckpointReader(p, meta)
-
-
 # ---------------------------------------------------------------- load execution
-
-def _comm_device(group: Any) -> torch.device:
-    import torch.distributed as dist
-
-    if "nccl" in str(dist.get_backend(group)).lower():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
 
 def _piece(it: Any) -> tuple:
     return (it.file, it.name, it.src_key, it.src_flat_start, tuple(it.src_shape), tuple(it.src_box))
-
-
-def _dst(it: Any, target: torch.Tensor) -> torch.Tensor:
-    if it.dst_flat_start or target.dim() != len(it.dst_shape):
-        view = target.reshape(-1)[it.dst_flat_start:it.dst_flat_start + numel(it.dst_shape)].view(it.dst_shape)
-    else:
-        view = target
-    return view[box_slices(it.dst_box)]
 
 
 def _direct_view(entries: list | None, device: torch.device) -> torch.Tensor | None:
@@ -182,21 +92,12 @@ def _direct_view(entries: list | None, device: torch.device) -> torch.Tensor | N
     it, target = entries[0]
     if it.permute is not None or it.dtype is not None or target.device != device:
         return None
-    v = _dst(it, target)
+    v = destination_view(it, target)
     return v if v.is_contiguous() else None
 
 
-def _apply(buf: torch.Tensor, it: Any, target: torch.Tensor) -> None:
-    """Copy a received piece (the item's source box) into its place in ``target`` (permute and cast on the way)."""
-    view = _dst(it, target)
-    if view.data_ptr() == buf.data_ptr() and view.shape == buf.shape:
-        return  # received or read in place
-    t = buf.permute(*it.permute) if it.permute is not None else buf
-    view.copy_(t.to(torch_dtype(it.dtype)) if it.dtype is not None else t)
-
-
 def execute(reader: CheckpointReader, work: list[tuple[Any, torch.Tensor]], *, comm_method: str, view: View | None,
-            group: Any, direct: Callable[[CheckpointReader, list], int]) -> CommStats:
+            dist: DistWrapper, direct: Callable[[CheckpointReader, list], int]) -> CommStats:
     """Run this rank's read items ``work`` ((ReadItem, target tensor) pairs). Collective unless the group has one
     rank. ``direct(reader, work)`` performs byte-range reads into targets and returns the bytes read.
 
@@ -204,7 +105,7 @@ def execute(reader: CheckpointReader, work: list[tuple[Any, torch.Tensor]], *, c
         CheckpointError: (every rank alike) a needed file visible to no rank.
     """
     stats = CommStats()
-    world = _group_size(group)
+    world = dist.size
     if world == 1 or view is None:
         stats.bytes_read = direct(reader, work)
         stats.files_read = list(reader.files_opened)
@@ -215,13 +116,13 @@ def execute(reader: CheckpointReader, work: list[tuple[Any, torch.Tensor]], *, c
         stats.bytes_read = direct(reader, work)
         stats.files_read = list(reader.files_opened)
         return stats
-    rank = _group_rank(group)
+    rank = dist.rank
     mine: dict[tuple, list] = {}
     for it, target in work:
         mine.setdefault(_piece(it), []).append((it, target))
     # visibility of the data files themselves (stat, so files in subdirectories of the checkpoint count too)
-    seen = [f for f in files if reader.path_of(f).is_file()]
-    both = _all_gather_objects((sorted(mine), seen), group)
+    seen = sorted(reader.visible_files())
+    both = dist.all_gather_object((sorted(mine), seen))
     gathered = [b[0] for b in both]
     visible = {r: set(b[1]) for r, b in enumerate(both)}
     if comm_method == "auto":
@@ -246,7 +147,7 @@ def execute(reader: CheckpointReader, work: list[tuple[Any, torch.Tensor]], *, c
     readers = assign_readers(needs, visible, file_bytes)  # raises alike on every rank
     order = sorted(consumers)
     remote = [p for p in order if any(c != readers[p[0]] for c in consumers[p])]
-    device = _comm_device(group)
+    device = dist.comm_device()
 
     def read(p: tuple) -> torch.Tensor:
         # straight into this rank's own target when it needs the piece as is; the target region is then sent
@@ -263,9 +164,9 @@ def execute(reader: CheckpointReader, work: list[tuple[Any, torch.Tensor]], *, c
 
     with torch.no_grad():
         if comm_method == "broadcast":
-            _broadcast(remote, readers, consumers, mine, rank, group, stats, read, alloc, pbytes)
+            _broadcast(remote, readers, consumers, mine, dist, stats, read, alloc, pbytes)
         else:
-            _grouped(remote, readers, consumers, mine, rank, group, stats, read, alloc, pbytes)
+            _grouped(remote, readers, consumers, mine, dist, stats, read, alloc, pbytes)
         # pieces only this rank needs, from a file it reads itself: straight into the targets
         local = [w for p in order if readers[p[0]] == rank and consumers[p] == [rank] for w in mine[p]]
         stats.bytes_read += direct(reader, local)
@@ -273,7 +174,7 @@ def execute(reader: CheckpointReader, work: list[tuple[Any, torch.Tensor]], *, c
     return stats
 
 
-def _grouped(remote, readers, consumers, mine, rank, group, stats, read, alloc, pbytes) -> None:
+def _grouped(remote, readers, consumers, mine, dist, stats, read, alloc, pbytes) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     batches: list[list[tuple]] = []
@@ -286,7 +187,7 @@ def _grouped(remote, readers, consumers, mine, rank, group, stats, read, alloc, 
         size += pbytes[p]
 
     def read_batch(batch: list[tuple]) -> dict[tuple, torch.Tensor]:
-        return {p: read(p) for p in batch if readers[p[0]] == rank}
+        return {p: read(p) for p in batch if readers[p[0]] == dist.rank}
 
     # the next batch is read in a thread (preads release the GIL) while this one is on the wire
     with ThreadPoolExecutor(1) as pool:
@@ -294,25 +195,26 @@ def _grouped(remote, readers, consumers, mine, rank, group, stats, read, alloc, 
         for k, batch in enumerate(batches):
             bufs = nxt.result()
             nxt = pool.submit(read_batch, batches[k + 1]) if k + 1 < len(batches) else None
-            _exchange(batch, bufs, readers, consumers, mine, rank, group, stats, alloc, pbytes)
+            _exchange(batch, bufs, readers, consumers, mine, dist, stats, alloc, pbytes)
 
 
-def _exchange(batch, bufs, readers, consumers, mine, rank, group, stats, alloc, pbytes) -> None:
+def _exchange(batch, bufs, readers, consumers, mine, dw, stats, alloc, pbytes) -> None:
     """One batch: post every send and receive of this rank together, wait, place the received pieces."""
     import torch.distributed as dist
 
+    rank, group = dw.rank, dw.group
     ops = []
     for p in batch:
         src = readers[p[0]]
         if src == rank:
             for c in consumers[p]:
                 if c != rank:
-                    ops.append(dist.P2POp(dist.isend, bufs[p], _global_rank(group, c), group))
+                    ops.append(dist.P2POp(dist.isend, bufs[p], dw.global_rank(c), group))
                     stats.messages_sent += 1
                     stats.bytes_sent += pbytes[p]
         elif rank in consumers[p]:
             bufs[p] = alloc(p)  # allocated when its batch starts
-            ops.append(dist.P2POp(dist.irecv, bufs[p], _global_rank(group, src), group))
+            ops.append(dist.P2POp(dist.irecv, bufs[p], dw.global_rank(src), group))
             stats.bytes_received += pbytes[p]
     if ops:
         for req in dist.batch_isend_irecv(ops):
@@ -321,13 +223,14 @@ def _exchange(batch, bufs, readers, consumers, mine, rank, group, stats, alloc, 
         buf = bufs.pop(p, None)
         if buf is not None and p in mine:
             for it, target in mine[p]:
-                _apply(buf, it, target)
+                place(buf, it, target)
         del buf  # freed as soon as its slices are placed
 
 
-def _broadcast(remote, readers, consumers, mine, rank, group, stats, read, alloc, pbytes) -> None:
+def _broadcast(remote, readers, consumers, mine, dw, stats, read, alloc, pbytes) -> None:
     import torch.distributed as dist
 
+    rank = dw.rank
     for p in remote:
         src = readers[p[0]]
         if src == rank:
@@ -337,84 +240,69 @@ def _broadcast(remote, readers, consumers, mine, rank, group, stats, read, alloc
         else:
             buf = alloc(p)
             stats.bytes_received += pbytes[p]
-        dist.broadcast(buf, src=_global_rank(group, src), group=group)
+        dist.broadcast(buf, src=dw.global_rank(src), group=dw.group)
         if p in mine:
             for it, target in mine[p]:
-                _apply(buf, it, target)
+                place(buf, it, target)
         del buf
 
 
 # ---------------------------------------------------------------- warm restart
 
-def _shard_record(offset, local_shape, global_shape, dtype: str, flattened_range) -> list:
-    return [list(offset), list(local_shape), list(global_shape), dtype,
-            list(flattened_range) if flattened_range is not None else None]
-
-
-def _sw_record(sw: ShardedWeight) -> list:
-    d = sw.desc
-    return _shard_record(d.global_offset, d.local_shape, d.global_shape, d.dtype, d.flattened_range)
-
-
-def shard_header(shards: list[tuple], world: int) -> dict[str, str]:
-    """The safetensors ``__metadata__`` entries recording each shard a data file holds and the size of the group
-    that saved it (read by :func:`try_warm_start`). ``shards``: ``(key, global_offset, local_shape, global_shape,
-    dtype, flattened_range)`` in file order."""
-    rec = {k: _shard_record(off, ls, gs, dt, fr) for k, off, ls, gs, dt, fr in shards}
-    return {SHARDS_HEADER: json.dumps(rec, separators=(",", ":")), WORLD_HEADER: str(world)}
-
-
-def try_warm_start(state_dict: Any, path: str | os.PathLike, group: Any, data_file: str) -> Any:
-    """Same-layout restart without planning or communication (FlexCheckpoint spec 4.3.1).
+def try_warm_start(state_dict: Any, path: str | os.PathLike, dist: DistWrapper, data_file: str) -> LoadReport | None:
+    """Same-layout restart without planning or communication (see ``docs/checkpoint-format.md``, warm restart).
 
     Each rank compares its requested shards with the shard records in the header of its own data file
     ``data_file`` (only that file's header is read; ``metadata.json`` only when the state dict holds JSON
     values); one ``all_reduce`` (MIN) of the match flag decides for all. On a match every rank reads its own
-    file straight into its targets and a :class:`~oarlock.checkpoint.api.LoadReport` with
+    file straight into its targets and a :class:`~oarlock.checkpoint.executor.LoadReport` with
     ``comm_method="warm"`` is returned; otherwise None (nothing was written) and the normal load runs.
-    """
-    from oarlock.checkpoint.api import LoadReport, _collect, _set_path
 
+    Raises:
+        CheckpointError (or the format error of the failing read): on every rank alike when a read fails on any
+            rank after the ranks agreed on the warm path.
+    """
     p = Path(path)
     ok = False
     leaves = sf = None
     try:
-        leaves = _collect(state_dict)
+        leaves = collect_leaves(state_dict)
         fpath = p / data_file
         if p.is_dir() and not (p / INCOMPLETE_MARKER).exists() and fpath.is_file() and \
                 (not leaves.objects or (p / METADATA_FILE).is_file()):
             sf = SafetensorsFile(fpath)
             rec = sf.header_metadata.get(SHARDS_HEADER)
-            ok = (rec is not None and sf.header_metadata.get(WORLD_HEADER) == str(_group_size(group))
-                  and json.loads(rec) == {sw.key: _sw_record(sw) for sw in leaves.shards})
+            ok = (rec is not None and sf.header_metadata.get(WORLD_HEADER) == str(dist.size)
+                  and json.loads(rec) == {sw.key: sharded_weight_record(sw) for sw in leaves.shards})
     except Exception:  # any doubt: the normal path reports errors properly
         ok = False
-    if _dist_active() and _group_size(group) > 1:
-        import torch.distributed as dist
-
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=_comm_device(group))
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-        ok = bool(flag.item())
+    ok = dist.all_true(ok)
     if not ok:
         if sf is not None:
             sf.close()
         return None
     report = LoadReport(comm_method="warm", files_read=[data_file])
-    try:
-        with torch.no_grad():
-            for sw in leaves.shards:
-                dt, shape, _, _ = sf.entries[sw.key]
-                t = sw.local_tensor
-                out = t.view(shape) if t.is_contiguous() else torch.empty(shape, dtype=t.dtype)
-                sf.read_box(sw.key, 0, shape, tuple((0, n) for n in shape), dt, out)
-                if out is not t and out.data_ptr() != t.data_ptr():
-                    t.copy_(out.view(t.shape))
-                report.bytes_read += numel(shape) * dtype_itemsize(dt)
-    finally:
-        sf.close()
-    if leaves.objects:
-        objects = json.loads((p / METADATA_FILE).read_text()).get("objects", {})
-        for k, path_ in leaves.object_paths.items():
-            if k in objects:
-                _set_path(state_dict, path_, objects[k])
+
+    def read_own() -> None:
+        try:
+            with torch.no_grad():
+                for sw in leaves.shards:
+                    dt, shape, _, _ = sf.entries[sw.key]
+                    t = sw.local_tensor
+                    out = t.view(shape) if t.is_contiguous() else torch.empty(shape, dtype=t.dtype)
+                    sf.read_box(sw.key, 0, shape, tuple((0, n) for n in shape), dt, out)
+                    if out is not t and out.data_ptr() != t.data_ptr():
+                        t.copy_(out.view(t.shape))
+                    report.bytes_read += numel(shape) * dtype_itemsize(dt)
+        finally:
+            sf.close()
+        if leaves.objects:
+            objects = json.loads((p / METADATA_FILE).read_text()).get("objects", {})
+            for k, path_ in leaves.object_paths.items():
+                if k in objects:
+                    set_path(state_dict, path_, objects[k])
+
+    # every rank is on the warm path now: a read error on one rank must reach all of them (they would otherwise
+    # go on into their next collective and wait for this rank forever)
+    dist.run(read_own)
     return report

@@ -1,5 +1,5 @@
 """Offline and online conversion between checkpoint layouts: HuggingFace export, TP/PP-sharded oarlock checkpoints
-written from one process, and the plan behind ``oarlock convert`` (FlexCheckpoint spec sections 1.5, 3.4-3.6, 4.5).
+written from one process, and the plan behind ``oarlock convert`` (``docs/checkpoint-format.md``).
 
 Every conversion goes through the same two pieces as a load: a mapping program (identity, or a compiled AOA config)
 and the load planner. Each output tensor -- a whole HF tensor, or one simulated rank's shard of an oarlock tensor --
@@ -33,25 +33,26 @@ import json
 import os
 import re
 import shutil
-import struct
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
-from oarlock.checkpoint.api import _assign_writes, _data_file, _execute
-from oarlock.checkpoint.comm import shard_header
+from oarlock.checkpoint.dist import DistWrapper
 from oarlock.checkpoint.errors import CheckpointError
-from oarlock.checkpoint.hf import HF_INDEX, parse_size, save_hf_checkpoint
-from oarlock.checkpoint.mapping import IdentityProgram, MappingProgram, TensorSpec
+from oarlock.checkpoint.executor import execute_items
+from oarlock.checkpoint.full import full_state_dict
+from oarlock.checkpoint.hf import HF_INDEX, hf_shard_names, parse_size, save_hf_checkpoint, write_hf_index
+from oarlock.checkpoint.mapping import IdentityProgram, MappingProgram
 from oarlock.checkpoint.metadata import METADATA_FILE, CheckpointMetadata
 from oarlock.checkpoint.plan import KeyIndex, Planner, source_specs
+from oarlock.checkpoint.reader import CheckpointReader
+from oarlock.checkpoint.safetensors_io import SafetensorsWriter, contiguous_run
+from oarlock.checkpoint.save import assign_writes, check_destination, data_file_name, shard_header
 from oarlock.checkpoint.sharded import ShardDesc
-from oarlock.checkpoint.storage import (INCOMPLETE_MARKER, CheckpointReader, _tensor_bytes, contiguous_run,
-                                        open_checkpoint, publish_directory)
-from oarlock.utils import dtype_itemsize, numel, safetensors_code, torch_dtype
+from oarlock.checkpoint.storage import open_checkpoint, publish_directory, staged_directory
+from oarlock.utils import dtype_itemsize, numel, torch_dtype
 
 # ---------------------------------------------------------------- TP rules
 
@@ -293,7 +294,7 @@ def plan_conversion(source: str | os.PathLike, *, to: str = "oarlock", aoa_confi
         plan = ConversionPlan(str(source), meta.format, to, layout=layout)
         if to == "oarlock":
             program, axes = _program_for_layout(meta, aoa_config, layout)
-            tensors, _ = _assign_writes(rank_descriptions(program, axes, layout))
+            tensors, _ = assign_writes(rank_descriptions(program, axes, layout))
             stages = pp_stages(program.destination_keys(), layout.pp)
             plan.metadata = CheckpointMetadata("oarlock", tensors=tensors)
             for k in program.destination_keys():
@@ -319,8 +320,7 @@ def plan_conversion(source: str | os.PathLike, *, to: str = "oarlock", aoa_confi
                     shards.append([[], 0])
                 shards[-1][0].append(k)
                 shards[-1][1] += n
-            names = (["model.safetensors"] if len(shards) == 1 else
-                     [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+            names = hf_shard_names(len(shards))
             plan.files = {name: (keys, n) for name, (keys, n) in zip(names, shards)}
     return plan
 
@@ -353,7 +353,7 @@ def read_destination(reader: CheckpointReader, planner: Planner, key: str, *, of
     off = tuple(offset) if offset is not None else (0,) * len(gshape)
     out = torch.empty(local, dtype=torch_dtype(spec.dtype))
     plan = planner.plan_rank([ShardDesc(key, local, gshape, off, spec.dtype)])
-    _execute(reader, out, plan.items)
+    execute_items(reader, out, plan.items)
     return out
 
 
@@ -406,14 +406,9 @@ def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike, *, aoa_conf
         CheckpointError: unreadable source (naming file and key), a bad AOA config, I/O errors (nothing is
             published).
     """
-    from oarlock.checkpoint.hf import commit_directory
-
     plan = plan_conversion(source, to="hf", aoa_config=aoa_config, max_shard_size=max_shard_size)
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.with_name(f".{out_dir.name}.partial-{uuid.uuid4().hex[:8]}")
-    tmp.mkdir()
-    try:
+    with staged_directory(out_dir) as tmp:
         with open_checkpoint(source) as reader, single_threaded_copies():
             planner = Planner(reader.metadata, compile_program(reader.metadata, aoa_config))
             specs = {k.key: k for k in plan.keys}
@@ -425,17 +420,12 @@ def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike, *, aoa_conf
             if bar is not None:
                 bar.close()
         if len(plan.files) > 1:
-            weight_map = {k: name for name, (keys, _) in plan.files.items() for k in keys}
-            (tmp / HF_INDEX).write_text(json.dumps({"metadata": {"total_size": plan.total_bytes},
-                                                    "weight_map": weight_map}, indent=2))
+            write_hf_index(tmp, {k: name for name, (keys, _) in plan.files.items() for k in keys}, plan.total_bytes)
         if copy_side_files:
             for name, f in side_files(source).items():
                 if not name.startswith("model"):  # never carry over a stale index
                     shutil.copyfile(f, tmp / name)
-        commit_directory(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        publish_directory(tmp, out_dir)
     return out_dir
 
 
@@ -458,28 +448,17 @@ def export_hf_sharded(sharded_state_dict: Mapping[str, Any], out_dir: str | os.P
     Raises:
         CheckpointError: on every rank alike when rank 0's write failed (nothing is published).
     """
-    import torch.distributed as dist
-
-    from oarlock.checkpoint.full import full_state_dict
-    from oarlock.checkpoint.sharded import _all_gather_objects, _group_rank
-
-    rank = _group_rank(process_group)
+    dist = DistWrapper(process_group)
     gen = full_state_dict(sharded_state_dict, aoa_config, process_group=process_group, rank0_only=True)
-    err = None
-    out = None
-    if rank == 0:
-        try:
-            out = save_hf_checkpoint(gen, out_dir, max_shard_size=max_shard_size, extra_files=extra_files)
-        except CheckpointError as e:
-            err = str(e)
-    else:
+
+    def write() -> Path | None:
+        if dist.is_coordinator:
+            return save_hf_checkpoint(gen, out_dir, max_shard_size=max_shard_size, extra_files=extra_files)
         for _ in gen:  # sends this rank's pieces to rank 0, in the same order rank 0 receives them
             pass
-    distributed = dist.is_available() and dist.is_initialized()
-    errs = _all_gather_objects(err, process_group) if distributed else [err]
-    if errs[0] is not None:
-        raise CheckpointError(errs[0] if rank == 0 else f"rank 0: {errs[0]}")
-    return out
+        return None
+
+    return dist.run(write)
 
 
 # ---------------------------------------------------------------- sharded oarlock output from one process
@@ -513,91 +492,15 @@ def _segments(reader: CheckpointReader, planner: Planner, key: str, offset: Sequ
     return [src for _, src in runs]
 
 
-def _write_all(fd: int, mv: memoryview, pos: int) -> int:
-    n = 0
-    while n < len(mv):
-        n += os.pwrite(fd, mv[n:], pos + n)
-    return pos + n
-
-
-def _copy_run(src_fd: int, src_off: int, nbytes: int, fd: int, pos: int) -> int:
-    """Copy ``nbytes`` from ``src_fd`` at ``src_off`` to ``fd`` at ``pos`` in the kernel (``copy_file_range``),
-    falling back to pread/pwrite through a bounded buffer where the filesystem refuses."""
-    done = 0
-    try:
-        while done < nbytes:
-            got = os.copy_file_range(src_fd, fd, nbytes - done, src_off + done, pos + done)
-            if got <= 0:
-                break
-            done += got
-    except OSError:
-        pass
-    while done < nbytes:
-        chunk = os.pread(src_fd, min(nbytes - done, 1 << 24), src_off + done)
-        if not chunk:
-            raise CheckpointError(f"source file ends {nbytes - done} bytes early while copying")
-        _write_all(fd, memoryview(chunk), pos + done)
-        done += len(chunk)
-    return pos + nbytes
-
-
-class _SafetensorsOut:
-    """A safetensors file being written: the header (layout of :func:`oarlock.checkpoint.storage.write_safetensors`)
-    goes first, then each tensor's bytes land at their known offset, in any order, from a tensor (``pwrite``) or
-    from byte runs of a source file (``copy_file_range``)."""
-
-    def __init__(self, path: Path, entries: list[tuple[str, tuple[int, ...], str]],
-                 metadata: dict[str, str] | None = None):
-        self.path = path
-        header: dict[str, Any] = {"__metadata__": {"format": "pt", **(metadata or {})}}
-        self.where: dict[str, tuple[int, tuple[int, ...], str]] = {}
-        off = 0
-        for name, shape, dtype in entries:
-            n = numel(shape) * dtype_itemsize(dtype)
-            header[name] = {"dtype": safetensors_code(dtype), "shape": list(shape), "data_offsets": [off, off + n]}
-            self.where[name] = (off, tuple(shape), dtype)
-            off += n
-        hb = json.dumps(header, separators=(",", ":")).encode()
-        hb += b" " * (-len(hb) % 8)
-        self.base = 8 + len(hb)
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        _write_all(self.fd, memoryview(struct.pack("<Q", len(hb)) + hb), 0)
-
-    def put(self, name: str, got: Any) -> int:
-        """Write tensor ``name`` from a tensor or from byte runs ``[(fd, offset, nbytes)]``; returns its bytes."""
-        off, shape, dtype = self.where[name]
-        pos = self.base + off
-        if isinstance(got, list):
-            for src_fd, src_off, n in got:
-                pos = _copy_run(src_fd, src_off, n, self.fd, pos)
-        else:
-            if tuple(got.shape) != shape or got.dtype != torch_dtype(dtype):  # pragma: no cover - internal
-                raise CheckpointError(f"{self.path}: produced {name!r} as {tuple(got.shape)} {got.dtype}, header "
-                                      f"says {list(shape)} {dtype}")
-            if got.numel():
-                pos = _write_all(self.fd, _tensor_bytes(got.contiguous()), pos)
-        return numel(shape) * dtype_itemsize(dtype)
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            try:
-                os.fsync(self.fd)
-            finally:
-                os.close(self.fd)
-                self.fd = -1
-
-
 def _write_streaming(path: Path, entries: list[tuple[str, tuple[int, ...], str]], produce: Any,
                      bar: Any = None) -> None:
-    """One safetensors file; ``produce(index)`` gives each tensor or its byte runs (see :class:`_SafetensorsOut`)."""
-    out = _SafetensorsOut(path, entries)
-    try:
+    """One safetensors file; ``produce(index)`` gives each tensor or its byte runs (see
+    :meth:`~oarlock.checkpoint.safetensors_io.SafetensorsWriter.put`)."""
+    with SafetensorsWriter(path, entries) as out:
         for i, (name, _, _) in enumerate(entries):
             n = out.put(name, produce(i))
             if bar is not None:
                 bar.update(n)
-    finally:
-        out.close()
 
 
 def _producer(reader: CheckpointReader, planner: Planner, items: Sequence[tuple[str, Sequence[int], Sequence[int]]]
@@ -638,24 +541,18 @@ def convert_checkpoint(source: str | os.PathLike, out_dir: str | os.PathLike, *,
     """
     out_dir = Path(out_dir)
     layout = ParallelLayout(tp, pp, dp, tuple(resolve_tp_rules(tp_rules)))
-    if out_dir.exists() and not (out_dir.is_dir() and ((out_dir / METADATA_FILE).is_file()
-                                                      or not any(out_dir.iterdir()))):
-        raise CheckpointError(f"{out_dir}: exists and is not an oarlock checkpoint; refusing to replace it")
+    check_destination(out_dir)
     with open_checkpoint(source) as reader, single_threaded_copies():
         program, axes = _program_for_layout(reader.metadata, aoa_config, layout)
-        tensors, writes = _assign_writes(rank_descriptions(program, axes, layout))
+        tensors, writes = assign_writes(rank_descriptions(program, axes, layout))
         for t in tensors.values():
             KeyIndex(t)
         meta = CheckpointMetadata("oarlock", tensors=tensors)
         planner = Planner(reader.metadata, program)
         total = sum(numel(s.local_shape) * dtype_itemsize(t.dtype) for t in tensors.values() for s in t.shards)
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:12]}"
-        tmp.mkdir()
-        try:
-            (tmp / INCOMPLETE_MARKER).touch()
+        with staged_directory(out_dir, incomplete_marker=True) as tmp:
             bar = _byte_bar(total, show_progress)
-            outs: dict[int, _SafetensorsOut] = {}
+            outs: dict[int, SafetensorsWriter] = {}
             try:
                 by_key: dict[str, list[tuple[int, tuple, tuple]]] = {}
                 for rank in sorted(writes):
@@ -663,7 +560,7 @@ def convert_checkpoint(source: str | os.PathLike, out_dir: str | os.PathLike, *,
                     # the shard records a same-layout restart checks, as save_state_dict writes them
                     hdr = shard_header([(i[0], i[1], i[2], tensors[i[0]].global_shape, tensors[i[0]].dtype, i[3])
                                         for i in sorted(writes[rank])], layout.world)
-                    outs[rank] = _SafetensorsOut(tmp / _data_file(rank), [(k, lshape, tensors[k].dtype)
+                    outs[rank] = SafetensorsWriter(tmp / data_file_name(rank), [(k, lshape, tensors[k].dtype)
                                                                           for k, _, lshape in ids], hdr)
                     for k, off, lshape in ids:
                         by_key.setdefault(k, []).append((rank, off, lshape))
@@ -694,9 +591,6 @@ def convert_checkpoint(source: str | os.PathLike, out_dir: str | os.PathLike, *,
                 for name, f in side_files(source).items():
                     shutil.copyfile(f, tmp / name)
             publish_directory(tmp, out_dir, meta)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
     return meta
 
 

@@ -1,4 +1,4 @@
-"""Online merge: full tensors from a live sharded state dict, one at a time (FlexCheckpoint spec 3.5 / 4.5).
+"""Online merge: full tensors from a live sharded state dict, one at a time.
 
 :func:`full_state_dict` turns the shards a running job holds (ShardedWeights, DTensors, plain replicated
 tensors) into ``(key, full_tensor)`` pairs, optionally through an AOA config (e.g. a reverse config that turns
@@ -15,8 +15,10 @@ import torch
 
 from oarlock.checkpoint.errors import CheckpointError
 from oarlock.checkpoint.mapping import Box, IdentityProgram, TensorSpec, apply_mapping, box_slices, full_box
-from oarlock.checkpoint.sharded import (ShardedWeight, _is_dtensor, box_intersection, box_shift, box_volume,
-                                        flat_range_boxes, flat_key, iter_leaves, make_box)
+from oarlock.checkpoint.dist import DistWrapper
+from oarlock.checkpoint.sharded import (ShardedWeight, box_intersection, box_shift, box_volume, flat_range_boxes,
+                                        make_box, to_sharded_weight)
+from oarlock.checkpoint.traversal import iter_leaves, leaf_key
 from oarlock.utils import dtype_name, torch_dtype
 
 
@@ -35,17 +37,12 @@ def _pieces(sw: ShardedWeight) -> list[tuple[Box, torch.Tensor]]:
 def _as_sharded(sd: Mapping[str, Any]) -> dict[str, ShardedWeight]:
     out: dict[str, ShardedWeight] = {}
     for path, v in iter_leaves(dict(sd)):
-        key = v.key if isinstance(v, ShardedWeight) else flat_key(path)
-        if isinstance(v, ShardedWeight):
-            out[key] = v
-        elif _is_dtensor(v):
-            sw = ShardedWeight.from_dtensor(key, v)
-            if sw is not None:
-                out[key] = sw
-        elif isinstance(v, torch.Tensor):
-            out[key] = ShardedWeight.replicated(key, v.detach())
-        else:
+        key = leaf_key(path, v)
+        if not isinstance(v, (torch.Tensor, ShardedWeight)):
             raise CheckpointError(f"full_state_dict: value of {key!r} is a {type(v).__name__}, not a tensor")
+        sw = to_sharded_weight(key, v)
+        if sw is not None:
+            out[key] = sw
     return out
 
 
@@ -70,15 +67,12 @@ def full_state_dict(sharded_state_dict: Mapping[str, Any], aoa_config: Any = Non
     import torch.distributed as dist
 
     shards = _as_sharded(sharded_state_dict)
-    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1
-    me = dist.get_rank(process_group) if distributed else 0
+    dw = DistWrapper(process_group)
+    distributed = dw.active
+    me = dw.rank
     local = {k: (sw.global_shape, dtype_name(sw.local_tensor.dtype), [b for b, _ in _pieces(sw)], sw.global_offset)
              for k, sw in shards.items()}
-    if distributed:
-        gathered: list[Any] = [None] * dist.get_world_size(process_group)
-        dist.all_gather_object(gathered, local, group=process_group)
-    else:
-        gathered = [local]
+    gathered = dw.all_gather_object(local)
     specs: dict[str, TensorSpec] = {}
     owners: dict[str, dict[Box, int]] = {}  # key -> distinct box -> lowest rank holding it
     offsets: dict[str, set] = {}  # key -> distinct shard offsets (the TP degree the fused macros need)
@@ -102,10 +96,7 @@ def full_state_dict(sharded_state_dict: Mapping[str, Any], aoa_config: Any = Non
         from oarlock.checkpoint.aoa import compile_aoa
 
         program = compile_aoa(aoa_config, specs, None, source_shards={k: len(v) for k, v in offsets.items()})
-    group_ranks = None
-    if distributed:
-        group_ranks = [dist.get_global_rank(process_group, r) if process_group is not None else r
-                       for r in range(dist.get_world_size(process_group))]
+    group_ranks = [dw.global_rank(r) for r in range(dw.size)]
     local_pieces = {k: _pieces(sw) for k, sw in shards.items()}
 
     for key in program.destination_keys():

@@ -1,6 +1,6 @@
 """Writing HuggingFace-layout checkpoints: ``model-0000i-of-0000N.safetensors`` + ``model.safetensors.index.json``.
 
-The index format (HF convention, FlexCheckpoint spec 1.5 and 3.4): ``{"metadata": {"total_size": bytes},
+The index format (HF convention, ``docs/checkpoint-format.md``): ``{"metadata": {"total_size": bytes},
 "weight_map": {key: file}}``. A single-shard export is written as ``model.safetensors`` without an index, as
 ``save_pretrained`` does. Tensors arrive one at a time from an iterator and leave memory as soon as their shard
 is written, so peak memory is bounded by ``max_shard_size`` plus the largest tensor, never the model size.
@@ -13,18 +13,18 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import uuid
 from pathlib import Path
 from typing import Iterable, Mapping
 
 import torch
-from safetensors.torch import save_file
 
 from oarlock.checkpoint.errors import CheckpointError
-from oarlock.checkpoint.storage import publish_directory
+from oarlock.checkpoint.formats.huggingface import HF_INDEX, HF_SINGLE
+from oarlock.checkpoint.safetensors_io import write_safetensors
+from oarlock.checkpoint.storage import publish_directory, staged_directory
 from oarlock.utils import progress
 
-HF_INDEX = "model.safetensors.index.json"
+__all__ = ["HF_INDEX", "HF_SINGLE", "hf_shard_names", "parse_size", "save_hf_checkpoint", "write_hf_index"]
 
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -45,13 +45,15 @@ def parse_size(size: int | str) -> int:
     raise CheckpointError(f"cannot parse max_shard_size {size!r} (use bytes or e.g. '5GB', '500MiB')")
 
 
-def commit_directory(tmp: Path, final: Path) -> None:
-    """Atomically publish the fully written directory ``tmp`` as ``final``; an existing ``final`` is replaced
-    only after the new one is complete (the old one is moved aside, then removed)."""
-    for f in tmp.iterdir():  # safetensors' save_file does not fsync
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-    publish_directory(tmp, final)
+def hf_shard_names(n: int) -> list[str]:
+    """File names of an export in ``n`` files: ``model.safetensors`` alone, else ``model-0000i-of-0000N``."""
+    return [HF_SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+
+def write_hf_index(directory: Path, weight_map: Mapping[str, str], total_size: int) -> None:
+    """Write ``model.safetensors.index.json`` (``{"metadata": {"total_size": bytes}, "weight_map": {key: file}}``)."""
+    (directory / HF_INDEX).write_text(json.dumps({"metadata": {"total_size": total_size},
+                                                  "weight_map": dict(weight_map)}, indent=2))
 
 
 def save_hf_checkpoint(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str | Path, *,
@@ -73,24 +75,19 @@ def save_hf_checkpoint(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str
     """
     out_dir = Path(out_dir)
     limit = parse_size(max_shard_size)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.with_name(f".{out_dir.name}.partial-{uuid.uuid4().hex[:8]}")
-    tmp.mkdir()
-    try:
+    with staged_directory(out_dir) as tmp:
         shards: list[list[str]] = []
         pending: dict[str, torch.Tensor] = {}
         pending_bytes = 0
-        pending_ptrs: set[int] = set()  # storages already held by `pending`
         total_size = 0
         seen: set[str] = set()
 
         def flush() -> None:
             nonlocal pending, pending_bytes
             if pending:
-                save_file(pending, tmp / f"shard-{len(shards):05d}.safetensors", metadata={"format": "pt"})
+                write_safetensors(tmp / f"shard-{len(shards):05d}.safetensors", pending)
                 shards.append(list(pending))
                 pending, pending_bytes = {}, 0
-                pending_ptrs.clear()
 
         for key, t in progress(tensors, desc="export", total=total, disable=show_progress is False or None):
             if key in seen:
@@ -100,34 +97,20 @@ def save_hf_checkpoint(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str
             if pending and pending_bytes + nbytes > limit:
                 flush()
             t = t.detach()
-            storage = t.untyped_storage() if t.device.type == "cpu" else None
-            if (storage is None or not t.is_contiguous() or t.storage_offset() or storage.nbytes() != nbytes
-                    or storage.data_ptr() in pending_ptrs):
-                # copy: safetensors refuses tensors sharing storage (tied weights, views of fused buffers)
-                t = t.to("cpu", copy=True).contiguous()
-            pending_ptrs.add(t.untyped_storage().data_ptr())
-            pending[key] = t
+            pending[key] = t if t.device.type == "cpu" else t.to("cpu")  # device memory is not held until flush
             pending_bytes += nbytes
             total_size += nbytes
         flush()
-        n = len(shards)
-        if n <= 1:
-            if n == 1:
-                os.rename(tmp / "shard-00000.safetensors", tmp / "model.safetensors")
-        else:
-            weight_map = {}
-            for i, keys in enumerate(shards):
-                name = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-                os.rename(tmp / f"shard-{i:05d}.safetensors", tmp / name)
-                weight_map.update({k: name for k in keys})
-            (tmp / HF_INDEX).write_text(json.dumps({"metadata": {"total_size": total_size},
-                                                    "weight_map": weight_map}, indent=2))
+        names = hf_shard_names(len(shards)) if shards else []
+        weight_map = {}
+        for i, (name, keys) in enumerate(zip(names, shards)):
+            os.rename(tmp / f"shard-{i:05d}.safetensors", tmp / name)
+            weight_map.update({k: name for k in keys})
+        if len(shards) > 1:
+            write_hf_index(tmp, weight_map, total_size)
         for name, src in (extra_files or {}).items():
-            if name in (HF_INDEX, "model.safetensors") or name.startswith("model-"):
+            if name in (HF_INDEX, HF_SINGLE) or name.startswith("model-"):
                 raise CheckpointError(f"extra file {name!r} would overwrite a checkpoint file of the export")
             shutil.copyfile(src, tmp / name)
-        commit_directory(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        publish_directory(tmp, out_dir)
     return out_dir

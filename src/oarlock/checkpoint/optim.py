@@ -1,13 +1,14 @@
 """Optimizer state as sharded checkpoint entries, and exact training resume across layouts.
 
-FlexCheckpoint spec sections 1.2-1.3 (flattened shards, optimizer keys) and 2.6 (AOA propagation). Every
+See ``docs/checkpoint-format.md`` (flattened shards, optimizer keys) and ``docs/aoa.md`` (AOA statements
+apply to optimizer states). Every
 optimizer state tensor of a parameter is saved under ``<model_key><suffix>`` with the box of the parameter's
 shard in the model's sharded state dict, so it reshards like the weight itself and AOA statements written for
 ``<model_key>`` apply to it. States held as 1-D slices of flat buffers (ZeRO stage 1/2) are saved as
 *flattened* shards exactly as they are, with no communication; the load planner reassembles them into any
 requested layout (regular, TP, FSDP2, or flattened with another data-parallel degree).
 
-Suffixes (torch state names; the Paddle names of spec 1.3 for reference):
+Suffixes (torch state names; the Paddle names for reference):
 
 ============================  ====================  ==========================================================
 suffix                        Paddle suffix         meaning
@@ -42,13 +43,14 @@ import torch
 
 from oarlock.checkpoint.api import LoadReport, load_state_dict
 from oarlock.checkpoint.errors import CheckpointError, CheckpointMismatchError
-from oarlock.checkpoint.sharded import ShardedWeight, _all_gather_objects, _group_rank, _is_dtensor
-from oarlock.checkpoint.storage import read_metadata
+from oarlock.checkpoint.dist import DistWrapper
+from oarlock.checkpoint.sharded import ShardedWeight, is_dtensor, to_sharded_weight
+from oarlock.checkpoint.storage import gather_view, read_metadata
 
 ALGORITHM_KEY = "optimizer.algorithm"
 PARAM_GROUPS_KEY = "optimizer.param_groups"
 
-#: torch optimizer state name -> Paddle optimizer key suffix (spec 1.3), for reference and conversions.
+#: torch optimizer state name -> Paddle optimizer key suffix, for reference and conversions.
 PADDLE_SUFFIXES = {"exp_avg": ".moment1_0", "exp_avg_sq": ".moment2_0", "momentum_buffer": ".velocity_0",
                    "master_weight": ".w_0"}
 
@@ -147,7 +149,7 @@ def _init_torch_state(algorithm: str, group: Mapping[str, Any], p: torch.Tensor,
 # ---------------------------------------------------------------- parameter -> model key
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if _is_dtensor(t) else t
+    return t._local_tensor if is_dtensor(t) else t
 
 
 def _ident(t: torch.Tensor) -> tuple[int, tuple[int, ...]] | None:
@@ -157,7 +159,7 @@ def _ident(t: torch.Tensor) -> tuple[int, tuple[int, ...]] | None:
 
 
 def _key_index(model_sd: Mapping[str, Any]) -> dict[tuple, str]:
-    """(data address, local shape) -> model key; the first key wins for tied parameters (spec 1.3)."""
+    """(data address, local shape) -> model key; the first key wins for tied parameters."""
     out: dict[tuple, str] = {}
     for key, sw in model_sd.items():
         t = sw.local_tensor if isinstance(sw, ShardedWeight) else _local(sw) if isinstance(sw, torch.Tensor) else None
@@ -170,15 +172,10 @@ def _key_index(model_sd: Mapping[str, Any]) -> dict[tuple, str]:
 
 
 def _model_shard(model_sd: Mapping[str, Any], key: str) -> ShardedWeight:
-    sw = model_sd[key]
-    if isinstance(sw, ShardedWeight):
-        return sw
-    if _is_dtensor(sw):
-        out = ShardedWeight.from_dtensor(key, sw)
-        if out is None:
-            raise OptimizerStateError(f"parameter {key!r}: this rank is outside the DTensor's mesh")
-        return out
-    return ShardedWeight.replicated(key, sw.detach())
+    out = to_sharded_weight(key, model_sd[key])
+    if out is None:
+        raise OptimizerStateError(f"parameter {key!r}: this rank is outside the DTensor's mesh")
+    return out
 
 
 def _json_value(v: Any) -> Any:
@@ -330,7 +327,7 @@ def load_sharded_optimizer_state_dict(optimizer: Any, model_sharded_state_dict: 
 
     Lazy states are created first (zeros, step 0), then every state tensor is loaded in place through
     :func:`~oarlock.checkpoint.load_state_dict` (resharding, flattened reassembly, AOA statements for model
-    keys applied to their optimizer states, spec 2.6), so the next ``optimizer.step()`` is the one the saved run
+    keys applied to their optimizer states, ``docs/aoa.md``), so the next ``optimizer.step()`` is the one the saved run
     would have taken.
 
     Args:
@@ -355,15 +352,15 @@ def load_sharded_optimizer_state_dict(optimizer: Any, model_sharded_state_dict: 
         CheckpointMismatchError: with ``load_model``, model keys missing from the checkpoint; and everything
             :func:`~oarlock.checkpoint.load_state_dict` raises.
     """
-    rank = _group_rank(process_group)
+    dist = DistWrapper(process_group)
     b = _build(optimizer, model_sharded_state_dict)
     owners = _owners(b.entries)
-    err = None
-    saved_groups: list[dict[str, Any]] | None = None
-    try:
-        meta = read_metadata(path)
+    # the same view-aware open as model loads: with node-local disks a rank may lack metadata.json
+    view = gather_view(path, dist) if dist.active else None
+
+    def check() -> list[dict[str, Any]] | None:
+        meta = read_metadata(path, view=view, rank=dist.rank)
         saved_alg = meta.objects.get(ALGORITHM_KEY)
-        saved_groups = meta.objects.get(PARAM_GROUPS_KEY)
         if saved_alg is not None and saved_alg != b.algorithm:
             first = b.entries[0].key if b.entries else "?"
             raise OptimizerStateError(f"{path}: optimizer state was saved by {saved_alg}, this optimizer is "
@@ -373,14 +370,9 @@ def load_sharded_optimizer_state_dict(optimizer: Any, model_sharded_state_dict: 
             missing = [owners[k] for k in b.shards if k not in meta.tensors]
             if missing:
                 raise OptimizerStateError(_missing_message(missing, b.algorithm, path))
-    except Exception as e:
-        err = e
-    errs = _all_gather_objects(None if err is None else (type(err).__name__, str(err)), process_group)
-    if err is not None:
-        raise err
-    bad = next((e for e in errs if e is not None), None)
-    if bad is not None:
-        raise OptimizerStateError(f"on another rank: {bad[0]}: {bad[1]}")
+        return meta.objects.get(PARAM_GROUPS_KEY)
+
+    saved_groups = dist.run(check)
 
     request: dict[str, Any] = dict(b.shards)
     request.update({ALGORITHM_KEY: None, PARAM_GROUPS_KEY: None})  # read, so they are not "unexpected"
@@ -398,7 +390,7 @@ def load_sharded_optimizer_state_dict(optimizer: Any, model_sharded_state_dict: 
         missing_model = [k for k in report.missing_keys if k in model_sharded_state_dict]
         if missing_model:
             raise CheckpointMismatchError(f"{path}: model keys missing from the checkpoint: {missing_model[:20]}")
-    _check_hyperparameters(optimizer, b, saved_groups, restore_hyperparameters, path, rank)
+    _check_hyperparameters(optimizer, b, saved_groups, restore_hyperparameters, path, dist.rank)
     return report
 
 

@@ -81,13 +81,6 @@ class LoadPlan:
     items: list[ReadItem] = field(default_factory=list)
     missing_keys: list[str] = field(default_factory=list)
 
-    def bytes_by_file(self, itemsize: Mapping[str, int]) -> dict[str, int]:
-        """Bytes this rank reads from each file (``itemsize``: source key -> bytes per element)."""
-        out: dict[str, int] = {}
-        for it in self.items:
-            out[it.file] = out.get(it.file, 0) + it.numel * itemsize[it.src_key]
-        return out
-
 
 # ---------------------------------------------------------------- stored-shard index
 
@@ -226,12 +219,6 @@ def _fmt_box(box: Box | None) -> str:
     if box is None:
         return "[]"
     return "[" + ", ".join(f"{a}:{b}" for a, b in box) + "]"
-
-
-def build_index(metadata: CheckpointMetadata, keys: Sequence[str] | None = None) -> dict[str, KeyIndex]:
-    """A validated :class:`KeyIndex` for each of ``keys`` (default: every stored tensor)."""
-    keys = list(metadata.tensors) if keys is None else keys
-    return {k: KeyIndex(metadata.tensors[k]) for k in keys if k in metadata.tensors}
 
 
 def source_specs(metadata: CheckpointMetadata) -> dict[str, TensorSpec]:

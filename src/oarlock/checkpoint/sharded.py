@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 
+from oarlock.checkpoint.dist import DistWrapper
 from oarlock.checkpoint.errors import CheckpointError
 from oarlock.checkpoint.mapping import Box
 from oarlock.utils import dtype_name, numel
@@ -181,11 +182,6 @@ class ShardedWeight:
     def box(self) -> Box:
         return make_box(self.global_offset, self.local_shape)
 
-    def with_tensor(self, tensor: torch.Tensor) -> "ShardedWeight":
-        """Same key and box, another local tensor (of the same shape)."""
-        return ShardedWeight(self.key, tensor, self.local_shape, self.global_shape, self.global_offset,
-                             self.flattened_range)
-
     # ------------------------------------------------------------ constructors
 
     @classmethod
@@ -211,10 +207,11 @@ class ShardedWeight:
         if not -nd <= axis < nd or nd == 0:
             raise CheckpointError(f"ShardedWeight {key!r}: axis {axis} out of range for a {nd}-D tensor")
         axis %= nd
-        if rank is None:
-            rank = _group_rank(process_group)
-        if sizes is None:
-            sizes = _all_gather_objects(int(tensor.shape[axis]), process_group)
+        if rank is None or sizes is None:
+            dw = DistWrapper(process_group)
+            rank = dw.rank if rank is None else rank
+            if sizes is None:
+                sizes = dw.all_gather_object(int(tensor.shape[axis]))
         sizes = [int(s) for s in sizes]
         if not 0 <= rank < len(sizes) or sizes[rank] != tensor.shape[axis]:
             raise CheckpointError(f"ShardedWeight {key!r}: rank {rank} holds {tensor.shape[axis]} along axis "
@@ -255,12 +252,30 @@ class ShardedWeight:
         return cls(key, local, tuple(local_shape), gshape, tuple(offset))
 
 
-def _is_dtensor(x: Any) -> bool:
+def is_dtensor(x: Any) -> bool:
+    """True for a ``torch.distributed.tensor.DTensor``."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover - torch without distributed
         return False
     return isinstance(x, DTensor)
+
+
+def to_sharded_weight(key: str, leaf: Any) -> ShardedWeight | None:
+    """``leaf`` as this rank's :class:`ShardedWeight` under ``key`` (the one place a state-dict leaf becomes a
+    shard): a ShardedWeight as is (its own key), a DTensor as its local shard (None on ranks outside its mesh), a
+    tensor as a whole replicated box (detached).
+
+    Raises:
+        TypeError: ``leaf`` is not a tensor (callers turn it into their own error).
+    """
+    if isinstance(leaf, ShardedWeight):
+        return leaf
+    if is_dtensor(leaf):
+        return ShardedWeight.from_dtensor(key, leaf)
+    if isinstance(leaf, torch.Tensor):
+        return ShardedWeight.replicated(key, leaf.detach())
+    raise TypeError(f"{key!r}: a {type(leaf).__name__} is not a tensor")
 
 
 def sharded_state_dict(module: torch.nn.Module, prefix: str = "") -> dict[str, ShardedWeight]:
@@ -270,69 +285,8 @@ def sharded_state_dict(module: torch.nn.Module, prefix: str = "") -> dict[str, S
     the module, so loading into the result updates the module in place."""
     out: dict[str, ShardedWeight] = {}
     for name, t in module.state_dict(prefix=prefix, keep_vars=True).items():
-        if _is_dtensor(t):
-            sw = ShardedWeight.from_dtensor(name, t)
+        if isinstance(t, torch.Tensor):
+            sw = to_sharded_weight(name, t)
             if sw is not None:
                 out[name] = sw
-        elif isinstance(t, torch.Tensor):
-            out[name] = ShardedWeight.replicated(name, t.detach())
     return out
-
-
-# ---------------------------------------------------------------- process-group helpers
-
-def _dist_active() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized()
-
-
-def _group_rank(group: Any) -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank(group) if _dist_active() else 0
-
-
-def _group_size(group: Any) -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size(group) if _dist_active() else 1
-
-
-def _all_gather_objects(obj: Any, group: Any) -> list[Any]:
-    """Every rank's ``obj`` in group-rank order (``[obj]`` without a process group)."""
-    import torch.distributed as dist
-
-    if not _dist_active() or dist.get_world_size(group) == 1:
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
-
-
-def iter_leaves(obj: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
-    """Depth-first ``(path, leaf)`` pairs of a nested state dict. Dicts and lists/tuples holding a tensor are
-    containers; anything else (tensors, ShardedWeights, numbers, strings, tensor-free lists) is a leaf."""
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from iter_leaves(v, path + (k,))
-    elif isinstance(obj, (list, tuple)) and _holds_tensor(obj):
-        for i, v in enumerate(obj):
-            yield from iter_leaves(v, path + (i,))
-    else:
-        yield path, obj
-
-
-def _holds_tensor(obj: Any) -> bool:
-    if isinstance(obj, (torch.Tensor, ShardedWeight)):
-        return True
-    if isinstance(obj, dict):
-        return any(_holds_tensor(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return any(_holds_tensor(v) for v in obj)
-    return False
-
-
-def flat_key(path: tuple) -> str:
-    """``.``-joined key of a nested path (``("optim", "state", 0, "exp_avg")`` -> ``"optim.state.0.exp_avg"``)."""
-    return ".".join(str(p) for p in path)

@@ -1,0 +1,89 @@
+"""The load executor: run planned read items into destination tensors.
+
+A :class:`~oarlock.checkpoint.plan.ReadItem` says which box of which stored array lands where in a destination
+shard (its box, or a flat range of a flattened shard), with an optional permutation and cast.
+:func:`destination_view` is the one definition of "where": the view of the target tensor an item writes. Reads
+go straight into that view when nothing needs permuting or casting (``os.preadv`` into the target's memory).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from oarlock.checkpoint.mapping import box_slices
+from oarlock.checkpoint.reader import CheckpointReader
+from oarlock.utils import dtype_itemsize, numel, torch_dtype
+
+
+@dataclass
+class LoadReport:
+    """What a load did not match (filled when ``strict=False``; with ``strict=True`` these raise).
+
+    Attributes:
+        missing_keys: requested keys (on any rank) the checkpoint or mapping program cannot provide; their
+            targets are left untouched.
+        unexpected_keys: stored keys that no rank requested (and no mapping read).
+        bytes_read: bytes this rank read from the checkpoint's data files.
+        comm_method: how data reached this rank: ``"direct"`` (own byte-range reads), ``"warm"`` (own file
+            only, no communication), ``"grouped_send_recv"`` or ``"broadcast"`` (see :mod:`oarlock.checkpoint.comm`).
+        files_read: data files this rank opened.
+        bytes_sent, bytes_received: tensor bytes this rank sent to / received from other ranks.
+        messages_sent: point-to-point sends (or broadcasts as the source) this rank issued.
+    """
+
+    missing_keys: list[str] = field(default_factory=list)
+    unexpected_keys: list[str] = field(default_factory=list)
+    bytes_read: int = 0
+    comm_method: str = "direct"
+    files_read: list[str] = field(default_factory=list)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    messages_sent: int = 0
+
+
+def read_order(it: Any) -> tuple:
+    """Sort key of read items: file, tensor, position in the tensor (sequential reads)."""
+    return (it.file, it.name, it.src_flat_start, it.src_box)
+
+
+def destination_view(it: Any, target: torch.Tensor) -> torch.Tensor:
+    """The view of ``target`` (a destination shard) that read item ``it`` writes: its ``dst_box`` inside the
+    ``dst_shape`` array starting ``dst_flat_start`` elements into ``target`` (the whole target for a regular
+    shard)."""
+    if it.dst_flat_start or target.dim() != len(it.dst_shape):
+        view = target.reshape(-1)[it.dst_flat_start:it.dst_flat_start + numel(it.dst_shape)].view(it.dst_shape)
+    else:
+        view = target
+    return view[box_slices(it.dst_box)]
+
+
+def place(buf: torch.Tensor, it: Any, target: torch.Tensor) -> None:
+    """Copy ``buf`` (the item's source box, as read or received) into its place in ``target``, permuting and
+    casting on the way; nothing to do when ``buf`` already is that place."""
+    view = destination_view(it, target)
+    if view.data_ptr() == buf.data_ptr() and view.shape == buf.shape:
+        return
+    t = buf.permute(*it.permute) if it.permute is not None else buf
+    view.copy_(t.to(torch_dtype(it.dtype)) if it.dtype is not None else t)
+
+
+def execute_items(reader: CheckpointReader, target: torch.Tensor, items: list[Any]) -> int:
+    """Run one target's read items (in file order); returns the bytes read."""
+    nbytes = 0
+    for it in sorted(items, key=read_order):
+        dst = destination_view(it, target)
+        if it.permute is None and it.dtype is None:
+            reader.read_box(it.src_key, it.file, it.name, it.src_flat_start, it.src_shape, it.src_box, out=dst)
+        else:
+            place(reader.read_box(it.src_key, it.file, it.name, it.src_flat_start, it.src_shape, it.src_box), it,
+                  target)
+        nbytes += it.numel * dtype_itemsize(reader.metadata.tensors[it.src_key].dtype)
+    return nbytes
+
+
+def execute_work(reader: CheckpointReader, work: list[tuple[Any, torch.Tensor]]) -> int:
+    """Run ``(read item, target)`` pairs in the given order; returns the bytes read."""
+    return sum(execute_items(reader, target, [it]) for it, target in work)

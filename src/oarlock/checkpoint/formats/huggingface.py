@@ -1,0 +1,64 @@
+"""HuggingFace directories: ``model.safetensors``, or shards listed by ``model.safetensors.index.json``
+(``{"metadata": {...}, "weight_map": {key: file}}``), or just ``*.safetensors`` files. Every tensor is one
+whole shard; the metadata comes from the files' headers."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from oarlock.checkpoint.errors import CheckpointFormatError
+from oarlock.checkpoint.formats.safetensors_file import whole_tensor_metadata
+from oarlock.checkpoint.reader import CheckpointReader, register_format
+
+HF_INDEX = "model.safetensors.index.json"
+HF_SINGLE = "model.safetensors"
+
+
+@register_format
+class HuggingFaceReader(CheckpointReader):
+    """Reader of HuggingFace safetensors directories."""
+
+    format = "huggingface"
+    priority = 2
+    hint = f"{HF_INDEX} or *.safetensors"
+
+    @classmethod
+    def claim(cls, path: Path, names: set[str] | None) -> int:
+        if names is None:
+            return 0
+        if HF_INDEX in names or HF_SINGLE in names:
+            return 2
+        return 1 if any(n.endswith(".safetensors") for n in names) else 0
+
+    @classmethod
+    def open(cls, path: Path, *, shipped: dict[str, bytes] | None = None, partial: bool = False
+             ) -> "HuggingFaceReader":
+        root = path
+        index_path = root / HF_INDEX
+        if not index_path.exists():
+            files = {n: root / n for n in sorted(os.listdir(root)) if n.endswith(".safetensors")}
+            return cls(root, whole_tensor_metadata("huggingface", files, root))
+        try:
+            index = json.loads(index_path.read_text())
+            weight_map = index["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError("weight_map is not an object")
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointFormatError(f"{index_path}: invalid index: {e}") from None
+        files = {}
+        for key, f in weight_map.items():
+            if not (root / f).is_file():
+                raise CheckpointFormatError(f"{index_path}: tensor {key!r} is mapped to {f}, which does not exist")
+            files[f] = root / f
+        meta = whole_tensor_metadata("huggingface", dict(sorted(files.items())), root)
+        for key, f in weight_map.items():
+            t = meta.tensors.get(key)
+            if t is None:
+                raise CheckpointFormatError(f"{index_path}: tensor {key!r} is mapped to {f}, which does not hold it")
+            if t.shards[0].file != f:
+                raise CheckpointFormatError(f"{index_path}: tensor {key!r} is mapped to {f} but stored in "
+                                            f"{t.shards[0].file}")
+        meta.extra["index_metadata"] = index.get("metadata", {})
+        return cls(root, meta)

@@ -1,0 +1,50 @@
+"""oarlock's own format: a directory with ``metadata.json`` and per-rank ``rank-XXXXX.safetensors`` data files
+(``docs/checkpoint-format.md``). The metadata file may be shipped to ranks whose node-local directory lacks it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from oarlock.checkpoint.errors import CheckpointFormatError
+from oarlock.checkpoint.metadata import METADATA_FILE, CheckpointMetadata
+from oarlock.checkpoint.reader import CheckpointReader, register_format
+
+
+@register_format
+class OarlockReader(CheckpointReader):
+    """Reader of oarlock checkpoint directories (data: safetensors files, read by the base class)."""
+
+    format = "oarlock"
+    priority = 0
+    hint = METADATA_FILE
+    metadata_files = (METADATA_FILE,)
+
+    @classmethod
+    def claim(cls, path: Path, names: set[str] | None) -> int:
+        if names is None:
+            return 2 if path.name == METADATA_FILE else 0
+        return 2 if METADATA_FILE in names else 0
+
+    @classmethod
+    def open(cls, path: Path, *, shipped: dict[str, bytes] | None = None, partial: bool = False
+             ) -> "OarlockReader":
+        root = path if path.is_dir() else path.parent
+        if shipped is not None and METADATA_FILE in shipped:
+            text, source = shipped[METADATA_FILE], f"{METADATA_FILE} (received from another rank)"
+        else:
+            source = str(root / METADATA_FILE)
+            try:
+                text = (root / METADATA_FILE).read_bytes()
+            except OSError as e:
+                raise CheckpointFormatError(f"{source}: cannot read: {e.strerror or e}") from None
+        try:
+            raw = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointFormatError(f"{source}: invalid JSON: {e}") from None
+        meta = CheckpointMetadata.from_json(raw, source=source)
+        if not partial:
+            for f in meta.files:
+                if not (root / f).is_file():
+                    raise CheckpointFormatError(f"{root / f}: data file named in {METADATA_FILE} is missing")
+        return cls(root, meta)

@@ -1,0 +1,146 @@
+"""The load pipeline behind :func:`oarlock.checkpoint.load_state_dict`: gather requests, open the checkpoint
+(this rank's view of it), compile the mapping, plan, check, then execute.
+
+Each rank reads the metadata itself, plans its reads with :mod:`oarlock.checkpoint.plan` (a pure function), and
+reads exactly the byte ranges its own shards need, straight into the target tensors when no permutation or cast
+is involved (:mod:`oarlock.checkpoint.executor`). Ranks exchange only small descriptions, through
+:class:`~oarlock.checkpoint.dist.DistWrapper` so that errors (AOA errors included, with their class) are raised
+on every rank alike; on a shared filesystem tensor data never crosses the network. With node-local disks each
+file is read once and slices are shipped between ranks, and a same-layout restart reads only local files: see
+:mod:`oarlock.checkpoint.comm`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+import torch
+
+from oarlock.checkpoint import comm
+from oarlock.checkpoint.dist import DistWrapper
+from oarlock.checkpoint.errors import CheckpointError, CheckpointMismatchError
+from oarlock.checkpoint.executor import LoadReport, execute_work, read_order
+from oarlock.checkpoint.mapping import MappingProgram, TensorSpec
+from oarlock.checkpoint.metadata import CheckpointMetadata
+from oarlock.checkpoint.plan import Planner, ReadItem, source_specs
+from oarlock.checkpoint.reader import CheckpointReader
+from oarlock.checkpoint.save import data_file_name
+from oarlock.checkpoint.storage import gather_view, open_checkpoint
+from oarlock.checkpoint.traversal import Leaves, collect_leaves, set_path
+
+
+def compile_aoa_for_load(aoa_config: Any, source: dict[str, TensorSpec], destination: dict[str, TensorSpec],
+                         meta: CheckpointMetadata | None = None, destination_shards: dict[str, int] | None = None
+                         ) -> MappingProgram:
+    """Compile ``aoa_config`` with the TP shard counts (distinct global offsets) of both sides: the
+    ``fused_ffn`` / ``fused_qkv_old`` layouts depend on them (see ``docs/aoa.md``).
+
+    Raises:
+        AOAError / AOASyntaxError: a bad config (subclasses of CheckpointError).
+    """
+    from oarlock.checkpoint.aoa import compile_aoa, shard_counts  # the AOA engine imports this package's modules
+
+    return compile_aoa(aoa_config, source, destination, source_shards=shard_counts(meta) if meta is not None else None,
+                       destination_shards=destination_shards)
+
+
+def fmt_keys(keys: list[str], limit: int = 20) -> str:
+    s = ", ".join(repr(k) for k in keys[:limit])
+    return s + (f" ... ({len(keys) - limit} more)" if len(keys) > limit else "")
+
+
+def run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process_group: Any = None,
+             aoa_config: Any = None, strict: bool = True, program: MappingProgram | None = None,
+             comm_method: str = "auto") -> LoadReport:
+    """The body of :func:`oarlock.checkpoint.load_state_dict` (see there for arguments and errors)."""
+    if aoa_config is not None and program is not None:
+        raise CheckpointError("pass either aoa_config or program to load_state_dict, not both")
+    comm.check_comm_method(comm_method)
+    dist = DistWrapper(process_group)
+    if aoa_config is None and program is None:
+        warm = comm.try_warm_start(state_dict, path, dist, data_file_name(dist.rank))
+        if warm is not None:
+            return warm
+    view = gather_view(path, dist) if dist.active else None
+    leaves = Leaves()
+
+    def request() -> dict:
+        nonlocal leaves
+        leaves = collect_leaves(state_dict)
+        descs = [sw.desc for sw in leaves.shards]
+        return {"tensors": {d.key: (d.global_shape, d.dtype) for d in descs},
+                "offsets": {d.key: d.global_offset for d in descs if d.numel} if aoa_config is not None else {},
+                "objects": sorted(leaves.objects)}
+
+    gathered = dist.gather(request)
+    reader: CheckpointReader | None = None
+    plans: list[list[ReadItem]] = []
+    unexpected: list[str] = []
+
+    def plan() -> list[str]:
+        nonlocal reader, program, unexpected
+        reader = open_checkpoint(path, view=view, rank=dist.rank)
+        meta = reader.metadata
+        missing: set[str] = set()
+        dest_all: dict[str, TensorSpec] = {}
+        for g in gathered:
+            for k, (shape, dt) in g["tensors"].items():
+                dest_all.setdefault(k, TensorSpec(tuple(shape), dt))
+        if aoa_config is not None:
+            offsets: dict[str, set] = {}
+            for g in gathered:
+                for k, off in g["offsets"].items():
+                    offsets.setdefault(k, set()).add(tuple(off))
+            program = compile_aoa_for_load(aoa_config, source_specs(meta), dest_all, meta,
+                                           {k: len(v) for k, v in offsets.items()})
+        planner = Planner(meta, program)
+        for sw in leaves.shards:
+            d = sw.desc
+            if d.key in meta.objects and d.key not in meta.tensors and aoa_config is None and program is None:
+                raise CheckpointMismatchError(f"key {d.key!r}: the checkpoint holds a "
+                                              f"{type(meta.objects[d.key]).__name__} object, the target is a tensor")
+            p = planner.plan_rank([d])
+            plans.append(p.items)
+            missing.update(p.missing_keys)
+        missing.update(k for k in leaves.objects if k not in meta.objects)
+        # what the whole group reads, for the unexpected-key check
+        dest_keys = set(planner.program.destination_keys())
+        used = set()
+        for k in dest_all:
+            if k in dest_keys:
+                used.update(m.src_key for m in planner.mappings(k))
+        used.update(getattr(planner.program, "deleted_keys", ()) or ())
+        wanted_objects = {k for g in gathered for k in g["objects"]}
+        unexpected = sorted([k for k in meta.tensors if k not in used]
+                            + [k for k in meta.objects if k not in wanted_objects and k not in dest_all])
+        return sorted(missing)
+
+    try:
+        status = dist.gather(plan)
+    except BaseException:
+        if reader is not None:
+            reader.close()
+        raise
+    assert reader is not None
+    all_missing = sorted({k for s in status for k in s})
+    if strict and (all_missing or unexpected):
+        reader.close()
+        parts = []
+        if all_missing:
+            parts.append(f"missing keys (requested, not in the checkpoint): {fmt_keys(all_missing)}")
+        if unexpected:
+            parts.append(f"unexpected keys (in the checkpoint, not requested): {fmt_keys(unexpected)}")
+        raise CheckpointMismatchError(f"{path}: " + "; ".join(parts) + " (pass strict=False to load the rest and "
+                                      "get them in the returned LoadReport)")
+
+    report = LoadReport(all_missing, unexpected)
+    with reader, torch.no_grad():
+        work = [(it, sw.local_tensor) for sw, items in zip(leaves.shards, plans)
+                for it in sorted(items, key=read_order)]
+        st = comm.execute(reader, work, comm_method=comm_method, view=view, dist=dist, direct=execute_work)
+        report.bytes_read, report.comm_method, report.files_read = st.bytes_read, st.method, st.files_read
+        report.bytes_sent, report.bytes_received, report.messages_sent = st.bytes_sent, st.bytes_received, st.messages_sent
+        for k, value in ((k, reader.metadata.objects[k]) for k in leaves.objects if k in reader.metadata.objects):
+            set_path(state_dict, leaves.object_paths[k], value)
+    return report

@@ -1,0 +1,466 @@
+"""The one safetensors implementation of oarlock: header parsing, byte-range reads, and a header-first writer.
+
+Format (https://github.com/huggingface/safetensors#format): 8 bytes little-endian ``N``, ``N`` bytes of JSON
+header ``{name: {"dtype": code, "shape": [...], "data_offsets": [begin, end]}, "__metadata__": {str: str}}``
+(padded with spaces so the data starts 8-byte aligned), then the data section; offsets are relative to its
+start. See ``docs/checkpoint-format.md`` for how oarlock uses the ``__metadata__`` block.
+
+* :func:`read_header` is the only header parser: it checks every entry (dtype code known to oarlock, offsets
+  inside the file and matching shape and dtype) and has the safetensors library validate the file as well
+  before any byte is trusted; errors are :class:`CheckpointFormatError` naming the file and tensor.
+* :class:`SafetensorsFile` reads any box of a stored tensor with ``os.preadv`` straight into destination
+  memory; :meth:`SafetensorsFile.byte_run` exposes contiguous runs for kernel copies.
+* :class:`SafetensorsWriter` is the only writer: the header goes first (shapes and dtypes are known up
+  front), then each tensor's bytes land at their offset, from a tensor (``pwrite``) or from byte runs of
+  another file (``os.copy_file_range``). :func:`write_safetensors` writes a dict of tensors with it. Tensors
+  that share storage (tied weights, views of one buffer) are written as independent copies of their bytes:
+  this is the one place that handles shared tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from oarlock.checkpoint.errors import CheckpointError, CheckpointFormatError
+from oarlock.utils import dtype_itemsize, dtype_name, numel, safetensors_code, torch_dtype
+
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+SUPPORTED_CODES = "F64 F32 F16 BF16 F8_E4M3 F8_E5M2 I64 I32 I16 I8 U64 U32 U16 U8 BOOL C64"
+
+
+def np_prod(xs) -> int:
+    p = 1
+    for x in xs:
+        p *= int(x)
+    return p
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor (no copy)."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+@dataclass
+class SafetensorsHeader:
+    """A parsed, validated header.
+
+    Attributes:
+        entries: tensor name -> ``(dtype name, shape, begin, end)`` (offsets relative to ``data_start``), in
+            header order.
+        metadata: the ``__metadata__`` block (str -> str).
+        data_start: byte offset of the data section (8 + header length).
+    """
+
+    entries: dict[str, tuple[str, tuple[int, ...], int, int]] = field(default_factory=dict)
+    metadata: dict[str, str] = field(default_factory=dict)
+    data_start: int = 0
+
+
+def _library_check(path: Path) -> None:
+    """Have the safetensors library validate the file (overlapping or missing offsets, bad JSON, ...)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt"):
+            pass
+    except Exception as e:  # SafetensorError, OSError
+        msg = str(e).replace("Error while deserializing header: ", "")
+        raise CheckpointFormatError(f"{path}: invalid safetensors file: {msg}") from None
+
+
+def read_header(path: str | Path, fd: int | None = None) -> SafetensorsHeader:
+    """Parse and validate the header of the safetensors file at ``path`` (through ``fd`` when given).
+
+    Checks, in order: a dtype code oarlock does not know (naming the tensor and code); the safetensors library's
+    own validation (overlapping or missing offsets, bad JSON, truncation; its message); then every entry's
+    offsets against its shape, dtype and the file size.
+
+    Raises:
+        CheckpointFormatError: ``"{path}: invalid safetensors file: ..."`` or ``"{path}: tensor ...``" naming the
+            file and the tensor at fault; a missing file.
+    """
+    path = Path(path)
+    own = fd is None
+    if own:
+        if not path.is_file():
+            raise CheckpointFormatError(f"{path}: file not found")
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as e:
+            raise CheckpointFormatError(f"{path}: cannot open: {e.strerror or e}") from None
+    try:
+        size = os.fstat(fd).st_size
+        raw: Any = None
+        head = os.pread(fd, 8, 0)
+        if len(head) == 8:
+            (n,) = struct.unpack("<Q", head)
+            if n <= min(size - 8, MAX_HEADER_BYTES):
+                try:
+                    raw = json.loads(os.pread(fd, n, 8))
+                except (ValueError, UnicodeDecodeError):
+                    raw = None
+    finally:
+        if own:
+            os.close(fd)
+    if isinstance(raw, dict):  # name the tensor of an unknown dtype (the library's message names neither)
+        for name, e in raw.items():
+            if name == "__metadata__" or not isinstance(e, dict):
+                continue
+            try:
+                dtype_name(str(e.get("dtype")))
+            except ValueError:
+                raise CheckpointFormatError(f"{path}: tensor {name!r} has dtype {e.get('dtype')!r}, which oarlock "
+                                            f"does not support (safetensors codes: {SUPPORTED_CODES})") from None
+    _library_check(path)
+    if not isinstance(raw, dict):
+        raise CheckpointFormatError(f"{path}: invalid safetensors file: unreadable header")
+    hdr = SafetensorsHeader(data_start=8 + n)
+    meta = raw.get("__metadata__") or {}
+    hdr.metadata = dict(meta) if isinstance(meta, dict) else {}
+    for name, e in raw.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dt = dtype_name(str(e["dtype"]))
+            shape = tuple(int(x) for x in e["shape"])
+            begin, end = (int(x) for x in e["data_offsets"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise CheckpointFormatError(f"{path}: invalid safetensors file: tensor {name!r}: bad header entry "
+                                        f"({err})") from None
+        want = np_prod(shape) * torch_dtype(dt).itemsize
+        if end - begin != want or begin < 0 or hdr.data_start + end > size:
+            raise CheckpointFormatError(f"{path}: invalid safetensors file: tensor {name!r}: data offsets [{begin}, "
+                                        f"{end}) do not fit shape {list(shape)} {dt} in a file of {size} bytes")
+        hdr.entries[name] = (dt, shape, begin, end)
+    return hdr
+
+
+def safetensors_header(path: str | Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Validated header of one safetensors file: ``{tensor name: (shape, dtype name)}`` sorted by name (the
+    order the safetensors library lists them in).
+
+    Raises:
+        CheckpointFormatError: see :func:`read_header`.
+    """
+    hdr = read_header(path)
+    return {name: (hdr.entries[name][1], hdr.entries[name][0]) for name in sorted(hdr.entries)}
+
+
+# ---------------------------------------------------------------- byte-range reads
+
+def _pread_into(fd: int, buf: memoryview, offset: int, path: Path) -> None:
+    n = 0
+    while n < len(buf):
+        got = os.preadv(fd, [buf[n:]], offset + n)
+        if got <= 0:
+            raise CheckpointFormatError(f"{path}: file ends at byte {offset + n}, expected {len(buf) - n} more")
+        n += got
+
+
+_RUN_BYTES = 256 * 1024  # contiguous runs at least this long are read one pread each
+_CHUNK_BYTES = 64 * 1024 * 1024  # bound on the staging buffer of a strided read
+
+
+class SafetensorsFile:
+    """A safetensors file opened for byte-range reads (``os.preadv`` straight into the destination memory).
+
+    The header is parsed and checked (offsets inside the file, sizes matching shapes and dtypes) before any
+    data byte is read; the format is specified at https://github.com/huggingface/safetensors#format.
+
+    Raises:
+        CheckpointFormatError: naming the file and tensor at fault.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        try:
+            self.fd = os.open(self.path, os.O_RDONLY)
+        except OSError as e:
+            raise CheckpointFormatError(f"{self.path}: cannot open: {e.strerror or e}") from None
+        try:
+            hdr = read_header(self.path, self.fd)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.data_start = hdr.data_start
+        self.header_metadata: dict[str, str] = hdr.metadata
+        self.entries: dict[str, tuple[str, tuple[int, ...], int, int]] = hdr.entries
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def read_box(self, name: str, flat_start: int, shape: tuple[int, ...], box: tuple[tuple[int, int], ...],
+                 dtype: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Read ``array[box]``, where ``array`` is the C-contiguous ``shape`` array that starts ``flat_start``
+        elements into stored tensor ``name``; into ``out`` (a CPU tensor of the box's extent, any strides) or a
+        new tensor. Only the needed byte ranges are read: one pread per contiguous run, or, when the runs are
+        short, whole rows of the box in chunks of at most 64 MiB that are then sliced.
+
+        Raises:
+            CheckpointFormatError: tensor missing, dtype different from ``dtype``, or the array not inside it.
+        """
+        e = self.entries.get(name)
+        if e is None:
+            raise CheckpointFormatError(f"{self.path}: tensor {name!r} is missing")
+        sdt, sshape, begin, _ = e
+        if sdt != dtype:
+            raise CheckpointFormatError(f"{self.path}: tensor {name!r} is {sdt}, metadata says {dtype}")
+        count = int(np_prod(shape))
+        if flat_start < 0 or flat_start + count > int(np_prod(sshape)) or (flat_start == 0 and len(sshape) > 1
+                                                                          and tuple(sshape) != tuple(shape)):
+            raise CheckpointFormatError(f"{self.path}: tensor {name!r} of shape {list(sshape)} does not hold the "
+                                        f"{list(shape)} array at element {flat_start} that the metadata describes")
+        tdt = torch_dtype(dtype)
+        isz = tdt.itemsize
+        ext = [b - a for a, b in box]
+        if out is None:
+            out = torch.empty(ext, dtype=tdt)
+        if int(np_prod(ext)) == 0:
+            return out
+        base = self.data_start + begin + flat_start * isz
+        nd = len(shape)
+        strides = [int(np_prod(shape[d + 1:])) for d in range(nd)]
+        if nd == 0:
+            self._read_runs(out, [base], isz)
+            return out
+        k = nd - 1  # dims after k are read whole; dims before k index the runs
+        while k > 0 and tuple(box[k]) == (0, shape[k]):
+            k -= 1
+        run = ext[k] * strides[k]
+        start = sum(box[d][0] * strides[d] for d in range(nd))
+        nruns = int(np_prod(ext[:k]))
+        if nruns == 1:
+            self._read_runs(out, [base + start * isz], run * isz)
+            return out
+        overhead = int(np_prod(shape[1:])) / int(np_prod(ext[1:]))
+        if run * isz >= _RUN_BYTES or overhead > 4:
+            import numpy as np
+
+            offs = np.zeros((), dtype=np.int64)
+            for d in range(k):
+                offs = offs[..., None] + np.arange(box[d][0], box[d][1], dtype=np.int64) * strides[d]
+            offs = (offs.reshape(-1) + box[k][0] * strides[k]) * isz + base
+            self._read_runs(out, offs.tolist(), run * isz)
+            return out
+        # short runs: read whole rows of dim 0 (contiguous), then slice the box out of them
+        row = strides[0]
+        rows_per_chunk = max(1, _CHUNK_BYTES // max(1, row * isz))
+        inner = tuple(slice(a, b) for a, b in box[1:])
+        r = box[0][0]
+        while r < box[0][1]:
+            r2 = min(box[0][1], r + rows_per_chunk)
+            buf = torch.empty((r2 - r, *shape[1:]), dtype=tdt)
+            _pread_into(self.fd, tensor_bytes(buf), base + r * row * isz, self.path)
+            out[r - box[0][0]:r2 - box[0][0]].copy_(buf[(slice(None), *inner)])
+            r = r2
+        return out
+
+    def _read_runs(self, out: torch.Tensor, offsets: list[int], run_bytes: int) -> None:
+        """Read ``len(offsets)`` runs of ``run_bytes`` each, in order, into ``out`` (C order)."""
+        direct = out.is_contiguous() and out.device.type == "cpu"
+        dst = out if direct else torch.empty(out.shape, dtype=out.dtype)
+        mv = tensor_bytes(dst)
+        pos = 0
+        for off in offsets:
+            _pread_into(self.fd, mv[pos:pos + run_bytes], off, self.path)
+            pos += run_bytes
+        if not direct:
+            out.copy_(dst)
+
+
+def contiguous_run(shape: tuple[int, ...], box: tuple[tuple[int, int], ...]) -> tuple[int, int] | None:
+    """``(first element, element count)`` when ``box`` of a C-contiguous array of ``shape`` is one contiguous run
+    (leading dims of extent 1, one partial dim, then full dims), else None."""
+    nd = len(shape)
+    k = nd - 1
+    while k > 0 and tuple(box[k]) == (0, shape[k]):
+        k -= 1
+    if nd and any(b - a != 1 for a, b in box[:k]):
+        return None
+    strides = [np_prod(shape[d + 1:]) for d in range(nd)]
+    start = sum(box[d][0] * strides[d] for d in range(nd))
+    return start, np_prod(b - a for a, b in box)
+
+
+def contiguous_run(shape: tuple[int, ...], box: tuple[tuple[int, int], ...]) -> tuple[int, int] | None:
+    """``(first element, element count)`` when ``box`` of a C-contiguous array of ``shape`` is one contiguous run
+    (leading dims of extent 1, one partial dim, then full dims), else None."""
+    nd = len(shape)
+    k = nd - 1
+    while k > 0 and tuple(box[k]) == (0, shape[k]):
+        k -= 1
+    if nd and any(b - a != 1 for a, b in box[:k]):
+        return None
+    strides = [np_prod(shape[d + 1:]) for d in range(nd)]
+    start = sum(box[d][0] * strides[d] for d in range(nd))
+    return start, np_prod(b - a for a, b in box)
+
+
+# ---------------------------------------------------------------- the writer
+
+def _write_all(fd: int, mv: memoryview, pos: int) -> int:
+    n = 0
+    while n < len(mv):
+        n += os.pwrite(fd, mv[n:], pos + n)
+    return pos + n
+
+
+def copy_run(src_fd: int, src_off: int, nbytes: int, fd: int, pos: int) -> int:
+    """Copy ``nbytes`` from ``src_fd`` at ``src_off`` to ``fd`` at ``pos`` in the kernel (``copy_file_range``),
+    falling back to pread/pwrite through a bounded buffer where the filesystem refuses. Returns the end position."""
+    done = 0
+    try:
+        while done < nbytes:
+            got = os.copy_file_range(src_fd, fd, nbytes - done, src_off + done, pos + done)
+            if got <= 0:
+                break
+            done += got
+    except OSError:
+        pass
+    while done < nbytes:
+        chunk = os.pread(src_fd, min(nbytes - done, 1 << 24), src_off + done)
+        if not chunk:
+            raise CheckpointError(f"source file ends {nbytes - done} bytes early while copying")
+        _write_all(fd, memoryview(chunk), pos + done)
+        done += len(chunk)
+    return pos + nbytes
+
+
+class SafetensorsWriter:
+    """A safetensors file being written, header first.
+
+    ``entries`` lists ``(name, shape, dtype)`` in file order; the header (with ``metadata`` added to its
+    ``__metadata__`` block, after ``"format": "pt"``) is written at once, then :meth:`put` writes each tensor's
+    bytes at its known offset, in any order, from a tensor (any device, layout or storage sharing: it is copied
+    to contiguous CPU memory when needed) or from byte runs ``[(fd, offset, nbytes)]`` of another file.
+    :meth:`close` fsyncs (with ``fsync``) and closes; use it as a context manager.
+
+    Raises:
+        CheckpointFormatError: a dtype safetensors cannot store (naming the tensor).
+    """
+
+    def __init__(self, path: str | Path, entries: Sequence[tuple[str, Sequence[int], Any]],
+                 metadata: dict[str, str] | None = None, *, fsync: bool = True):
+        self.path = Path(path)
+        self.fsync = fsync
+        header: dict[str, Any] = {"__metadata__": {"format": "pt", **(metadata or {})}}
+        self.where: dict[str, tuple[int, tuple[int, ...], str]] = {}
+        off = 0
+        for name, shape, dtype in entries:
+            try:
+                code = safetensors_code(dtype)
+            except (ValueError, KeyError):
+                raise CheckpointFormatError(f"{self.path}: tensor {name!r} has dtype {dtype}, which safetensors "
+                                            "cannot store") from None
+            dt = dtype_name(dtype)
+            n = numel(shape) * dtype_itemsize(dt)
+            header[name] = {"dtype": code, "shape": [int(x) for x in shape], "data_offsets": [off, off + n]}
+            self.where[name] = (off, tuple(int(x) for x in shape), dt)
+            off += n
+        hb = json.dumps(header, separators=(",", ":")).encode()
+        hb += b" " * (-len(hb) % 8)  # the data section starts 8-byte aligned
+        self.base = 8 + len(hb)
+        self.nbytes = self.base + off
+        self._flushed = 0
+        self._written = 0
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            _write_all(self.fd, memoryview(struct.pack("<Q", len(hb)) + hb), 0)
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> "SafetensorsWriter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def put(self, name: str, data: torch.Tensor | list[tuple[int, int, int]]) -> int:
+        """Write tensor ``name`` from a tensor of its shape and dtype or from byte runs ``[(fd, offset, nbytes)]``
+        (concatenated in order); returns its byte count."""
+        off, shape, dtype = self.where[name]
+        pos = self.base + off
+        if isinstance(data, list):
+            for src_fd, src_off, n in data:
+                pos = copy_run(src_fd, src_off, n, self.fd, pos)
+        else:
+            t = data.detach()
+            if tuple(t.shape) != shape or t.dtype != torch_dtype(dtype):
+                raise CheckpointError(f"{self.path}: tensor {name!r} is {tuple(t.shape)} {t.dtype}, the header "
+                                      f"says {list(shape)} {dtype}")
+            if t.numel():
+                if t.device.type != "cpu":
+                    t = t.cpu()
+                pos = _write_all(self.fd, tensor_bytes(t.contiguous()), pos)
+        n = numel(shape) * dtype_itemsize(dtype)
+        self._written += n
+        if self.fsync and self._written - self._flushed >= _WRITEBACK_BYTES:
+            _start_writeback(self.fd, self.base + self._flushed, self._written - self._flushed)
+            self._flushed = self._written
+        return n
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            try:
+                if self.fsync:
+                    os.fsync(self.fd)
+            finally:
+                os.close(self.fd)
+                self.fd = -1
+
+
+def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], *, fsync: bool = True,
+                      metadata: dict[str, str] | None = None) -> int:
+    """Write ``tensors`` (CPU or device, any layout, storage shared or not) as one safetensors file in the given
+    order with :class:`SafetensorsWriter`, and fsync it. Returns the bytes written. ``metadata`` (str -> str) is
+    added to the header's ``__metadata__`` block.
+
+    Raises:
+        CheckpointFormatError: a dtype that safetensors cannot store (naming the tensor).
+    """
+    for name, t in tensors.items():
+        try:
+            safetensors_code(t.dtype)
+        except (ValueError, KeyError):
+            raise CheckpointFormatError(f"{path}: tensor {name!r} has dtype {t.dtype}, which safetensors cannot "
+                                        "store") from None
+    with SafetensorsWriter(path, [(k, tuple(t.shape), t.dtype) for k, t in tensors.items()], metadata,
+                           fsync=fsync) as w:
+        for k, t in tensors.items():
+            w.put(k, t)
+        return w.nbytes
+
+
+_WRITEBACK_BYTES = 16 * 1024 * 1024
+_sync_file_range = None
+
+
+def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to start writing ``[offset, offset + nbytes)`` to disk now (Linux ``sync_file_range`` with
+    ``SYNC_FILE_RANGE_WRITE``), so the disk works while later tensors are still being copied and the final
+    fsync has little left to do. A no-op where the call is unavailable."""
+    global _sync_file_range
+    if _sync_file_range is None:
+        _sync_file_range = False
+        try:
+            import ctypes
+            import ctypes.util
+
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            fn = libc.sync_file_range
+            fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+            _sync_file_range = fn
+        except (OSError, AttributeError):
+            pass
+    if _sync_file_range:
+        _sync_file_range(fd, offset, nbytes, 2)  # SYNC_FILE_RANGE_WRITE

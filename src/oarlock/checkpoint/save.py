@@ -1,0 +1,206 @@
+"""The save pipeline: prepare (describe, all-gather, validate, assign writes), write (one safetensors file per
+rank, header first), commit (rank 0 writes ``metadata.json`` last and publishes the directory in one rename).
+
+Every rank describes its shards; one all-gather gives every rank the global picture; a deterministic
+assignment picks one writer per distinct shard box (replicas are written once, by the holder that has written
+the fewest bytes so far, so DP replicas spread the writes); each rank writes one safetensors file and fsyncs it
+into a hidden temporary directory holding an incomplete-marker; rank 0 writes ``metadata.json`` last and renames
+the directory to its final name (:func:`oarlock.checkpoint.storage.publish_directory`). Each data file records in
+its header the shard box of every tensor it holds, for the warm restart of :mod:`oarlock.checkpoint.comm`. The
+layout on disk is described in ``docs/checkpoint-format.md``. Errors are agreed through
+:class:`~oarlock.checkpoint.dist.DistWrapper`: every rank raises the same one, and nothing is published.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from oarlock.checkpoint.dist import DistWrapper
+from oarlock.checkpoint.errors import CheckpointError, CheckpointMismatchError
+from oarlock.checkpoint.metadata import METADATA_FILE, CheckpointMetadata, ShardMeta, TensorMeta
+from oarlock.checkpoint.plan import KeyIndex
+from oarlock.checkpoint.safetensors_io import write_safetensors
+from oarlock.checkpoint.sharded import ShardedWeight
+from oarlock.checkpoint.storage import INCOMPLETE_MARKER, publish_directory, staging_path
+from oarlock.checkpoint.traversal import Leaves, collect_leaves
+from oarlock.utils import dtype_itemsize
+
+SHARDS_HEADER = "oarlock.shards"  # safetensors __metadata__ entry: {name: [offset, local shape, global shape, ...]}
+WORLD_HEADER = "oarlock.world_size"  # ... and the size of the group that saved
+
+
+def data_file_name(rank: int) -> str:
+    """The data file rank ``rank`` writes: ``rank-XXXXX.safetensors``."""
+    return f"rank-{rank:05d}.safetensors"
+
+
+def shard_record(offset, local_shape, global_shape, dtype: str, flattened_range) -> list:
+    """One tensor's entry in :data:`SHARDS_HEADER`: ``[offset, local shape, global shape, dtype, flat range]``."""
+    return [list(offset), list(local_shape), list(global_shape), dtype,
+            list(flattened_range) if flattened_range is not None else None]
+
+
+def sharded_weight_record(sw: ShardedWeight) -> list:
+    """:func:`shard_record` of a live shard (what a same-layout restart compares)."""
+    d = sw.desc
+    return shard_record(d.global_offset, d.local_shape, d.global_shape, d.dtype, d.flattened_range)
+
+
+def shard_header(shards: list[tuple], world: int) -> dict[str, str]:
+    """The safetensors ``__metadata__`` entries recording each shard a data file holds and the size of the group
+    that saved it. ``shards``: ``(key, global_offset, local_shape, global_shape, dtype, flattened_range)`` in file
+    order."""
+    rec = {k: shard_record(off, ls, gs, dt, fr) for k, off, ls, gs, dt, fr in shards}
+    return {SHARDS_HEADER: json.dumps(rec, separators=(",", ":")), WORLD_HEADER: str(world)}
+
+
+def assign_writes(per_rank: list[list[tuple]], replicas: bool = False
+                   ) -> tuple[dict[str, TensorMeta], dict[int, list[tuple]]]:
+    """Deterministic save plan from every rank's shard descriptions.
+
+    ``per_rank[r]`` lists ``(key, global_shape, dtype, offset, local_shape, flattened_range, nbytes)``. Each
+    distinct stored box goes to one holder: largest boxes first, each to the holder with the fewest bytes
+    assigned so far (ties: lowest rank), which spreads replicated tensors over their holders.
+
+    With ``replicas`` every other holder also writes its copy, recorded with ``replica_id`` 1, 2, ... (the
+    primary gets 0), so each rank's file holds everything it needs for a same-layout restart.
+
+    Returns ``(tensors, writes)``: the metadata per key, and per rank the shard identities it writes.
+
+    Raises:
+        CheckpointMismatchError: ranks disagree on a key's global shape or dtype (naming key and ranks).
+    """
+    spec: dict[str, tuple[tuple, str, int]] = {}
+    holders: dict[tuple, list[int]] = {}
+    sizes: dict[tuple, int] = {}
+    for r, descs in enumerate(per_rank):
+        for key, gshape, dtype, off, lshape, fr, nbytes in descs:
+            if key not in spec:
+                spec[key] = (gshape, dtype, r)
+            elif spec[key][:2] != (gshape, dtype):
+                g0, d0, r0 = spec[key]
+                raise CheckpointMismatchError(f"key {key!r}: rank {r0} saves global shape {list(g0)} {d0}, rank {r} "
+                                              f"saves {list(gshape)} {dtype}")
+            if nbytes == 0:
+                continue
+            ident = (key, off, lshape, fr)
+            holders.setdefault(ident, []).append(r)
+            sizes[ident] = nbytes
+    load = [0] * len(per_rank)
+    writes: dict[int, list[tuple]] = {}
+    owner: dict[tuple, int] = {}
+    for ident in sorted(holders, key=lambda i: (-sizes[i], i[0], i[1], i[3] or ())):
+        r = min(holders[ident], key=lambda h: (load[h], h))
+        load[r] += sizes[ident]
+        owner[ident] = r
+        writes.setdefault(r, []).append(ident)
+    tensors = {key: TensorMeta(key, gshape, dtype) for key, (gshape, dtype, _) in spec.items()}
+    for ident in sorted(owner, key=lambda i: (i[0], i[1], i[3] or ())):
+        key, off, lshape, fr = ident
+        tensors[key].shards.append(ShardMeta(off, lshape, data_file_name(owner[ident]), key, fr, 0 if replicas else None))
+        if replicas:
+            for k, h in enumerate((h for h in holders[ident] if h != owner[ident]), 1):
+                writes.setdefault(h, []).append(ident)
+                tensors[key].shards.append(ShardMeta(off, lshape, data_file_name(h), key, fr, k))
+    return tensors, writes
+
+
+def check_destination(path: Path) -> None:
+    """Raises:
+        CheckpointError: ``path`` exists and is neither an oarlock checkpoint nor an empty directory."""
+    if path.exists() and not (path.is_dir() and ((path / METADATA_FILE).is_file() or not any(path.iterdir()))):
+        raise CheckpointError(f"{path}: exists and is not an oarlock checkpoint; refusing to replace it")
+
+
+@dataclass
+class SavePlan:
+    """The outcome of :func:`prepare_save`, identical on every rank except ``leaves``."""
+
+    path: Path
+    rank: int
+    world: int
+    tmp: Path
+    gathered: list[dict]
+    tensors: dict[str, TensorMeta]
+    writes: dict[int, list[tuple]]
+    leaves: Leaves
+
+
+def prepare_save(state_dict: Mapping[str, Any], path: str | os.PathLike, process_group: Any,
+                 save_replicas: bool) -> SavePlan:
+    """The collective half of a save: describe, all-gather, validate, and assign writes (raises on every rank
+    alike). Tensor data is not touched."""
+    path = Path(path)
+    dist = DistWrapper(process_group)
+    leaves = Leaves()
+
+    def describe() -> dict:
+        nonlocal leaves
+        leaves = collect_leaves(state_dict)
+        descs: list[tuple] = []
+        mine: set[str] = set()
+        for sw in leaves.shards:
+            if sw.key in mine:
+                raise CheckpointError(f"rank {dist.rank} holds two shards of key {sw.key!r}")
+            mine.add(sw.key)
+            d = sw.desc
+            descs.append((d.key, d.global_shape, d.dtype, d.global_offset, d.local_shape, d.flattened_range,
+                          d.numel * dtype_itemsize(d.dtype)))
+        if dist.is_coordinator:
+            check_destination(path)
+        return {"descs": descs, "tmp": staging_path(path) if dist.is_coordinator else None,
+                "objects": leaves.objects, "nested": leaves.nested}
+
+    gathered = dist.gather(describe)
+    # computed from all-gathered data only: every rank reaches the same result or the same error
+    tensors, writes = assign_writes([g["descs"] for g in gathered], save_replicas)
+    for t in tensors.values():
+        KeyIndex(t)  # validates that the shards tile the global box
+    return SavePlan(path, dist.rank, dist.size, gathered[0]["tmp"], gathered, tensors, writes, leaves)
+
+
+def _desc_tuple(sw: ShardedWeight) -> tuple:
+    d = sw.desc
+    return (d.global_offset, d.local_shape, d.global_shape, d.dtype, d.flattened_range)
+
+
+def write_and_commit(plan: SavePlan, local: dict[str, torch.Tensor], process_group: Any) -> None:
+    """The data half of a save: write this rank's file from ``local`` (key -> tensor), then commit (rank 0).
+    Collective over ``process_group`` (two small all-gathers of error reports)."""
+    dist = DistWrapper(process_group)
+    tmp = plan.tmp
+
+    def write() -> None:
+        tmp.mkdir(parents=True, exist_ok=True)
+        (tmp / INCOMPLETE_MARKER).touch()  # before any data file: a partial directory must never load
+        ids = {(i[0], i[1]) for i in plan.writes.get(plan.rank, [])}
+        if ids:
+            mine = {sw.key: sw for sw in plan.leaves.shards}
+            keys = [k for k, _ in sorted(ids)]
+            write_safetensors(tmp / data_file_name(plan.rank), {k: local[k] for k in keys},
+                              metadata=shard_header([(k, *_desc_tuple(mine[k])) for k in keys], plan.world))
+
+    def commit() -> None:
+        if dist.is_coordinator:
+            objects: dict[str, Any] = {}
+            nested: dict[str, list] = {}
+            for g in reversed(plan.gathered):  # rank 0's values win
+                objects.update(g["objects"])
+                nested.update(g["nested"])
+            publish_directory(tmp, plan.path, CheckpointMetadata("oarlock", tensors=plan.tensors, objects=objects,
+                                                                 nested=nested))
+
+    for step in (write, commit):
+        try:
+            dist.run(step)
+        except BaseException:
+            if dist.is_coordinator:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
