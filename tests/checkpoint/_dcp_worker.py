@@ -10,10 +10,17 @@ tensors (``DTensor.full_tensor()`` / ``get_state_dict(full_state_dict=True)``), 
 * ``mesh``: DTensors on a 2x2 mesh (Shard(0)/Shard(1), Shard(1)/Replicate, 3-D) and a bf16 key.
 * ``multi``: a ShardedTensor with two chunks of one key on every rank (interleaved rows).
 * ``two``: saved by a 2-rank subgroup (ranks 0 and 1) only.
+
+Then every rank loads with oarlock's ``load_state_dict`` (named scenarios; each rank writes
+``results_{rank}.json`` with "ok" or the error per scenario): the 1-process DCP ``single`` the parent saved
+into 2x2-mesh DTensors (1 -> 4 ranks), ``two`` into 4 ranks (2 -> 4), and ``fsdp``/``fsdp_st``/``fsdp_zstd``
+into a fresh FSDP2 model + optimizer from ``get_state_dict`` (4 -> 4), each compared bit for bit with the
+writer's local tensors.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from pathlib import Path
@@ -45,6 +52,11 @@ def tiny_llama_config():
     return LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                        tie_word_embeddings=False)
+
+
+def single_state() -> dict:
+    """What the parent saves with ``dcp.save`` in one process (plain tensors and a value)."""
+    return {**{k: mesh_full(k) for k in MESH_SHAPES}, "epoch": 5}
 
 
 def run(rank: int, world: int, port: int, root: str) -> None:
@@ -122,3 +134,67 @@ def _body(rank: int, world: int, root: Path) -> None:
         st2 = init_from_local_shards([STShard(two_full[8 * rank: 8 * rank + 8].clone(), md[rank])], 16, 12,
                                      process_group=sub)
         dcp.save({"two.w": st2, "two.step": 3}, checkpoint_id=str(root / "two"), process_group=sub)
+
+    results: dict[str, str] = {}
+
+    def scenario(name, fn):
+        try:
+            fn()
+            results[name] = "ok"
+        except Exception as e:  # reported by name and rank in the parent
+            import traceback
+
+            results[name] = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"
+
+    from oarlock.checkpoint import load_state_dict
+
+    def one_to_four():
+        place = {"mesh.a": [Shard(1), Shard(0)], "mesh.b": [Shard(0), Shard(1)], "mesh.c": [Replicate(), Shard(1)],
+                 "mesh.d": [Shard(0), Replicate()]}
+        tgt = {k: distribute_tensor(torch.zeros_like(mesh_full(k)), mesh2, place[k]) for k in MESH_SHAPES}
+        tgt["epoch"] = 0
+        rep = load_state_dict(tgt, root / "single")
+        for k in MESH_SHAPES:
+            ref = distribute_tensor(mesh_full(k), mesh2, place[k]).to_local()
+            assert torch.equal(tgt[k].to_local(), ref), k
+        assert tgt["epoch"] == 5, tgt["epoch"]
+        assert rep.bytes_read < sum(mesh_full(k).nbytes for k in MESH_SHAPES), rep.bytes_read
+
+    def two_to_four():
+        tgt = {"two.w": distribute_tensor(torch.zeros(16, 12), mesh, [Shard(1)]), "two.step": 0}
+        load_state_dict(tgt, root / "two")
+        assert torch.equal(tgt["two.w"].to_local(), mesh_full("mesh.a")[:, 3 * rank:3 * rank + 3])
+        assert tgt["two.step"] == 3
+
+    def fsdp_into(name):
+        def body():
+            torch.manual_seed(1)
+            fresh = LlamaForCausalLM(tiny_llama_config())
+            for layer in fresh.model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(fresh, mesh=mesh)
+            fopt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+            fresh(input_ids=ids, labels=ids).loss.backward()  # creates the optimizer state to load into
+            fopt.step()
+            m2, o2 = get_state_dict(fresh, fopt)
+            tgt = {"model": m2, "optim": o2}
+            load_state_dict(tgt, root / name)
+            for k, v in msd.items():
+                a, b = m2[k], v
+                a, b = (a.to_local() if hasattr(a, "to_local") else a), (b.to_local() if hasattr(b, "to_local") else b)
+                assert torch.equal(a, b), k
+            for fqn, st in osd["state"].items():
+                for k, v in st.items():
+                    a, b = o2["state"][fqn][k], v
+                    a = a.to_local() if hasattr(a, "to_local") else a
+                    b = b.to_local() if hasattr(b, "to_local") else b
+                    assert torch.equal(a, b), (fqn, k)
+            assert o2["param_groups"][0]["lr"] == 1e-2
+        return body
+
+    scenario("1->4 DTensor 2x2 mesh from a 1-process DCP", one_to_four)
+    scenario("2->4 ShardedTensor of a 2-rank subgroup", two_to_four)
+    for name in ("fsdp", "fsdp_st", "fsdp_zstd"):
+        if (root / name).exists():
+            scenario(f"4->4 FSDP2 model+AdamW from {name}", fsdp_into(name))
+    (root / f"results_{rank}.json").write_text(json.dumps(results))

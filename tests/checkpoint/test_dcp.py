@@ -9,6 +9,7 @@ Values are compared bit for bit with the writer's own full tensors.
 from __future__ import annotations
 
 import io
+import json
 import os
 import pickle
 import shutil
@@ -21,8 +22,10 @@ import torch
 import torch.multiprocessing as mp
 
 import _dcp_worker as W
-from oarlock.checkpoint.dcp import DcpDataFiles, load_dcp_pickle, parse_dcp_metadata, read_dcp_objects
+from oarlock.checkpoint import load_state_dict, open_checkpoint
 from oarlock.checkpoint.errors import CheckpointFormatError, UnsafePickleError
+from oarlock.checkpoint.formats.dcp import load_dcp_pickle, parse_dcp_metadata
+from oarlock.cli import main
 
 pytestmark = pytest.mark.multiproc
 
@@ -38,6 +41,9 @@ def written(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("dcp")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(W.single_state(), checkpoint_id=str(root / "single"))  # one process, no process group
         mp.start_processes(W.run, args=(4, _free_port(), str(root)), nprocs=4, start_method="spawn", join=True)
     return root
 
@@ -46,36 +52,35 @@ def _flat(d, p=()):
     for k, v in d.items():
         if isinstance(v, dict):
             yield from _flat(v, p + (str(k),))
-        elif isinstance(v, list) and any(isinstance(x, dict) for x in v):
-            for i, x in enumerate(v):
-                yield from _flat(x, p + (str(k), str(i)))
         else:
             yield ".".join(p + (str(k),)), v
 
 
 @pytest.fixture(scope="module")
 def reference(written) -> dict:
-    """The writer's full tensors and values, flattened the way DCP names keys."""
+    """The writer's full tensors and values, flattened the way oarlock names keys (lists without tensors are one
+    value: ``optim.param_groups``)."""
     return dict(_flat(torch.load(written / "fsdp_ref.pt", weights_only=True)))
 
 
-def _assemble(root: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    meta, tensor_entries, object_entries = parse_dcp_metadata(root)
-    files = DcpDataFiles(root, tensor_entries, meta.tensors)
-    out = {}
-    for key, t in meta.tensors.items():
-        full = torch.full(t.global_shape, 7, dtype=getattr(torch, t.dtype))
-        covered = 0
-        for s in t.shards:
-            box = tuple(slice(o, o + n) for o, n in zip(s.global_offset, s.local_shape))
-            full[box] = files.chunk(key, s.file, s.name, s.local_shape)
-            covered += s.numel
-        assert covered == full.numel(), key
-        out[key] = full
-    files.close()
-    values, refused = read_dcp_objects(root, object_entries)
-    assert refused == {}
-    return out, values
+def _assemble(root: Path, refused_ok: bool = False) -> tuple[dict[str, torch.Tensor], dict]:
+    """Every tensor rebuilt from its stored chunks (reader.chunk), and the non-tensor values."""
+    with open_checkpoint(root) as reader:
+        meta = reader.metadata
+        assert meta.format == "dcp"
+        out = {}
+        for key, t in meta.tensors.items():
+            full = torch.full(t.global_shape, 7, dtype=getattr(torch, t.dtype))
+            covered = 0
+            for s in t.shards:
+                box = tuple(slice(o, o + n) for o, n in zip(s.global_offset, s.local_shape))
+                full[box] = reader.chunk(key, s.file, s.name)
+                covered += s.numel
+            assert covered == full.numel(), key
+            out[key] = full
+        if not refused_ok:
+            assert meta.extra["dcp"]["refused_objects"] == {}
+        return out, dict(meta.objects)
 
 
 @pytest.mark.parametrize("name", ["fsdp", "fsdp_st", "fsdp_zstd"])
@@ -93,7 +98,7 @@ def test_fsdp2_model_and_optimizer_bit_exact(written, reference, name):
     assert "optim.state.model.layers.0.self_attn.q_proj.weight.exp_avg_sq" in tensors
     for k, v in values.items():
         assert v == reference[k], k
-    assert values["optim.param_groups.0.lr"] == 0.01
+    assert values["optim.param_groups"][0]["lr"] == 0.01
     assert meta.nested["optim.state.model.embed_tokens.weight.exp_avg"] == [
         "optim", "state", "model.embed_tokens.weight", "exp_avg"]
 
@@ -178,26 +183,18 @@ def test_hostile_object_entry_is_refused_not_run(written, tmp_path):
         if idx.fqn == "step":
             info.length = len(evil)
     (d / ".metadata").write_bytes(pickle.dumps(md))
-    meta, _, entries = parse_dcp_metadata(d)
-    values, refused = read_dcp_objects(d, entries)
+    with open_checkpoint(d) as reader:
+        refused = reader.metadata.extra["dcp"]["refused_objects"]
+        values = reader.metadata.objects
     assert not marker.exists()
-    assert "step" in refused and "weights-only" in refused["step"]
+    assert list(refused) == ["step"] and "weights-only" in refused["step"]
     assert values["note.text"] == "hello"
-    tensors, _ = _assemble_allowing(d)
+    tensors, _ = _assemble(d, refused_ok=True)
     assert torch.equal(tensors["mesh.a"], W.mesh_full("mesh.a"))
-
-
-def _assemble_allowing(root: Path):
-    meta, te, oe = parse_dcp_metadata(root)
-    files = DcpDataFiles(root, te, meta.tensors)
-    out = {}
-    for key, t in meta.tensors.items():
-        full = torch.zeros(t.global_shape, dtype=getattr(torch, t.dtype))
-        for s in t.shards:
-            full[tuple(slice(o, o + n) for o, n in zip(s.global_offset, s.local_shape))] = files.chunk(
-                key, s.file, s.name, s.local_shape)
-        out[key] = full
-    return out, oe
+    target = {"step": 0, "mesh.a": torch.zeros(16, 12)}
+    with pytest.raises(Exception, match="step"):  # the refused value is missing, never executed
+        load_state_dict(target, d)
+    assert not marker.exists()
 
 
 @pytest.mark.parametrize("name", ["fsdp", "fsdp_st"])
@@ -219,3 +216,74 @@ def test_truncated_metadata(written, tmp_path):
     (d / ".metadata").write_bytes((d / ".metadata").read_bytes()[:100])
     with pytest.raises(CheckpointFormatError, match=r"\.metadata: not a readable DCP metadata pickle"):
         parse_dcp_metadata(d)
+
+
+# ---------------------------------------------------------------- entry points: load_state_dict, inspect, convert
+
+def test_rank_scenarios(written):
+    """Named scenarios every rank ran with oarlock's load_state_dict (see _dcp_worker.py)."""
+    failed = []
+    for r in range(4):
+        res = json.loads((written / f"results_{r}.json").read_text())
+        assert len(res) >= 4, res
+        failed += [f"rank {r}: {name}: {msg}" for name, msg in res.items() if msg != "ok"]
+    assert not failed, "\n".join(failed)
+
+
+def test_four_to_one_into_plain_model(written, reference):
+    """The 4-rank FSDP2 checkpoint loaded in one process into a plain (unsharded) HF model + nested optimizer
+    state, with torch's own dcp.load of the same files as a second reference."""
+    from transformers import LlamaForCausalLM
+
+    import torch.distributed.checkpoint as dcp
+
+    model = LlamaForCausalLM(W.tiny_llama_config())
+    target = {"model": model.state_dict()}
+    report = load_state_dict(target, written / "fsdp", strict=False)
+    assert report.missing_keys == []
+    assert all(k.startswith("optim.") for k in report.unexpected_keys) and report.unexpected_keys
+    ref_sd = {"model": {k: torch.zeros_like(v) for k, v in model.state_dict().items()}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(ref_sd, checkpoint_id=str(written / "fsdp"))
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, reference[f"model.{k}"]), k
+        assert torch.equal(v, ref_sd["model"][k]), k
+
+
+def test_inspect_dcp(written, capsys):
+    assert main(["inspect", str(written / "mesh"), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    text = json.dumps(out)
+    assert "mesh.a" in text and "dcp" in text and "__3_0.distcp" in text
+    assert main(["inspect", str(written / "fsdp")]) == 0
+    assert "dcp checkpoint, 84 tensors" in capsys.readouterr().out
+
+
+def test_convert_dcp_to_hf_loads_in_transformers(written, reference, tmp_path):
+    """`oarlock convert DCP OUT --to hf` of the FSDP2 model (HF key names); config.json placed next to the
+    DCP files is carried over, and transformers loads the result with the writer's exact weights."""
+    from transformers import LlamaForCausalLM
+
+    src = tmp_path / "src"
+    shutil.copytree(written / "hf_model", src)
+    W.tiny_llama_config().save_pretrained(src)
+    assert main(["convert", str(src), str(tmp_path / "hf"), "--to", "hf"]) == 0
+    model = LlamaForCausalLM.from_pretrained(tmp_path / "hf")
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, reference[f"model.{k}"]), k
+
+
+@pytest.mark.parametrize("name", ["fsdp", "fsdp_st"])
+def test_convert_dcp_to_oarlock_tp2(written, reference, tmp_path, name):
+    out = tmp_path / "oar"
+    assert main(["convert", str(written / name), str(out), "--to", "oarlock", "--tp", "2"]) == 0
+    with open_checkpoint(out) as r:
+        meta = r.metadata
+        q = meta.tensors["model.model.layers.0.self_attn.q_proj.weight"]
+        assert len(q.shards) == 2
+    got = {k: torch.zeros_like(reference[k]) for k in ("model.model.layers.0.self_attn.q_proj.weight",
+                                                       "optim.state.model.norm.weight.exp_avg")}
+    load_state_dict(got, out, strict=False)
+    for k, v in got.items():
+        assert torch.equal(v, reference[k]), k

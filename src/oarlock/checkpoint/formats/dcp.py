@@ -38,6 +38,8 @@ import torch
 
 from oarlock.checkpoint.errors import CheckpointFormatError, UnsafePickleError
 from oarlock.checkpoint.metadata import CheckpointMetadata, ShardMeta, TensorMeta
+from oarlock.checkpoint.reader import CheckpointReader, register_format
+from oarlock.checkpoint.safetensors_io import MAX_HEADER_BYTES, SafetensorsFile, contiguous_run, np_prod
 from oarlock.utils import AllowlistUnpickler, dtype_name, torch_dtype
 
 DCP_METADATA = ".metadata"
@@ -210,8 +212,9 @@ class DcpUnpickler(AllowlistUnpickler):
         raise UnsafePickleError(f"{self._source}: refuses a persistent id in a DCP metadata pickle")
 
 
-def load_dcp_pickle(path: str | Path) -> Any:
-    """Unpickle one DCP ``.metadata`` file with :class:`DcpUnpickler`.
+def load_dcp_pickle(path: str | Path, data: bytes | None = None) -> Any:
+    """Unpickle one DCP ``.metadata`` file (or its bytes ``data``, received from another rank) with
+    :class:`DcpUnpickler`.
 
     Raises:
         UnsafePickleError: the pickle names anything outside the admitted set.
@@ -219,6 +222,8 @@ def load_dcp_pickle(path: str | Path) -> Any:
     """
     path = Path(path)
     try:
+        if data is not None:
+            return DcpUnpickler(io.BytesIO(data), str(path)).load()
         with open(path, "rb") as f:
             if os.fstat(f.fileno()).st_size > _MAX_METADATA_BYTES:
                 raise CheckpointFormatError(f"{path}: DCP metadata larger than 1 GiB; refusing to unpickle it")
@@ -251,8 +256,8 @@ def is_dcp_dir(names: set[str] | list[str]) -> bool:
     return DCP_METADATA in names or any(RANK_METADATA.match(n) for n in names)
 
 
-def _metadata_files(root: Path) -> list[Path]:
-    if (root / DCP_METADATA).is_file():
+def _metadata_files(root: Path, shipped: dict[str, bytes] | None = None) -> list[Path]:
+    if (root / DCP_METADATA).is_file() or (shipped and DCP_METADATA in shipped):
         return [root / DCP_METADATA]
     ranks = sorted(int(m.group(1)) for n in os.listdir(root) if (m := RANK_METADATA.match(n)))
     if not ranks:
@@ -266,8 +271,9 @@ def _ints(v: Any, what: str, source: Path) -> tuple[int, ...]:
     return tuple(v)
 
 
-def parse_dcp_metadata(root: str | Path) -> tuple[CheckpointMetadata, dict[tuple[str, str], DcpEntry],
-                                                   dict[str, DcpEntry]]:
+def parse_dcp_metadata(root: str | Path, *, shipped: dict[str, bytes] | None = None, partial: bool = False,
+                       fmt: str = "dcp") -> tuple[CheckpointMetadata, dict[tuple[str, str], DcpEntry],
+                                                  dict[str, DcpEntry]]:
     """Read and validate the DCP metadata of directory ``root``.
 
     Returns:
@@ -276,7 +282,9 @@ def parse_dcp_metadata(root: str | Path) -> tuple[CheckpointMetadata, dict[tuple
         ``name`` is unique within that file), ``nested`` paths from the planner data, and
         ``extra["dcp"]`` (version, save id, serialisation, transforms seen); ``tensor_entries`` maps
         ``(file, shard name)`` to the chunk's :class:`DcpEntry`; ``object_entries`` maps each non-tensor key to
-        its :class:`DcpEntry`. No data file is opened.
+        its :class:`DcpEntry`. No data file is opened. ``shipped`` holds the ``.metadata`` bytes when this rank
+        cannot see the file (node-local disks); with ``partial`` data files this rank cannot see are not an error.
+        ``fmt`` names the result's format (``"dcp"``, or a format built on DCP such as Megatron-Core's).
 
     Raises:
         UnsafePickleError: a metadata pickle names anything outside the admitted set.
@@ -288,9 +296,9 @@ def parse_dcp_metadata(root: str | Path) -> tuple[CheckpointMetadata, dict[tuple
     storage: list[tuple[Any, Any]] = []
     planner: dict[str, Any] = {}
     versions, save_ids = set(), set()
-    mfiles = _metadata_files(root)
+    mfiles = _metadata_files(root, shipped)
     for mpath in mfiles:
-        raw = load_dcp_pickle(mpath)
+        raw = load_dcp_pickle(mpath, (shipped or {}).get(mpath.name))
         if not isinstance(raw, DcpMetadata):
             raise CheckpointFormatError(f"{mpath}: expected a DCP Metadata record, found {type(raw).__name__}")
         part = raw.get("state_dict_metadata")
@@ -340,15 +348,19 @@ def parse_dcp_metadata(root: str | Path) -> tuple[CheckpointMetadata, dict[tuple
         okey = None if o is None else _ints(o, f"storage offset of {fqn!r}", msrc)
         if rel not in sizes:
             p = root / rel
-            if not p.is_file():
+            if p.is_file():
+                sizes[rel] = p.stat().st_size
+            elif partial:
+                sizes[rel] = -1  # another rank sees it
+            else:
                 raise CheckpointFormatError(f"{p}: DCP data file holding {fqn!r} is missing")
-            sizes[rel] = p.stat().st_size
         by_index[(fqn, okey)] = DcpEntry(rel, off, length, tuple(td))
 
-    meta = CheckpointMetadata("dcp")
+    meta = CheckpointMetadata(fmt)
     tensor_entries: dict[tuple[str, str], DcpEntry] = {}
     object_entries: dict[str, DcpEntry] = {}
     chunk_files: dict[tuple[str, str], int] = {}
+    raw_nbytes: dict[tuple[str, str], int] = {}
     for key, v in sdm.items():
         if not isinstance(key, str):
             raise CheckpointFormatError(f"{msrc}: state_dict_metadata has a non-string key {key!r}")
@@ -402,11 +414,12 @@ def parse_dcp_metadata(root: str | Path) -> tuple[CheckpointMetadata, dict[tuple
             e = by_index[(key, off)]
             name = key if chunk_files[(e.file, key)] == 1 else f"{key}@{','.join(map(str, off))}"
             tensor_entries[(e.file, name)] = e
+            raw_nbytes[(e.file, name)] = _nbytes(loc, dtn)
             tm.shards.append(ShardMeta(off, loc, e.file, name))
         meta.tensors[key] = tm
     # Safetensors serialisation: the tensor chunks of a file share one offset (the embedded blob's start) and
     # their length is the raw byte count, so only the blob header can be checked against the file size.
-    serial = _detect_serialization(root, tensor_entries, sizes)
+    serial = _detect_serialization(tensor_entries, raw_nbytes)
     if serial == "safetensors":
         tensor_entries = {k: DcpEntry(e.file, e.offset, e.length, e.transforms, "safetensors")
                           for k, e in tensor_entries.items()}
@@ -432,30 +445,18 @@ def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
 
 
 def _check_range(root: Path, e: DcpEntry, sizes: dict[str, int], what: str) -> None:
-    if e.offset + e.length > sizes[e.file]:
+    if sizes[e.file] >= 0 and e.offset + e.length > sizes[e.file]:
         raise CheckpointFormatError(f"{root / e.file}: truncated: {what!r} is stored at bytes "
                                     f"[{e.offset}, {e.offset + e.length}) but the file has {sizes[e.file]} bytes")
 
 
-def _detect_serialization(root: Path, entries: dict[tuple[str, str], DcpEntry], sizes: dict[str, int]) -> str:
-    """``"safetensors"`` when the tensor entries point at embedded safetensors blobs, else ``"torch_save"``.
-
-    A torch.save archive is a zip file (starts with ``PK``); a safetensors blob starts with its 8-byte header
-    length followed by ``{``. One file is probed (the writer uses one format for the whole checkpoint)."""
-    if not entries:
-        return "torch_save"
-    e = next(iter(entries.values()))
-    if e.transforms:
-        return "torch_save"  # the safetensors writer path applies no stream transforms to tensors
-    with open(root / e.file, "rb") as f:
-        f.seek(e.offset)
-        head = f.read(9)
-    if head[:2] == b"PK":
-        return "torch_save"
-    if len(head) == 9 and head[8:9] == b"{":
+def _detect_serialization(entries: dict[tuple[str, str], DcpEntry], nbytes: dict[tuple[str, str], int]) -> str:
+    """``"safetensors"`` when every tensor entry's length is exactly its chunk's raw byte count (the embedded
+    safetensors serialisation records raw lengths); a ``torch.save`` archive is always longer than its data
+    (zip records and the pickle). Decided from the metadata alone, so ranks that see no data file agree."""
+    if entries and all(not e.transforms and e.length == nbytes[k] for k, e in entries.items()):
         return "safetensors"
-    raise CheckpointFormatError(f"{root / e.file}: bytes at offset {e.offset} are neither a torch.save archive nor "
-                                "a safetensors blob")
+    return "torch_save"
 
 
 # ---------------------------------------------------------------- byte-range reads
@@ -529,110 +530,31 @@ def load_archive(path: Path, fd: int, entry: DcpEntry, what: str) -> Any:
         raise CheckpointFormatError(f"{where}: not a weights-only torch.save archive: {msg}") from None
 
 
-class DcpDataFiles:
-    """Open DCP data files of one checkpoint and read chunks out of them.
+class _EmbeddedSafetensors(SafetensorsFile):
+    """The safetensors blob that DCP's safetensors serialisation embeds at byte ``start`` of a ``.distcp`` file,
+    read with the byte-range machinery of :class:`SafetensorsFile` (``data_start`` is absolute in the file).
+    The header is checked like a file's: offsets inside the file, sizes matching shapes and dtypes."""
 
-    ``chunk(file, name, ...)`` returns the whole stored chunk as a CPU tensor: a ``torch.save`` archive is loaded
-    from its byte range with ``torch.load(weights_only=True)``; an embedded-safetensors chunk is read with one
-    ``os.preadv`` straight into a new tensor. The most recently read chunk is kept, so the several boxes one
-    chunk feeds cost one read (memory bound: one chunk).
-    """
-
-    def __init__(self, root: Path, tensor_entries: dict[tuple[str, str], DcpEntry],
-                 tensors: dict[str, TensorMeta]):
-        self.root = root
-        self.entries = tensor_entries
-        self.tensors = tensors
-        self._fds: dict[str, int] = {}
-        self._blobs: dict[tuple[str, int], dict[str, tuple[str, tuple[int, ...], int, int]]] = {}
-        self._last: tuple[tuple[str, str], torch.Tensor] | None = None
-        self.files_opened: list[str] = []
-
-    def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
-        self._last = None
-
-    def fd(self, file: str) -> int:
-        fd = self._fds.get(file)
-        if fd is None:
-            try:
-                fd = os.open(self.root / file, os.O_RDONLY)
-            except OSError as e:
-                raise CheckpointFormatError(f"{self.root / file}: cannot open: {e.strerror or e}") from None
-            self._fds[file] = fd
-            self.files_opened.append(file)
-        return fd
-
-    def chunk(self, key: str, file: str, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """The stored chunk ``name`` of ``file`` (tensor ``key``, local shape ``shape``) as a CPU tensor.
-
-        Raises:
-            CheckpointFormatError: missing entry, unreadable bytes, or a stored tensor whose shape or dtype
-                differs from the metadata (naming file and key).
-        """
-        if self._last is not None and self._last[0] == (file, name):
-            return self._last[1]
-        e = self.entries.get((file, name))
-        if e is None:
-            raise CheckpointFormatError(f"{self.root / file}: no DCP storage entry for chunk {name!r}")
-        dtype = self.tensors[key].dtype
-        path = self.root / file
-        if e.serialization == "safetensors":
-            t = self._blob_tensor(path, e, key, dtype, shape)
-        else:
-            t = load_archive(path, self.fd(file), e, key)
-            if not isinstance(t, torch.Tensor):
-                raise CheckpointFormatError(f"{path}: chunk of {key!r} holds {type(t).__name__}, not a tensor")
-            if tuple(t.shape) != tuple(shape) or t.dtype != torch_dtype(dtype):
-                raise CheckpointFormatError(f"{path}: chunk of {key!r} is {t.dtype} {list(t.shape)}, metadata says "
-                                            f"{dtype} {list(shape)}")
-        self._last = ((file, name), t)
-        return t
-
-    def _blob_tensor(self, path: Path, e: DcpEntry, key: str, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
-        fd = self.fd(e.file)
-        header = self._blob_header(path, fd, e.offset)
-        ent = header.get(key)
-        if ent is None:
-            raise CheckpointFormatError(f"{path}: embedded safetensors blob at byte {e.offset} lacks tensor {key!r}")
-        sdt, sshape, begin, data_start = ent
-        if sdt != dtype or tuple(sshape) != tuple(shape):
-            raise CheckpointFormatError(f"{path}: tensor {key!r} is stored as {sdt} {list(sshape)}, metadata says "
-                                        f"{dtype} {list(shape)} (several chunks of one key in one file are not "
-                                        "representable in DCP's safetensors serialisation)")
-        out = torch.empty(shape, dtype=torch_dtype(dtype))
-        mv = memoryview(out.reshape(-1).view(torch.uint8).numpy())
-        got = 0
-        while got < len(mv):
-            k = os.preadv(fd, [mv[got:]], data_start + begin + got)
-            if k <= 0:
-                raise CheckpointFormatError(f"{path}: truncated: tensor {key!r} ends past the end of the file")
-            got += k
-        return out
-
-    def _blob_header(self, path: Path, fd: int, start: int) -> dict[str, tuple[str, tuple[int, ...], int, int]]:
-        """Parse and check the header of the safetensors blob embedded at byte ``start`` (format:
-        https://github.com/huggingface/safetensors#format): ``{name: (dtype, shape, begin, data start)}``."""
-        cached = self._blobs.get((str(path), start))
-        if cached is not None:
-            return cached
+    def __init__(self, path: Path, fd: int, start: int):  # noqa: super().__init__ would parse at byte 0
+        self.path, self.fd = path, fd
         size = os.fstat(fd).st_size
         head = os.pread(fd, 8, start)
         if len(head) < 8:
-            raise CheckpointFormatError(f"{path}: truncated safetensors blob at byte {start}")
+            raise CheckpointFormatError(f"{path}: truncated: no safetensors blob at byte {start}")
         (n,) = struct.unpack("<Q", head)
-        if n > min(size - start - 8, 100 * 1024 * 1024):
-            raise CheckpointFormatError(f"{path}: safetensors blob at byte {start}: header length {n} exceeds the file")
+        if n > min(size - start - 8, MAX_HEADER_BYTES):
+            raise CheckpointFormatError(f"{path}: truncated or corrupt: safetensors blob at byte {start} has a "
+                                        f"header length {n} past the end of the file")
         try:
             header = json.loads(os.pread(fd, n, start + 8))
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise CheckpointFormatError(f"{path}: safetensors blob at byte {start}: invalid header ({err})") from None
         if not isinstance(header, dict):
             raise CheckpointFormatError(f"{path}: safetensors blob at byte {start}: header is not a JSON object")
-        data_start = start + 8 + n
-        out = {}
+        self.data_start = start + 8 + n
+        meta = header.get("__metadata__")
+        self.header_metadata = dict(meta) if isinstance(meta, dict) else {}
+        self.entries = {}
         for name, ent in header.items():
             if name == "__metadata__":
                 continue
@@ -642,34 +564,222 @@ class DcpDataFiles:
                 begin, end = (int(x) for x in ent["data_offsets"])
             except (KeyError, TypeError, ValueError) as err:
                 raise CheckpointFormatError(f"{path}: blob tensor {name!r}: bad header entry ({err})") from None
-            if begin < 0 or end - begin != _nbytes(shape, dt) or data_start + end > size:
+            if begin < 0 or end - begin != _nbytes(shape, dt) or self.data_start + end > size:
                 raise CheckpointFormatError(f"{path}: truncated or corrupt: blob tensor {name!r} at data offsets "
                                             f"[{begin}, {end}) does not fit shape {list(shape)} {dt} in a file of "
                                             f"{size} bytes")
-            out[name] = (dt, shape, begin, data_start)
-        self._blobs[(str(path), start)] = out
-        return out
+            self.entries[name] = (dt, shape, begin, end)
+
+    def close(self) -> None:  # the fd belongs to the reader
+        self.fd = -1
 
 
-def read_dcp_objects(root: Path, entries: dict[str, DcpEntry]) -> tuple[dict[str, Any], dict[str, str]]:
-    """Load the non-tensor values (``BytesStorageMetadata`` entries) with ``torch.load(weights_only=True)``.
+@register_format
+class DcpReader(CheckpointReader):
+    """Reader of ``torch.distributed.checkpoint`` directories (see the module docstring).
 
-    Returns:
-        ``(values, refused)``: key -> value for the ones that load; key -> reason for the ones whose archive
-        holds something a weights-only load refuses (a custom class): they are reported, never unpickled.
+    Tensor chunks in ``torch.save`` archives are loaded whole from their byte range
+    (``torch.load(weights_only=True)``, one chunk cached, so the boxes one chunk feeds cost one load); chunks of
+    the safetensors serialisation are read by byte ranges, and offer :meth:`byte_run` for zero-copy conversion.
+    Non-tensor values (``BytesStorageMetadata``) are loaded at open time into ``metadata.objects``; any a
+    weights-only load refuses is listed in ``metadata.extra["dcp"]["refused_objects"]`` and never unpickled.
     """
-    values: dict[str, Any] = {}
-    refused: dict[str, str] = {}
-    fds: dict[str, int] = {}
-    try:
-        for key, e in entries.items():
-            if e.file not in fds:
-                fds[e.file] = os.open(root / e.file, os.O_RDONLY)
+
+    format = "dcp"
+    priority = 1
+    hint = ".metadata + __<rank>_<i>.distcp (torch.distributed.checkpoint)"
+    metadata_files = (DCP_METADATA,)
+
+    def __init__(self, root: Path, metadata: CheckpointMetadata, entries: dict[tuple[str, str], DcpEntry]):
+        super().__init__(root, metadata)
+        self.entries = entries
+        self._fds: dict[str, int] = {}
+        self._blobs: dict[tuple[str, int], _EmbeddedSafetensors] = {}
+        self._last: tuple[tuple[str, str], torch.Tensor] | None = None
+
+    @classmethod
+    def claim(cls, path: Path, names: set[str] | None) -> int:
+        return 2 if names is not None and is_dcp_dir(names) and not _is_megatron(path, names) else 0
+
+    @classmethod
+    def open(cls, path: Path, *, shipped: dict[str, bytes] | None = None, partial: bool = False) -> "DcpReader":
+        return cls.open_as(path, shipped=shipped, partial=partial, fmt=cls.format)
+
+    @classmethod
+    def open_as(cls, path: Path, *, shipped: dict[str, bytes] | None, partial: bool, fmt: str) -> Any:
+        meta, entries, objects = parse_dcp_metadata(path, shipped=shipped, partial=partial, fmt=fmt)
+        reader = cls(path, meta, entries)
+        values, refused = reader.load_objects(objects)
+        meta.objects.update(values)
+        meta.extra["dcp"]["refused_objects"] = refused
+        regroup_list_objects(meta)
+        return reader
+
+    def close(self) -> None:
+        super().close()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        self._blobs.clear()
+        self._last = None
+
+    def fd(self, file: str) -> int:
+        """The open descriptor of data file ``file`` (opened once)."""
+        fd = self._fds.get(file)
+        if fd is None:
             try:
-                values[key] = load_archive(root / e.file, fds[e.file], e, key)
+                fd = os.open(self.path_of(file), os.O_RDONLY)
+            except OSError as e:
+                raise CheckpointFormatError(f"{self.path_of(file)}: cannot open: {e.strerror or e}") from None
+            self._fds[file] = fd
+            self.files_opened.append(file)
+        return fd
+
+    def load_objects(self, entries: dict[str, DcpEntry]) -> tuple[dict[str, Any], dict[str, str]]:
+        """Load non-tensor values with ``torch.load(weights_only=True)`` from the data files this rank sees.
+
+        Returns ``(values, refused)``: key -> value, and key -> reason for archives a weights-only load refuses
+        (a custom class, a pickle calling a function): reported, never unpickled."""
+        values: dict[str, Any] = {}
+        refused: dict[str, str] = {}
+        for key, e in entries.items():
+            if not self.path_of(e.file).is_file():
+                continue
+            try:
+                values[key] = load_archive(self.path_of(e.file), self.fd(e.file), e, key)
             except CheckpointFormatError as err:
                 refused[key] = str(err)
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-    return values, refused
+        return values, refused
+
+    def _blob(self, e: DcpEntry) -> _EmbeddedSafetensors:
+        b = self._blobs.get((e.file, e.offset))
+        if b is None:
+            b = self._blobs[(e.file, e.offset)] = _EmbeddedSafetensors(self.path_of(e.file), self.fd(e.file),
+                                                                       e.offset)
+        return b
+
+    def _entry(self, key: str, file: str, name: str) -> DcpEntry:
+        e = self.entries.get((file, name))
+        if e is None:
+            raise CheckpointFormatError(f"{self.path_of(file)}: no DCP storage entry for chunk {name!r} of {key!r}")
+        return e
+
+    def chunk(self, key: str, file: str, name: str) -> torch.Tensor:
+        """The whole stored chunk ``name`` of ``file`` (tensor ``key``) as a CPU tensor of its local shape.
+
+        Raises:
+            CheckpointFormatError: missing entry, unreadable bytes, or a stored tensor whose shape or dtype
+                differs from the metadata (naming file and key).
+        """
+        if self._last is not None and self._last[0] == (file, name):
+            return self._last[1]
+        e = self._entry(key, file, name)
+        tm = self.metadata.tensors[key]
+        shape = next(s.local_shape for s in tm.shards if s.file == file and s.name == name)
+        path = self.path_of(file)
+        if e.serialization == "safetensors":
+            t = self._blob(e).read_box(key, 0, shape, tuple((0, n) for n in shape), tm.dtype)
+        else:
+            t = load_archive(path, self.fd(file), e, key)
+            if not isinstance(t, torch.Tensor):
+                raise CheckpointFormatError(f"{path}: chunk of {key!r} holds {type(t).__name__}, not a tensor")
+            if tuple(t.shape) != tuple(shape) or t.dtype != torch_dtype(tm.dtype):
+                raise CheckpointFormatError(f"{path}: chunk of {key!r} is {t.dtype} {list(t.shape)}, metadata says "
+                                            f"{tm.dtype} {list(shape)}")
+        self._last = ((file, name), t)
+        return t
+
+    def read_box(self, key: str, file: str, name: str, flat_start: int, shape: tuple[int, ...],
+                 box: tuple[tuple[int, int], ...], out: torch.Tensor | None = None) -> torch.Tensor:
+        e = self._entry(key, file, name)
+        if e.serialization == "safetensors":
+            blob = self._blob(e)
+            if key not in blob.entries:
+                raise CheckpointFormatError(f"{self.path_of(file)}: embedded safetensors blob at byte {e.offset} "
+                                            f"lacks tensor {key!r}")
+            return blob.read_box(key, flat_start, shape, box, self.metadata.tensors[key].dtype, out)
+        t = self.chunk(key, file, name)
+        arr = t.reshape(-1)[flat_start:flat_start + np_prod(shape)].reshape(shape)
+        part = arr[tuple(slice(a, b) for a, b in box)]
+        if out is None:
+            return part.clone()
+        out.copy_(part)
+        return out
+
+    def byte_run(self, key: str, file: str, name: str, flat_start: int, shape: tuple[int, ...],
+                 box: tuple[tuple[int, int], ...]) -> tuple[int, int, int] | None:
+        e = self.entries.get((file, name))
+        if e is None or e.serialization != "safetensors":
+            return None
+        blob = self._blob(e)
+        ent = blob.entries.get(key)
+        run = contiguous_run(shape, box)
+        dtype = self.metadata.tensors[key].dtype
+        if run is None or ent is None or ent[0] != dtype or flat_start + np_prod(shape) > np_prod(ent[1]):
+            return None
+        isz = torch_dtype(dtype).itemsize
+        return blob.fd, blob.data_start + ent[2] + (flat_start + run[0]) * isz, run[1] * isz
+
+
+def regroup_list_objects(meta: CheckpointMetadata) -> None:
+    """Give non-tensor lists oarlock's key convention.
+
+    DCP flattens lists of dicts element by element (``optim.param_groups.0.lr``, with the path
+    ``("optim", "param_groups", 0, "lr")`` in the planner data); oarlock keeps a list without tensors as one value
+    (``optim.param_groups``). Values whose path has a list index, under a prefix that holds no tensor, are
+    reassembled into that one list-valued object (in place); everything else is left as it is."""
+    groups: dict[tuple, list[tuple[tuple, str]]] = {}
+    for key in list(meta.objects):
+        path = tuple(meta.nested.get(key, [key]))
+        cut = next((i for i, p in enumerate(path) if isinstance(p, int)), None)
+        if cut is None or cut == 0:
+            continue
+        groups.setdefault(path[:cut], []).append((path[cut:], key))
+    tensor_paths = [tuple(meta.nested.get(k, [k])) for k in meta.tensors]
+    for prefix, members in groups.items():
+        if any(tp[:len(prefix)] == prefix for tp in tensor_paths):
+            continue
+        root: list = []
+        for rest, key in sorted(members, key=lambda m: [str(x) for x in m[0]]):
+            node: Any = root
+            for i, (p, nxt) in enumerate(zip(rest, rest[1:] + (None,))):
+                last = nxt is None
+                if isinstance(node, list):
+                    if not isinstance(p, int):
+                        break
+                    while len(node) <= p:
+                        node.append(None)
+                    if last:
+                        node[p] = meta.objects[key]
+                    else:
+                        if node[p] is None:
+                            node[p] = [] if isinstance(nxt, int) else {}
+                        node = node[p]
+                else:
+                    if last:
+                        node[p] = meta.objects[key]
+                    else:
+                        node = node.setdefault(p, [] if isinstance(nxt, int) else {})
+            else:
+                del meta.objects[key]
+                meta.nested.pop(key, None)
+        name = ".".join(str(p) for p in prefix)
+        meta.objects[name] = root
+        if len(prefix) > 1 or prefix[0] != name:
+            meta.nested[name] = list(prefix)
+
+
+MEGATRON_METADATA = "metadata.json"
+
+
+def _is_megatron(path: Path, names: set[str]) -> bool:
+    """A Megatron-Core ``torch_dist`` directory: ``metadata.json`` naming ``sharded_backend`` (read by
+    :mod:`oarlock.checkpoint.formats.megatron`)."""
+    if MEGATRON_METADATA not in names:
+        return False
+    try:
+        with open(path / MEGATRON_METADATA, "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return False
+    return b'"sharded_backend"' in head
