@@ -192,7 +192,20 @@ def _body(rank: int, world: int, root: Path) -> None:
             assert o2["param_groups"][0]["lr"] == 1e-2
         return body
 
+    def gguf_to_four():
+        from oarlock.checkpoint.formats.gguf import GgufFile
+        from oarlock.models.smollm2 import gguf_path
+
+        keys = {"model.layers.0.self_attn.q_proj.weight": [Shard(0)], "model.layers.3.self_attn.k_proj.weight":
+                [Shard(1)], "model.layers.29.mlp.down_proj.weight": [Shard(0)]}
+        ref = GgufFile(gguf_path())
+        tgt = {k: distribute_tensor(torch.zeros_like(ref.read(k)), mesh, p) for k, p in keys.items()}
+        load_state_dict(tgt, gguf_path(), strict=False)
+        for k, p in keys.items():
+            assert torch.equal(tgt[k].to_local(), distribute_tensor(ref.read(k), mesh, p).to_local()), k
+
     scenario("1->4 DTensor 2x2 mesh from a 1-process DCP", one_to_four)
+    scenario("GGUF file -> 4 ranks (Shard(0) / Shard(1) DTensors)", gguf_to_four)
     scenario("2->4 ShardedTensor of a 2-rank subgroup", two_to_four)
     for name in ("fsdp", "fsdp_st", "fsdp_zstd"):
         if (root / name).exists():

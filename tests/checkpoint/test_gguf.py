@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from oarlock.checkpoint.errors import CheckpointFormatError
-from oarlock.checkpoint.gguf import GgufFile, unpermute_rotary
+from oarlock.checkpoint.formats.gguf import GgufFile, unpermute_rotary
 from oarlock.models.smollm2 import gguf_path
 
 
@@ -72,3 +72,40 @@ def test_not_gguf_and_truncated(tmp_path):
                       + struct.pack("<I", 8) + struct.pack("<Q", len(val)) + val)
     with pytest.raises(CheckpointFormatError, match="architecture 'gpt2' has no HF name table"):
         GgufFile(other)
+
+
+@pytest.mark.slow
+def test_cli_convert_gguf_to_hf_loads_in_transformers(transformers_state, tmp_path):
+    """`oarlock convert SmolLM2-135M-Instruct.Q4_1.gguf OUT --to hf`: transformers loads OUT (config.json from the
+    GGUF metadata) with exactly the tensors of its own GGUF loader; `inspect` names the format."""
+    from transformers import AutoModelForCausalLM
+
+    from oarlock.cli import main
+
+    config, ref = transformers_state
+    out = tmp_path / "hf"
+    assert main(["convert", str(gguf_path()), str(out), "--to", "hf"]) == 0
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert model.config.tie_word_embeddings and model.config.num_key_value_heads == 3
+    got = model.state_dict()
+    assert set(got) == set(ref)
+    for k, v in got.items():
+        assert torch.equal(v, ref[k]), k
+    assert main(["inspect", str(gguf_path())]) == 0
+
+
+@pytest.mark.slow
+def test_load_state_dict_from_gguf(transformers_state):
+    """load_state_dict straight from the GGUF file into a plain HF model; lm_head is tied (not in the file)."""
+    from transformers import LlamaForCausalLM
+
+    from oarlock.checkpoint import load_state_dict
+
+    config, ref = transformers_state
+    cfg = config.__class__.from_dict({k: v for k, v in config.to_dict().items() if k != "quantization_config"})
+    model = LlamaForCausalLM(cfg)
+    sd = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    report = load_state_dict(sd, gguf_path())
+    assert report.missing_keys == [] and report.unexpected_keys == []
+    for k, v in sd.items():
+        assert torch.equal(v, ref[k]), k

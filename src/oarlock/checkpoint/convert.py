@@ -419,12 +419,15 @@ def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike, *, aoa_conf
                 _write_streaming(tmp / name, entries, _producer(reader, planner, items), bar)
             if bar is not None:
                 bar.close()
+            hf_config = reader.metadata.extra.get("hf_config")  # a source that knows its model (GGUF) says so
         if len(plan.files) > 1:
             write_hf_index(tmp, {k: name for name, (keys, _) in plan.files.items() for k in keys}, plan.total_bytes)
         if copy_side_files:
             for name, f in side_files(source).items():
                 if not name.startswith("model"):  # never carry over a stale index
                     shutil.copyfile(f, tmp / name)
+        if isinstance(hf_config, dict) and aoa_config is None and not (tmp / "config.json").exists():
+            (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         publish_directory(tmp, out_dir)
     return out_dir
 

@@ -25,6 +25,7 @@ import torch
 
 from oarlock.checkpoint.errors import CheckpointFormatError
 from oarlock.checkpoint.metadata import CheckpointMetadata, ShardMeta, TensorMeta
+from oarlock.checkpoint.reader import CheckpointReader, register_format
 
 GGUF_MAGIC = b"GGUF"
 
@@ -223,3 +224,57 @@ class GgufFile:
             if v is not None:
                 cfg[{"padding": "pad", "unknown": "unk"}.get(k, k) + "_token_id"] = int(v)
         return cfg
+
+
+@register_format
+class GgufReader(CheckpointReader):
+    """Reader of one GGUF file (the root is the file): HF-named tensors, dequantised on read.
+
+    A box of a tensor dequantises the whole tensor (ggml blocks span rows) and keeps it until another tensor is
+    read, so the pieces one tensor feeds cost one dequantisation; memory holds one tensor.
+    ``metadata.extra["hf_config"]`` is the transformers ``config.json`` that HF export writes next to the weights.
+    """
+
+    format = "gguf"
+    priority = 4
+    hint = "*.gguf"
+
+    def __init__(self, path: Path, gguf_file: GgufFile):
+        meta = gguf_file.metadata()
+        meta.extra["hf_config"] = meta.extra["gguf"]["hf_config"]
+        super().__init__(path, meta)
+        self.gguf = gguf_file
+        self._last: tuple[str, torch.Tensor] | None = None
+
+    @classmethod
+    def claim(cls, path: Path, names: set[str] | None) -> int:
+        return 2 if names is None and (path.suffix == ".gguf" or is_gguf_file(path)) else 0
+
+    @classmethod
+    def open(cls, path: Path, *, shipped: dict[str, bytes] | None = None, partial: bool = False) -> "GgufReader":
+        return cls(path, GgufFile(path))
+
+    def close(self) -> None:
+        self._last = None
+        super().close()
+
+    def read_box(self, key: str, file: str, name: str, flat_start: int, shape: tuple[int, ...],
+                 box: tuple[tuple[int, int], ...], out: torch.Tensor | None = None) -> torch.Tensor:
+        if self._last is None or self._last[0] != name:
+            self._last = None  # free the previous tensor before dequantising the next
+            self._last = (name, self.gguf.read(name))
+            if file not in self.files_opened:
+                self.files_opened.append(file)
+        t = self._last[1]
+        n = 1
+        for d in shape:
+            n *= d
+        part = t.reshape(-1)[flat_start:flat_start + n].reshape(shape)[tuple(slice(a, b) for a, b in box)]
+        if out is None:
+            return part.clone()
+        out.copy_(part)
+        return out
+
+    def byte_run(self, key: str, file: str, name: str, flat_start: int, shape: tuple[int, ...],
+                 box: tuple[tuple[int, int], ...]) -> tuple[int, int, int] | None:
+        return None
