@@ -287,3 +287,66 @@ def test_convert_dcp_to_oarlock_tp2(written, reference, tmp_path, name):
     load_state_dict(got, out, strict=False)
     for k, v in got.items():
         assert torch.equal(v, reference[k]), k
+
+
+def _zeros_like_nested(d):
+    if isinstance(d, dict):
+        return {k: _zeros_like_nested(v) for k, v in d.items()}
+    if isinstance(d, list):
+        return [_zeros_like_nested(v) for v in d]
+    if isinstance(d, torch.Tensor):
+        return torch.zeros_like(d)
+    return d
+
+
+def test_convert_to_dcp_loaded_by_torch(written, tmp_path):
+    """`oarlock convert FSDP2-DCP OUT --to dcp --tp 2`: torch's own dcp.load reads OUT into the nested model +
+    optimizer state dict (values included) with the writer's exact tensors."""
+    import torch.distributed.checkpoint as dcp
+
+    ref = torch.load(written / "fsdp_ref.pt", weights_only=True)
+    out = tmp_path / "dcp_tp2"
+    assert main(["convert", str(written / "fsdp"), str(out), "--to", "dcp", "--tp", "2"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    got = _zeros_like_nested(ref)
+    got["optim"]["param_groups"][0]["lr"] = -1.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(got, checkpoint_id=str(out))
+    for k, v in ref["model"].items():
+        assert torch.equal(got["model"][k], v), k
+    for fqn, st in ref["optim"]["state"].items():
+        for k, v in st.items():
+            assert torch.equal(got["optim"]["state"][fqn][k], v), (fqn, k)
+    assert got["optim"]["param_groups"][0]["lr"] == 0.01
+    with open_checkpoint(out) as r:  # and oarlock reads what it wrote: 2 chunks of the column-parallel q_proj
+        assert len(r.metadata.tensors["model.model.layers.0.self_attn.q_proj.weight"].shards) == 2
+
+
+def test_convert_hf_to_dcp(minilm_dir, tmp_path):
+    """A real HF model (all-MiniLM-L6-v2) to DCP with TP 2, read back by torch's dcp.load."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    ref = load_file(minilm_dir / "model.safetensors")
+    out = tmp_path / "mini"
+    assert main(["convert", str(minilm_dir), str(out), "--to", "dcp", "--tp", "2"]) == 0
+    got = {k: torch.zeros_like(v) for k, v in ref.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(got, checkpoint_id=str(out))
+    for k, v in ref.items():
+        assert torch.equal(got[k], v), k
+    assert (out / "config.json").is_file()  # side files travel with the weights
+
+
+def test_directory_of_no_format_names_what_it_saw(tmp_path):
+    d = tmp_path / "junk"
+    d.mkdir()
+    (d / "weights.bin").write_bytes(b"x")
+    (d / "notes.txt").write_text("hi")
+    with pytest.raises(CheckpointFormatError) as e:
+        open_checkpoint(d)
+    msg = str(e.value)
+    assert "looked for" in msg and ".metadata" in msg and "metadata.json" in msg
+    assert "found notes.txt, weights.bin" in msg

@@ -121,8 +121,8 @@ def cmd_aoa_explain(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from oarlock.checkpoint.convert import (ParallelLayout, convert_checkpoint, export_hf, plan_conversion,
-                                            resolve_tp_rules)
+    from oarlock.checkpoint.convert import (ParallelLayout, convert_checkpoint, convert_to_dcp, export_hf,
+                                            plan_conversion, resolve_tp_rules)
     from oarlock.checkpoint.storage import detect_format
 
     config = None
@@ -136,14 +136,15 @@ def cmd_convert(args: argparse.Namespace) -> int:
         return 2
     parallel = (args.tp, args.pp, args.dp) != (1, 1, 1)
     to = args.to or ("oarlock" if parallel or args.tp_rules
-                     else "hf" if detect_format(args.src) in ("oarlock", "paddle") else "oarlock")
+                     else "hf" if detect_format(args.src) in ("oarlock", "paddle", "dcp", "megatron", "deepspeed", "gguf")
+                     else "oarlock")
     if to == "hf" and (parallel or args.tp_rules):
         print("oarlock: error: --tp/--pp/--dp/--tp-rules apply to --to oarlock; an HF export holds whole tensors",
               file=sys.stderr)
         return 2
     layout = ParallelLayout(args.tp, args.pp, args.dp, tuple(resolve_tp_rules(args.tp_rules)))
     if args.dry_run:
-        print(plan_conversion(args.src, to=to, aoa_config=config, layout=layout,
+        print(plan_conversion(args.src, to="oarlock" if to == "dcp" else to, aoa_config=config, layout=layout,
                               max_shard_size=args.max_shard_size).render())
         return 0
     if to == "hf":
@@ -151,6 +152,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
                         copy_side_files=not args.no_side_files)
         files = sorted(p.name for p in out.iterdir() if p.suffix == ".safetensors")
         print(f"{args.dst}: HuggingFace checkpoint, {len(files)} safetensors file(s)")
+    elif to == "dcp":
+        meta = convert_to_dcp(args.src, args.dst, aoa_config=config, tp=args.tp, pp=args.pp, dp=args.dp,
+                              tp_rules=args.tp_rules, copy_side_files=not args.no_side_files)
+        print(f"{args.dst}: torch.distributed.checkpoint (DCP), {len(meta.tensors)} tensors in {len(meta.files)} "
+              f"file(s) (tp={args.tp} pp={args.pp} dp={args.dp})")
     else:
         meta = convert_checkpoint(args.src, args.dst, aoa_config=config, tp=args.tp, pp=args.pp, dp=args.dp,
                                   tp_rules=args.tp_rules, copy_side_files=not args.no_side_files)
@@ -160,8 +166,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("inspect", help="list the tensors of a checkpoint (safetensors file, HF, oarlock or "
-                                       "Paddle directory)",
+    p = sub.add_parser("inspect", help="list the tensors of a checkpoint (safetensors file, HF, oarlock, "
+                                       "Paddle, torch DCP, Megatron, DeepSpeed directory or GGUF file)",
                        description="Print every tensor key with shape, dtype and size in bytes; for sharded "
                                    "checkpoints also each shard's global offset, local shape and file.")
     p.add_argument("path", help="a .safetensors file or a checkpoint directory")
@@ -191,19 +197,23 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="cast to the --target dtype where no AOA cast does (default: report a dtype mismatch)")
     ex.set_defaults(func=cmd_aoa_explain)
 
-    cv = sub.add_parser("convert", help="convert a checkpoint: HF <-> oarlock (TP/PP-sharded), Paddle -> either, "
-                                        "optionally through an AOA config",
-                        description="Read SRC (oarlock, HuggingFace, Paddle FlexCheckpoint or .safetensors), apply "
+    cv = sub.add_parser("convert", help="convert a checkpoint: HF <-> oarlock (TP/PP-sharded) <-> torch DCP; "
+                                        "Paddle, Megatron, DeepSpeed, GGUF -> any, optionally through an AOA config",
+                        description="Read SRC (oarlock, HuggingFace, Paddle FlexCheckpoint, torch DCP, Megatron-Core "
+                                    "torch_dist, DeepSpeed ZeRO, GGUF or .safetensors), apply "
                                     "an optional AOA config, and write DST as a HuggingFace directory "
-                                    "(model-0000i-of-0000N.safetensors + index) or as an oarlock checkpoint sharded "
-                                    "the way a tp*dp*pp job saves it. Every output tensor or shard is read straight "
+                                    "(model-0000i-of-0000N.safetensors + index), as an oarlock checkpoint sharded "
+                                    "the way a tp*dp*pp job saves it, or as a torch DCP directory chunked the same "
+                                    "way. Every output tensor or shard is read straight "
                                     "from the source bytes it needs and written before the next: memory holds one "
                                     "shard. SRC is never modified; DST appears only when complete.")
     cv.add_argument("src", metavar="SRC", help="source checkpoint (file or directory)")
     cv.add_argument("dst", metavar="DST", help="output directory")
-    cv.add_argument("--to", choices=("hf", "oarlock"),
-                    help="output format (default: oarlock when --tp/--pp/--dp/--tp-rules is given, else hf for "
-                         "oarlock/Paddle sources and oarlock for HF/safetensors ones)")
+    cv.add_argument("--to", choices=("hf", "oarlock", "dcp"),
+                    help="output format: hf, oarlock, or dcp (a torch.distributed.checkpoint directory that "
+                         "dcp.load reads; chunked by --tp/--pp/--dp like oarlock) (default: oarlock when "
+                         "--tp/--pp/--dp/--tp-rules is given, else hf for oarlock/Paddle/DCP/Megatron/DeepSpeed/"
+                         "GGUF sources and oarlock for HF/safetensors ones)")
     cv.add_argument("--aoa", metavar="CONFIG", help="AOA config: text (one statement per line) or JSON "
                                                     "{\"aoa_statements\": [...], \"aoa_config_reverse\": bool}")
     cv.add_argument("--reverse", action="store_true", help="invert the AOA statements (export model -> HF)")
