@@ -30,3 +30,15 @@ def cache_dir() -> Path:
     d = Path(os.environ.get("OARLOCK_TEST_CACHE", REPO / ".cache" / "tests"))
     d.mkdir(parents=True, exist_ok=True)
     return d
+
+
+@pytest.fixture
+def multirank(tmp_path):
+    """``multirank(module, world, names=None)``: run the named scenarios of ``module`` on ``world`` gloo ranks and
+    return the :class:`multirank.Outcome` (``.check()`` names every failed scenario and rank with its traceback)."""
+    from multirank import run_scenarios
+
+    def run(module: str, world: int, names: list[str] | None = None):
+        return run_scenarios(module, world, tmp_path / "ranks", names)
+
+    return run

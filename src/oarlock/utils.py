@@ -18,7 +18,7 @@ T = TypeVar("T")
 
 logger = logging.getLogger("oarlock")
 
-# Framework-neutral dtype names (the FlexCheckpoint spec's names) <-> torch dtypes <-> safetensors codes.
+# Framework-neutral dtype names (``docs/checkpoint-format.md``) <-> torch dtypes <-> safetensors codes.
 _DTYPES: dict[str, tuple[torch.dtype, str]] = {
     "float64": (torch.float64, "F64"),
     "float32": (torch.float32, "F32"),

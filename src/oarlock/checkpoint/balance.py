@@ -2,8 +2,8 @@
 
 On clusters with node-local disks a rank sees only some checkpoint files. Every needed file is read exactly
 once, by one rank that can see it, preferring a rank that needs its bytes itself (no transfer), and balancing
-bytes read per rank; other consumers then receive their slices from that reader. Greedy rule (FlexCheckpoint
-spec 4.3.3, with bytes rather than file counts as the load): files with the fewest candidate readers first,
+bytes read per rank; other consumers then receive their slices from that reader. Greedy rule (``docs/checkpoint-format.md``,
+"Node-local disks"; bytes rather than file counts are the load): files with the fewest candidate readers first,
 each to the least-loaded candidate, ties to the lower rank. Phase 1 considers only ranks that need the file;
 phase 2 places files that no needing rank can see on any rank that sees them. Deterministic: every rank
 computes the same answer from the same (all-gathered) inputs.

@@ -3,8 +3,8 @@
 A program says, for each destination (model) key, which slices of which source (checkpoint) tensors fill it:
 ``dst[dst_box] = cast(permute(src[src_box], permute), dtype)``. Boxes are global coordinates, one
 ``(start, stop)`` pair per dimension (``()`` for scalars). The planner intersects these boxes with the shards
-a rank owns and with the shards stored on disk, so no full tensor is ever materialised
-(FlexCheckpoint spec, sections 2.7 and 4.3.6).
+a rank owns and with the shards stored on disk, so no full tensor is ever materialised (see
+``docs/checkpoint-format.md``, "Loading"; the AOA language that produces programs: ``docs/aoa.md``).
 """
 
 from __future__ import annotations

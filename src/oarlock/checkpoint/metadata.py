@@ -3,7 +3,7 @@
 One model serves every source format (oarlock, HuggingFace, PaddlePaddle FlexCheckpoint, a lone safetensors
 file): readers turn each into a :class:`CheckpointMetadata`, and the load planner only ever sees that.
 
-Terms (FlexCheckpoint spec, section 1): a tensor *key* has a *global shape*; a *shard* is an axis-aligned box
+Terms (``docs/checkpoint-format.md``): a tensor *key* has a *global shape*; a *shard* is an axis-aligned box
 given by its *global offset* and *local shape*. A *flattened* shard holds only elements
 ``[flattened_range[0], flattened_range[1])`` of the row-major flattening of its box (ZeRO flat buffers).
 oarlock's own on-disk metadata is JSON (``metadata.json``), never pickle.

@@ -4,7 +4,7 @@ Paddle writes ``{uid}.metadata`` (a pickle of its ``Metadata`` dataclasses) and 
 pickle of ``{key: numpy.ndarray}``). Unpickling runs whatever a file names, so both are read through
 :class:`RestrictedUnpickler`, which admits only numpy arrays, plain containers and Paddle's three metadata
 records (mapped onto inert local classes). Anything else raises :class:`UnsafePickleError` before it runs.
-Record fields follow the FlexCheckpoint spec, section 1.4.
+Record fields and how they map to oarlock metadata: ``docs/checkpoint-format.md``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The load plan: a pure function of (saved metadata, requested shards, mapping program) -> read items.
 
-No files, no processes: :func:`plan_load` only does interval arithmetic (FlexCheckpoint spec sections 4.2,
-4.3.5 and 4.3.6; the planner/storage split follows torch.distributed.checkpoint). For each requested shard box
+No files, no processes: :func:`plan_load` only does interval arithmetic (``docs/checkpoint-format.md``,
+"Loading"; the planner/storage split follows torch.distributed.checkpoint). For each requested shard box
 and each :class:`~oarlock.checkpoint.mapping.SliceMapping` of its key, the planner intersects the mapping's
 destination box with the request, maps that part back to a source sub-box (through the inverse permutation),
 and intersects the sub-box with the stored pieces of the source key. Each non-empty overlap is one

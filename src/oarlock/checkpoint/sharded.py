@@ -1,5 +1,5 @@
 """Shards of global tensors: :class:`ShardedWeight`, its hashable :class:`ShardDesc`, box arithmetic, and the
-constructors that describe replicated, axis-sharded and DTensor parameters (FlexCheckpoint spec, section 1).
+constructors that describe replicated, axis-sharded and DTensor parameters (terms: ``docs/checkpoint-format.md``).
 
 A shard is an axis-aligned *box* of a global tensor: ``global_offset`` (start per dimension) and ``local_shape``
 (extent per dimension); scalars have ``()`` for both. A *flattened* shard (ZeRO / FSDP1 flat buffers) holds only
@@ -56,8 +56,8 @@ def flat_range_boxes(shape: Sequence[int], start: int, stop: int) -> list[tuple[
     Returns a list of ``(offset, extent, flat_start)``: each box lies at ``offset`` with ``extent`` inside the
     tensor, and its elements are exactly the range ``[flat_start, flat_start + numel(extent))`` in row-major
     order (every box has leading singleton dims, one partial dim, then full dims, so it is contiguous). At most
-    ``2 * ndim - 1`` boxes; empty ranges give ``[]``. This is the exact form of the "minimal bounding box" of
-    FlexCheckpoint spec section 4.3.5, without the over-read.
+    ``2 * ndim - 1`` boxes; empty ranges give ``[]``. This is an exact form of a "minimal bounding box" of the
+    range, without over-reading.
     """
     shape = tuple(int(n) for n in shape)
     if stop <= start:

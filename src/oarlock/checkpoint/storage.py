@@ -33,6 +33,7 @@ from typing import Iterator
 from oarlock.checkpoint.dist import DistWrapper
 from oarlock.checkpoint.errors import CheckpointFormatError
 from oarlock.checkpoint.formats import load_formats
+from oarlock.checkpoint.formats.huggingface import HF_INDEX, HF_SINGLE, PADDLE_HF_CACHE
 from oarlock.checkpoint.metadata import METADATA_FILE, CheckpointMetadata
 from oarlock.checkpoint.reader import CheckpointReader
 from oarlock.checkpoint.safetensors_io import (SafetensorsFile, contiguous_run, np_prod, safetensors_header,
@@ -40,7 +41,8 @@ from oarlock.checkpoint.safetensors_io import (SafetensorsFile, contiguous_run, 
 
 __all__ = ["CheckpointReader", "SafetensorsFile", "View", "contiguous_run", "detect_format", "fsync_dir",
            "gather_view", "np_prod", "open_checkpoint", "publish_directory", "read_metadata", "safetensors_header",
-           "staged_directory", "staging_path", "write_safetensors", "INCOMPLETE_MARKER"]
+           "staged_directory", "staging_path", "write_safetensors", "HF_INDEX", "HF_SINGLE", "INCOMPLETE_MARKER",
+           "PADDLE_HF_CACHE"]
 
 INCOMPLETE_MARKER = ".oarlock-incomplete"  # present in a save's temporary directory until it is committed
 
@@ -198,16 +200,18 @@ def fsync_dir(path: str | Path) -> None:
         os.close(fd)
 
 
-def publish_directory(tmp: Path, final: Path, metadata: CheckpointMetadata | None = None) -> None:
+def publish_directory(tmp: Path, final: Path, metadata: CheckpointMetadata | None = None, *,
+                      fsync_files: bool = True) -> None:
     """The commit step of every writer (save, convert, HF export): make the fully written directory ``tmp``
-    appear as ``final`` in one rename. Files in ``tmp`` are fsynced first.
+    appear as ``final`` in one rename. With ``fsync_files`` the files in ``tmp`` are fsynced first (a save
+    passes False: each rank fsynced its own data file, and rank 0 need not touch the others').
 
     With ``metadata``, first write ``metadata.json`` (via a ``.part`` file, fsync, rename) and remove the
     incomplete-marker. An existing ``final`` is replaced only now that the new directory is complete: it is
     moved aside, the new one renamed in, then the old one removed; a crash at any point leaves either the old
     or the new complete directory at ``final`` (plus hidden leftovers), never a partial one.
     """
-    for f in tmp.iterdir():
+    for f in tmp.iterdir() if fsync_files else ():
         if f.is_file():
             with open(f, "rb") as fh:  # files written without fsync (side files, an index)
                 os.fsync(fh.fileno())

@@ -33,7 +33,7 @@ from typing import Any
 
 from oarlock.memory.driver import CountingDriver
 from oarlock.memory.errors import MemoryToolError, SimulatedOOM
-from oarlock.memory.vmm import (FREE, GAP, MIN_BLOCK, HeapViews, PagedHeap, RemapAllocator, _page_runs,
+from oarlock.memory.vmm import (FREE, GAP, MIN_BLOCK, HeapViews, PagedHeap, RemapAllocator, page_runs,
                                 round_up)
 
 MiB = 1 << 20
@@ -325,7 +325,7 @@ class TorchExpandable(HeapViews):
         handles = [self.driver.create(heap.page) for _ in pages]
         for p, h in zip(pages, handles):
             self.driver.map(heap.base + p * heap.page, heap.page, h)
-        for first, n in _page_runs(pages):  # map_block: one set_access per unmapped block
+        for first, n in page_runs(pages):  # map_block: one set_access per unmapped block
             self.driver.set_access(heap.base + first * heap.page, n * heap.page)
         heap.pages_mapped(pages, handles)
         return heap.carve(addr, rsize)

@@ -426,7 +426,7 @@ class RemapAllocator(HeapViews):
         unit = self._unit(heap)
         # cut each run of missing granules into large spans, then single granules at its end
         spans: list[list[int]] = []  # [first, granules]
-        for first, n in _page_runs(pages):
+        for first, n in page_runs(pages):
             while n >= big > 1:
                 spans.append([first, big])
                 first, n = first + big, n - big
@@ -534,12 +534,12 @@ class RemapAllocator(HeapViews):
         for first, k, h in spans:  # k pages of this heap
             self.driver.map(heap.base + first * heap.page, k * heap.page, h)
         granules = [p for first, k, _ in spans for p in range(first, first + k)]
-        for first, n in _page_runs(granules):  # one set_access per contiguous run
+        for first, n in page_runs(granules):  # one set_access per contiguous run
             self.driver.set_access(heap.base + first * heap.page, n * heap.page)
         heap.spans_mapped(spans)
 
 
-def _page_runs(pages: Iterable[int]) -> list[tuple[int, int]]:
+def page_runs(pages: Iterable[int]) -> list[tuple[int, int]]:
     """``(first, count)`` of each run of consecutive page indices."""
     out: list[list[int]] = []
     for p in sorted(pages):

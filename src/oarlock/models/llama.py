@@ -30,7 +30,7 @@ from per-token document ids, so packed documents never attend to each other.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
 import torch
@@ -127,14 +127,6 @@ class LlamaConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "LlamaConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ModelError(f"LlamaConfig: unknown fields {unknown}")
-        return cls(**d)
 
     @classmethod
     def from_hf(cls, hf: Any) -> "LlamaConfig":

@@ -159,14 +159,6 @@ class ParallelState:
     def dp_group(self) -> Any:
         return self.groups.get("dp")
 
-    @property
-    def is_first_stage(self) -> bool:
-        return self.pp_stage == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_stage == self.layout.pp - 1
-
 
 def build_mesh(layout: ParallelLayout, device_type: str | None = None, *, ranks: Sequence[int] | None = None):
     """A ``DeviceMesh`` with the layout's dimensions (degree > 1) named as in :data:`MESH_DIMS`.

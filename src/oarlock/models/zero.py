@@ -7,7 +7,7 @@ into one flat fp32 buffer, padded to a multiple of the DP degree, and rank ``r``
 Each rank updates its slice and the slices are all-gathered back into the parameters. The update is AdamW
 (Loshchilov & Hutter 2019, arXiv 1711.05101) exactly as ``torch.optim.AdamW`` documents it.
 
-For checkpoints, each parameter's owned part is a *flattened shard* (``shared/design/flexcheckpoint.md`` 1.2):
+For checkpoints, each parameter's owned part is a *flattened shard* (``docs/checkpoint-format.md``):
 :meth:`ZeroRedundancyAdamW.flat_shards` gives, per parameter name, the box the rank's local tensor covers
 (``global_offset``, ``local_shape``; the whole parameter for a plain tensor, the tensor-parallel shard for a
 DTensor) and the ``flattened_range`` ``(start, stop)`` of the row-major flattening of that box that the rank's

@@ -14,6 +14,7 @@ from oarlock.checkpoint.reader import CheckpointReader, register_format
 
 HF_INDEX = "model.safetensors.index.json"
 HF_SINGLE = "model.safetensors"
+PADDLE_HF_CACHE = "flex-ckpt.auto_generated.metadata"  # Paddle writes this into HF dirs it has loaded
 
 
 @register_format

@@ -1,0 +1,136 @@
+"""Scenarios for test_dist_core.py, run on 4 gloo ranks by the ``multirank`` fixture (one rank each).
+
+Every rank of a 4-rank job holds rows ``[2r, 2r + 2)`` of an ``8 x 8`` weight (a row-parallel layout), so every
+rank writes its own data file. References come from the ranks' own live tensors, exchanged with
+``torch.distributed.all_gather_object``, never from oarlock.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import torch
+import torch.distributed as dist
+
+from oarlock.checkpoint import (CheckpointError, ShardedWeight, load_sharded_optimizer_state_dict, load_state_dict,
+                                save_state_dict, sharded_optimizer_state_dict)
+from oarlock.checkpoint.aoa import AOAError, AOASyntaxError
+from oarlock.checkpoint.storage import SafetensorsFile
+
+ROWS = 2
+
+
+def _shard(rank: int, tensor: torch.Tensor, owner: int | None = None) -> ShardedWeight:
+    r = rank if owner is None else owner
+    return ShardedWeight("w", tensor, (ROWS, 8), (8, 8), (ROWS * r, 0))
+
+
+def _full_weight() -> torch.Tensor:
+    return torch.arange(64, dtype=torch.float32).reshape(8, 8)
+
+
+def _save_rows(ctx, name: str, **kw) -> None:
+    local = _full_weight()[ROWS * ctx.rank:ROWS * ctx.rank + ROWS].clone()
+    save_state_dict({"w": _shard(ctx.rank, local)}, ctx.root / name, **kw)
+
+
+def _raised(fn) -> BaseException:
+    try:
+        fn()
+    except BaseException as e:  # noqa: BLE001 - the scenario inspects it
+        return e
+    raise AssertionError("no exception was raised on this rank")
+
+
+def scenario_malformed_aoa_config_raises_aoa_syntax_error_on_every_rank(ctx):
+    _save_rows(ctx, "ck")
+    target = torch.zeros(ROWS, 8)
+    e = _raised(lambda: load_state_dict({"w": _shard(ctx.rank, target)}, ctx.root / "ck",
+                                        aoa_config={"aoa_statements": ["w => v"]}))
+    assert isinstance(e, AOASyntaxError), f"{type(e).__name__}: {e}"
+    assert "aoa_statements[0]" in str(e) and "w => v" in str(e), str(e)
+    assert torch.equal(target, torch.zeros(ROWS, 8))  # nothing written
+
+
+def scenario_unknown_aoa_source_raises_aoa_error_on_every_rank(ctx):
+    _save_rows(ctx, "ck")
+    e = _raised(lambda: load_state_dict({"w": _shard(ctx.rank, torch.zeros(ROWS, 8))}, ctx.root / "ck",
+                                        aoa_config={"aoa_statements": ["nothere -> w"]}))
+    assert isinstance(e, AOAError) and not isinstance(e, AOASyntaxError), f"{type(e).__name__}: {e}"
+    assert "nothere" in str(e), str(e)
+
+
+def scenario_warm_start_read_error_raises_on_every_rank(ctx):
+    """A same-layout restart reads each rank's own file after one agreement; an I/O error on rank 1 at that point
+    must reach every rank (before the fix the other ranks returned and went on without rank 1)."""
+    _save_rows(ctx, "ck")
+    real = SafetensorsFile.read_box
+
+    def failing(self, *a, **k):
+        raise OSError("injected I/O error")
+
+    if ctx.rank == 1:
+        SafetensorsFile.read_box = failing
+    try:
+        e = _raised(lambda: load_state_dict({"w": _shard(ctx.rank, torch.zeros(ROWS, 8))}, ctx.root / "ck"))
+    finally:
+        SafetensorsFile.read_box = real
+    assert isinstance(e, CheckpointError), f"{type(e).__name__}: {e}"
+    want = "OSError: injected I/O error" if ctx.rank == 1 else "rank 1: OSError: injected I/O error"
+    assert str(e) == want, str(e)
+    # the ranks are still in step: a normal load right after works everywhere
+    target = torch.zeros(ROWS, 8)
+    report = load_state_dict({"w": _shard(ctx.rank, target)}, ctx.root / "ck")
+    assert report.comm_method == "warm"
+    assert torch.equal(target, _full_weight()[ROWS * ctx.rank:ROWS * ctx.rank + ROWS])
+
+
+def scenario_save_error_keeps_its_class_on_every_rank(ctx):
+    """Disagreeing global shapes are found by every rank from the gathered descriptions: the same class and
+    message everywhere, nothing written."""
+    shape = (8, 8) if ctx.rank != 2 else (8, 9)
+    sw = ShardedWeight("w", torch.zeros(ROWS, shape[1]), (ROWS, shape[1]), shape, (ROWS * ctx.rank, 0))
+    from oarlock.checkpoint import CheckpointMismatchError
+
+    e = _raised(lambda: save_state_dict({"w": sw}, ctx.root / "bad"))
+    assert type(e) is CheckpointMismatchError, f"{type(e).__name__}: {e}"
+    assert "key 'w'" in str(e) and "rank 2" in str(e), str(e)
+    assert not (ctx.root / "bad").exists()
+
+
+def _adam_state(ctx, owner: int) -> tuple[torch.Tensor, torch.optim.Adam, dict]:
+    p = torch.nn.Parameter(_full_weight()[ROWS * owner:ROWS * owner + ROWS].clone())
+    opt = torch.optim.Adam([p], lr=0.1)
+    return p, opt, {"w": _shard(ctx.rank, p.data, owner)}
+
+
+def scenario_optimizer_resume_with_node_local_directories(ctx):
+    """4 ranks, 2 simulated nodes: node 0 (ranks 0, 1) holds metadata.json and rank files 0-1, node 1 (ranks
+    2, 3) only rank files 2-3. Each rank resumes the optimizer from its own node's directory, in a layout that
+    needs the other node's rows (rank r takes the rows rank (r + 2) % 4 saved)."""
+    p, opt, model_sd = _adam_state(ctx, ctx.rank)
+    for step in range(2):  # deterministic gradients, different per row
+        opt.zero_grad()
+        (p * torch.linspace(-1, 1, 8) * (step + 1 + ROWS * ctx.rank)).pow(2).sum().backward()
+        opt.step()
+    sd = {**model_sd, **sharded_optimizer_state_dict(opt, model_sd)}
+    save_state_dict(sd, ctx.root / "shared")
+    ref = [None] * ctx.world
+    dist.all_gather_object(ref, {"w": p.detach().clone(), **{k: v.clone() for k, v in opt.state[p].items()}})
+    if ctx.rank == 0:
+        for node, ranks in ((0, (0, 1)), (1, (2, 3))):
+            d = ctx.root / f"node{node}"
+            d.mkdir()
+            for r in ranks:
+                shutil.copy(ctx.root / "shared" / f"rank-{r:05d}.safetensors", d)
+        shutil.copy(ctx.root / "shared" / "metadata.json", ctx.root / "node0")
+    dist.barrier()
+    owner = (ctx.rank + 2) % ctx.world
+    q, opt2, model_sd2 = _adam_state(ctx, owner)
+    q.data.zero_()
+    report = load_sharded_optimizer_state_dict(opt2, model_sd2, ctx.root / f"node{ctx.rank // 2}", load_model=True)
+    assert report.comm_method == "grouped_send_recv", report.comm_method
+    want = ref[owner]
+    assert torch.equal(q.detach(), want["w"])
+    for name in ("exp_avg", "exp_avg_sq", "step"):
+        assert torch.equal(opt2.state[q][name], want[name]), name
