@@ -146,7 +146,7 @@ def _body(rank: int, world: int, root: Path) -> None:
 
             results[name] = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"
 
-    from oarlock.checkpoint import load_state_dict
+    from oarlock.checkpoint import load_state_dict, open_checkpoint
 
     def one_to_four():
         place = {"mesh.a": [Shard(1), Shard(0)], "mesh.b": [Shard(0), Shard(1)], "mesh.c": [Replicate(), Shard(1)],
@@ -204,7 +204,27 @@ def _body(rank: int, world: int, root: Path) -> None:
         for k, p in keys.items():
             assert torch.equal(tgt[k].to_local(), distribute_tensor(ref.read(k), mesh, p).to_local()), k
 
+    def several_chunks():
+        from oarlock.checkpoint import ShardedWeight, save_state_dict
+
+        save_state_dict({"multi.w": st}, root / "oar_multi")  # the ShardedTensor: two chunks per rank
+        with open_checkpoint(root / "oar_multi") as r:
+            shards = r.metadata.tensors["multi.w"].shards
+            assert len(shards) == 8 and len({s.file for s in shards}) == 4, shards
+        rows = [(4 * rank + 2, 2), (4 * rank, 2)]  # two chunks per rank again, other rows, reverse order
+        tgt = {"w": [ShardedWeight("multi.w", torch.zeros(n, 8, 5), (n, 8, 5), (16, 8, 5), (a, 0, 0))
+                     for a, n in rows]}
+        load_state_dict(tgt, root / "oar_multi")
+        for sw, (a, n) in zip(tgt["w"], rows):
+            assert torch.equal(sw.local_tensor, full[a:a + n]), (a, n)
+        tgt = {"w": [ShardedWeight("multi.w", torch.zeros(n, 8, 5), (n, 8, 5), (16, 8, 5), (a, 0, 0))
+                     for a, n in rows]}
+        load_state_dict(tgt, root / "multi")  # the DCP torch wrote from the same ShardedTensor
+        for sw, (a, n) in zip(tgt["w"], rows):
+            assert torch.equal(sw.local_tensor, full[a:a + n]), (a, n)
+
     scenario("1->4 DTensor 2x2 mesh from a 1-process DCP", one_to_four)
+    scenario("several chunks of one key per rank: oarlock save + load, DCP load", several_chunks)
     scenario("GGUF file -> 4 ranks (Shard(0) / Shard(1) DTensors)", gguf_to_four)
     scenario("2->4 ShardedTensor of a 2-rank subgroup", two_to_four)
     for name in ("fsdp", "fsdp_st", "fsdp_zstd"):

@@ -27,7 +27,7 @@ from oarlock.checkpoint.errors import CheckpointFormatError, UnsafePickleError
 from oarlock.checkpoint.formats.dcp import load_dcp_pickle, parse_dcp_metadata
 from oarlock.cli import main
 
-pytestmark = pytest.mark.multiproc
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
 
 def _free_port() -> int:

@@ -23,7 +23,7 @@ from typing import Any, Mapping
 import torch
 
 from oarlock.checkpoint.dist import DistWrapper
-from oarlock.checkpoint.save import prepare_save, write_and_commit
+from oarlock.checkpoint.save import local_tensors, prepare_save, write_and_commit
 
 _lock = threading.Lock()
 _pending: "AsyncSaveHandle | None" = None
@@ -87,10 +87,9 @@ def async_save(state_dict: Mapping[str, Any], path: str | os.PathLike, *, proces
     """
     wait_pending()  # saves never overlap: the previous one commits first
     plan = prepare_save(state_dict, path, process_group, save_replicas)
-    keys = {i[0] for i in plan.writes.get(plan.rank, [])}
+    ids = {(i[0], i[1], i[3]) for i in plan.writes.get(plan.rank, [])}
     with torch.no_grad():  # the snapshot: a CPU copy of only what this rank writes
-        snap = {sw.key: sw.local_tensor.detach().to("cpu", copy=True) for sw in plan.leaves.shards
-                if sw.key in keys}
+        snap = {i: t.detach().to("cpu", copy=True) for i, t in local_tensors(plan.leaves).items() if i in ids}
     group = _side_group(process_group) if DistWrapper(process_group).active else None
     handle = AsyncSaveHandle(path)
 
