@@ -2,7 +2,7 @@
 made by scripts/foreign_env.sh), with the writers' own full tensors as references.
 
     python _foreign_writers.py megatron OUT      # GPTModel, TP=2, 2 gloo ranks -> OUT/ckpt, OUT/ref_rank{r}.pt
-    python _foreign_writers.py deepspeed OUT S   # tiny HF Llama, ZeRO stage S, 2 gloo ranks -> OUT/ckpt, OUT/ref.pt
+    python _foreign_writers.py deepspeed OUT 1,2,3  # tiny HF Llama, ZeRO stages, 2 gloo ranks -> OUT/z{S}/ckpt, ref.pt
 
 Megatron-Core's async file writer calls ``torch.cuda.synchronize()`` and ``torch.cuda.current_device()`` even
 for CPU tensors; both are replaced by CPU no-ops in these writer processes only (nothing else is patched).
@@ -76,33 +76,37 @@ def megatron(rank: int, world: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def deepspeed_zero(rank: int, world: int, port: int, out: str, stage: int) -> None:
+def deepspeed_zero(rank: int, world: int, port: int, out: str, stages: list[int]) -> None:
+    """One rank: for each ZeRO stage a fresh engine on the same tiny Llama, two steps, save, references."""
     _env(rank, world, port)
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
     from transformers import LlamaForCausalLM
 
     deepspeed.init_distributed(dist_backend="gloo")
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(tiny_llama_config())
-    cfg = {"train_batch_size": world, "train_micro_batch_size_per_gpu": 1,
-           "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
-           "zero_optimization": {"stage": stage}}
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    ids = torch.randint(0, 96, (1, 8), generator=torch.Generator().manual_seed(rank))
-    for _ in range(2):
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-    engine.save_checkpoint(os.path.join(out, "ckpt"), tag="global_step2")
-    ref = {}
-    for name, p in engine.module.named_parameters():  # collectives: every rank calls them
-        ref[name] = safe_get_full_fp32_param(p).detach().clone()
-        for m in ("exp_avg", "exp_avg_sq"):
-            ref[f"optim.state.{name}.{m}"] = safe_get_full_optimizer_state(p, m).detach().clone()
-    if rank == 0:
-        torch.save(ref, os.path.join(out, "ref.pt"))
-    torch.distributed.barrier()
+    for stage in stages:
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(tiny_llama_config())
+        cfg = {"train_batch_size": world, "train_micro_batch_size_per_gpu": 1,
+               "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
+               "zero_optimization": {"stage": stage}}
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        ids = torch.randint(0, 96, (1, 8), generator=torch.Generator().manual_seed(rank))
+        for _ in range(2):
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+        d = os.path.join(out, f"z{stage}")
+        engine.save_checkpoint(os.path.join(d, "ckpt"), tag="global_step2")
+        ref = {}
+        for name, p in engine.module.named_parameters():  # collectives: every rank calls them
+            ref[name] = safe_get_full_fp32_param(p).detach().clone()
+            for m in ("exp_avg", "exp_avg_sq"):
+                ref[f"optim.state.{name}.{m}"] = safe_get_full_optimizer_state(p, m).detach().clone()
+        if rank == 0:
+            torch.save(ref, os.path.join(d, "ref.pt"))
+        torch.distributed.barrier()
+        engine.destroy() if hasattr(engine, "destroy") else None
 
 
 def main() -> None:
@@ -114,8 +118,8 @@ def main() -> None:
     if kind == "megatron":
         mp.start_processes(megatron, args=(2, port, out), nprocs=2, start_method="spawn", join=True)
     elif kind == "deepspeed":
-        mp.start_processes(deepspeed_zero, args=(2, port, out, int(sys.argv[3])), nprocs=2, start_method="spawn",
-                           join=True)
+        stages = [int(x) for x in sys.argv[3].split(",")]
+        mp.start_processes(deepspeed_zero, args=(2, port, out, stages), nprocs=2, start_method="spawn", join=True)
     else:
         raise SystemExit(f"unknown writer {kind!r}")
 

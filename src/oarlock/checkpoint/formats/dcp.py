@@ -20,7 +20,8 @@ What torch 2.x's ``FileSystemWriter`` puts on disk (the format oarlock reads; se
 Safety: the ``.metadata`` pickle goes through :class:`DcpUnpickler`, which admits exactly the DCP metadata
 classes (mapped onto inert local records), ``torch.Size``, dtypes, the layout and memory-format tags and plain
 containers; anything else raises :class:`~oarlock.checkpoint.errors.UnsafePickleError` before it runs. Chunk
-archives and non-tensor values are loaded with ``torch.load(weights_only=True)`` on their byte range only.
+archives and non-tensor values are loaded with ``torch.load(weights_only=True)`` on their byte range only (tensor
+chunks with ``map_location="meta"``, to locate their raw bytes: see :func:`archive_tensor_view`).
 """
 
 from __future__ import annotations
@@ -574,13 +575,80 @@ class _EmbeddedSafetensors(SafetensorsFile):
         self.fd = -1
 
 
+class _ArchiveView(SafetensorsFile):
+    """The tensor bytes inside one ``torch.save`` archive, read by byte ranges with the machinery of
+    :class:`SafetensorsFile`: ``entries`` holds the one stored tensor under ``name``; ``data_start`` is absolute."""
+
+    def __init__(self, path: Path, fd: int, name: str, dtype: str, shape: tuple[int, ...], start: int):
+        self.path, self.fd, self.data_start = path, fd, start
+        self.header_metadata = {}
+        self.entries = {name: (dtype, shape, 0, _nbytes(shape, dtype))}
+
+    def close(self) -> None:  # the fd belongs to the reader
+        self.fd = -1
+
+
+def archive_tensor_view(path: Path, fd: int, entry: DcpEntry, name: str, dtype: str, shape: tuple[int, ...]
+                        ) -> _ArchiveView | None:
+    """Locate the raw bytes of the one tensor a DCP ``torch.save`` chunk archive holds, without loading them.
+
+    The archive's pickle is loaded with ``torch.load(weights_only=True, map_location="meta")`` (it reads the few
+    KiB of records, never the data) to learn the tensor's dtype, shape, contiguity and storage offset; the zip
+    directory (Python's ``zipfile``) gives the one ``data/<key>`` record, which must be stored uncompressed, hold
+    exactly the storage's bytes and be little-endian (``byteorder`` record); the record's local header gives where
+    its bytes start. Returns None (the caller then loads the whole archive) for anything else: stream transforms,
+    a non-contiguous tensor, several storages.
+
+    Raises:
+        CheckpointFormatError: the archive is not a weights-only torch.save archive, or holds another tensor than
+            the metadata describes.
+    """
+    import zipfile
+
+    if entry.transforms:
+        return None
+    where = f"{path} [{entry.offset}, {entry.offset + entry.length}) ({name!r})"
+    try:
+        t = torch.load(_RangeFile(fd, entry.offset, entry.length), map_location="meta", weights_only=True)
+    except Exception as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointFormatError(f"{where}: not a weights-only torch.save archive: {msg}") from None
+    if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(shape) or t.dtype != torch_dtype(dtype):
+        got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise CheckpointFormatError(f"{where}: holds {got}, metadata says {dtype} {list(shape)}")
+    if not t.is_contiguous():
+        return None
+    try:
+        z = zipfile.ZipFile(_RangeFile(fd, entry.offset, entry.length))
+        infos = z.infolist()
+        data = [i for i in infos if "/data/" in i.filename and not i.filename.endswith("/")]
+        order = [i for i in infos if i.filename.endswith("/byteorder")]
+        little = not order or z.read(order[0]).strip() == b"little"
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return None
+    nbytes = t.untyped_storage().nbytes()
+    if len(data) != 1 or data[0].compress_type != zipfile.ZIP_STORED or data[0].file_size != nbytes or not little:
+        return None
+    head = os.pread(fd, 30, entry.offset + data[0].header_offset)
+    if len(head) < 30 or head[:4] != b"PK\x03\x04":
+        return None
+    name_len, extra_len = struct.unpack("<HH", head[26:30])
+    start = data[0].header_offset + 30 + name_len + extra_len
+    if start + nbytes > entry.length:
+        return None
+    return _ArchiveView(path, fd, name, dtype, tuple(shape),
+                        entry.offset + start + t.storage_offset() * t.element_size())
+
+
 @register_format
 class DcpReader(CheckpointReader):
     """Reader of ``torch.distributed.checkpoint`` directories (see the module docstring).
 
-    Tensor chunks in ``torch.save`` archives are loaded whole from their byte range
-    (``torch.load(weights_only=True)``, one chunk cached, so the boxes one chunk feeds cost one load); chunks of
-    the safetensors serialisation are read by byte ranges, and offer :meth:`byte_run` for zero-copy conversion.
+    Every chunk is read by byte ranges (``os.preadv`` into the destination; :meth:`byte_run` for zero-copy
+    conversion): in the safetensors serialisation through the embedded blob's header, in the ``torch.save`` one
+    through the tensor record located inside the archive (:func:`archive_tensor_view`, after a weights-only
+    ``map_location="meta"`` load of its pickle). Archives that cannot be read that way (zstd-compressed ones) are
+    loaded whole with ``torch.load(weights_only=True)``, the last one cached.
     Non-tensor values (``BytesStorageMetadata``) are loaded at open time into ``metadata.objects``; any a
     weights-only load refuses is listed in ``metadata.extra["dcp"]["refused_objects"]`` and never unpickled.
     """
@@ -595,6 +663,7 @@ class DcpReader(CheckpointReader):
         self.entries = entries
         self._fds: dict[str, int] = {}
         self._blobs: dict[tuple[str, int], _EmbeddedSafetensors] = {}
+        self._views: dict[tuple[str, str], _ArchiveView | None] = {}
         self._last: tuple[tuple[str, str], torch.Tensor] | None = None
 
     @classmethod
@@ -621,6 +690,7 @@ class DcpReader(CheckpointReader):
             os.close(fd)
         self._fds.clear()
         self._blobs.clear()
+        self._views.clear()
         self._last = None
 
     def fd(self, file: str) -> int:
@@ -689,15 +759,29 @@ class DcpReader(CheckpointReader):
         self._last = ((file, name), t)
         return t
 
-    def read_box(self, key: str, file: str, name: str, flat_start: int, shape: tuple[int, ...],
-                 box: tuple[tuple[int, int], ...], out: torch.Tensor | None = None) -> torch.Tensor:
+    def _view(self, key: str, file: str, name: str) -> tuple[SafetensorsFile, str] | None:
+        """Byte-range access to chunk ``name``: the embedded safetensors blob, or the raw bytes located inside its
+        torch.save archive; None when only a whole-archive load can read it (zstd, odd archives)."""
         e = self._entry(key, file, name)
         if e.serialization == "safetensors":
             blob = self._blob(e)
             if key not in blob.entries:
                 raise CheckpointFormatError(f"{self.path_of(file)}: embedded safetensors blob at byte {e.offset} "
                                             f"lacks tensor {key!r}")
-            return blob.read_box(key, flat_start, shape, box, self.metadata.tensors[key].dtype, out)
+            return blob, key
+        if (file, name) not in self._views:
+            tm = self.metadata.tensors[key]
+            shape = next(s.local_shape for s in tm.shards if s.file == file and s.name == name)
+            self._views[(file, name)] = archive_tensor_view(self.path_of(file), self.fd(file), e, name, tm.dtype,
+                                                            shape)
+        v = self._views[(file, name)]
+        return (v, name) if v is not None else None
+
+    def read_box(self, key: str, file: str, name: str, flat_start: int, shape: tuple[int, ...],
+                 box: tuple[tuple[int, int], ...], out: torch.Tensor | None = None) -> torch.Tensor:
+        view = self._view(key, file, name)
+        if view is not None:
+            return view[0].read_box(view[1], flat_start, shape, box, self.metadata.tensors[key].dtype, out)
         t = self.chunk(key, file, name)
         arr = t.reshape(-1)[flat_start:flat_start + np_prod(shape)].reshape(shape)
         part = arr[tuple(slice(a, b) for a, b in box)]
@@ -708,17 +792,17 @@ class DcpReader(CheckpointReader):
 
     def byte_run(self, key: str, file: str, name: str, flat_start: int, shape: tuple[int, ...],
                  box: tuple[tuple[int, int], ...]) -> tuple[int, int, int] | None:
-        e = self.entries.get((file, name))
-        if e is None or e.serialization != "safetensors":
+        view = self._view(key, file, name)
+        if view is None:
             return None
-        blob = self._blob(e)
-        ent = blob.entries.get(key)
+        f, stored = view
+        ent = f.entries.get(stored)
         run = contiguous_run(shape, box)
         dtype = self.metadata.tensors[key].dtype
         if run is None or ent is None or ent[0] != dtype or flat_start + np_prod(shape) > np_prod(ent[1]):
             return None
         isz = torch_dtype(dtype).itemsize
-        return blob.fd, blob.data_start + ent[2] + (flat_start + run[0]) * isz, run[1] * isz
+        return f.fd, f.data_start + ent[2] + (flat_start + run[0]) * isz, run[1] * isz
 
 
 def regroup_list_objects(meta: CheckpointMetadata) -> None:
