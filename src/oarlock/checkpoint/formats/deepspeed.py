@@ -152,11 +152,6 @@ def read_deepspeed_metadata(path: Path) -> tuple[CheckpointMetadata, str]:
                                     "oarlock reads ZeRO data parallelism with mp_rank 00 only")
     if not optim:
         raise CheckpointFormatError(f"{tag}: no zero_pp_rank_*_optim_states.pt files")
-    world = max(optim) + 1
-    missing = [r for r in range(world) if r not in optim]
-    if missing:
-        raise CheckpointFormatError(f"{tag}: optimizer state files of ranks {missing} are missing "
-                                    f"(zero_pp_rank_<r>_mp_rank_00_optim_states.pt)")
     model_name = next((n for n in names if (m := MODEL_FILE.match(n)) and m.group(1) in (None, "0")), None)
     if model_name is None:
         raise CheckpointFormatError(f"{tag}: no model states file (mp_rank_00_model_states.pt)")
@@ -170,10 +165,16 @@ def read_deepspeed_metadata(path: Path) -> tuple[CheckpointMetadata, str]:
     if not isinstance(shapes, list) or not all(isinstance(g, dict) for g in shapes):
         raise CheckpointFormatError(f"{tag / model_name}: param_shapes is not a list of {{name: shape}} groups")
     groups = [[(str(n), tuple(int(x) for x in s)) for n, s in g.items()] for g in shapes]
-    partitions = [o0.get("partition_count")] if stage < 3 else [o0.get("partition_count")]
-    counts = partitions[0] if isinstance(partitions[0], list) else [partitions[0]] * len(groups)
-    if any(int(c) != world for c in counts):
-        raise CheckpointFormatError(f"{tag}: partition_count {counts} disagrees with the {world} rank files")
+    pc = o0.get("partition_count")
+    counts = pc if isinstance(pc, list) else [pc] * len(groups)
+    if not counts or any(type(c) is not int or c != counts[0] for c in counts):
+        raise CheckpointFormatError(f"{tag / optim[0]}: malformed partition_count {pc!r}")
+    world = counts[0]  # the data-parallel degree the checkpoint was saved with
+    missing = [r for r in range(world) if r not in optim]
+    if missing or max(optim) >= world:
+        raise CheckpointFormatError(f"{tag}: saved by {world} ranks, but optimizer state files of ranks "
+                                    f"{missing or sorted(r for r in optim if r >= world)} are "
+                                    f"{'missing' if missing else 'extra'} (zero_pp_rank_<r>_mp_rank_00_optim_states.pt)")
 
     meta = CheckpointMetadata("deepspeed")
     files = {r: rel + optim[r] for r in range(world)}
