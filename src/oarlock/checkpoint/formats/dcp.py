@@ -1,6 +1,6 @@
 """PyTorch Distributed Checkpoint (``torch.distributed.checkpoint``, "DCP") directories, read without trusting them.
 
-What torch 2.x's ``FileSystemWriter`` puts on disk (the format oarlock reads; see ``docs/formats.md``):
+What torch 2.x's ``FileSystemWriter`` puts on disk (the format oarlock reads; see ``docs/foreign-formats.md``):
 
 * ``.metadata``: a pickle of ``torch.distributed.checkpoint.metadata.Metadata`` with
   ``state_dict_metadata`` (flat key -> ``TensorStorageMetadata(properties, size, chunks)`` or

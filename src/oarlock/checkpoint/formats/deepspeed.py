@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO checkpoints (stages 1, 2 and 3), read as the fp32 master weights and Adam moments of each
 parameter, resharded to any layout without DeepSpeed.
 
-On disk (DeepSpeed 0.x ``engine.save_checkpoint(dir, tag)``; see ``docs/checkpoint-format.md``): ``dir/latest``
+On disk (DeepSpeed 0.x ``engine.save_checkpoint(dir, tag)``; see ``docs/foreign-formats.md``): ``dir/latest``
 names the tag; ``dir/<tag>/`` holds
 
 * ``mp_rank_00_model_states.pt`` (stages 1/2) or ``zero_pp_rank_{r}_mp_rank_00_model_states.pt`` (stage 3):

@@ -1,7 +1,7 @@
 """GGUF files (llama.cpp's single-file format) read as HuggingFace-named tensors.
 
-A GGUF file holds key/value metadata and tensors in ggml block-quantised types (``Q4_1``, ``Q8_0``, ...). The
-``gguf`` package (maintained with llama.cpp) parses the file (memory-mapped, so one tensor's bytes are read at a
+A GGUF file (``docs/foreign-formats.md``) holds key/value metadata and tensors in ggml block-quantised types
+(``Q4_1``, ``Q8_0``, ...). The ``gguf`` package (maintained with llama.cpp) parses the file (memory-mapped, so one tensor's bytes are read at a
 time) and dequantises each type; oarlock only maps names and undoes layout changes:
 
 * names: llama.cpp's converter renames HF keys (``model.layers.{i}.self_attn.q_proj.weight`` ->

@@ -1,6 +1,6 @@
 """Megatron-Core distributed checkpoints (``megatron.core.dist_checkpointing``) with the ``torch_dist`` backend.
 
-On disk (Megatron-Core 0.x, see ``docs/checkpoint-format.md``):
+On disk (Megatron-Core 0.x, see ``docs/foreign-formats.md``):
 
 * ``metadata.json``: ``{"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
   ...}``: what identifies the format;
