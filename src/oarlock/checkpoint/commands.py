@@ -144,8 +144,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
         return 2
     layout = ParallelLayout(args.tp, args.pp, args.dp, tuple(resolve_tp_rules(args.tp_rules)))
     if args.dry_run:
-        print(plan_conversion(args.src, to="oarlock" if to == "dcp" else to, aoa_config=config, layout=layout,
-                              max_shard_size=args.max_shard_size).render())
+        text = plan_conversion(args.src, to="oarlock" if to == "dcp" else to, aoa_config=config, layout=layout,
+                               max_shard_size=args.max_shard_size).render()
+        if to == "dcp":  # same chunking; each rank file becomes __<rank>_0.distcp
+            text = text.replace("-> oarlock:", "-> dcp:", 1)
+        print(text)
         return 0
     if to == "hf":
         out = export_hf(args.src, args.dst, aoa_config=config, max_shard_size=args.max_shard_size,
