@@ -16,7 +16,7 @@ from oarlock.checkpoint.async_save import wait_pending
 from oarlock.checkpoint.executor import LoadReport
 from oarlock.checkpoint.load import run_load
 from oarlock.checkpoint.mapping import MappingProgram
-from oarlock.checkpoint.save import prepare_save, write_and_commit
+from oarlock.checkpoint.save import local_tensors, prepare_save, write_and_commit
 
 __all__ = ["LoadReport", "load_state_dict", "save_state_dict"]
 
@@ -55,7 +55,7 @@ def save_state_dict(state_dict: Mapping[str, Any], path: str | os.PathLike, *, p
         return _async_save(state_dict, path, process_group=process_group, save_replicas=save_replicas)
     wait_pending()  # an earlier async save commits first
     plan = prepare_save(state_dict, path, process_group, save_replicas)
-    write_and_commit(plan, {sw.key: sw.local_tensor for sw in plan.leaves.shards}, process_group)
+    write_and_commit(plan, local_tensors(plan.leaves), process_group)
     return None
 
 

@@ -23,7 +23,7 @@ from typing import Any, Mapping
 import torch
 
 from oarlock.checkpoint.dist import DistWrapper
-from oarlock.checkpoint.save import prepare_save, write_and_commit
+from oarlock.checkpoint.save import local_tensors, prepare_save, write_and_commit
 
 _lock = threading.Lock()
 _pending: "AsyncSaveHandle | None" = None
@@ -89,8 +89,9 @@ def async_save(state_dict: Mapping[str, Any], path: str | os.PathLike, *, proces
     """
     wait_pending()  # saves never overlap: the previous one commits first
     plan = prepare_save(state_dict, path, process_group, save_replicas)
-    keys = {i[0] for i in plan.writes.get(plan.rank, [])}
-    snap, copied = stage({sw.key: sw.local_tensor for sw in plan.leaves.shards if sw.key in keys})
+    ids = {(i[0], i[1], i[3]) for i in plan.writes.get(plan.rank, [])}
+    # the snapshot: a CPU copy of only what this rank writes (pinned and asynchronous for CUDA tensors)
+    snap, copied = stage({i: t for i, t in local_tensors(plan.leaves).items() if i in ids})
     group = _side_group(process_group) if DistWrapper(process_group).active else None
     handle = AsyncSaveHandle(path)
     handle.pinned_bytes = sum(t.numel() * t.element_size() for t in snap.values() if t.is_pinned())
@@ -116,7 +117,7 @@ def async_save(state_dict: Mapping[str, Any], path: str | os.PathLike, *, proces
 _pinned: dict[tuple, torch.Tensor] = {}  # (key, shape, dtype, device) -> pinned staging buffer, reused
 
 
-def stage(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[Any]]:
+def stage(tensors: Mapping[Any, torch.Tensor]) -> tuple[dict[Any, torch.Tensor], list[Any]]:
     """The snapshot of an async save: CPU copies of ``tensors`` that later in-place updates do not reach.
 
     CUDA tensors are copied with ``non_blocking=True`` into page-locked (pinned) buffers that are kept and reused
@@ -127,7 +128,7 @@ def stage(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor],
     ``(snapshot, events)``: one CUDA event per device involved (none without CUDA tensors); ``synchronize()`` on
     each waits for the copies.
     """
-    snap: dict[str, torch.Tensor] = {}
+    snap: dict[Any, torch.Tensor] = {}
     events: list[Any] = []
     with torch.no_grad():
         for k, t in tensors.items():

@@ -165,8 +165,8 @@ def cmd_aoa_explain(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from oarlock.checkpoint.convert import (ConversionLayout, convert_checkpoint, export_hf, plan_conversion,
-                                            resolve_tp_rules)
+    from oarlock.checkpoint.convert import (ConversionLayout, convert_checkpoint, convert_to_dcp, export_hf,
+                                            plan_conversion, resolve_tp_rules)
     from oarlock.checkpoint.storage import detect_format
 
     config = None
@@ -183,7 +183,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
         return 2
     parallel = (args.tp, args.pp, args.dp) != (1, 1, 1)
     to = args.to or ("oarlock" if parallel or args.tp_rules
-                     else "hf" if detect_format(args.src) in ("oarlock", "paddle") else "oarlock")
+                     else "hf" if detect_format(args.src) in ("oarlock", "paddle", "dcp", "megatron", "deepspeed", "gguf")
+                     else "oarlock")
     if to == "hf" and (parallel or args.tp_rules):
         print("oarlock: error: --tp/--pp/--dp/--tp-rules apply to --to oarlock; an HF export holds whole tensors",
               file=sys.stderr)
@@ -199,9 +200,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
     layout = ConversionLayout(args.tp, args.pp, args.dp, tuple(resolve_tp_rules(tp_rules)))
     keep_opt = args.keep_optimizer_state or to == "oarlock"
     if args.dry_run:
-        print(plan_conversion(args.src, to=to, aoa_config=config, layout=layout,
-                              max_shard_size=args.max_shard_size, include=args.include, exclude=args.exclude,
-                              optimizer_state=keep_opt).render())
+        text = plan_conversion(args.src, to="oarlock" if to == "dcp" else to, aoa_config=config, layout=layout,
+                               max_shard_size=args.max_shard_size, include=args.include, exclude=args.exclude,
+                               optimizer_state=keep_opt).render()
+        if to == "dcp":  # same chunking; each rank file becomes __<rank>_0.distcp
+            text = text.replace("-> oarlock:", "-> dcp:", 1)
+        print(text)
         return 0
     if to == "hf":
         plan = plan_conversion(args.src, to="hf", aoa_config=config, max_shard_size=args.max_shard_size,
@@ -214,6 +218,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
         if plan.dropped_optimizer_keys:
             print(f"left out {len(plan.dropped_optimizer_keys)} optimizer state tensor(s) (model weights only; "
                   "--keep-optimizer-state keeps them)")
+    elif to == "dcp":
+        meta = convert_to_dcp(args.src, args.dst, aoa_config=config, tp=args.tp, pp=args.pp, dp=args.dp,
+                              tp_rules=tp_rules, copy_side_files=not args.no_side_files)
+        print(f"{args.dst}: torch.distributed.checkpoint (DCP), {len(meta.tensors)} tensors in {len(meta.files)} "
+              f"file(s) (tp={args.tp} pp={args.pp} dp={args.dp})")
     else:
         meta = convert_checkpoint(args.src, args.dst, aoa_config=config, tp=args.tp, pp=args.pp, dp=args.dp,
                                   tp_rules=tp_rules, copy_side_files=not args.no_side_files,
@@ -260,8 +269,8 @@ def _add_filters(p: argparse.ArgumentParser) -> None:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("inspect", help="list the tensors of a checkpoint (safetensors file, HF, oarlock or "
-                                       "Paddle directory)",
+    p = sub.add_parser("inspect", help="list the tensors of a checkpoint (safetensors file, HF, oarlock, "
+                                       "Paddle, torch DCP, Megatron, DeepSpeed directory or GGUF file)",
                        description="Print every tensor key with shape, dtype and size in bytes; for sharded "
                                    "checkpoints also each shard's global offset, local shape and file.")
     p.add_argument("path", help="a .safetensors file or a checkpoint directory")
@@ -329,19 +338,23 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="cast to the --target dtype where no AOA cast does (default: report a dtype mismatch)")
     ex.set_defaults(func=cmd_aoa_explain)
 
-    cv = sub.add_parser("convert", help="convert a checkpoint: HF <-> oarlock (TP/PP-sharded), Paddle -> either, "
-                                        "optionally through an AOA config",
-                        description="Read SRC (oarlock, HuggingFace, Paddle FlexCheckpoint or .safetensors), apply "
+    cv = sub.add_parser("convert", help="convert a checkpoint: HF <-> oarlock (TP/PP-sharded) <-> torch DCP; "
+                                        "Paddle, Megatron, DeepSpeed, GGUF -> any, optionally through an AOA config",
+                        description="Read SRC (oarlock, HuggingFace, Paddle FlexCheckpoint, torch DCP, Megatron-Core "
+                                    "torch_dist, DeepSpeed ZeRO, GGUF or .safetensors), apply "
                                     "an optional AOA config, and write DST as a HuggingFace directory "
-                                    "(model-0000i-of-0000N.safetensors + index) or as an oarlock checkpoint sharded "
-                                    "the way a tp*dp*pp job saves it. Every output tensor or shard is read straight "
+                                    "(model-0000i-of-0000N.safetensors + index), as an oarlock checkpoint sharded "
+                                    "the way a tp*dp*pp job saves it, or as a torch DCP directory chunked the same "
+                                    "way. Every output tensor or shard is read straight "
                                     "from the source bytes it needs and written before the next: memory holds one "
                                     "shard. SRC is never modified; DST appears only when complete.")
     cv.add_argument("src", metavar="SRC", help="source checkpoint (file or directory)")
     cv.add_argument("dst", metavar="DST", help="output directory")
-    cv.add_argument("--to", choices=("hf", "oarlock"),
-                    help="output format (default: oarlock when --tp/--pp/--dp/--tp-rules is given, else hf for "
-                         "oarlock/Paddle sources and oarlock for HF/safetensors ones)")
+    cv.add_argument("--to", choices=("hf", "oarlock", "dcp"),
+                    help="output format: hf, oarlock, or dcp (a torch.distributed.checkpoint directory that "
+                         "dcp.load reads; chunked by --tp/--pp/--dp like oarlock) (default: oarlock when "
+                         "--tp/--pp/--dp/--tp-rules is given, else hf for oarlock/Paddle/DCP/Megatron/DeepSpeed/"
+                         "GGUF sources and oarlock for HF/safetensors ones)")
     cv.add_argument("--aoa", metavar="CONFIG", help="AOA config: text (one statement per line) or JSON "
                                                     "{\"aoa_statements\": [...], \"aoa_config_reverse\": bool}")
     cv.add_argument("--preset", metavar="NAME",

@@ -498,12 +498,15 @@ def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike, *, aoa_conf
                 _write_streaming(tmp / name, entries, _producer(reader, planner, items), bar)
             if bar is not None:
                 bar.close()
+            hf_config = reader.metadata.extra.get("hf_config")  # a source that knows its model (GGUF) says so
         if len(plan.files) > 1:
             write_hf_index(tmp, {k: name for name, (keys, _) in plan.files.items() for k in keys}, plan.total_bytes)
         if copy_side_files:
             for name, f in side_files(source).items():
                 if not name.startswith("model"):  # never carry over a stale index
                     shutil.copyfile(f, tmp / name)
+        if isinstance(hf_config, dict) and aoa_config is None and not (tmp / "config.json").exists():
+            (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         publish_directory(tmp, out_dir)
     return out_dir
 
@@ -685,6 +688,66 @@ def convert_checkpoint(source: str | os.PathLike, out_dir: str | os.PathLike, *,
                     shutil.copyfile(f, tmp / name)
             publish_directory(tmp, out_dir, meta)
     return meta
+
+
+def convert_to_dcp(source: str | os.PathLike, out_dir: str | os.PathLike, *, aoa_config: Any = None,
+                   tp: int = 1, pp: int = 1, dp: int = 1,
+                   tp_rules: str | Path | Mapping[str, int | None] | Sequence | None = None,
+                   copy_side_files: bool = True, show_progress: bool | None = None) -> CheckpointMetadata:
+    """Write a ``torch.distributed.checkpoint`` (DCP) directory from any source, chunked as a job of
+    ``tp * dp * pp`` ranks would save it (same layout rules as :func:`convert_checkpoint`), from this one process.
+    torch's own ``dcp.load`` reads the result into any layout (e.g. HF -> AOA/TP layout -> torchtitan); the
+    source's non-tensor values are written too. Format: :mod:`oarlock.checkpoint.formats.dcp`.
+
+    Each chunk is read through the planner straight from the source's bytes and written before the next; memory
+    holds one tensor. Returns the written metadata (as oarlock's DCP reader reports it).
+
+    Raises:
+        CheckpointError: bad source/config/rules, an existing ``out_dir`` that is neither empty nor a DCP
+            checkpoint, I/O errors (nothing is published).
+    """
+    from oarlock.checkpoint.formats.dcp import DcpWriter, is_dcp_dir
+
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not (out_dir.is_dir() and (is_dcp_dir(set(os.listdir(out_dir)))
+                                                       or not any(out_dir.iterdir()))):
+        raise CheckpointError(f"{out_dir}: exists and is not a DCP checkpoint; refusing to replace it")
+    layout = ConversionLayout(tp, pp, dp, tuple(resolve_tp_rules(tp_rules)))
+    with open_checkpoint(source) as reader, single_threaded_copies():
+        program, axes = _program_for_layout(reader.metadata, aoa_config, layout)
+        tensors, _ = assign_writes(rank_descriptions(program, axes, layout))
+        planner = Planner(reader.metadata, program)
+        total = sum(numel(s.local_shape) * dtype_itemsize(t.dtype) for t in tensors.values() for s in t.shards)
+        with staged_directory(out_dir) as tmp:
+            bar = _byte_bar(total, show_progress)
+            writer = DcpWriter(tmp, tensors, reader.metadata.nested)
+            try:
+                for k in program.destination_keys():
+                    shards = tensors[k].shards if k in tensors else []
+                    whole = read_destination(reader, planner, k) if len(shards) > 1 else None
+                    for s in shards:
+                        if whole is not None:
+                            t = whole[tuple(slice(o, o + n) for o, n in zip(s.global_offset, s.local_shape))]
+                        else:
+                            t = read_destination(reader, planner, k, offset=s.global_offset,
+                                                 local_shape=s.local_shape)
+                        n = writer.put(k, s, t)
+                        if bar is not None:
+                            bar.update(n)
+                    del whole
+                for k, v in reader.metadata.objects.items():
+                    writer.put_object(k, v)
+                writer.finish()
+            finally:
+                writer.close()
+            if bar is not None:
+                bar.close()
+            if copy_side_files:
+                for name, f in side_files(source).items():
+                    shutil.copyfile(f, tmp / name)
+            publish_directory(tmp, out_dir)
+    with open_checkpoint(out_dir) as r:
+        return r.metadata
 
 
 def _byte_bar(total: int, show: bool | None) -> Any:

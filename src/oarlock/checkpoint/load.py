@@ -98,7 +98,7 @@ def run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process_
         leaves = collect_leaves(state_dict)
         descs = [sw.desc for sw in leaves.shards]
         return {"tensors": {d.key: (d.global_shape, d.dtype) for d in descs},
-                "offsets": {d.key: d.global_offset for d in descs if d.numel} if program is None else {},
+                "offsets": [(d.key, d.global_offset) for d in descs if d.numel] if program is None else [],
                 "objects": sorted(leaves.objects)}
 
     gathered = dist.gather(request)
@@ -121,7 +121,7 @@ def run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process_
         if aoa_config is not None:
             offsets: dict[str, set] = {}
             for g in gathered:
-                for k, off in g["offsets"].items():
+                for k, off in g["offsets"]:
                     offsets.setdefault(k, set()).add(tuple(off))
             program = compile_aoa_for_load(aoa_config, source_specs(meta), dest_all, meta,
                                            {k: len(v) for k, v in offsets.items()})

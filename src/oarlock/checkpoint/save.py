@@ -103,14 +103,41 @@ def assign_writes(per_rank: list[list[tuple]], replicas: bool = False
         owner[ident] = r
         writes.setdefault(r, []).append(ident)
     tensors = {key: TensorMeta(key, gshape, dtype) for key, (gshape, dtype, _) in spec.items()}
+    if replicas:
+        for ident in sorted(owner, key=lambda i: (i[0], i[1], i[3] or ())):
+            for h in holders[ident]:
+                if h != owner[ident]:
+                    writes.setdefault(h, []).append(ident)
+    per_file: dict[tuple[int, str], int] = {}
+    for r, ids in writes.items():
+        for ident in ids:
+            per_file[(r, ident[0])] = per_file.get((r, ident[0]), 0) + 1
     for ident in sorted(owner, key=lambda i: (i[0], i[1], i[3] or ())):
         key, off, lshape, fr = ident
-        tensors[key].shards.append(ShardMeta(off, lshape, data_file_name(owner[ident]), key, fr, 0 if replicas else None))
-        if replicas:
-            for k, h in enumerate((h for h in holders[ident] if h != owner[ident]), 1):
-                writes.setdefault(h, []).append(ident)
-                tensors[key].shards.append(ShardMeta(off, lshape, data_file_name(h), key, fr, k))
+        rep = [owner[ident]] + ([h for h in holders[ident] if h != owner[ident]] if replicas else [])
+        for k, h in enumerate(rep):
+            name = stored_name(key, off, fr) if per_file[(h, key)] > 1 else key
+            tensors[key].shards.append(ShardMeta(off, lshape, data_file_name(h), name, fr,
+                                                 k if replicas else None))
     return tensors, writes
+
+
+def stored_name(key: str, offset: tuple[int, ...], flattened_range: tuple[int, int] | None) -> str:
+    """Name of a shard's tensor in a data file that holds several shards of ``key`` (``key@o0,o1`` and
+    ``#start-stop`` for a flattened one); a file holding one shard of a key names it ``key``."""
+    name = f"{key}@{','.join(str(o) for o in offset)}"
+    return name + (f"#{flattened_range[0]}-{flattened_range[1]}" if flattened_range is not None else "")
+
+
+def shard_id(sw: ShardedWeight) -> tuple:
+    """``(key, global offset, flattened range)``: what tells a rank's shards of one key apart."""
+    d = sw.desc
+    return (d.key, tuple(d.global_offset), d.flattened_range)
+
+
+def local_tensors(leaves: Leaves) -> dict[tuple, torch.Tensor]:
+    """This rank's shard tensors by :func:`shard_id`, the ``local`` argument of :func:`write_and_commit`."""
+    return {shard_id(sw): sw.local_tensor for sw in leaves.shards}
 
 
 def check_destination(path: Path) -> None:
@@ -146,11 +173,12 @@ def prepare_save(state_dict: Mapping[str, Any], path: str | os.PathLike, process
         nonlocal leaves
         leaves = collect_leaves(state_dict)
         descs: list[tuple] = []
-        mine: set[str] = set()
+        mine: set[tuple] = set()
         for sw in leaves.shards:
-            if sw.key in mine:
-                raise CheckpointError(f"rank {dist.rank} holds two shards of key {sw.key!r}")
-            mine.add(sw.key)
+            if shard_id(sw) in mine:
+                raise CheckpointError(f"rank {dist.rank} holds the shard of key {sw.key!r} at offset "
+                                      f"{list(sw.global_offset)} twice")
+            mine.add(shard_id(sw))
             d = sw.desc
             descs.append((d.key, d.global_shape, d.dtype, d.global_offset, d.local_shape, d.flattened_range,
                           d.numel * dtype_itemsize(d.dtype)))
@@ -172,25 +200,29 @@ def _desc_tuple(sw: ShardedWeight) -> tuple:
     return (d.global_offset, d.local_shape, d.global_shape, d.dtype, d.flattened_range)
 
 
-def write_and_commit(plan: SavePlan, local: dict[str, torch.Tensor], process_group: Any) -> None:
-    """The data half of a save: write this rank's file from ``local`` (key -> tensor), then commit (rank 0).
-    Collective over ``process_group`` (two small all-gathers of error reports)."""
+def write_and_commit(plan: SavePlan, local: dict[Any, torch.Tensor], process_group: Any) -> None:
+    """The data half of a save: write this rank's file from ``local`` (:func:`shard_id` -> tensor, see
+    :func:`local_tensors`; a plain key -> tensor dict is accepted when the rank holds one shard per key), then
+    commit (rank 0). Collective over ``process_group`` (two small all-gathers of error reports)."""
     dist = DistWrapper(process_group)
     tmp = plan.tmp
 
     def write() -> dict[str, Any]:
         tmp.mkdir(parents=True, exist_ok=True)
         (tmp / INCOMPLETE_MARKER).touch()  # before any data file: a partial directory must never load
-        ids = {(i[0], i[1]) for i in plan.writes.get(plan.rank, [])}
+        ids = sorted({(i[0], i[1], i[3]) for i in plan.writes.get(plan.rank, [])},
+                     key=lambda i: (i[0], i[1], i[2] or ()))
         if not ids:
             return {}
-        mine = {sw.key: sw for sw in plan.leaves.shards}
-        keys = [k for k, _ in sorted(ids)]
+        mine = {shard_id(sw): sw for sw in plan.leaves.shards}
+        file = data_file_name(plan.rank)
+        names = {(t.key, s.global_offset, s.flattened_range): s.name for t in plan.tensors.values()
+                 for s in t.shards if s.file == file}
+        out = {names[i]: local[i] if i in local else local[i[0]] for i in ids}
         hasher = BlockHasher()
-        write_safetensors(tmp / data_file_name(plan.rank), {k: local[k] for k in keys},
-                          metadata=shard_header([(k, *_desc_tuple(mine[k])) for k in keys], plan.world),
-                          hasher=hasher)
-        return {data_file_name(plan.rank): hasher.record}  # block checksums, recorded in the metadata
+        write_safetensors(tmp / file, out, metadata=shard_header(
+            [(names[i], *_desc_tuple(mine[i])) for i in ids], plan.world), hasher=hasher)
+        return {file: hasher.record}  # block checksums, recorded in the metadata
 
     def commit(records: list[dict[str, Any]]) -> None:
         if dist.is_coordinator:

@@ -261,6 +261,23 @@ def is_dtensor(x: Any) -> bool:
     return isinstance(x, DTensor)
 
 
+def is_sharded_tensor(x: Any) -> bool:
+    """True for torch's (legacy) ``ShardedTensor``, which may hold several local shards per rank."""
+    try:
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    return isinstance(x, ShardedTensor)
+
+
+def sharded_tensor_shards(key: str, st: Any) -> list[ShardedWeight]:
+    """One :class:`ShardedWeight` per local shard of a torch ``ShardedTensor`` (its ``local_shards()``, each with
+    ``metadata.shard_offsets`` / ``shard_sizes``); the local tensors are shared, so loads write in place."""
+    gshape = tuple(st.size())
+    return [ShardedWeight(key, sh.tensor, tuple(sh.metadata.shard_sizes), gshape, tuple(sh.metadata.shard_offsets))
+            for sh in st.local_shards()]
+
+
 def to_sharded_weight(key: str, leaf: Any) -> ShardedWeight | None:
     """``leaf`` as this rank's :class:`ShardedWeight` under ``key`` (the one place a state-dict leaf becomes a
     shard): a ShardedWeight as is (its own key), a DTensor as its local shard (None on ranks outside its mesh), a

@@ -77,7 +77,10 @@ def detect_format(path: str | os.PathLike) -> str:
     if names is None:
         raise CheckpointFormatError(f"{p}: not a checkpoint file (expected a .safetensors file or a directory)")
     hints = ", ".join(cls.hint for cls in formats.values() if cls.hint and cls.format != "safetensors")
-    raise CheckpointFormatError(f"{p}: no checkpoint found (no {hints})")
+    shown = sorted(names)[:12]
+    found = ", ".join(shown) + (f" and {len(names) - len(shown)} more" if len(names) > len(shown) else "")
+    raise CheckpointFormatError(f"{p}: no checkpoint found (looked for {hints}; found "
+                                f"{found or 'an empty directory'})")
 
 
 @dataclass

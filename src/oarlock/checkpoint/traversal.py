@@ -15,7 +15,8 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from oarlock.checkpoint.errors import CheckpointError
-from oarlock.checkpoint.sharded import ShardedWeight, is_dtensor, to_sharded_weight
+from oarlock.checkpoint.sharded import (ShardedWeight, is_dtensor, is_sharded_tensor, sharded_tensor_shards,
+                                        to_sharded_weight)
 
 __all__ = ["Leaves", "collect_leaves", "flat_key", "is_dtensor", "iter_leaves", "leaf_key", "set_path",
            "to_sharded_weight"]
@@ -80,14 +81,20 @@ def collect_leaves(state_dict: Mapping[str, Any]) -> Leaves:
         raise CheckpointError(f"state_dict must be a dict, got {type(state_dict).__name__}")
     out = Leaves()
     seen: dict[str, tuple] = {}
+    several: set[str] = set()  # keys given as several shards (ShardedWeights, ShardedTensor local shards)
     for path, leaf in iter_leaves(state_dict):
         key = leaf_key(path, leaf)
-        if key in seen:
-            raise CheckpointError(f"state_dict key {key!r} occurs twice (at {list(seen[key])} and {list(path)})")
-        seen[key] = path
-        if len(path) > 1 or not isinstance(path[0], str) or path[0] != key:
+        if key in seen and not (key in several and isinstance(leaf, ShardedWeight)):
+            raise CheckpointError(f"state_dict key {key!r} occurs twice (at {list(seen[key])} and {list(path)}); "
+                                  "only ShardedWeights may give several shards of one key")
+        if key not in seen and (len(path) > 1 or not isinstance(path[0], str) or path[0] != key):
             out.nested[key] = list(path)
-        if isinstance(leaf, (torch.Tensor, ShardedWeight)):
+        seen.setdefault(key, path)
+        if isinstance(leaf, ShardedWeight):
+            several.add(key)
+        if is_sharded_tensor(leaf):
+            out.shards.extend(sharded_tensor_shards(key, leaf))
+        elif isinstance(leaf, (torch.Tensor, ShardedWeight)):
             sw = to_sharded_weight(key, leaf)
             if sw is not None:
                 out.shards.append(sw)

