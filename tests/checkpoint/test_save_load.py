@@ -166,6 +166,9 @@ def test_aoa_config_goes_to_compile_aoa(tmp_path, monkeypatch):
     fake.compile_aoa = compile_aoa
     fake.shard_counts = lambda meta: {k: len(t.shards) for k, t in meta.tensors.items()}
     monkeypatch.setitem(sys.modules, "oarlock.checkpoint.aoa", fake)
+    layout = types.ModuleType("oarlock.checkpoint.aoa.layout")  # no TP-blocked layouts recorded: config as given
+    layout.relayout_config = lambda config, meta, destination_shards: config
+    monkeypatch.setitem(sys.modules, "oarlock.checkpoint.aoa.layout", layout)
     a, b = torch.zeros(3, 4), torch.zeros(4, 3, dtype=torch.float64)
     cfg = {"aoa_statements": ["w^T -> a"]}
     load_state_dict({"a": a, "b": b}, tmp_path / "ck", aoa_config=cfg)
