@@ -51,6 +51,7 @@ from oarlock.checkpoint.reader import CheckpointReader
 from oarlock.checkpoint.safetensors_io import SafetensorsWriter, contiguous_run
 from oarlock.checkpoint.save import assign_writes, check_destination, data_file_name, shard_header
 from oarlock.checkpoint.sharded import ShardDesc
+from oarlock.checkpoint.storage import check_destination as storage_check_destination
 from oarlock.checkpoint.storage import open_checkpoint, publish_directory, staged_directory
 from oarlock.utils import dtype_itemsize, numel, torch_dtype
 
@@ -404,10 +405,12 @@ def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike, *, aoa_conf
 
     Raises:
         CheckpointError: unreadable source (naming file and key), a bad AOA config, I/O errors (nothing is
-            published).
+            published); an ``out_dir`` that is, contains or is inside ``source``, or exists and is not a
+            HuggingFace checkpoint or an empty directory (nothing is written).
     """
-    plan = plan_conversion(source, to="hf", aoa_config=aoa_config, max_shard_size=max_shard_size)
     out_dir = Path(out_dir)
+    storage_check_destination(out_dir, "huggingface", [source])
+    plan = plan_conversion(source, to="hf", aoa_config=aoa_config, max_shard_size=max_shard_size)
     with staged_directory(out_dir) as tmp:
         with open_checkpoint(source) as reader, single_threaded_copies():
             planner = Planner(reader.metadata, compile_program(reader.metadata, aoa_config))
@@ -536,12 +539,12 @@ def convert_checkpoint(source: str | os.PathLike, out_dir: str | os.PathLike, *,
     writes).
 
     Raises:
-        CheckpointError: bad source/config/rules, an existing non-checkpoint ``out_dir``, I/O errors (the
+        CheckpointError: bad source/config/rules, an ``out_dir`` that is, contains or is inside ``source`` or is an existing non-checkpoint, I/O errors (the
             temporary directory is removed; nothing is published).
     """
     out_dir = Path(out_dir)
     layout = ParallelLayout(tp, pp, dp, tuple(resolve_tp_rules(tp_rules)))
-    check_destination(out_dir)
+    check_destination(out_dir, [source])
     with open_checkpoint(source) as reader, single_threaded_copies():
         program, axes = _program_for_layout(reader.metadata, aoa_config, layout)
         tensors, writes = assign_writes(rank_descriptions(program, axes, layout))

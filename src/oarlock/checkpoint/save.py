@@ -18,7 +18,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -29,6 +29,7 @@ from oarlock.checkpoint.plan import KeyIndex
 from oarlock.checkpoint.safetensors_io import write_safetensors
 from oarlock.checkpoint.sharded import ShardedWeight
 from oarlock.checkpoint.storage import INCOMPLETE_MARKER, publish_directory, staging_path
+from oarlock.checkpoint.storage import check_destination as storage_check_destination
 from oarlock.checkpoint.traversal import Leaves, collect_leaves
 from oarlock.utils import dtype_itemsize
 
@@ -112,11 +113,14 @@ def assign_writes(per_rank: list[list[tuple]], replicas: bool = False
     return tensors, writes
 
 
-def check_destination(path: Path) -> None:
-    """Raises:
-        CheckpointError: ``path`` exists and is neither an oarlock checkpoint nor an empty directory."""
-    if path.exists() and not (path.is_dir() and ((path / METADATA_FILE).is_file() or not any(path.iterdir()))):
-        raise CheckpointError(f"{path}: exists and is not an oarlock checkpoint; refusing to replace it")
+def check_destination(path: Path, sources: Sequence[str | os.PathLike] = ()) -> None:
+    """The destination rule of an oarlock checkpoint writer (:func:`oarlock.checkpoint.storage.check_destination`
+    with format ``"oarlock"``).
+
+    Raises:
+        CheckpointError: ``path`` is, contains or is inside one of ``sources``, or exists and is neither an
+            oarlock checkpoint nor an empty directory."""
+    storage_check_destination(path, "oarlock", sources)
 
 
 @dataclass
