@@ -171,3 +171,153 @@ def test_replacement_uses_one_atomic_exchange_where_available(tmp_path, monkeypa
     load_state_dict(out, ck)
     assert torch.equal(out["w"], torch.full((3,), 2.0))
     assert len(swaps) == 1 and os.listdir(tmp_path) == ["ckpt"]
+
+
+# ---------------------------------------------------------------- 2. nothing outside the checkpoint is opened
+
+@pytest.fixture
+def opened(monkeypatch):
+    """Every path passed to ``os.open`` or ``builtins.open`` while the test runs (resolved)."""
+    import builtins
+
+    seen: list[str] = []
+    real_os_open, real_open = os.open, builtins.open
+
+    def os_open(path, *a, **kw):
+        if kw.get("dir_fd") is None and isinstance(path, (str, bytes, os.PathLike)):
+            seen.append(os.path.realpath(os.fsdecode(path)))
+        return real_os_open(path, *a, **kw)
+
+    def b_open(file, *a, **kw):
+        if isinstance(file, (str, bytes, os.PathLike)):
+            seen.append(os.path.realpath(os.fsdecode(file)))
+        return real_open(file, *a, **kw)
+
+    monkeypatch.setattr(os, "open", os_open)
+    monkeypatch.setattr(builtins, "open", b_open)
+    return seen
+
+
+def _paddle_ckpt(root: Path, storage_name: str | None = None) -> None:
+    """A Paddle checkpoint (0.metadata + 0_0.distcp); ``storage_name`` (10 characters, like ``0_0.distcp``) is
+    written into the metadata as the storage file name instead."""
+    import numpy as np
+    from test_inspect import write_paddle_checkpoint
+
+    write_paddle_checkpoint(root, {"w": np.arange(12, dtype=np.float32).reshape(3, 4)})
+    if storage_name is not None:
+        assert len(storage_name) == len("0_0.distcp")
+        raw = (root / "0.metadata").read_bytes()
+        (root / "0.metadata").write_bytes(raw.replace(b"0_0.distcp", storage_name.encode()))
+
+
+def _oarlock_meta_file(ck: Path, value: str) -> None:
+    import json
+
+    meta = json.loads((ck / "metadata.json").read_text())
+    for t in meta["tensors"].values():
+        for s in t["shards"]:
+            s["file"] = value
+    (ck / "metadata.json").write_text(json.dumps(meta))
+
+
+def _escape_corpus(base: Path) -> list[tuple[str, Path, str]]:
+    """(case, checkpoint directory, text the refusal must contain) for every format; the targets outside the
+    checkpoints live in ``base/outside``."""
+    from safetensors.torch import save_file
+
+    from oarlock.checkpoint.convert import export_hf
+
+    outside = base / "outside"
+    outside.mkdir()
+    save_file({"w": torch.full((3, 4), 666.0)}, outside / "secret.safetensors")
+    _paddle_ckpt(outside)
+    os.rename(outside / "0_0.distcp", outside / "0_0.dcp")
+    cases = []
+
+    def oarlock(name: str) -> Path:
+        ck = base / name / "ckpt"
+        save_state_dict({"w": torch.zeros(3, 4)}, ck)
+        return ck
+
+    ck = oarlock("meta_dotdot")
+    _oarlock_meta_file(ck, "../../outside/secret.safetensors")
+    cases.append(("oarlock metadata file ..", ck, "'../../outside/secret.safetensors'"))
+    ck = oarlock("meta_abs")
+    _oarlock_meta_file(ck, str(outside / "secret.safetensors"))
+    cases.append(("oarlock metadata file absolute", ck, "is an absolute path"))
+    ck = oarlock("data_symlink")
+    os.unlink(ck / "rank-00000.safetensors")
+    os.symlink(outside / "secret.safetensors", ck / "rank-00000.safetensors")
+    cases.append(("oarlock data file symlink", ck, "'rank-00000.safetensors' resolves to"))
+    ck = oarlock("meta_symlink")
+    os.rename(ck / "metadata.json", outside / "metadata.json")
+    os.symlink(outside / "metadata.json", ck / "metadata.json")
+    cases.append(("oarlock metadata.json symlink", ck, "'metadata.json' resolves to"))
+
+    src = oarlock("hf_src")
+    for name, target, want in [("hf_dotdot", "../../outside/secret.safetensors", "tensor 'w'"),
+                               ("hf_passwd", "../../../../etc/passwd", "'../../../../etc/passwd'"),
+                               ("hf_abs", str(outside / "secret.safetensors"), "is an absolute path")]:
+        ck = base / name / "hf"
+        export_hf(src, ck, max_shard_size=1)
+        import json
+
+        (ck / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {"w": target}}))
+        cases.append((f"hf index {name}", ck, want))
+    ck = base / "hf_symlink" / "hf"
+    ck.mkdir(parents=True)
+    os.symlink(outside / "secret.safetensors", ck / "model.safetensors")
+    cases.append(("hf model.safetensors symlink", ck, "'model.safetensors' resolves to"))
+
+    ck = base / "paddle_dotdot" / "pd"
+    ck.mkdir(parents=True)
+    _paddle_ckpt(ck, "../../o/x.d"[:0] + "../0_0.dcp")
+    os.rename(base / "outside" / "0_0.dcp", base / "paddle_dotdot" / "0_0.dcp")
+    cases.append(("paddle storage file ..", ck, "'../0_0.dcp'"))
+    ck = base / "paddle_meta_symlink" / "pd"
+    ck.mkdir(parents=True)
+    _paddle_ckpt(ck)
+    os.unlink(ck / "0.metadata")
+    os.symlink(outside / "0.metadata", ck / "0.metadata")
+    cases.append(("paddle metadata symlink", ck, "'0.metadata' resolves to"))
+    return cases
+
+
+def test_path_escapes_are_refused_before_opening_in_every_format(tmp_path, opened, capsys):
+    from oarlock.checkpoint.storage import open_checkpoint
+    from oarlock.cli import main
+
+    cases = _escape_corpus(tmp_path)
+    failures = []
+    for case, ck, want in cases:
+        del opened[:]
+        with pytest.raises(CheckpointFormatError) as e1:
+            open_checkpoint(ck).close()
+        with pytest.raises(CheckpointFormatError) as e2:
+            load_state_dict({"w": torch.zeros(3, 4)}, ck)
+        codes = [main(["inspect", str(ck)]), main(["convert", str(ck), str(tmp_path / "out"), "--to", "hf"])]
+        err = capsys.readouterr().err.strip().splitlines()
+        escaped = sorted({p for p in opened if not p.startswith(os.path.realpath(ck.parent))
+                          and (p.startswith(os.path.realpath(tmp_path)) or p.startswith("/etc"))})
+        for msg in (str(e1.value), str(e2.value), *err):
+            if want not in msg or "refusing to open it" not in msg:
+                failures.append(f"{case}: message {msg!r} lacks {want!r}")
+        if codes != [2, 2] or len(err) != 2:
+            failures.append(f"{case}: CLI exit codes {codes}, stderr {err}")
+        if escaped:
+            failures.append(f"{case}: opened outside the checkpoint: {escaped}")
+        assert not (tmp_path / "out").exists(), case
+    assert not failures, "\n".join(failures)
+
+
+def test_convert_does_not_copy_a_side_file_linked_from_outside(tmp_path):
+    from oarlock.checkpoint.convert import export_hf
+
+    ck = tmp_path / "ckpt"
+    save_state_dict({"w": torch.zeros(3, 4)}, ck)
+    (tmp_path / "private.json").write_text('{"token": "secret"}')
+    os.symlink(tmp_path / "private.json", ck / "config.json")
+    with pytest.raises(CheckpointFormatError, match="side file: file 'config.json' resolves to"):
+        export_hf(ck, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()

@@ -47,9 +47,9 @@ from oarlock.checkpoint.hf import HF_INDEX, hf_shard_names, parse_size, save_hf_
 from oarlock.checkpoint.mapping import IdentityProgram, MappingProgram
 from oarlock.checkpoint.metadata import METADATA_FILE, CheckpointMetadata
 from oarlock.checkpoint.plan import KeyIndex, Planner, source_specs
-from oarlock.checkpoint.reader import CheckpointReader
+from oarlock.checkpoint.reader import CheckpointReader, checkpoint_file
 from oarlock.checkpoint.safetensors_io import SafetensorsWriter, contiguous_run
-from oarlock.checkpoint.save import assign_writes, check_destination, data_file_name, shard_header
+from oarlock.checkpoint.save import assign_writes, check_destination, data_file_name, new_save_id, shard_header
 from oarlock.checkpoint.sharded import ShardDesc
 from oarlock.checkpoint.storage import check_destination as storage_check_destination
 from oarlock.checkpoint.storage import open_checkpoint, publish_directory, staged_directory
@@ -383,7 +383,7 @@ def side_files(source: str | os.PathLike) -> dict[str, Path]:
     out = {}
     for f in sorted(p.iterdir()):
         if f.is_file() and f.suffix in _SIDE_SUFFIXES and f.name not in skip and not f.name.endswith(".metadata"):
-            out[f.name] = f
+            out[f.name] = checkpoint_file(p, f.name, f"{p}: side file")  # a symlink out of the source is refused
     return out
 
 
@@ -550,7 +550,7 @@ def convert_checkpoint(source: str | os.PathLike, out_dir: str | os.PathLike, *,
         tensors, writes = assign_writes(rank_descriptions(program, axes, layout))
         for t in tensors.values():
             KeyIndex(t)
-        meta = CheckpointMetadata("oarlock", tensors=tensors)
+        meta = CheckpointMetadata("oarlock", tensors=tensors, save_id=new_save_id())
         planner = Planner(reader.metadata, program)
         total = sum(numel(s.local_shape) * dtype_itemsize(t.dtype) for t in tensors.values() for s in t.shards)
         with staged_directory(out_dir, incomplete_marker=True) as tmp:
@@ -562,7 +562,7 @@ def convert_checkpoint(source: str | os.PathLike, out_dir: str | os.PathLike, *,
                     ids = sorted((i[0], i[1], i[2]) for i in writes[rank])
                     # the shard records a same-layout restart checks, as save_state_dict writes them
                     hdr = shard_header([(i[0], i[1], i[2], tensors[i[0]].global_shape, tensors[i[0]].dtype, i[3])
-                                        for i in sorted(writes[rank])], layout.world)
+                                        for i in sorted(writes[rank])], layout.world, meta.save_id)
                     outs[rank] = SafetensorsWriter(tmp / data_file_name(rank), [(k, lshape, tensors[k].dtype)
                                                                           for k, _, lshape in ids], hdr)
                     for k, off, lshape in ids:

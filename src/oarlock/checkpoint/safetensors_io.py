@@ -139,6 +139,15 @@ def read_header(path: str | Path, fd: int | None = None) -> SafetensorsHeader:
             raise CheckpointFormatError(f"{path}: invalid safetensors file: tensor {name!r}: data offsets [{begin}, "
                                         f"{end}) do not fit shape {list(shape)} {dt} in a file of {size} bytes")
         hdr.entries[name] = (dt, shape, begin, end)
+    # no two tensors may share bytes (checked here too, not only by the library: its check reads the file by
+    # path, this header came through ``fd``)
+    prev = None
+    for name, (_, _, begin, end) in sorted(hdr.entries.items(), key=lambda kv: (kv[1][2], kv[1][3])):
+        if prev is not None and begin < prev[1] and end > begin:
+            raise CheckpointFormatError(f"{path}: invalid safetensors file: tensors {prev[0]!r} and {name!r} "
+                                        f"overlap (data offsets [{prev[2]}, {prev[1]}) and [{begin}, {end}))")
+        if end > begin:
+            prev = (name, end, begin)
     return hdr
 
 
@@ -198,15 +207,12 @@ class SafetensorsFile:
             os.close(self.fd)
             self.fd = -1
 
-    def read_box(self, name: str, flat_start: int, shape: tuple[int, ...], box: tuple[tuple[int, int], ...],
-                 dtype: str, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Read ``array[box]``, where ``array`` is the C-contiguous ``shape`` array that starts ``flat_start``
-        elements into stored tensor ``name``; into ``out`` (a CPU tensor of the box's extent, any strides) or a
-        new tensor. Only the needed byte ranges are read: one pread per contiguous run, or, when the runs are
-        short, whole rows of the box in chunks of at most 64 MiB that are then sliced.
+    def check_array(self, name: str, flat_start: int, shape: tuple[int, ...], dtype: str) -> int:
+        """Check that stored tensor ``name`` has ``dtype`` and holds the C-contiguous ``shape`` array starting
+        ``flat_start`` elements into it; returns the tensor's begin offset in the data section.
 
         Raises:
-            CheckpointFormatError: tensor missing, dtype different from ``dtype``, or the array not inside it.
+            CheckpointFormatError: naming the file and tensor (missing, other dtype, array not inside it).
         """
         e = self.entries.get(name)
         if e is None:
@@ -219,6 +225,19 @@ class SafetensorsFile:
                                                                           and tuple(sshape) != tuple(shape)):
             raise CheckpointFormatError(f"{self.path}: tensor {name!r} of shape {list(sshape)} does not hold the "
                                         f"{list(shape)} array at element {flat_start} that the metadata describes")
+        return begin
+
+    def read_box(self, name: str, flat_start: int, shape: tuple[int, ...], box: tuple[tuple[int, int], ...],
+                 dtype: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Read ``array[box]``, where ``array`` is the C-contiguous ``shape`` array that starts ``flat_start``
+        elements into stored tensor ``name``; into ``out`` (a CPU tensor of the box's extent, any strides) or a
+        new tensor. Only the needed byte ranges are read: one pread per contiguous run, or, when the runs are
+        short, whole rows of the box in chunks of at most 64 MiB that are then sliced.
+
+        Raises:
+            CheckpointFormatError: tensor missing, dtype different from ``dtype``, or the array not inside it.
+        """
+        begin = self.check_array(name, flat_start, shape, dtype)
         tdt = torch_dtype(dtype)
         isz = tdt.itemsize
         ext = [b - a for a, b in box]

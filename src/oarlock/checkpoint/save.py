@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -24,7 +25,7 @@ import torch
 
 from oarlock.checkpoint.dist import DistWrapper
 from oarlock.checkpoint.errors import CheckpointError, CheckpointMismatchError
-from oarlock.checkpoint.metadata import METADATA_FILE, CheckpointMetadata, ShardMeta, TensorMeta
+from oarlock.checkpoint.metadata import SAVE_ID_HEADER, CheckpointMetadata, ShardMeta, TensorMeta
 from oarlock.checkpoint.plan import KeyIndex
 from oarlock.checkpoint.safetensors_io import write_safetensors
 from oarlock.checkpoint.sharded import ShardedWeight
@@ -54,12 +55,21 @@ def sharded_weight_record(sw: ShardedWeight) -> list:
     return shard_record(d.global_offset, d.local_shape, d.global_shape, d.dtype, d.flattened_range)
 
 
-def shard_header(shards: list[tuple], world: int) -> dict[str, str]:
-    """The safetensors ``__metadata__`` entries recording each shard a data file holds and the size of the group
-    that saved it. ``shards``: ``(key, global_offset, local_shape, global_shape, dtype, flattened_range)`` in file
-    order."""
+def new_save_id() -> str:
+    """A fresh unique save id (written into ``metadata.json`` and every data file of one save)."""
+    return uuid.uuid4().hex
+
+
+def shard_header(shards: list[tuple], world: int, save_id: str | None = None) -> dict[str, str]:
+    """The safetensors ``__metadata__`` entries of a data file: each shard it holds, the size of the group that
+    saved it, and the id of the save (:data:`~oarlock.checkpoint.metadata.SAVE_ID_HEADER`, checked against
+    ``metadata.json`` on load). ``shards``: ``(key, global_offset, local_shape, global_shape, dtype,
+    flattened_range)`` in file order."""
     rec = {k: shard_record(off, ls, gs, dt, fr) for k, off, ls, gs, dt, fr in shards}
-    return {SHARDS_HEADER: json.dumps(rec, separators=(",", ":")), WORLD_HEADER: str(world)}
+    out = {SHARDS_HEADER: json.dumps(rec, separators=(",", ":")), WORLD_HEADER: str(world)}
+    if save_id is not None:
+        out[SAVE_ID_HEADER] = save_id
+    return out
 
 
 def assign_writes(per_rank: list[list[tuple]], replicas: bool = False
@@ -135,6 +145,7 @@ class SavePlan:
     tensors: dict[str, TensorMeta]
     writes: dict[int, list[tuple]]
     leaves: Leaves
+    save_id: str | None = None
 
 
 def prepare_save(state_dict: Mapping[str, Any], path: str | os.PathLike, process_group: Any,
@@ -160,6 +171,7 @@ def prepare_save(state_dict: Mapping[str, Any], path: str | os.PathLike, process
         if dist.is_coordinator:
             check_destination(path)
         return {"descs": descs, "tmp": staging_path(path) if dist.is_coordinator else None,
+                "save_id": new_save_id() if dist.is_coordinator else None,
                 "objects": leaves.objects, "nested": leaves.nested}
 
     gathered = dist.gather(describe)
@@ -167,7 +179,8 @@ def prepare_save(state_dict: Mapping[str, Any], path: str | os.PathLike, process
     tensors, writes = assign_writes([g["descs"] for g in gathered], save_replicas)
     for t in tensors.values():
         KeyIndex(t)  # validates that the shards tile the global box
-    return SavePlan(path, dist.rank, dist.size, gathered[0]["tmp"], gathered, tensors, writes, leaves)
+    return SavePlan(path, dist.rank, dist.size, gathered[0]["tmp"], gathered, tensors, writes, leaves,
+                    gathered[0]["save_id"])
 
 
 def _desc_tuple(sw: ShardedWeight) -> tuple:
@@ -189,7 +202,8 @@ def write_and_commit(plan: SavePlan, local: dict[str, torch.Tensor], process_gro
             mine = {sw.key: sw for sw in plan.leaves.shards}
             keys = [k for k, _ in sorted(ids)]
             write_safetensors(tmp / data_file_name(plan.rank), {k: local[k] for k in keys},
-                              metadata=shard_header([(k, *_desc_tuple(mine[k])) for k in keys], plan.world))
+                              metadata=shard_header([(k, *_desc_tuple(mine[k])) for k in keys], plan.world,
+                                                    plan.save_id))
 
     def commit() -> None:
         if dist.is_coordinator:
@@ -199,7 +213,7 @@ def write_and_commit(plan: SavePlan, local: dict[str, torch.Tensor], process_gro
                 objects.update(g["objects"])
                 nested.update(g["nested"])
             publish_directory(tmp, plan.path, CheckpointMetadata("oarlock", tensors=plan.tensors, objects=objects,
-                                                                 nested=nested))
+                                                                 nested=nested, save_id=plan.save_id))
 
     for step in (write, commit):
         try:

@@ -35,7 +35,7 @@ from oarlock.checkpoint.errors import CheckpointFormatError
 from oarlock.checkpoint.formats import load_formats
 from oarlock.checkpoint.formats.huggingface import HF_INDEX, HF_SINGLE, PADDLE_HF_CACHE
 from oarlock.checkpoint.metadata import METADATA_FILE, CheckpointMetadata
-from oarlock.checkpoint.reader import CheckpointReader
+from oarlock.checkpoint.reader import CheckpointReader, checkpoint_file
 from oarlock.checkpoint.safetensors_io import (SafetensorsFile, contiguous_run, np_prod, safetensors_header,
                                                write_safetensors)
 
@@ -118,8 +118,8 @@ def gather_view(path: str | os.PathLike, dist: DistWrapper) -> View:
     payload = None
     if dist.rank == holders[0]:
         try:
-            payload = {m: (p / m).read_bytes() for m in files}
-        except OSError:
+            payload = {m: checkpoint_file(p, m, str(p)).read_bytes() for m in files}
+        except (OSError, CheckpointFormatError):
             payload = None
     payload = dist.broadcast_object(payload, holders[0])
     return View(visible, view_fmt, payload if dist.rank not in holders else None)
@@ -279,6 +279,8 @@ def recover_publish(final: str | os.PathLike) -> None:
 
     final = Path(final)
     intent = _intent_path(final)
+    if not os.path.lexists(intent):
+        return
     try:
         fd = os.open(intent, os.O_RDWR)
     except OSError:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from oarlock.checkpoint.errors import CheckpointFormatError
 from oarlock.checkpoint.formats.safetensors_file import whole_tensor_metadata
-from oarlock.checkpoint.reader import CheckpointReader, register_format
+from oarlock.checkpoint.reader import CheckpointReader, checkpoint_file, register_format
 
 HF_INDEX = "model.safetensors.index.json"
 HF_SINGLE = "model.safetensors"
@@ -42,7 +42,7 @@ class HuggingFaceReader(CheckpointReader):
             files = {n: root / n for n in sorted(os.listdir(root)) if n.endswith(".safetensors")}
             return cls(root, whole_tensor_metadata("huggingface", files, root))
         try:
-            index = json.loads(index_path.read_text())
+            index = json.loads(checkpoint_file(root, HF_INDEX, str(root)).read_text())
             weight_map = index["weight_map"]
             if not isinstance(weight_map, dict):
                 raise TypeError("weight_map is not an object")
@@ -50,6 +50,7 @@ class HuggingFaceReader(CheckpointReader):
             raise CheckpointFormatError(f"{index_path}: invalid index: {e}") from None
         files = {}
         for key, f in weight_map.items():
+            checkpoint_file(root, f, f"{index_path}: tensor {key!r}")
             if not (root / f).is_file():
                 raise CheckpointFormatError(f"{index_path}: tensor {key!r} is mapped to {f}, which does not exist")
             files[f] = root / f

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from oarlock.checkpoint.errors import CheckpointFormatError
 from oarlock.checkpoint.metadata import METADATA_FILE, CheckpointMetadata
-from oarlock.checkpoint.reader import CheckpointReader, register_format
+from oarlock.checkpoint.reader import CheckpointReader, checkpoint_file, register_format
 
 
 @register_format
@@ -35,7 +35,7 @@ class OarlockReader(CheckpointReader):
         else:
             source = str(root / METADATA_FILE)
             try:
-                text = (root / METADATA_FILE).read_bytes()
+                text = checkpoint_file(root, METADATA_FILE, str(root)).read_bytes()
             except OSError as e:
                 raise CheckpointFormatError(f"{source}: cannot read: {e.strerror or e}") from None
         try:
@@ -43,8 +43,9 @@ class OarlockReader(CheckpointReader):
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointFormatError(f"{source}: invalid JSON: {e}") from None
         meta = CheckpointMetadata.from_json(raw, source=source)
+        reader = cls(root, meta)  # checks that every data file stays inside the checkpoint, naming the tensor
         if not partial:
             for f in meta.files:
                 if not (root / f).is_file():
                     raise CheckpointFormatError(f"{root / f}: data file named in {METADATA_FILE} is missing")
-        return cls(root, meta)
+        return reader
