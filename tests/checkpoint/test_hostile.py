@@ -321,3 +321,132 @@ def test_convert_does_not_copy_a_side_file_linked_from_outside(tmp_path):
     with pytest.raises(CheckpointFormatError, match="side file: file 'config.json' resolves to"):
         export_hf(ck, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
+
+
+# ---------------------------------------------------------------- 3. hostile pickles: refused, no crash, no code
+
+class _Reduce:
+    """Pickles as ``fn(*args)`` (and ``BUILD state`` when given): hand-made hostile pickles."""
+
+    def __init__(self, fn, args, state=None):
+        self.r = (fn, args) if state is None else (fn, args, state)
+
+    def __reduce__(self):
+        return self.r
+
+
+def _hostile_pickles() -> dict[str, bytes]:
+    import pickle
+
+    import numpy as np
+
+    ma = np._core.multiarray
+    obj = np.dtype("O")
+    arr = lambda shape, dt, raw: _Reduce(ma._reconstruct, (np.ndarray, (0,), b"b"), (1, shape, dt, False, raw))
+    payloads = {
+        "ndarray object dtype from bytes (the issue's crash)": _Reduce(np.ndarray, ((4,), obj, b"AAAAAAAA" * 4)),
+        "_reconstruct object dtype from bytes": arr((4,), obj, b"AAAAAAAA" * 4),
+        "_reconstruct object dtype from a list": np.array([1, "x", None], dtype=object),
+        "_reconstruct huge shape": arr((10**12, 10**6), np.dtype("float32"), b"AAAA"),
+        "ndarray huge shape": _Reduce(np.ndarray, ((10**15,), np.dtype("float32"), b"AAAA")),
+        "ndarray without buffer": _Reduce(np.ndarray, ((10**6, 10**6),)),
+        "ndarray negative shape": _Reduce(np.ndarray, ((-8,), np.dtype("float32"), b"AAAA")),
+        "ndarray strides from the file": _Reduce(np.ndarray, ((4,), np.dtype("float32"), b"AAAA", 0, (10**9,))),
+        "scalar object dtype": _Reduce(ma.scalar, (obj, b"AAAAAAAA")),
+        "structured dtype with an object field": np.zeros(2, dtype=[("a", "O"), ("b", "f4")]),
+        "dtype state claiming object fields": _Reduce(np.dtype, ("V8", False, True),
+                                                      (3, "|", None, ("a",), {"a": (np.dtype("V8"), 0)}, 8, 1, 63)),
+        "ObjectDType called": _Reduce(np.dtypes.ObjectDType, ()),
+        "ndarray subclass": _Reduce(ma._reconstruct, (np.ma.MaskedArray, (0,), b"b")),
+        "nested reduce to os.system": {"w": [(1, {"x": _Reduce(os.system, ("touch PWNED",))})]},
+        "array state running code": arr((1,), _Reduce(os.system, ("touch PWNED",)), b"AAAA"),
+        "numpy.frombuffer (not admitted)": _Reduce(np.frombuffer, (b"AAAA", "f4")),
+    }
+    out = {k: pickle.dumps({"w": v}, protocol=4) for k, v in payloads.items()}
+    deep = 100_000  # nesting far beyond any recursion limit, as raw opcodes (pickle.dumps would recurse)
+    out["100000 nested lists around an array"] = (
+        b"\x80\x04}\x8c\x01w" + b"]" * deep + pickle.dumps(np.zeros(2, np.float32), protocol=4)[2:-1]
+        + b"a" * deep + b"s.")
+    return out
+
+
+_PICKLE_PROBE = textwrap.dedent("""
+    # one process imports torch once, then runs each case in a forked child: a SIGSEGV kills only that child
+    import contextlib, io, json, os, sys, torch
+    from oarlock.checkpoint import load_state_dict
+    from oarlock.cli import main
+    torch.set_num_threads(1)
+    results = {}
+    for ck in json.loads(sys.argv[1]):
+        pid = os.fork()
+        if pid == 0:
+            res, err = [], io.StringIO()
+            try:
+                load_state_dict({"w": torch.zeros(3, 4)}, ck)
+                res.append("loaded")
+            except Exception as e:
+                res.append(f"{type(e).__name__}: {e}")
+            with contextlib.redirect_stderr(err):
+                res.append(main(["inspect", ck]))
+                res.append(main(["convert", ck, ck + ".out", "--to", "hf"]))
+            res.append(err.getvalue())
+            with open(ck + ".json", "w") as f:
+                json.dump(res, f)
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        results[ck] = status
+    print(json.dumps(results))
+""")
+
+
+def test_hostile_pickles_never_crash_never_run_code(tmp_path):
+    """Each hostile pickle, as a Paddle .distcp data file and as the .metadata file, run in its own (forked)
+    process so that a SIGSEGV shows: every entry point refuses it naming the file, and no code runs."""
+    import json
+
+    cases = {}
+    for i, (case, raw) in enumerate(_hostile_pickles().items()):
+        for target in ("0_0.distcp", "0.metadata"):
+            ck = tmp_path / f"{i}-{target}" / "pd"
+            ck.mkdir(parents=True)
+            _paddle_ckpt(ck)
+            (ck / target).write_bytes(raw)
+            cases[str(ck)] = (case, target)
+    r = subprocess.run([PY, "-c", _PICKLE_PROBE, json.dumps(list(cases))], capture_output=True, text=True,
+                       timeout=900, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    status = json.loads(r.stdout.strip().splitlines()[-1])
+    failures = []
+    for ck, (case, target) in cases.items():
+        if status[ck] != 0:
+            failures.append(f"{case} in {target}: the process died (wait status {status[ck]})")
+            continue
+        res = json.loads(Path(ck + ".json").read_text())
+        lines = [ln for ln in res[3].splitlines() if ln.strip()]
+        if not (res[0].split(":")[0] in ("UnsafePickleError", "CheckpointFormatError") and target in res[0]):
+            failures.append(f"{case} in {target}: load gave {res[0]!r}")
+        # inspect reads only the metadata: a hostile data file shows at convert (which reads it)
+        codes = [2, 2] if target == "0.metadata" else [0, 2]
+        if res[1:3] != codes or len(lines) != codes.count(2) or not all(target in ln for ln in lines) \
+                or "Traceback" in res[3]:
+            failures.append(f"{case} in {target}: CLI {res[1:3]} {lines}")
+        if (Path(ck) / "PWNED").exists() or (tmp_path / "PWNED").exists() or Path(ck + ".out").exists():
+            failures.append(f"{case} in {target}: ran code or wrote output")
+    assert not failures, "\n".join(failures)
+
+
+def test_restricted_unpickler_still_reads_plain_arrays(tmp_path):
+    import pickle
+
+    import numpy as np
+
+    from oarlock.checkpoint.paddle import restricted_load
+
+    arrays = {"f": np.arange(12, dtype=np.float32).reshape(3, 4), "F": np.asfortranarray(np.arange(6.0).reshape(2, 3)),
+              "u16": np.arange(5, dtype=np.uint16), "be": np.arange(3, dtype=">i4"), "b": np.array([True, False]),
+              "s": np.float16(1.5), "e": np.zeros((0, 3), np.int8)}
+    (tmp_path / "a.pkl").write_bytes(pickle.dumps({"x": arrays, "n": [arrays["f"]] * 2}, protocol=4))
+    got = restricted_load(tmp_path / "a.pkl")
+    for k, v in arrays.items():
+        assert got["x"][k].dtype == v.dtype and np.array_equal(got["x"][k], v), k
+    assert got["n"][0] is got["n"][1] and np.array_equal(got["n"][0], arrays["f"])
