@@ -2,7 +2,7 @@
 
 A scenario module defines functions ``scenario_<name>(ctx)``; :func:`run_scenarios` spawns ``world`` processes
 that join one gloo group and run the scenarios in order, each in its own directory ``ctx.root`` (shared by the
-ranks). A scenario passes on a rank when it returns; anything it raises fails it there. After each scenario the
+ranks; ``ctx.shared`` is the directory common to every scenario, where the parent may have prepared inputs). A scenario passes on a rank when it returns; anything it raises fails it there. After each scenario the
 ranks exchange their outcomes (so a rank that failed early cannot leave the others waiting in the next scenario),
 and the parent raises one ``AssertionError`` listing every ``scenario @ rank`` that failed with its traceback.
 Values a scenario returns (JSON data) come back in :attr:`Outcome.values`.
@@ -46,13 +46,13 @@ def _rank_main(rank: int, world: int, port: int, module: str, names: list[str], 
     import torch.distributed as dist
 
     sys.path[:0] = [p for p in path if p not in sys.path]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OARLOCK_PROGRESS="0")
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=TIMEOUT_S))
     out: dict[str, Any] = {}
     try:
         mod = importlib.import_module(module)
         for name in names:
-            ctx = SimpleNamespace(rank=rank, world=world, root=Path(root) / name)
+            ctx = SimpleNamespace(rank=rank, world=world, root=Path(root) / name, shared=Path(root))
             if rank == 0:
                 ctx.root.mkdir(parents=True, exist_ok=True)
             dist.barrier()

@@ -1,4 +1,5 @@
-"""Rank body of the multi-process checkpoint tests (launched 4x by test_save_load_dist.py with gloo on CPU).
+"""Scenarios of the multi-process checkpoint tests, run on 4 gloo ranks by test_save_load_dist.py through the
+``multirank`` harness (tests/multirank.py): a failure names the scenario and the rank, with its traceback.
 
 Every scenario saves one layout and loads another, with oarlock and with torch.distributed.checkpoint (DCP) as
 the independent reference; loaded local tensors must be bit-identical to DCP's and to the slice of the full
@@ -7,8 +8,6 @@ tensor. Tensors are generated from fixed seeds on every rank, so the parent proc
 
 from __future__ import annotations
 
-import os
-import shutil
 import warnings
 from pathlib import Path
 
@@ -126,21 +125,23 @@ def check_same(tag, got_sd, ref_sd):
     return n
 
 
-def run(rank: int, world: int, port: int, root: str) -> None:
-    os.environ["OARLOCK_PROGRESS"] = "0"
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        _run(rank, Path(root))
-    finally:
-        dist.destroy_process_group()
+_MESHES: dict = {}
 
 
-def _run(rank: int, root: Path) -> None:
-    mesh4 = init_device_mesh("cpu", (4,))
-    mesh22 = init_device_mesh("cpu", (2, 2))
-    lay = layouts(mesh4, mesh22)
+def _meshes():
+    if not _MESHES:  # one pair of meshes per rank process, shared by the scenarios
+        _MESHES["mesh4"], _MESHES["mesh22"] = init_device_mesh("cpu", (4,)), init_device_mesh("cpu", (2, 2))
+    return _MESHES["mesh4"], _MESHES["mesh22"]
 
-    # ---- save layout A with both libraries, load layout B with both, compare
+
+def _layouts():
+    return layouts(*_meshes())
+
+
+def scenario_layout_a_to_b_matches_dcp(ctx):
+    """Save layout A with oarlock and DCP into ctx.shared (the parent's tests read it too), load layout B, A
+    again, and the parent's one-process save; each rank reads only the bytes of its own boxes."""
+    lay, rank, root = _layouts(), ctx.rank, ctx.shared
     src = build(lay, 0, zeros=False)
     save_state_dict(src, root / "oar")
     dcp.save(src, checkpoint_id=str(root / "dcp"))
@@ -170,7 +171,11 @@ def _run(rank: int, root: Path) -> None:
     own = sum(local_of(v).numel() * local_of(v).element_size() for _, v in leaves(tgt_o) if isinstance(v, torch.Tensor))
     assert report.bytes_read == own, (report.bytes_read, own)
 
-    # ---- uneven ShardedWeights along an axis (sizes all-gathered) -> another uneven split
+
+def scenario_uneven_and_flattened_shards(ctx):
+    """Uneven ShardedWeights along an axis (sizes all-gathered) -> another uneven split, a flattened target,
+    and flattened shards saved (ZeRO flat buffers) -> regular uneven rows."""
+    rank, root = ctx.rank, ctx.root
     f = torch.arange(30, dtype=torch.float32).reshape(10, 3)
     sizes_a, sizes_b = [1, 2, 3, 4], [4, 3, 0, 3]  # rank 2 holds an empty shard on load
     a0 = sum(sizes_a[:rank])
@@ -181,13 +186,11 @@ def _run(rank: int, root: Path) -> None:
     tw = ShardedWeight.shard_along_axis("sw", torch.zeros(sizes_b[rank], 3), 0, sizes=sizes_b)
     load_state_dict({"sw": tw}, root / "sw")
     assert torch.equal(tw.local_tensor, f[b0:b0 + sizes_b[rank]])
-    # flattened target (ZeRO-style flat range of the whole tensor), different range per rank
     bounds = [0, 7, 8, 21, 30]
     fl = ShardedWeight("sw", torch.zeros(bounds[rank + 1] - bounds[rank]), (10, 3), (10, 3), (0, 0),
                        flattened_range=slice(bounds[rank], bounds[rank + 1]))
     load_state_dict({"sw": fl}, root / "sw")
     assert torch.equal(fl.local_tensor, f.reshape(-1)[bounds[rank]:bounds[rank + 1]])
-    # flattened shards saved (ZeRO flat buffers: one box, a flat range per rank) -> regular uneven rows
     fsave = ShardedWeight("flat", f.reshape(-1)[bounds[rank]:bounds[rank + 1]].clone(), (10, 3), (10, 3), (0, 0),
                           flattened_range=(bounds[rank], bounds[rank + 1]))
     save_state_dict({"flat": fsave}, root / "flat")
@@ -195,7 +198,10 @@ def _run(rank: int, root: Path) -> None:
     load_state_dict({"flat": tw}, root / "flat")
     assert torch.equal(tw.local_tensor, f[b0:b0 + sizes_b[rank]])
 
-    # ---- pure TP2 on a 2-rank subgroup (ranks 0, 1 save alone) -> TP4 over the world
+
+def scenario_tp2_subgroup_to_tp4(ctx):
+    """Pure TP2 on a 2-rank subgroup (ranks 0, 1 save alone) -> TP4 over the world."""
+    rank, root = ctx.rank, ctx.root
     g01 = dist.new_group([0, 1])
     tp = torch.arange(8 * 6, dtype=torch.float64).reshape(8, 6)
     if rank < 2:
@@ -209,7 +215,11 @@ def _run(rank: int, root: Path) -> None:
     assert sorted(p.name for p in (root / "tp2").iterdir()) == ["metadata.json", "rank-00000.safetensors",
                                                                 "rank-00001.safetensors"]
 
-    # ---- sharded_state_dict of a module with DTensor parameters, loaded into other placements
+
+def scenario_module_with_dtensor_parameters(ctx):
+    """sharded_state_dict of a module with DTensor parameters, loaded into other placements."""
+    rank, root = ctx.rank, ctx.root
+    mesh4, mesh22 = _meshes()
     torch.manual_seed(0)
     lin = torch.nn.Linear(7, 10)  # same initial values on every rank
     ref_w, ref_b = lin.weight.detach().clone(), lin.bias.detach().clone()
@@ -225,17 +235,21 @@ def _run(rank: int, root: Path) -> None:
     load_state_dict(sharded_state_dict(lin2), root / "mod")
     assert torch.equal(lin2.weight.full_tensor(), ref_w) and torch.equal(lin2.bias.full_tensor(), ref_b)
 
-    # ---- replicated tensors are written once, spread over the holders
+
+def scenario_replicas_written_once_and_spread(ctx):
     rep = {f"rep{i}": torch.full((64, 64), float(i)) for i in range(8)}
-    save_state_dict(rep, root / "rep")
-    with open_checkpoint(root / "rep") as r:
+    save_state_dict(rep, ctx.root / "rep")
+    with open_checkpoint(ctx.root / "rep") as r:
         per_file = {}
         for t in r.metadata.tensors.values():
             assert len(t.shards) == 1
             per_file[t.shards[0].file] = per_file.get(t.shards[0].file, 0) + 1
     assert sorted(per_file.values()) == [2, 2, 2, 2], per_file
 
-    # ---- validation on save: overlapping and gapped boxes name the key and the box (every rank raises)
+
+def scenario_overlap_and_gap_raise_on_every_rank(ctx):
+    """Validation on save: overlapping and gapped boxes name the key and the box, on every rank."""
+    rank, root = ctx.rank, ctx.root
     rows = [(0, 3), (2, 5), (5, 8), (8, 10)]  # rank 0 and 1 overlap in rows 2:3
     a, b = rows[rank]
     bad = ShardedWeight("ov", torch.zeros(b - a, 4), (b - a, 4), (10, 4), (a, 0))
@@ -254,10 +268,13 @@ def _run(rank: int, root: Path) -> None:
         assert "'gap'" in str(e) and "gap" in str(e) and "[5:6, 0:4]" in str(e), str(e)
     assert not (root / "bad").exists()
 
-    # ---- crash safety with several ranks: rank 2 fails mid-write; nothing appears, 'oar' stays intact
-    import oarlock.checkpoint.save as api  # the save pipeline writes through save.write_safetensors
 
-    real = api.write_safetensors
+def scenario_rank_failing_mid_write_publishes_nothing(ctx):
+    """Rank 2 fails mid-write: every rank raises, nothing appears, the earlier 'oar' stays intact."""
+    import oarlock.checkpoint.save as save_module  # the save pipeline writes through save.write_safetensors
+
+    lay, rank, root = _layouts(), ctx.rank, ctx.root
+    real = save_module.write_safetensors
 
     def failing(path, tensors, **kw):
         if rank == 2:
@@ -265,21 +282,20 @@ def _run(rank: int, root: Path) -> None:
             raise OSError(28, "No space left on device")
         return real(path, tensors, **kw)
 
-    api.write_safetensors = failing
+    save_module.write_safetensors = failing
     try:
         save_state_dict(build(lay, 0, zeros=False), root / "crash")
         raise AssertionError("failure not reported")
     except CheckpointError as e:
         assert "No space left on device" in str(e) and ("rank 2" in str(e) or rank == 2), str(e)
     finally:
-        api.write_safetensors = real
+        save_module.write_safetensors = real
     dist.barrier()
     assert not (root / "crash").exists()
     assert not [p for p in root.iterdir() if ".tmp-" in p.name], list(root.iterdir())
     tgt_o = build(lay, 1, zeros=True)
-    load_state_dict(tgt_o, root / "oar")
-    check_same("after crash", tgt_o, build_ref(lay, root))
-    dist.barrier()
+    load_state_dict(tgt_o, ctx.shared / "oar")
+    check_same("after crash", tgt_o, build_ref(lay, ctx.shared))
 
 
 def build_ref(lay, root):

@@ -5,13 +5,10 @@ import hashlib
 import json
 import os
 import pickle
-import socket
 import struct
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -148,56 +145,33 @@ def _rank_shards(full, rank):
     return sd
 
 
-def _worker(rank, port, root, q):
-    try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-        from oarlock.checkpoint.aoa import compile_aoa
-        from oarlock.checkpoint.mapping import TensorSpec, execute_on_full_tensors
-        from oarlock.utils import dtype_name
+def scenario_save_real_ranks_and_export_live(ctx):
+    """Two gloo ranks save a TP=2 checkpoint with save_state_dict, then export the fused model they train live
+    to HF through the reverse config (rank 0 writes, rank 1 only sends)."""
+    from oarlock.checkpoint.aoa import compile_aoa
+    from oarlock.checkpoint.mapping import TensorSpec, execute_on_full_tensors
+    from oarlock.utils import dtype_name
 
-        ref = tiny_model()
-        save_state_dict(_rank_shards(ref, rank), f"{root}/real")
-        # the fused model a TP=2 job trains: its shards, exported live to HF through the reverse config
-        specs = {k: TensorSpec(tuple(t.shape), dtype_name(t.dtype)) for k, t in ref.items()}
-        fused = execute_on_full_tensors(compile_aoa(FUSE, specs), ref)
-        out = export_hf_sharded(_rank_shards(fused, rank), f"{root}/live_hf",
-                                aoa_config={"aoa_statements": FUSE, "aoa_config_reverse": True},
-                                max_shard_size=300)
-        q.put((rank, (out is not None) == (rank == 0)))
-    except Exception as e:  # report, don't hang the parent
-        q.put((rank, repr(e)))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    ref = tiny_model()
+    save_state_dict(_rank_shards(ref, ctx.rank), ctx.shared / "real")
+    specs = {k: TensorSpec(tuple(t.shape), dtype_name(t.dtype)) for k, t in ref.items()}
+    fused = execute_on_full_tensors(compile_aoa(FUSE, specs), ref)
+    out = export_hf_sharded(_rank_shards(fused, ctx.rank), ctx.shared / "live_hf",
+                            aoa_config={"aoa_statements": FUSE, "aoa_config_reverse": True}, max_shard_size=300)
+    assert (out is not None) == (ctx.rank == 0), out
 
 
 @pytest.mark.multiproc
-def test_simulated_tp_equals_real_ranks_and_live_export(tmp_path):
-    ctx = mp.get_context("spawn")
-    q = ctx.SimpleQueue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, str(tmp_path), q)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    results = dict(q.get() for _ in range(WORLD))
-    for p in procs:
-        p.join(60)
-    assert results == {0: True, 1: True}, results
-
+def test_simulated_tp_equals_real_ranks_and_live_export(tmp_path, multirank):
+    multirank("test_convert", WORLD).check()
+    shared = tmp_path / "ranks"
     ref = tiny_model()
     src = tmp_path / "hf_src"
     src.mkdir()
     save_file(ref, src / "model.safetensors")
     sim = tmp_path / "sim"
     convert_checkpoint(src, sim, tp=WORLD)
-    real = tmp_path / "real"
+    real = shared / "real"
     # the same metadata and byte-identical data files as the two gloo ranks saved with save_state_dict
     assert json.loads((sim / "metadata.json").read_text()) == json.loads((real / "metadata.json").read_text())
     data = lambda d: {k: v for k, v in tree_digest(d).items() if k != "metadata.json"}  # noqa: E731
@@ -206,7 +180,7 @@ def test_simulated_tp_equals_real_ranks_and_live_export(tmp_path):
     got = dict(iter_full_tensors(sim))
     assert set(got) == set(ref) and all(torch.equal(got[k], ref[k]) and got[k].dtype == ref[k].dtype for k in ref)
 
-    live = tmp_path / "live_hf"  # the live export wrote the unfused HF layout, split over several files
+    live = shared / "live_hf"  # the live export wrote the unfused HF layout, split over several files
     assert (live / "model.safetensors.index.json").is_file()
     got = st_tensors(live)
     assert set(got) == set(ref) and all(torch.equal(got[k], ref[k]) and got[k].dtype == ref[k].dtype for k in ref)

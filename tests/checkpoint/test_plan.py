@@ -3,14 +3,17 @@ compared with plain torch slicing (or, for mapping programs, with mapping.execut
 
 import itertools
 import random
+from pathlib import Path
 
 import pytest
 import torch
 
 from oarlock.checkpoint import (CheckpointMismatchError, CheckpointTilingError, ShardDesc, SliceMapping,
                                 TensorSpec, plan_load)
+from oarlock.checkpoint.executor import destination_view, execute_items
 from oarlock.checkpoint.mapping import box_slices, execute_on_full_tensors, full_box
 from oarlock.checkpoint.metadata import CheckpointMetadata, ShardMeta, TensorMeta
+from oarlock.checkpoint.reader import CheckpointReader
 from oarlock.checkpoint.sharded import flat_range_boxes
 from oarlock.utils import torch_dtype
 
@@ -53,26 +56,27 @@ def stored_arrays(meta, fulls):
     return out
 
 
-def execute(plan, req, target, arrays):
-    """Run a plan the way the loader does, on in-memory arrays; counts writes per target element."""
-    hits = torch.zeros(target.numel(), dtype=torch.int32)
+class ArrayReader(CheckpointReader):
+    """Stored arrays in memory behind the reader protocol, so plans run through the production executor."""
+
+    def __init__(self, meta, arrays):
+        super().__init__(Path("."), meta)
+        self.arrays = arrays
+
+    def read_box(self, key, file, name, flat_start, shape, box, out=None):
+        n = 1
+        for s in shape:
+            n *= s
+        t = self.arrays[(file, name)].reshape(-1)[flat_start:flat_start + n].reshape(shape)[box_slices(box)]
+        return t.clone() if out is None else out.copy_(t)
+
+
+def execute(plan, meta, target, arrays):
+    """Run a plan with the loader's executor on in-memory arrays; counts writes per target element."""
+    execute_items(ArrayReader(meta, arrays), target, plan.items)
+    hits = torch.zeros(target.shape, dtype=torch.int32)
     for it in plan.items:
-        arr = arrays[(it.file, it.name)].reshape(-1)
-        n = 1
-        for s in it.src_shape:
-            n *= s
-        src = arr[it.src_flat_start:it.src_flat_start + n].reshape(it.src_shape)[box_slices(it.src_box)]
-        if it.permute is not None:
-            src = src.permute(*it.permute)
-        if it.dtype is not None:
-            src = src.to(torch_dtype(it.dtype))
-        n = 1
-        for s in it.dst_shape:
-            n *= s
-        view = target.reshape(-1)[it.dst_flat_start:it.dst_flat_start + n].view(it.dst_shape)
-        view[box_slices(it.dst_box)] = src
-        hv = hits[it.dst_flat_start:it.dst_flat_start + n].view(it.dst_shape)
-        hv[box_slices(it.dst_box)] += 1
+        destination_view(it, hits).add_(1)
     return hits
 
 
@@ -105,7 +109,7 @@ def test_random_layouts_match_torch_slicing(flatten_src):
             if req.flattened_range:
                 expect = expect.reshape(-1)[req.flattened_range[0]:req.flattened_range[1]]
             got = torch.full_like(expect, float("nan"))
-            hits = execute(plans[r], req, got, arrays)
+            hits = execute(plans[r], meta, got, arrays)
             assert torch.equal(got, expect), (trial, shape, req)
             assert bool((hits == 1).all()), (trial, "every element written exactly once")
 
@@ -159,7 +163,7 @@ def test_program_with_transpose_split_and_cast():
             got = torch.zeros(req.local_shape, dtype=torch_dtype(req.dtype))
             items = [it for it in plans[r].items if it.dst_key == req.key]
             from oarlock.checkpoint.plan import LoadPlan
-            hits = execute(LoadPlan(items), req, got, arrays)
+            hits = execute(LoadPlan(items), meta, got, arrays)
             assert torch.equal(got, expect) and bool((hits == 1).all())
     assert any(it.permute == (1, 0) for it in plans[0].items)
     assert all(it.dtype == "float64" for it in plans[0].items if it.dst_key == "b")

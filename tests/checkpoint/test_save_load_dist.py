@@ -5,25 +5,18 @@ tensors first) and 4 -> 1 (the parent loads what the 4 ranks saved), and `oarloc
 """
 
 import json
-import socket
 import warnings
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 
 import _dist_worker as W
+from multirank import run_scenarios
 from oarlock.checkpoint import load_state_dict, open_checkpoint, save_state_dict
 from oarlock.cli import main
 
 pytestmark = pytest.mark.multiproc
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -34,15 +27,15 @@ def launched(tmp_path_factory):
         warnings.simplefilter("ignore")
         save_state_dict(W.build(plain, 0, zeros=False), root / "oar_w1")
         dcp.save(W.build(plain, 0, zeros=False), checkpoint_id=str(root / "dcp_w1"))
-    mp.start_processes(W.run, args=(4, _free_port(), str(root)), nprocs=4, start_method="spawn", join=True)
-    return root
+    outcome = run_scenarios("_dist_worker", 4, root)
+    return root, outcome
 
 
 def test_four_ranks_all_layouts(launched):
-    """Runs every scenario of _dist_worker.py (A->B, A->A, 1->4 against DCP; bytes read; uneven and flattened
+    """Every scenario of _dist_worker.py (A->B, A->A, 1->4 against DCP; bytes read; uneven and flattened
     ShardedWeights; TP2 on a 2-rank subgroup -> TP4; a module with DTensor parameters; replica spreading;
-    overlap/gap errors; one rank failing mid-save); reaching here means every rank passed."""
-    assert (launched / "oar" / "metadata.json").is_file()
+    overlap/gap errors; one rank failing mid-save) passed on every rank."""
+    launched[1].check()
 
 
 def test_four_to_one(launched):
@@ -50,14 +43,15 @@ def test_four_to_one(launched):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         got, ref = W.build(plain, 0, zeros=True), W.build(plain, 0, zeros=True)
-        report = load_state_dict(got, launched / "oar")
-        dcp.load(ref, checkpoint_id=str(launched / "dcp"))
+        report = load_state_dict(got, launched[0] / "oar")
+        dcp.load(ref, checkpoint_id=str(launched[0] / "dcp"))
     assert report.missing_keys == report.unexpected_keys == []
     assert W.check_same("4->1", got, ref) == len(W.TENSORS)
     assert got["epoch"] == 7
 
 
 def test_saved_layout_and_inspect(launched, capsys):
+    launched = launched[0]
     with open_checkpoint(launched / "oar") as r:
         meta = r.metadata
     # replicas written once: the stored shards of each key tile it exactly once

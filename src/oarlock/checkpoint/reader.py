@@ -80,6 +80,11 @@ def register_format(cls: type["CheckpointReader"]) -> type["CheckpointReader"]:
     return cls
 
 
+def unregister_format(name: str) -> None:
+    """Remove format ``name`` from the registry (no error when absent)."""
+    _REGISTRY.pop(name, None)
+
+
 def registered_formats() -> dict[str, type["CheckpointReader"]]:
     """Format name -> reader class, in registration order (import :mod:`oarlock.checkpoint.formats` first)."""
     return dict(_REGISTRY)

@@ -213,7 +213,8 @@ def write_and_commit(plan: SavePlan, local: dict[str, torch.Tensor], process_gro
                 objects.update(g["objects"])
                 nested.update(g["nested"])
             publish_directory(tmp, plan.path, CheckpointMetadata("oarlock", tensors=plan.tensors, objects=objects,
-                                                                 nested=nested, save_id=plan.save_id))
+                                                                 nested=nested, save_id=plan.save_id),
+                              fsync_files=False)
 
     for step in (write, commit):
         try:

@@ -309,9 +309,11 @@ def recover_publish(final: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def publish_directory(tmp: Path, final: Path, metadata: CheckpointMetadata | None = None) -> None:
+def publish_directory(tmp: Path, final: Path, metadata: CheckpointMetadata | None = None, *,
+                      fsync_files: bool = True) -> None:
     """The commit step of every writer (save, convert, HF export): make the fully written directory ``tmp``
-    appear as ``final``. Files in ``tmp`` are fsynced first.
+    appear as ``final``. With ``fsync_files`` the files in ``tmp`` are fsynced first (a save passes False: each
+    rank fsynced its own data file, and rank 0 need not touch the others').
 
     With ``metadata``, first write ``metadata.json`` (via a ``.part`` file, fsync, rename) and remove the
     incomplete-marker. An existing ``final`` is replaced only now that the new directory is complete, and only
@@ -329,7 +331,7 @@ def publish_directory(tmp: Path, final: Path, metadata: CheckpointMetadata | Non
     import fcntl
     import json
 
-    for f in tmp.iterdir():
+    for f in tmp.iterdir() if fsync_files else ():
         if f.is_file():
             with open(f, "rb") as fh:  # files written without fsync (side files, an index)
                 os.fsync(fh.fileno())
