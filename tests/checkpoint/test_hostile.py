@@ -450,3 +450,36 @@ def test_restricted_unpickler_still_reads_plain_arrays(tmp_path):
     for k, v in arrays.items():
         assert got["x"][k].dtype == v.dtype and np.array_equal(got["x"][k], v), k
     assert got["n"][0] is got["n"][1] and np.array_equal(got["n"][0], arrays["f"])
+
+
+# ---------------------------------------------------------------- 4. async saves are not lost at exit
+
+def test_async_save_on_the_last_line_of_a_script_is_committed(tmp_path):
+    ck = tmp_path / "ckpt"
+    script = textwrap.dedent(f"""
+        import torch
+        from oarlock.checkpoint import save_state_dict
+        state = {{"w": torch.arange(24 * 1024 * 1024, dtype=torch.float32), "b": torch.ones(3)}}
+        save_state_dict(state, {str(ck)!r}, async_save=True)
+    """)
+    r = subprocess.run([PY, "-c", script], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = {"w": torch.zeros(24 * 1024 * 1024), "b": torch.zeros(3)}
+    load_state_dict(out, ck)
+    assert torch.equal(out["w"], torch.arange(24 * 1024 * 1024, dtype=torch.float32))
+    assert torch.equal(out["b"], torch.ones(3))
+
+
+def test_async_save_failing_in_the_background_is_reported_at_exit(tmp_path):
+    ck = tmp_path / "ckpt"
+    script = textwrap.dedent(f"""
+        import errno, os, torch
+        from oarlock.checkpoint import save, save_state_dict
+        def full(*a, **k):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        save.write_safetensors = full
+        save_state_dict({{"w": torch.ones(3)}}, {str(ck)!r}, async_save=True)
+    """)
+    r = subprocess.run([PY, "-c", script], capture_output=True, text=True, timeout=300)
+    assert f"async save to {ck} FAILED" in r.stderr and "No space left on device" in r.stderr, r.stderr
+    assert not ck.exists() and os.listdir(tmp_path) == []
