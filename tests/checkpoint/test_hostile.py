@@ -483,3 +483,118 @@ def test_async_save_failing_in_the_background_is_reported_at_exit(tmp_path):
     r = subprocess.run([PY, "-c", script], capture_output=True, text=True, timeout=300)
     assert f"async save to {ck} FAILED" in r.stderr and "No space left on device" in r.stderr, r.stderr
     assert not ck.exists() and os.listdir(tmp_path) == []
+
+
+# ---------------------------------------------------------------- 7. one rank fails: every rank raises
+
+def test_one_damaged_rank_fails_every_rank_alike(multirank):
+    """4 gloo ranks, each reading only its own file; rank 2's file is truncated, or its read fails: before the
+    fix the other ranks returned success and the job hung at its next collective."""
+    outcome = multirank("_hostile_scenarios", world=4)
+    outcome.check()
+
+
+# ---------------------------------------------------------------- 6. mixed or damaged data never loads
+
+def _two_file_checkpoint(path: Path, value: float) -> None:
+    """An oarlock checkpoint of ``w`` (4 x 4, all ``value``) and ``b`` split over two data files (tp=2)."""
+    from oarlock.checkpoint.convert import convert_checkpoint
+    from safetensors.torch import save_file
+
+    src = path.parent / f".src-{value}.safetensors"
+    save_file({"model.layers.0.mlp.down_proj.weight": torch.full((4, 4), value), "b": torch.full((3,), value)},
+              src)
+    convert_checkpoint(src, path, tp=2)
+
+
+def test_a_data_file_of_another_save_is_refused(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    save_state_dict({"w": torch.full((3, 4), 1.0)}, a)
+    save_state_dict({"w": torch.full((3, 4), 2.0)}, b)  # same layout, another save
+    os.replace(b / "rank-00000.safetensors", a / "rank-00000.safetensors")
+    out = {"w": torch.zeros(3, 4)}
+    with pytest.raises(CheckpointFormatError, match=r"rank-00000.safetensors: data file of save .* mixes files of "
+                                                    "two saves"):
+        load_state_dict(out, a)
+    assert torch.equal(out["w"], torch.zeros(3, 4))
+    _two_file_checkpoint(tmp_path / "c", 1.0)
+    _two_file_checkpoint(tmp_path / "d", 2.0)
+    os.replace(tmp_path / "d" / "rank-00001.safetensors", tmp_path / "c" / "rank-00001.safetensors")
+    from oarlock.checkpoint.convert import export_hf
+
+    with pytest.raises(CheckpointFormatError, match="rank-00001.safetensors: data file of save"):
+        export_hf(tmp_path / "c", tmp_path / "hf")
+
+
+def test_same_layout_restart_validates_against_metadata(tmp_path):
+    import json
+
+    ck = tmp_path / "ck"
+    save_state_dict({"w": torch.full((3, 4), 1.0)}, ck)
+    meta = json.loads((ck / "metadata.json").read_text())
+    meta["tensors"]["w"]["global_shape"] = [6, 4]
+    meta["tensors"]["w"]["shards"][0]["local_shape"] = [6, 4]
+    (ck / "metadata.json").write_text(json.dumps(meta))
+    out = {"w": torch.zeros(3, 4)}
+    with pytest.raises(CheckpointError, match="'w'"):
+        load_state_dict(out, ck)
+    assert torch.equal(out["w"], torch.zeros(3, 4))
+    os.unlink(ck / "metadata.json")
+    with pytest.raises(CheckpointFormatError, match="metadata.json: missing; the oarlock data files"):
+        load_state_dict(out, ck)
+    assert torch.equal(out["w"], torch.zeros(3, 4))
+
+
+def test_a_truncated_file_is_found_before_any_target_byte_is_written(tmp_path):
+    ck = tmp_path / "ck"
+    _two_file_checkpoint(ck, 7.0)
+    f = ck / "rank-00001.safetensors"
+    os.truncate(f, os.path.getsize(f) - 4)
+    out = {"model.layers.0.mlp.down_proj.weight": torch.zeros(4, 4), "b": torch.zeros(3)}
+    with pytest.raises(CheckpointFormatError, match="rank-00001.safetensors"):
+        load_state_dict(out, ck)
+    assert all(torch.equal(t, torch.zeros_like(t)) for t in out.values())
+
+
+def test_overlapping_header_offsets_are_refused(tmp_path):
+    import json
+    import struct
+
+    from oarlock.checkpoint.safetensors_io import read_header
+
+    hdr = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+           "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}
+    hb = json.dumps(hdr).encode()
+    hb += b" " * (-len(hb) % 8)
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(hb)) + hb + bytes(12))
+    with pytest.raises(CheckpointFormatError, match="model.safetensors: invalid safetensors file: .*`?b"):
+        load_state_dict({"a": torch.zeros(2), "b": torch.zeros(2)}, tmp_path)
+    with open(tmp_path / "model.safetensors", "rb") as fh:  # the own check, without the library's
+        import unittest.mock
+
+        with unittest.mock.patch("oarlock.checkpoint.safetensors_io._library_check"):
+            with pytest.raises(CheckpointFormatError, match="tensors 'a' and 'b' overlap"):
+                read_header(tmp_path / "model.safetensors", fh.fileno())
+
+
+def test_a_load_racing_a_replacement_sees_one_save_or_fails(tmp_path, monkeypatch):
+    """The checkpoint is replaced by another save right after the load read its metadata: the load raises (the
+    data files are of another save) and writes nothing; it never returns rows of both."""
+    from oarlock.checkpoint import load as load_mod
+    from oarlock.checkpoint.convert import convert_checkpoint
+
+    ck = tmp_path / "ck"
+    _two_file_checkpoint(ck, 1.0)
+    _two_file_checkpoint(tmp_path / "next", 2.0)
+    real = load_mod.open_checkpoint
+
+    def open_then_replace(*a, **k):
+        reader = real(*a, **k)
+        convert_checkpoint(tmp_path / "next", ck, tp=2)  # another job publishes a new save meanwhile
+        return reader
+
+    monkeypatch.setattr(load_mod, "open_checkpoint", open_then_replace)
+    out = {"model.layers.0.mlp.down_proj.weight": torch.zeros(4, 4), "b": torch.zeros(3)}
+    with pytest.raises(CheckpointFormatError, match="mixes files of two saves .*replaced while being read"):
+        load_state_dict(out, ck)
+    assert all(torch.equal(t, torch.zeros_like(t)) for t in out.values())

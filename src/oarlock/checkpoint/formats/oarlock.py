@@ -4,11 +4,15 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from oarlock.checkpoint.errors import CheckpointFormatError
 from oarlock.checkpoint.metadata import METADATA_FILE, CheckpointMetadata
 from oarlock.checkpoint.reader import CheckpointReader, checkpoint_file, register_format
+
+
+DATA_FILE = re.compile(r"^rank-\d{5,}\.safetensors$")
 
 
 @register_format
@@ -24,7 +28,11 @@ class OarlockReader(CheckpointReader):
     def claim(cls, path: Path, names: set[str] | None) -> int:
         if names is None:
             return 2 if path.name == METADATA_FILE else 0
-        return 2 if METADATA_FILE in names else 0
+        if METADATA_FILE in names:
+            return 2
+        # oarlock data files without their metadata: a guess, so that opening names the missing file instead of
+        # reading them as some other format
+        return 1 if any(DATA_FILE.match(n) for n in names) else 0
 
     @classmethod
     def open(cls, path: Path, *, shipped: dict[str, bytes] | None = None, partial: bool = False
@@ -34,6 +42,9 @@ class OarlockReader(CheckpointReader):
             text, source = shipped[METADATA_FILE], f"{METADATA_FILE} (received from another rank)"
         else:
             source = str(root / METADATA_FILE)
+            if not (root / METADATA_FILE).exists():
+                raise CheckpointFormatError(f"{source}: missing; the oarlock data files in {root} cannot be loaded "
+                                            "without it (an incomplete or damaged checkpoint)")
             try:
                 text = checkpoint_file(root, METADATA_FILE, str(root)).read_bytes()
             except OSError as e:
