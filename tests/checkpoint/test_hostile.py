@@ -598,3 +598,45 @@ def test_a_load_racing_a_replacement_sees_one_save_or_fails(tmp_path, monkeypatc
     with pytest.raises(CheckpointFormatError, match="mixes files of two saves .*replaced while being read"):
         load_state_dict(out, ck)
     assert all(torch.equal(t, torch.zeros_like(t)) for t in out.values())
+
+
+# ---------------------------------------------------------------- 8. bad inputs name the key or the file
+
+def test_reserved_tensor_name_is_refused_at_save(tmp_path):
+    from oarlock.checkpoint.convert import export_hf
+    from oarlock.checkpoint.hf import save_hf_checkpoint
+
+    with pytest.raises(CheckpointError, match="key '__metadata__': the name is reserved"):
+        save_state_dict({"__metadata__": torch.ones(2), "w": torch.ones(2)}, tmp_path / "ck")
+    with pytest.raises(CheckpointFormatError, match="tensor '__metadata__': the name is reserved"):
+        save_hf_checkpoint(iter([("__metadata__", torch.ones(2))]), tmp_path / "hf")
+    save_state_dict({"w": torch.ones(2)}, tmp_path / "ok")
+    with pytest.raises(CheckpointFormatError, match="tensor '__metadata__': the name is reserved"):
+        export_hf(tmp_path / "ok", tmp_path / "hf", aoa_config={"aoa_statements": ["w -> __metadata__"]})
+    assert sorted(os.listdir(tmp_path)) == ["ok"]
+
+
+def test_unsupported_dtype_names_the_key(tmp_path):
+    with pytest.raises(CheckpointError, match="key 'z': dtype torch.complex128 is not supported"):
+        save_state_dict({"w": torch.ones(2), "z": torch.ones(2, dtype=torch.complex128)}, tmp_path / "ck")
+    assert os.listdir(tmp_path) == []
+
+
+def test_disk_full_names_the_file_and_tensor(tmp_path, monkeypatch):
+    import errno
+
+    from oarlock.checkpoint.convert import export_hf
+
+    save_state_dict({"w": torch.ones(2), "v": torch.ones(3)}, tmp_path / "src")
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "pwrite", full)
+    monkeypatch.setattr(os, "copy_file_range", full)
+    with pytest.raises(CheckpointError, match=r"rank-00000.safetensors: cannot write the header: No space left on "
+                                              r"device \(the disk is full\)"):
+        save_state_dict({"w": torch.ones(2)}, tmp_path / "ck")
+    with pytest.raises(CheckpointError, match=r"model.safetensors: cannot write the header: No space left"):
+        export_hf(tmp_path / "src", tmp_path / "hf")
+    assert sorted(os.listdir(tmp_path)) == ["src"]  # nothing half-written was published or left behind

@@ -19,6 +19,7 @@ start. See ``docs/checkpoint-format.md`` for how oarlock uses the ``__metadata__
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import struct
@@ -364,7 +365,9 @@ class SafetensorsWriter:
     :meth:`close` fsyncs (with ``fsync``) and closes; use it as a context manager.
 
     Raises:
-        CheckpointFormatError: a dtype safetensors cannot store (naming the tensor).
+        CheckpointFormatError: a dtype safetensors cannot store, or the name ``__metadata__`` (reserved by the
+            format for the header's metadata block), naming the tensor.
+        CheckpointError: an I/O error (a full disk, ...), naming the file and, while writing data, the tensor.
     """
 
     def __init__(self, path: str | Path, entries: Sequence[tuple[str, Sequence[int], Any]],
@@ -375,6 +378,9 @@ class SafetensorsWriter:
         self.where: dict[str, tuple[int, tuple[int, ...], str]] = {}
         off = 0
         for name, shape, dtype in entries:
+            if name == "__metadata__":
+                raise CheckpointFormatError(f"{self.path}: tensor {name!r}: the name is reserved by the safetensors "
+                                            "format for the header's metadata block; rename this key")
             try:
                 code = safetensors_code(dtype)
             except (ValueError, KeyError):
@@ -391,12 +397,25 @@ class SafetensorsWriter:
         self.nbytes = self.base + off
         self._flushed = 0
         self._written = 0
-        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.fd = -1
         try:
+            self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             _write_all(self.fd, memoryview(struct.pack("<Q", len(hb)) + hb), 0)
+        except OSError as e:
+            self._abandon()
+            raise self._io_error(e, "the header") from None
         except BaseException:
-            self.close()
+            self._abandon()
             raise
+
+    def _io_error(self, e: OSError, what: str) -> CheckpointError:
+        return CheckpointError(f"{self.path}: cannot write {what}: {e.strerror or e}"
+                               + (" (the disk is full)" if e.errno == errno.ENOSPC else ""))
+
+    def _abandon(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
     def __enter__(self) -> "SafetensorsWriter":
         return self
@@ -407,6 +426,12 @@ class SafetensorsWriter:
     def put(self, name: str, data: torch.Tensor | list[tuple[int, int, int]]) -> int:
         """Write tensor ``name`` from a tensor of its shape and dtype or from byte runs ``[(fd, offset, nbytes)]``
         (concatenated in order); returns its byte count."""
+        try:
+            return self._put(name, data)
+        except OSError as e:
+            raise self._io_error(e, f"tensor {name!r}") from None
+
+    def _put(self, name: str, data: torch.Tensor | list[tuple[int, int, int]]) -> int:
         off, shape, dtype = self.where[name]
         pos = self.base + off
         if isinstance(data, list):
@@ -433,6 +458,8 @@ class SafetensorsWriter:
             try:
                 if self.fsync:
                     os.fsync(self.fd)
+            except OSError as e:
+                raise self._io_error(e, "(fsync)") from None
             finally:
                 os.close(self.fd)
                 self.fd = -1

@@ -162,6 +162,9 @@ def prepare_save(state_dict: Mapping[str, Any], path: str | os.PathLike, process
         descs: list[tuple] = []
         mine: set[str] = set()
         for sw in leaves.shards:
+            if sw.key == "__metadata__":
+                raise CheckpointError(f"key {sw.key!r}: the name is reserved by the safetensors format (the header's "
+                                      "metadata block) and cannot be saved; rename this key")
             if sw.key in mine:
                 raise CheckpointError(f"rank {dist.rank} holds two shards of key {sw.key!r}")
             mine.add(sw.key)

@@ -337,10 +337,16 @@ def publish_directory(tmp: Path, final: Path, metadata: CheckpointMetadata | Non
                 os.fsync(fh.fileno())
     if metadata is not None:
         part = tmp / (METADATA_FILE + ".part")
-        with open(part, "w") as f:
-            f.write(metadata.dumps())
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(part, "w") as f:
+                f.write(metadata.dumps())
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            from oarlock.checkpoint.errors import CheckpointError
+
+            raise CheckpointError(f"{final / METADATA_FILE}: cannot write: {e.strerror or e} (nothing was "
+                                  "published)") from None
         os.replace(part, tmp / METADATA_FILE)
         marker = tmp / INCOMPLETE_MARKER
         if marker.exists():
