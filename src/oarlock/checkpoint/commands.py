@@ -57,15 +57,21 @@ def read_aoa_config(path: str) -> object:
 
     from oarlock.checkpoint.aoa import AOASyntaxError
 
+    from oarlock.checkpoint.metadata import parse_json
+
     try:
         text = Path(path).read_text()
     except OSError as e:
         raise AOASyntaxError(f"{path}: cannot read the AOA config: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise AOASyntaxError(f"{path}: the AOA config is not UTF-8 text") from None
     if text.lstrip()[:1] in ("{", "["):
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError as e:
-            raise AOASyntaxError(f"{path}: invalid JSON: {e}") from None
+        config = parse_json(text, path, AOASyntaxError)
+        statements = config.get("aoa_statements") if isinstance(config, dict) else config
+        if not isinstance(statements, list) or not all(isinstance(x, str) for x in statements):
+            raise AOASyntaxError(f"{path}: an AOA config is a JSON list of statement strings or an object "
+                                 "{\"aoa_statements\": [strings], ...}")
+        return config
     return [ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
 
 
@@ -77,12 +83,12 @@ def read_target_keys(path: str) -> dict:
     from oarlock.checkpoint.mapping import TensorSpec
     from oarlock.utils import dtype_name
 
+    from oarlock.checkpoint.metadata import parse_json
+
     try:
-        raw = json.loads(Path(path).read_text())
+        raw = parse_json(Path(path).read_bytes(), path, AOAError)
     except OSError as e:
         raise AOAError(f"{path}: cannot read the target keys: {e.strerror or e}") from None
-    except json.JSONDecodeError as e:
-        raise AOAError(f"{path}: invalid JSON: {e}") from None
     if not isinstance(raw, dict):
         raise AOAError(f"{path}: expected an object {{key: {{\"shape\": [...], \"dtype\": \"...\"}}}}")
     out = {}

@@ -45,7 +45,7 @@ from oarlock.checkpoint.executor import execute_items
 from oarlock.checkpoint.full import full_state_dict
 from oarlock.checkpoint.hf import HF_INDEX, hf_shard_names, parse_size, save_hf_checkpoint, write_hf_index
 from oarlock.checkpoint.mapping import IdentityProgram, MappingProgram
-from oarlock.checkpoint.metadata import METADATA_FILE, CheckpointMetadata
+from oarlock.checkpoint.metadata import METADATA_FILE, CheckpointMetadata, parse_json
 from oarlock.checkpoint.plan import KeyIndex, Planner, source_specs
 from oarlock.checkpoint.reader import CheckpointReader, checkpoint_file
 from oarlock.checkpoint.safetensors_io import SafetensorsWriter, contiguous_run
@@ -88,6 +88,7 @@ def resolve_tp_rules(rules: str | Path | Mapping[str, int | None] | Sequence[tup
     """
     if rules is None:
         return list(TP_RULES["megatron"])
+    origin = ""
     if isinstance(rules, (str, Path)):
         if str(rules) in TP_RULES:
             return list(TP_RULES[str(rules)])
@@ -96,15 +97,16 @@ def resolve_tp_rules(rules: str | Path | Mapping[str, int | None] | Sequence[tup
             raise CheckpointError(f"TP rules {str(rules)!r}: neither a rule-set name ({', '.join(TP_RULES)}) nor a "
                                   "JSON file")
         try:
-            rules = json.loads(p.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{p}: cannot read the TP rules: {e}") from None
+            rules = parse_json(p.read_bytes(), f"{p}: TP rules", CheckpointError)
+        except OSError as e:
+            raise CheckpointError(f"{p}: cannot read the TP rules: {e.strerror or e}") from None
         if not isinstance(rules, dict):
             raise CheckpointError(f"{p}: TP rules must be a JSON object {{glob: axis or null}}")
+        origin = f"{p}: "
     pairs = list(rules.items()) if isinstance(rules, Mapping) else [tuple(r) for r in rules]
     for pat, axis in pairs:
         if axis is not None and (isinstance(axis, bool) or not isinstance(axis, int)):
-            raise CheckpointError(f"TP rule {pat!r}: axis must be an int or null, got {axis!r}")
+            raise CheckpointError(f"{origin}TP rule {pat!r}: axis must be an int or null, got {axis!r}")
     return [(str(p), a) for p, a in pairs]
 
 

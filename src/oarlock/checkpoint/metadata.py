@@ -24,6 +24,17 @@ METADATA_FILE = "metadata.json"
 SAVE_ID_HEADER = "oarlock.save_id"  # safetensors __metadata__ entry of every data file: the save it belongs to
 
 
+def parse_json(data: bytes | str, source: str, error: type[Exception] = CheckpointFormatError) -> Any:
+    """Parse the JSON text ``data`` read from ``source`` (a file name, for messages); any failure -- not UTF-8,
+    invalid JSON, nesting deeper than the parser handles -- raises ``error`` with one line naming ``source``."""
+    try:
+        return json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise error(f"{source}: invalid JSON: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    except RecursionError:
+        raise error(f"{source}: invalid JSON: nested too deeply") from None
+
+
 @dataclass(frozen=True)
 class ShardMeta:
     """One stored shard of a tensor.

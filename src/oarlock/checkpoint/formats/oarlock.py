@@ -3,12 +3,11 @@
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 from oarlock.checkpoint.errors import CheckpointFormatError
-from oarlock.checkpoint.metadata import METADATA_FILE, CheckpointMetadata
+from oarlock.checkpoint.metadata import METADATA_FILE, CheckpointMetadata, parse_json
 from oarlock.checkpoint.reader import CheckpointReader, checkpoint_file, register_format
 
 
@@ -49,10 +48,7 @@ class OarlockReader(CheckpointReader):
                 text = checkpoint_file(root, METADATA_FILE, str(root)).read_bytes()
             except OSError as e:
                 raise CheckpointFormatError(f"{source}: cannot read: {e.strerror or e}") from None
-        try:
-            raw = json.loads(text)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointFormatError(f"{source}: invalid JSON: {e}") from None
+        raw = parse_json(text, source)
         meta = CheckpointMetadata.from_json(raw, source=source)
         reader = cls(root, meta)  # checks that every data file stays inside the checkpoint, naming the tensor
         if not partial:
