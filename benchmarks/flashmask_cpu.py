@@ -1,7 +1,9 @@
 """FlashMask on CPU: oarlock's tiled kernel vs SDPA with a dense bool mask vs compiled FlexAttention.
 
-Grid (issue 8): causal document, sliding window, shared question, prefix LM at S = 1024, 4096, 8192;
+Grid (issue 8): causal document, sliding window, shared question, prefix LM at S = 256, 1024, 4096, 8192;
 B=1, H=4, D=64, fp32. Forward and forward+backward (FlexAttention has no backward on CPU: forward only).
+``flashmask_attention`` runs SDPA with the dense mask when ``S * S <= DENSE_DISPATCH_MAX_SCORES``; the "tiled"
+column times the tiled kernel alone (dispatch off), which is how the threshold is checked.
 Reports best-of-N times (interleaved), ratios (anchor time / oarlock time, > 1 means oarlock is faster), tile sparsity at
 oarlock's tile size, live tiles, and mask memory. Appends a markdown table with the command to
 benchmarks/RESULTS.md unless --no-write.
@@ -24,6 +26,7 @@ from torch.nn.attention.flex_attention import flex_attention
 from oarlock.attention import (causal_document_mask, flashmask_attention, prefix_lm_causal_mask, shared_question_mask,
                                sliding_window_mask, to_dense_mask, to_flex_block_mask)
 from oarlock.attention import cpu as fm_cpu
+from oarlock.attention import flashmask as fm_module
 from oarlock.attention.masks import TILE_SKIP, canonicalize, classify_tiles
 
 
@@ -56,7 +59,7 @@ def bench(fns: dict, reps: int) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 8192])
+    ap.add_argument("--seqlens", type=int, nargs="+", default=[256, 1024, 4096, 8192])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--masks", nargs="+", default=None)
     ap.add_argument("--no-flex", action="store_true", help="skip compiled FlexAttention (compiles per shape)")
@@ -90,6 +93,13 @@ def main(argv=None) -> int:
                 out = flashmask_attention(q, k, v, idx, causal=causal)
                 torch.autograd.grad(out, (q, k, v), dout)
 
+            def fm_fb_tiled():
+                limit, fm_module.DENSE_DISPATCH_MAX_SCORES = fm_module.DENSE_DISPATCH_MAX_SCORES, 0
+                try:
+                    fm_fb()
+                finally:
+                    fm_module.DENSE_DISPATCH_MAX_SCORES = limit
+
             def sdpa_fwd():
                 with torch.no_grad():
                     torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, attn_mask=keep)
@@ -111,11 +121,11 @@ def main(argv=None) -> int:
 
                 fwd["flex"] = flex_fwd
             tf = bench(fwd, args.reps)
-            tb = bench({"fm": fm_fb, "sdpa": sdpa_fb}, args.reps)
+            tb = bench({"fm": fm_fb, "sdpa": sdpa_fb, "tiled": fm_fb_tiled}, args.reps)
             t_fm, t_sd, t_fx = tf["fm"], tf["sdpa"], tf.get("flex", float("nan"))
             t_fm_fb, t_sd_fb = tb["fm"], tb["sdpa"]
             rows.append(dict(mask=name, S=s, sparsity=sparsity, live=live, fm=t_fm, sdpa=t_sd, flex=t_fx,
-                             fm_fb=t_fm_fb, sdpa_fb=t_sd_fb, idx_bytes=idx.numel() * 4,
+                             fm_fb=t_fm_fb, sdpa_fb=t_sd_fb, tiled_fb=tb["tiled"], idx_bytes=idx.numel() * 4,
                              dense_bytes=keep.numel(), bm_bytes=bm_bytes))
             r = rows[-1]
             print(f"{name:16s} S={s:5d} sparsity={sparsity:5.1%} live={live:5d} fwd {t_fm * 1e3:8.1f} ms "
@@ -123,13 +133,15 @@ def main(argv=None) -> int:
                   f"(SDPA x{t_sd_fb / t_fm_fb:5.2f})", flush=True)
     table = ["| mask | S | tile sparsity | live tiles | oarlock fwd ms | SDPA-dense fwd ms | flex compiled fwd ms | "
              "SDPA/oarlock fwd | flex/oarlock fwd | oarlock fwd+bwd ms | SDPA-dense fwd+bwd ms | SDPA/oarlock fwd+bwd "
-             "| oarlock fwd+bwd us per live tile | mask bytes: indices / dense bool / flex BlockMask |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| oarlock fwd+bwd us per live tile | tiled kernel alone fwd+bwd ms | "
+             "mask bytes: indices / dense bool / flex BlockMask |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         table.append(f"| {r['mask']} | {r['S']} | {r['sparsity']:.1%} | {r['live']} | {r['fm'] * 1e3:.1f} | "
                      f"{r['sdpa'] * 1e3:.1f} | {r['flex'] * 1e3:.1f} | {r['sdpa'] / r['fm']:.2f} | "
                      f"{r['flex'] / r['fm']:.2f} | {r['fm_fb'] * 1e3:.1f} | {r['sdpa_fb'] * 1e3:.1f} | "
                      f"{r['sdpa_fb'] / r['fm_fb']:.2f} | {r['fm_fb'] / r['live'] * 1e6:.0f} | "
+                     f"{r['tiled_fb'] * 1e3:.1f} | "
                      f"{r['idx_bytes']:,} / {r['dense_bytes']:,} / "
                      f"{r['bm_bytes']:,} |")
     print("\n".join(table))

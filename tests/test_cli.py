@@ -50,3 +50,55 @@ def test_debug_flag_shows_traceback(tmp_path):
     r = subprocess.run([sys.executable, "-m", "oarlock.cli", "--debug", "inspect", str(tmp_path / "x")],
                        capture_output=True, text=True)
     assert r.returncode != 0 and "Traceback" in r.stderr and "CheckpointFormatError" in r.stderr
+
+
+def _torch_imported_after(argv: list[str]) -> tuple[bool, int, str]:
+    """(torch in sys.modules, exit code, stderr) after main(argv) in a fresh interpreter."""
+    code = ("import sys, io, contextlib\nfrom oarlock.cli import main\nerr = io.StringIO()\n"
+            "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):\n"
+            f"    try:\n        rc = main({argv!r})\n    except SystemExit as e:\n        rc = e.code\n"
+            "print('torch' in sys.modules, rc, repr(err.getvalue()))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    flag, rc, err = r.stdout.strip().split(" ", 2)
+    return flag == "True", int(rc), err
+
+
+@pytest.mark.parametrize("argv,code", [
+    (["--help"], 0), (["--version"], 0), (["no-such-command"], 2), ([], 2),
+    (["debug", "--help"], 0), (["debug", "diff"], 2), (["debug", "render", "--help"], 0),
+    (["memory", "--help"], 0), (["memory", "simulate"], 2), (["memory", "view", "--bogus"], 2),
+])
+def test_help_and_argument_errors_do_not_import_torch(argv, code):
+    imported, rc, err = _torch_imported_after(argv)
+    assert rc == code
+    assert not imported, f"oarlock {' '.join(argv)} imported torch"
+    if code == 2:
+        assert "error:" in err
+
+
+def test_commands_table_matches_what_each_module_registers():
+    import argparse
+    import importlib
+
+    from oarlock.cli import COMMANDS
+
+    for module in {m for m, _ in COMMANDS.values()}:
+        p = argparse.ArgumentParser()
+        sub = p.add_subparsers()
+        importlib.import_module(module).register(sub)
+        listed = sorted(n for n, (m, _) in COMMANDS.items() if m == module)
+        assert sorted(sub.choices) == listed, f"{module} registers {sorted(sub.choices)}; add them to COMMANDS"
+
+
+def test_lazy_packages_list_their_public_names_in_dir():
+    code = ("import sys, oarlock.memory as m, oarlock.debug as d\n"
+            "print('torch' in sys.modules, all(n in dir(m) for n in m.__all__), all(n in dir(d) for n in d.__all__),"
+            " 'trace_region' in dir(m), 'render_memory_html' in dir(m), 'capture' in dir(d))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.stdout.split() == ["False", "True", "True", "True", "True", "True"], r.stderr
+    import oarlock.debug as od
+    import oarlock.memory as om
+
+    assert om.render_html is om.render_memory_html and od.render_html is od.render_graph_html
+    assert callable(om.trace_region) and callable(od.capture)

@@ -81,6 +81,22 @@ def numel(shape: Iterable[int]) -> int:
     return math.prod(shape)
 
 
+def balanced_range(n: int, parts: int, index: int) -> range:
+    """The ``index``-th of ``parts`` contiguous near-equal ranges of ``range(n)`` (the first ``n % parts`` get one
+    more): the one split rule for pipeline stages (layers) and expert-parallel ranks (experts)."""
+    base, extra = divmod(n, parts)
+    start = index * base + min(index, extra)
+    return range(start, start + base + (1 if index < extra else 0))
+
+
+def stage_of_layer(layer: int, num_layers: int, pp: int) -> int:
+    """Pipeline stage holding ``layer`` of ``num_layers`` when they are split by :func:`balanced_range` over ``pp``
+    stages (10 layers on 4 stages: 3, 3, 2, 2)."""
+    base, extra = divmod(num_layers, pp)
+    big = extra * (base + 1)  # layers held by the first `extra` stages, one more each
+    return layer // (base + 1) if layer < big else extra + (layer - big) // max(base, 1)
+
+
 def progress(iterable: Iterable[T], *, desc: str, total: int | None = None, unit: str = "it",
              unit_scale: bool = False, disable: bool | None = None) -> Iterator[T]:
     """Wrap an iterable in a tqdm progress bar on stderr.

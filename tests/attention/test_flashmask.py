@@ -9,8 +9,16 @@ import torch
 
 from attention_cases import MASK_TYPES, make_mask
 from oarlock.attention import AttentionInputError, causal_document_mask, flashmask_attention, to_dense_mask
+from oarlock.attention import flashmask as flashmask_module
 from oarlock.attention.masks import canonicalize, window_to_indices
 from oarlock.attention.reference import attention_reference
+
+
+@pytest.fixture(autouse=True)
+def _tiled_kernel(monkeypatch):
+    """These tests are about the tiled kernel: keep small sequences off the dense SDPA path (that path is
+    checked against the kernel in test_cp_attention.py)."""
+    monkeypatch.setattr(flashmask_module, "DENSE_DISPATCH_MAX_SCORES", 0)
 
 
 def _inputs(b, sq, sk, h, hk, d, dtype=torch.float32, seed=0, dv=None):
@@ -183,7 +191,7 @@ def test_validation_errors_name_argument_and_shapes():
         flashmask_attention(q, k, v, idx.long(), causal=True)
     with pytest.raises(AttentionInputError, match=r"seqlen_k=10.*n in \(2, 4\).*got shape \(2, 1, 10, 1\)"):
         flashmask_attention(q, k, v, idx, causal=False)
-    with pytest.raises(AttentionInputError, match=r"mask_heads in \(1, 2\).*got shape \(2, 3, 10, 1\)"):
+    with pytest.raises(AttentionInputError, match=r"mask_heads in \(1, 2, 4\).*got shape \(2, 3, 10, 1\)"):
         flashmask_attention(q, k, v, idx.expand(2, 3, 10, 1), causal=True)
     with pytest.raises(AttentionInputError, match=r"share a dtype.*torch.float16"):
         flashmask_attention(q, k.half(), v)

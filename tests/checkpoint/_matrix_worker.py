@@ -1,7 +1,7 @@
 """Rank body of tests/checkpoint/test_matrix.py: the FlexCheckpoint strategy-conversion matrix on 4 gloo ranks.
 
 For every pair ``A->B`` of :data:`PAIRS` (``shared/design/flexcheckpoint.md`` 6.11; d/t/p/e = data, tensor,
-pipeline, expert parallel degrees) one launch does, on the first ``world_size`` ranks each layout needs:
+pipeline, expert, context parallel degrees) one launch does, on the first ``world_size`` ranks each layout needs:
 
 1. layout A: a Llama (:data:`DENSE`, or :data:`MOE` when either side uses EP) from the reference's initial
    weights trains :data:`K` steps (ZeRO-1 AdamW over DP when ``d > 1``, else ``torch.optim.AdamW``); its losses
@@ -48,7 +48,8 @@ warnings.filterwarnings("ignore")
 
 PAIRS = ["d2->d4", "t2->t4", "p2->p4", "e2->e4", "p2->t4", "t2->p2", "d4->t2d2", "d2->p2", "d2->e2", "e2->t2",
          "t2->e2", "d2t2->t4", "d2t2->p4", "d2p2->t4", "t2p2->d4", "t2p2->d2t2", "d2e2->d4", "t2e2->t4",
-         "d2t2->p2", "d2e2->t2e2"]
+         "d2t2->p2", "d2e2->t2e2",
+         "c2->t2", "t2->c2", "d2c2->t2c2"]  # context parallel shards no weight: its checkpoints move like DP ones
 
 # Vocabulary 101 (prime): TP2 and TP4 shard the embedding and lm_head unevenly (51/50, 26/25/25/25 rows).
 # 4 KV heads and MLP widths 48 / 16 / 24 allow TP 1, 2, 4; 4 layers allow PP up to 4; untied embeddings (PP).
@@ -121,7 +122,7 @@ class Run:
     def __init__(self, layout: ParallelLayout, cfg: LlamaConfig, mesh: Any, init: dict | None, seed: int = 0):
         torch.manual_seed(seed)
         model = Llama(cfg)
-        parallelize_llama(model, mesh, tp=layout.tp, dp=layout.dp, pp=layout.pp, ep=layout.ep)
+        parallelize_llama(model, mesh, tp=layout.tp, dp=layout.dp, pp=layout.pp, ep=layout.ep, cp=layout.cp)
         if init is not None:
             load_single_device_state_dict(model, init)
         self.layout, self.model = layout, model

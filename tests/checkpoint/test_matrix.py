@@ -1,6 +1,6 @@
 """The FlexCheckpoint strategy-conversion matrix (spec 6.11, issue 12) on a real model, end to end.
 
-One launch of 4 gloo ranks runs all 20 pairs of ``_matrix_worker.PAIRS`` (dense Llama, or Qwen2-MoE-style MoE
+One launch of 4 gloo ranks runs all 23 pairs of ``_matrix_worker.PAIRS`` (dense Llama, or Qwen2-MoE-style MoE
 when either side is expert parallel): train 2 steps in layout A, export to HF, save model + optimizer, import
 a transformers-written HF checkpoint into layout B, load A's checkpoint into B, and train 2 more steps. The
 independent references are a single-process ``Llama`` + ``torch.optim.AdamW`` run and the HF files written by

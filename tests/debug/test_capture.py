@@ -52,9 +52,12 @@ def test_records_every_op_with_module_paths_and_stacks(run):
     logits = model(make_inputs()[1])
     import hashlib
     assert addmm[-1]["h"][0] == hashlib.md5(logits.detach().numpy().tobytes()).hexdigest()
-    # forward stacks point at the line of the test model that ran the op
+    # forward stacks are full (torch's Linear.forward inside) and mark the test model's line as the user frame
     fc_frames = d.stack(addmm[1]["st"])
-    assert fc_frames[0][0].endswith("debug_model.py") and fc_frames[0][1] == FC_LINE
+    assert fc_frames[0][0].endswith("torch/nn/modules/linear.py") and fc_frames[0][2] == "forward"
+    user = d.user_frame(addmm[1]["st"])
+    assert user[0].endswith("debug_model.py") and user[1] == FC_LINE
+    assert fc_frames.index(user) == d.user_index[addmm[1]["st"]] > 0
     # producers: addmm's inputs come from the layer norm (op index) and the transposed weight
     ln = next(r for r in fwd if r["mod"] == "layers.1.ln")
     assert f"o{ln['i']}.0" in addmm[1]["src"]
@@ -67,10 +70,10 @@ def test_backward_ops_carry_forward_stack_of_their_producer(run):
     fc1 = [r for r in bwd if r["mod"] == "layers.1.fc" and r["nname"] in ("AddmmBackward0", "TBackward0")]
     assert {r["nname"] for r in fc1} == {"AddmmBackward0", "TBackward0"}  # TBackward0 is made inside F.linear
     for r in fc1:
-        fst = d.stack(r["fst"])
-        assert fst[0][0].endswith("debug_model.py") and fst[0][1] == FC_LINE, fst
-        st = d.stack(r["st"])  # the backward-time stack: the loss.backward() line
-        assert st[0][1] == BACKWARD_LINE
+        fst = d.user_frame(r["fst"])
+        assert fst[0].endswith("debug_model.py") and fst[1] == FC_LINE, fst
+        st = d.user_frame(r["st"])  # the backward-time stack: the loss.backward() line
+        assert st[1] == BACKWARD_LINE
     # every backward op except AccumulateGrad's has a forward stack
     missing = [r["nname"] for r in bwd if "fst" not in r and r["nname"] != "torch::autograd::AccumulateGrad"]
     assert missing == []
@@ -99,7 +102,9 @@ def test_one_ulp_weight_change_is_found_exactly_and_tolerated_when_rounded(run):
     ulp = float(torch.nextafter(w0, torch.tensor(float("inf"))) - w0)
     assert d.outputs[0].max_abs == pytest.approx(ulp, rel=1e-6)
     assert d.outputs[0].max_rel == pytest.approx(ulp / abs(float(w0)), rel=1e-6)
-    assert d.stack_a[0][1] == FC_LINE
+    assert d.user_frames()["a"][1] == d.user_frames()["b"][1] == FC_LINE
+    text = rep.format()
+    assert text.count(f"debug_model.py:{FC_LINE} in forward") >= 2  # the user frame of both runs
     # the tolerant checksum does not flag it anywhere (forward or backward)
     rep3 = od.diff(run("a3", checksum="rounded:3"), run("c3", perturb=True, checksum="rounded:3"))
     assert not rep3.diverged and rep3.compared == rep3.aligned

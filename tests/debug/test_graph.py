@@ -1,8 +1,6 @@
 """DOT output parses with pydot and matches the real autograd graph; the HTML renders in headless Chromium."""
 
 import re
-import subprocess
-import tempfile
 from pathlib import Path
 
 import pydot
@@ -72,37 +70,20 @@ def test_forward_and_backward_dot_parse_and_match(tmp_path):
     assert [e.get_label().strip('"') for e in into] == ["float32[16, 16]"]
 
 
-def _chromium() -> str:
-    r = subprocess.run(["bash", str(REPO / "scripts" / "chromium.sh")], capture_output=True, text=True,
-                       timeout=900)
-    if r.returncode != 0:
-        pytest.skip(r.stdout.strip() or r.stderr.strip() or "scripts/chromium.sh failed")
-    return r.stdout.strip().splitlines()[-1]
-
-
-def _headless(chrome: str, *args: str) -> subprocess.CompletedProcess:
-    with tempfile.TemporaryDirectory() as profile:
-        return subprocess.run([chrome, "--headless", "--no-sandbox", "--disable-gpu",
-                               "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                               "--no-first-run", f"--user-data-dir={profile}", *args],
-                              capture_output=True, text=True, timeout=120)
-
-
-def test_html_is_self_contained_and_renders_in_chromium(tmp_path):
+def test_html_is_self_contained_and_renders_in_chromium(tmp_path, headless_chromium):
     dump, _, _ = _capture_step(tmp_path)
     page = tmp_path / "g.html"
-    text = od.render_html(dump, page)
+    text = od.render_graph_html(dump, page)
     assert "<script" not in text and "<link" not in text
     assert re.findall(r"https?://[^\"' ]+", text) == ["http://www.w3.org/2000/svg"] * 2  # only SVG's namespace
-    chrome = _chromium()
-    r = _headless(chrome, "--dump-dom", page.as_uri())
+    r = headless_chromium("--dump-dom", page.as_uri())
     assert r.returncode == 0, r.stderr[-2000:]
     dom = r.stdout
     assert dom.count('<g class="op"') == len(dump.forward_ops())
     assert dom.count('<g class="node"') == sum(1 for n in dump.nodes.values()
                                                if not n.get("ext") and n["name"] != "AccumulateGrad")
     shot = tmp_path / "g.png"
-    r = _headless(chrome, "--window-size=900,1200", f"--screenshot={shot}", page.as_uri())
+    r = headless_chromium("--window-size=900,1200", f"--screenshot={shot}", page.as_uri())
     assert r.returncode == 0 and shot.is_file(), r.stderr[-2000:]
     import matplotlib.image
 
@@ -110,3 +91,61 @@ def test_html_is_self_contained_and_renders_in_chromium(tmp_path):
     # the op boxes' fill colour (#dbe9f6) is on screen, i.e. the SVG was laid out and painted
     box = (abs(img - torch.tensor([219, 233, 246]).numpy()).sum(-1) <= 3).sum()
     assert box > 2000
+
+
+def test_render_diff_highlights_first_divergent_op_and_its_producers(run, tmp_path):
+    from oarlock.cli import main
+
+    a, b = run("a"), run("b", perturb=True)
+    rep = od.diff(a, b)
+    first = rep.first.a
+    page = tmp_path / "d.html"
+    assert main(["debug", "render", str(a), "--diff", str(b), "-o", str(page), "--layout", "outline"]) == 0
+    text = page.read_text()
+    divergent = re.findall(r'<g class="(?:op|node|param|input)[^"]*divergent" id="([^"]+)"', text)
+    assert divergent == [f"o{first['i']}"]
+    producers = set(re.findall(r'<g class="[a-z]+ producer" id="([^"]+)"', text))
+    expected = {s if s.startswith("p:") else s.split(".")[0] for s in first["src"] if s}
+    assert producers == expected and "p:layers.1.fc.weight" in producers
+    assert f'href="#o{first["i"]}"' in text and "First divergence against" in text
+    # the same run against itself: no divergence, nothing highlighted
+    od.render_graph_html(a, page, diff_with=a, layout="outline")
+    text = page.read_text()
+    assert "No divergence against" in text and "divergent\"" not in text
+
+
+def test_edge_labels_have_one_row_each_at_30_layers(tmp_path):
+    """At 30 layers the labels still never overlap: every edge label is written on its destination's own
+    row (one text line per row), and every edge into an op appears in that row's text."""
+    from debug_model import Net
+
+    torch.manual_seed(0)
+    model = Net(layers=30)
+    path = tmp_path / "big.jsonl"
+    with od.capture(path, checksum=None):
+        model(torch.randn(4, 16)).sum().backward()
+    dump = od.load_dump(path)
+    text = od.render_graph_html(dump, layout="outline")
+    forward_svg = text[text.index('<svg'):text.index('</svg>')]
+    ys = [float(y) for y in re.findall(r'<text class="ins" x="[0-9.]+" y="([0-9.]+)"', forward_svg)]
+    assert len(ys) == len(set(ys)) > 30 * 5
+    items, edges = __import__("oarlock.debug.graph", fromlist=["forward_graph"]).forward_graph(dump)
+    ins = {it["id"]: it.get("ins", "") for it in items}
+    for src, dst, lab in edges:
+        assert lab in ins[dst]
+
+
+def test_graphviz_layout_when_dot_is_installed(run, tmp_path):
+    import shutil
+
+    a, b = run("a"), run("b", perturb=True)
+    if shutil.which("dot") is None:
+        with pytest.raises(od.DebugError, match="Graphviz dot is not installed"):
+            od.render_graph_html(a, layout="dot")
+        pytest.skip("Graphviz dot not installed (scripts/setup.sh installs Debian's graphviz when run as root)")
+    text = od.render_graph_html(a, diff_with=b, layout="dot")
+    first = od.diff(a, b).first.a
+    assert "Laid out by Graphviz dot" in text
+    # dot keeps the node ids; the divergent node is drawn with the red outline
+    node = text[text.index(f'id="o{first["i"]}"'):]
+    assert "#c00000" in node[:node.index("</g>")]

@@ -6,7 +6,6 @@ import pickle
 import re
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ import torch
 
 from oarlock.cli import main
 from oarlock.memory import (MoEConfig, TraceFormatError, UnsafeTraceError, load_trace, memory_summary,
-                            render_html, render_png, synthesize_moe, trace_from_ops, trace_region)
+                            render_memory_html, render_png, synthesize_moe, trace_from_ops, trace_region)
 from oarlock.memory.trace import trace_from_chrome
 
 REPO = Path(__file__).resolve().parents[2]
@@ -153,30 +152,19 @@ def test_memory_summary_of_torch_snapshot_segments():
             memory_summary()
 
 
-def _chromium() -> str:
-    r = subprocess.run(["bash", str(REPO / "scripts" / "chromium.sh")], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(r.stdout.strip() or r.stderr.strip() or "scripts/chromium.sh failed")
-    return r.stdout.strip().splitlines()[-1]
-
-
-def test_html_view_renders_in_headless_chromium(tmp_path):
+def test_html_view_renders_in_headless_chromium(tmp_path, headless_chromium):
     tr = synthesize_moe(**SMALL)
-    page = render_html(tr, tmp_path / "v.html")
+    page = render_memory_html(tr, tmp_path / "v.html")
     text = page.read_text()
     assert "http://" not in text.replace("http://www.w3.org/2000/svg", "") and "https://" not in text
     expected = len(tr.peak_blocks())  # live allocations at the first peak, counted from the events
-    chrome = _chromium()
-    with tempfile.TemporaryDirectory() as prof_dir:
-        r = subprocess.run([chrome, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                            "--disable-component-update", "--disable-sync", "--no-first-run",
-                            f"--user-data-dir={prof_dir}", "--dump-dom", page.as_uri()],
-                           capture_output=True, text=True, timeout=120)
+    r = headless_chromium("--dump-dom", page.as_uri())
     dom = r.stdout
     assert dom.count('class="block"') == expected > 10
     assert dom.count('class="live"') == 1
     assert f"{expected} blocks spanning" in dom
-    assert dom.count("<tr>") == 1 + 20  # header + the 20 largest allocations
+    largest = dom[dom.index('id="largest"'):]
+    assert largest.count("<tr>") == 1 + 20  # header + the 20 largest blocks
     png = render_png(tr, tmp_path / "v.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -72,19 +72,26 @@ def test_remap_empty_cache_and_bad_pages():
     m.free(m.malloc(40 * MiB))  # mixed: 20 granules = one 32 MiB handle, then four 2 MiB ones
     assert (d.calls["create"], d.calls["map"], d.calls["set_access"]) == (5, 5, 1)
     assert m.empty_cache() == 40 * MiB and m.reserved == 0 and d.physical == 0
+    d = FakeDriver()
+    m = RemapAllocator(d, mixed="binary")
+    m.free(m.malloc(46 * MiB))  # binary: 23 granules = 16 + 4 + 2 + 1 granule handles (32, 8, 4, 2 MiB)
+    assert (d.calls["create"], d.calls["map"], d.calls["set_access"]) == (4, 4, 1)
+    assert sorted(m.handles.elements()) == [1, 2, 4, 16]
+    assert m.empty_cache() == 46 * MiB and m.reserved == 0 and d.physical == 0
     with pytest.raises(MemoryToolError, match="large page size 3"):
         RemapAllocator(FakeDriver(), large_page=3 * MiB)
 
 
 @settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 10**6), cap_pages=st.sampled_from([None, 24, 40]), mixed=st.booleans())
+@given(seed=st.integers(0, 10**6), cap_pages=st.sampled_from([None, 24, 40]),
+       mixed=st.sampled_from([False, True, "binary"]))
 def test_fake_driver_remap_keeps_data(seed, cap_pages, mixed):
     """Random malloc/free with every live block holding a distinct pattern: after each op (and the remaps
     it triggers) every live block reads back its own bytes at its original address."""
     g = 4096
     d = FakeDriver(granularity=g, store_data=True)
-    m = RemapAllocator(d, capacity=cap_pages * g if cap_pages else None, small_size=1024, large_page=2 * g,
-                       mixed=mixed)
+    m = RemapAllocator(d, capacity=cap_pages * g if cap_pages else None, small_size=1024,
+                       large_page=(8 if mixed == "binary" else 2) * g, mixed=mixed)
     rng = random.Random(seed)
     live = {}
     for i in range(150):

@@ -30,9 +30,11 @@ MOE = LlamaConfig(**{**DENSE.to_dict(), "num_experts": 5, "num_experts_per_tok":
 LR, WD, EPS, STEPS = 1e-2, 0.1, 1e-4, 3
 
 CHECKS = {
-    2: [("d2", DENSE), ("t2", DENSE), ("t2-tied", TIED), ("p2", DENSE), ("e2", MOE), ("t2-moe", MOE), ("d2-moe", MOE)],
+    2: [("d2", DENSE), ("t2", DENSE), ("t2-tied", TIED), ("p2", DENSE), ("e2", MOE), ("t2-moe", MOE), ("d2-moe", MOE),
+        ("c2", DENSE)],
     4: [("d4", DENSE), ("d2t2", DENSE), ("p2t2", DENSE), ("d2p2", DENSE), ("e2t2", MOE), ("d2e2", MOE), ("e4", MOE),
-        ("p2@1,3", DENSE)],  # a layout on a subset of the world's ranks
+        ("p2@1,3", DENSE),  # a layout on a subset of the world's ranks
+        ("t2c2", DENSE), ("d2c2", DENSE), ("p2c2", DENSE), ("c4", DENSE)],
 }
 
 
@@ -74,7 +76,7 @@ def check_layout(spec, cfg):
     if ranks is not None and dist.get_rank() not in ranks:
         return
     model = Llama(cfg)
-    parallelize_llama(model, mesh, tp=layout.tp, dp=layout.dp, pp=layout.pp, ep=layout.ep)
+    parallelize_llama(model, mesh, tp=layout.tp, dp=layout.dp, pp=layout.pp, ep=layout.ep, cp=layout.cp)
     load_single_device_state_dict(model, init)  # not needed with equal seeds, but exercises the loader on every layout
     state = model.parallel_state
     dp_rank = dist.get_rank(state.dp_group) if state.dp_group is not None else 0
@@ -126,7 +128,7 @@ def worker(rank, world, port, out):
     results = {}
     only = os.environ.get("ONLY")
     for spec, cfg in CHECKS[world]:
-        if only and spec != only:
+        if only and spec not in only.split(","):
             continue
         try:
             check_layout(spec, cfg)

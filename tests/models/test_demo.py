@@ -49,6 +49,18 @@ def test_tiny_demo_end_to_end(tmp_path, cache_dir):
 
 @pytest.mark.slow
 @pytest.mark.multiproc
+def test_tiny_demo_resumes_in_context_parallel(tmp_path, cache_dir):
+    """Layout B = context parallel 2 (sequence split by the mask-aware plan, weights replicated): the DP2
+    checkpoint loads into it and its first loss equals layout A's next loss."""
+    s = DemoSettings(out_dir=str(tmp_path / "out"), cache_dir=str(cache_dir), tiny=True, steps_a=2, steps_b=2,
+                     seq_len=32, max_new_tokens=8, layout_b="c2")
+    r = run_demo(s)
+    _check_report(r, s)
+    assert r["phase_b"]["world_size"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_real_smollm2_demo_reduced(tmp_path, cache_dir):
     s = DemoSettings(out_dir=str(tmp_path / "out"), cache_dir=str(cache_dir), steps_a=1, steps_b=1, seq_len=32,
                      max_new_tokens=12, eval_batches=1)

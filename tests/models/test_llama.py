@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from oarlock.errors import OarlockError
-from oarlock.models.llama import (Llama, LlamaConfig, causal_document_mask,
+from oarlock.models.llama import (Llama, LlamaConfig, causal_document_mask,  # deprecated alias, checked below
                                   convert_hf_state_dict, document_position_ids, ffn_fused_permutation, fuse_qkv,
                                   hf_aoa_config, hf_export_aoa_config, qkv_fused_order, split_qkv,
                                   to_hf_state_dict)
@@ -94,8 +94,10 @@ def test_packed_documents_equal_separate_hf_runs():
 
 def test_document_mask_and_positions_follow_the_spec_example():
     doc = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 2, 2, 2]])  # spec: docs 4,3,3 -> [4,4,4,4,7,7,7,10,10,10]
-    mask = causal_document_mask(doc)
+    mask = attention_masks.causal_document_mask_from_ids(doc)
     assert mask.dtype == torch.int32 and mask.shape == (1, 1, 10, 1)
+    with pytest.warns(DeprecationWarning, match="causal_document_mask_from_ids"):
+        assert torch.equal(causal_document_mask(doc), mask)
     assert mask.flatten().tolist() == [4, 4, 4, 4, 7, 7, 7, 10, 10, 10]
     assert torch.equal(mask, attention_masks.causal_document_mask([4, 3, 3]))  # the attention package's builder
     assert document_position_ids(doc).tolist() == [[0, 1, 2, 3, 0, 1, 2, 0, 1, 2]]

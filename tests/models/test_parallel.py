@@ -31,7 +31,7 @@ def test_layouts_train_like_a_single_process(world, tmp_path):
     results = json.loads(out.read_text())
     failed = {f"{spec} rank {r}": msg for spec, ranks in results.items() for r, msg in ranks.items() if msg != "ok"}
     assert not failed, "\n".join(f"{k}: {v}" for k, v in failed.items())
-    assert len(results) == {2: 7, 4: 8}[world] and all(len(r) == world for r in results.values())
+    assert len(results) == {2: 8, 4: 12}[world] and all(len(r) == world for r in results.values())
 
 
 def test_layout_notation_round_trips():
@@ -126,3 +126,30 @@ def test_zero_bf16_parameters_keep_fp32_master_weights():
         assert p.dtype == torch.bfloat16
         torch.testing.assert_close(opt.state[n]["master_weight"].view(p.shape), m.detach(), rtol=1e-6, atol=1e-7)
         assert torch.equal(p, m.detach().to(torch.bfloat16)), n
+
+
+def test_convert_pp_places_layers_on_the_stages_parallelize_llama_uses(tmp_path):
+    """`oarlock convert SRC DST --pp 4` on a 10-layer Llama: every layer's tensors are written by the rank of the
+    stage that holds it under parallelize_llama (3, 3, 2, 2 layers), the embedding by stage 0, norm and head by
+    the last stage (issue 15: the two used to disagree, 3, 2, 3, 2)."""
+    from safetensors.torch import save_file
+
+    from oarlock.checkpoint import open_checkpoint
+    from oarlock.cli import main
+
+    cfg = LlamaConfig(vocab_size=17, hidden_size=8, intermediate_size=8, num_hidden_layers=10, num_attention_heads=2,
+                      num_key_value_heads=1)
+    src = tmp_path / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in Llama(cfg).state_dict().items()}, src)
+    assert main(["convert", str(src), str(tmp_path / "oar"), "--pp", "4"]) == 0
+    assert [len(stage_layer_range(10, 4, s)) for s in range(4)] == [3, 3, 2, 2]
+    stage_of = {i: s for s in range(4) for i in stage_layer_range(10, 4, s)}
+    with open_checkpoint(tmp_path / "oar") as reader:
+        tensors = reader.metadata.tensors
+    checked = 0
+    for key, t in tensors.items():
+        want = stage_of[int(key.split(".")[1])] if key.startswith("layers.") else \
+            0 if key.startswith("embed_tokens") else 3
+        assert {s.file for s in t.shards} == {f"rank-{want:05d}.safetensors"}, key
+        checked += 1
+    assert checked == len(Llama(cfg).state_dict())

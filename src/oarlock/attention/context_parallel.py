@@ -1,4 +1,4 @@
-"""Mask-aware load balancing for context parallelism (FlashMask V3 / MARCO, spec section 3.7).
+"""Context parallelism for FlashMask: mask-aware load balancing and its execution (FlashMask V3 / MARCO).
 
 With context parallelism every rank owns some query chunks of the sequence and attends them to all keys.
 Under a sparse mask the chunks cost very different amounts (a late chunk of a causal mask sees more keys;
@@ -11,21 +11,28 @@ a chunk inside a short document sees few), so a contiguous split is unbalanced. 
    decreasing weight go to the currently lightest rank that still has room, so every rank gets exactly
    ``num_chunks / world_size`` chunks (equal activation memory) and near-equal work.
 
-It is a pure function of the mask: no processes, no communication. Executing a plan (permuting Q/K/V and the
-indices with all-to-all) is up to the caller; :meth:`ContextParallelPlan.token_permutation` gives the order.
+Planning is a pure function of the mask: no processes, no communication. Executing a plan:
+:func:`shard_sequence` / :func:`local_positions` cut a rank's tokens (and RoPE positions) out of ``[B, S, ...]``
+tensors, :func:`context_parallel_flashmask_attention` runs attention across the ranks (autograd included) and
+:func:`gather_sequence` puts local outputs back in sequence order. See ``docs/flashmask.md``.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from oarlock.attention.errors import AttentionInputError
+from oarlock.attention.flashmask import (expand_kv_for_mask_heads, flashmask_attention, kernel_backward,
+                                         kernel_forward)
 from oarlock.attention.masks import TILE_SKIP, canonicalize, classify_tiles
 
-__all__ = ["ContextParallelPlan", "plan_context_parallel", "chunk_workloads", "dual_chunk_swap"]
+__all__ = ["ContextParallelPlan", "plan_context_parallel", "chunk_workloads", "dual_chunk_swap",
+           "context_parallel_flashmask_attention", "local_positions", "shard_sequence", "gather_sequence", "local_mask"]
 
 
 @dataclass(frozen=True)
@@ -61,11 +68,24 @@ class ContextParallelPlan:
         return max(work) / mean if mean else 1.0
 
     def token_permutation(self) -> torch.Tensor:
-        """int64 ``[seqlen]``: original token positions in rank order (rank 0's chunks first). ``x[:, perm]``
-        lays a ``[batch, seqlen, ...]`` tensor out so that rank ``r`` owns the ``r``-th equal slice."""
+        """int64 ``[seqlen]``: original token positions in rank order (rank 0's chunks first, each rank's chunks
+        in increasing order). ``x[:, perm]`` lays a ``[batch, seqlen, ...]`` tensor out so that rank ``r`` owns the
+        ``r``-th equal slice."""
         parts = [torch.arange(c * self.chunk_size, min((c + 1) * self.chunk_size, self.seqlen))
-                 for chunks in self.assignment for c in chunks]
+                 for chunks in self.assignment for c in sorted(chunks)]
         return torch.cat(parts)
+
+    def local_positions(self, rank: int) -> torch.Tensor:
+        """Global positions owned by ``rank``, increasing (:func:`local_positions`)."""
+        return local_positions(self, rank)
+
+    def shard(self, x: torch.Tensor, rank: int, *, dim: int = 1) -> torch.Tensor:
+        """Rank ``rank``'s tokens of a ``[B, S, ...]`` tensor (:func:`shard_sequence`)."""
+        return shard_sequence(self, x, rank, dim=dim)
+
+    def gather(self, local: torch.Tensor, *, group=None, dim: int = 1) -> torch.Tensor:
+        """Every rank's local rows back in sequence order (:func:`gather_sequence`, collective)."""
+        return gather_sequence(self, local, group=group, dim=dim)
 
 
 def chunk_workloads(startend_row_indices: torch.Tensor | None, *, causal: bool, seqlen_q: int, seqlen_k: int,
@@ -143,3 +163,210 @@ def dual_chunk_swap(seqlen: int, *, world_size: int, chunk_size: int | None = No
     cs = chunk_size or -(-seqlen // n)
     w = tuple(weights) if weights is not None else tuple([0] * n)
     return ContextParallelPlan(cs, seqlen, w, tuple((r, n - 1 - r) for r in range(world_size)))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Executing a plan: sharding helpers and the context-parallel attention.
+
+def _plan_rows(plan: ContextParallelPlan, rank: int) -> torch.Tensor:
+    """Sorted global positions owned by ``rank`` (its chunks in increasing order)."""
+    if not 0 <= rank < plan.world_size:
+        raise AttentionInputError(f"rank {rank} is outside the plan's world_size={plan.world_size}")
+    sizes = [sum(min(plan.chunk_size, plan.seqlen - c * plan.chunk_size) for c in chunks)
+             for chunks in plan.assignment]
+    if len(set(sizes)) != 1:
+        raise AttentionInputError(f"plan gives ranks {sizes} tokens: context parallelism needs equal slices "
+                                  f"(seqlen={plan.seqlen} must split into equal chunks per rank)")
+    rows = torch.cat([torch.arange(c * plan.chunk_size, min((c + 1) * plan.chunk_size, plan.seqlen))
+                      for c in sorted(plan.assignment[rank])])
+    return rows
+
+
+def local_positions(plan: ContextParallelPlan, rank: int) -> torch.Tensor:
+    """int64 ``[seqlen / world_size]``: the global sequence positions rank ``rank`` owns, increasing (its slice of
+    :meth:`ContextParallelPlan.token_permutation`). Use them as ``position_ids`` (RoPE) of the local tokens."""
+    return _plan_rows(plan, rank)
+
+
+def shard_sequence(plan: ContextParallelPlan, x: torch.Tensor, rank: int, *, dim: int = 1) -> torch.Tensor:
+    """Rank ``rank``'s tokens of a ``[B, S, ...]`` tensor (input ids, labels, position ids, hidden states):
+    ``x`` indexed along ``dim`` (default 1) by :func:`local_positions`. Labels shifted for next-token prediction
+    *before* sharding stay right (the shift is positional).
+
+    Raises:
+        AttentionInputError: ``x.shape[dim]`` is not the plan's ``seqlen``.
+    """
+    if x.shape[dim] != plan.seqlen:
+        raise AttentionInputError(f"tensor to shard has {x.shape[dim]} positions along dim {dim}, the plan covers "
+                                  f"seqlen={plan.seqlen}")
+    return x.index_select(dim, local_positions(plan, rank).to(x.device))
+
+
+def gather_sequence(plan: ContextParallelPlan, local: torch.Tensor, *, group=None, dim: int = 1) -> torch.Tensor:
+    """Inverse of :func:`shard_sequence` over ``group``: every rank passes its ``[B, S / W, ...]`` rows and gets
+    the whole ``[B, S, ...]`` tensor in sequence order (collective; not differentiable)."""
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    if world != plan.world_size:
+        raise AttentionInputError(f"the process group has {world} ranks, the plan {plan.world_size}")
+    moved = local.movedim(dim, 0).contiguous()
+    out = torch.empty((world * moved.shape[0],) + tuple(moved.shape[1:]), dtype=moved.dtype, device=moved.device)
+    if world == 1:
+        out.copy_(moved)
+    else:
+        _all_gather(out, moved, group)
+    perm = torch.cat([local_positions(plan, r) for r in range(world)]).to(out.device)
+    full = torch.empty_like(out)
+    full[perm] = out
+    return full.movedim(0, dim)
+
+
+def _all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    """Concatenate every rank's ``inp`` along dim 0 into ``out`` (all_gather_single on torch >= 2.13)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, inp, group=group)
+
+
+def _gather_kv(k: torch.Tensor, v: torch.Tensor, group, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """All-gather the local ``[B, S/W, Hk, D]`` keys and values in one collective; returns ``[B, S, Hk, D]`` in
+    rank order (the plan's token permutation)."""
+    b, s, hk, d = k.shape
+    dv = v.shape[3]
+    flat = torch.cat([k.transpose(0, 1).reshape(s, -1), v.transpose(0, 1).reshape(s, -1)], 1).contiguous()
+    out = torch.empty(world * s, flat.shape[1], dtype=flat.dtype, device=flat.device)
+    _all_gather(out, flat, group)
+    kk = out[:, :b * hk * d].view(world * s, b, hk, d).transpose(0, 1)
+    vv = out[:, b * hk * d:].view(world * s, b, hk, dv).transpose(0, 1)
+    return kk, vv
+
+
+def _reduce_scatter_kv(dk: torch.Tensor, dv: torch.Tensor, group, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum the full-sequence ``dK``/``dV`` ``[B, S, Hk, D]`` of every rank and give each rank its own slice (in
+    fp32, one collective)."""
+    b, s, hk, d = dk.shape
+    dvd = dv.shape[3]
+    flat = torch.cat([dk.float().transpose(0, 1).reshape(s, -1), dv.float().transpose(0, 1).reshape(s, -1)], 1)
+    out = torch.empty(s // world, flat.shape[1], dtype=flat.dtype, device=flat.device)
+    # torch >= 2.13 names it reduce_scatter_single (reduce_scatter_tensor is deprecated there)
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    reduce_scatter(out, flat.contiguous(), group=group)
+    n = s // world
+    gk = out[:, :b * hk * d].reshape(n, b, hk, d).transpose(0, 1).to(dk.dtype).contiguous()
+    gv = out[:, b * hk * d:].reshape(n, b, hk, dvd).transpose(0, 1).to(dv.dtype).contiguous()
+    return gk, gv
+
+
+class _ContextParallelAttention(torch.autograd.Function):
+    """Forward: all-gather K/V (rank order), one kernel call of the local rows against every key with the mask
+    re-indexed to local rows (tiles the mask kills are skipped as usual). Backward: gather K/V again (not kept
+    between passes: activation memory stays O(S / W) per layer), the kernel backward gives dQ for the local rows
+    and dK/dV for every key, reduce-scattered onto the ranks owning those keys. Autograd never sees the
+    collectives, so they run in the same order on every rank."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, canon, group, world, scale, dropout, seed):  # type: ignore[override]
+        kk, vv = _gather_kv(k, v, group, world)
+        out, lse = kernel_forward(q, kk, vv, canon, causal=False, scale=scale, dropout=dropout, seed=seed)
+        ctx.save_for_backward(q, k, v, out, lse, canon, seed)
+        ctx.group, ctx.world, ctx.scale, ctx.dropout = group, world, scale, dropout
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):  # type: ignore[override]
+        q, k, v, out, lse, canon, seed = ctx.saved_tensors
+        kk, vv = _gather_kv(k, v, ctx.group, ctx.world)
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        dq, dk_all, dv_all = kernel_backward(grad_out, grad_lse, q, kk, vv, out, lse, canon, causal=False,
+                                             scale=ctx.scale, dropout=ctx.dropout, seed=seed)
+        dk, dv = _reduce_scatter_kv(dk_all, dv_all, ctx.group, ctx.world)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def local_mask(plan: ContextParallelPlan, startend_row_indices: torch.Tensor | None, rank: int, *, causal: bool,
+               batch_size: int = 1) -> torch.Tensor:
+    """The canonical (int64 ``[B, Hm, S, 4]``, non-causal form) mask of rank ``rank``'s rows against every key
+    in rank order (the plan's token permutation): the global indices with the causal constraint folded into the
+    upper interval (``UT = [0, j)``, causal masks never use it), columns permuted, and every row bound mapped
+    to a local row (``#`` owned rows below it), which keeps intervals intervals because a rank's rows increase."""
+    s = plan.seqlen
+    if startend_row_indices is None:
+        canon = torch.zeros(batch_size, 1, s, 4, dtype=torch.int64)
+        canon[..., :2] = s
+    else:
+        canon = canonicalize(startend_row_indices, causal=causal, seqlen_q=s)
+    if causal:
+        canon = canon.clone()
+        canon[..., 2] = 0
+        canon[..., 3] = torch.arange(s, device=canon.device)
+    perm = plan.token_permutation().to(canon.device)
+    rows = local_positions(plan, rank).to(canon.device)
+    return torch.searchsorted(rows, canon[:, :, perm].contiguous())
+
+
+def context_parallel_flashmask_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                         startend_row_indices: torch.Tensor | None, *, plan: ContextParallelPlan,
+                                         group=None, causal: bool = False, softmax_scale: float | None = None,
+                                         dropout: float = 0.0, return_softmax_lse: bool = False):
+    """FlashMask attention with the sequence split over the ranks of ``group`` (context parallelism).
+
+    Rank ``r`` owns the ``r``-th equal slice of ``plan.token_permutation()`` (:func:`shard_sequence` cuts it
+    out of a ``[B, S, ...]`` tensor; :func:`local_positions` gives its RoPE positions). K/V are all-gathered
+    (one collective per pass; a ring would overlap transfer and compute but needs a log-sum-exp merge per block
+    and a kernel call per peer, which costs more than it hides on CPU/gloo), the local rows attend every key
+    with the mask re-indexed to them (:func:`local_mask`), so fully masked tiles are skipped as in
+    :func:`~oarlock.attention.flashmask_attention`. The backward returns dQ for the local rows and dK/dV
+    reduce-scattered onto the ranks that own those keys. Works with GQA, masks per KV head or per query head,
+    causal 1/2-vector and non-causal 2/4-vector indices; rows that see no key give exactly 0 (no NaN).
+    Algorithm: FlashMask V3 context parallelism (docs/flashmask.md, "Context parallelism").
+
+    Args:
+        query: this rank's rows ``[B, S / W, H, D]`` (float32/float16/bfloat16; CPU or CUDA).
+        key, value: this rank's rows ``[B, S / W, Hk, D]`` / ``[B, S / W, Hk, Dv]``.
+        startend_row_indices: the **global** int32 mask ``[B, Hm, S, n]`` in sequence order, the same on every
+            rank (None: no mask besides ``causal``).
+        plan: a :class:`ContextParallelPlan` with ``world_size == W`` (:func:`plan_context_parallel`).
+        group: the context-parallel process group (default: the world).
+        causal: as in ``flashmask_attention`` (``Sq == Sk``).
+        softmax_scale: default ``1 / sqrt(D)``.
+        dropout: CPU only (the masks differ from a single-process run).
+        return_softmax_lse: also return this rank's float32 ``[B, H, S / W]`` log-sum-exp (differentiable).
+
+    Returns:
+        ``out`` ``[B, S / W, H, Dv]`` for this rank's rows (and ``lse`` when asked).
+
+    Raises:
+        AttentionInputError: shapes that do not match the plan or the group, naming both.
+    """
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    rank = dist.get_rank(group) if dist.is_initialized() else 0
+    if plan.world_size != world:
+        raise AttentionInputError(f"plan is for world_size={plan.world_size}, the process group has {world} ranks")
+    s = plan.seqlen
+    n_local = local_positions(plan, rank).numel()
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[1] != n_local:
+            raise AttentionInputError(f"{name} must be this rank's rows [batch, seqlen/world={n_local}, heads, "
+                                      f"head_dim], got shape {tuple(getattr(t, 'shape', ()))}")
+    b, _, h, d = query.shape
+    hk = key.shape[2]
+    if startend_row_indices is not None:
+        idx = startend_row_indices
+        allowed = (1, 2) if causal else (2, 4)
+        heads = tuple(sorted({1, hk, h}))
+        if idx.dim() != 4 or idx.shape[0] != b or idx.shape[1] not in heads or idx.shape[2] != s \
+                or idx.shape[3] not in allowed or idx.dtype != torch.int32:
+            raise AttentionInputError(
+                f"startend_row_indices must be the global int32 mask [batch={b}, mask_heads in {heads}, "
+                f"seqlen={s}, n in {allowed}] for causal={causal}, got {idx.dtype} {tuple(idx.shape)}")
+    if dropout > 0.0 and query.device.type != "cpu":
+        raise AttentionInputError("context-parallel dropout runs on CPU only (the Triton kernels have none)")
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    canon = local_mask(plan, startend_row_indices, rank, causal=causal, batch_size=b).to(query.device)
+    key, value = expand_kv_for_mask_heads(key, value, canon, h)
+    if world == 1:
+        full_idx = None if startend_row_indices is None else startend_row_indices
+        return flashmask_attention(query, key, value, full_idx, causal=causal, softmax_scale=scale,
+                                   dropout=dropout, return_softmax_lse=return_softmax_lse)
+    seed = torch.randint(0, 2 ** 62, (1,)) if dropout > 0.0 else torch.zeros(1, dtype=torch.int64)
+    out, lse = _ContextParallelAttention.apply(query, key, value, canon, group, world, scale, float(dropout), seed)
+    return (out, lse) if return_softmax_lse else out

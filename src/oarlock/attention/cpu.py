@@ -1,6 +1,6 @@
 """Tiled FlashMask attention for CPU: forward and backward that skip fully masked tiles.
 
-Algorithm (spec sections 3.1-3.4, FlashMask paper arXiv 2410.01359, adapted to a CPU with BLAS):
+Algorithm (``docs/flashmask.md`` section 3, FlashMask paper arXiv 2410.01359, adapted to a CPU with BLAS):
 
 1. Per key block of ``BLOCK_N`` columns, min/max of the four canonical vectors; every (query block, key block)
    tile is classified skip / partial / full (:func:`oarlock.attention.masks.classify_tiles`), united over
@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from oarlock.attention.masks import TILE_FULL, TILE_SKIP, classify_tiles
+from oarlock.attention.masks import TILE_FULL, TILE_SKIP, classify_tiles, dense_keep_rows
+from oarlock.attention.reference import expand_block_mask
 
 BLOCK_M = 128  # query rows per block (x G heads per matmul)
 BLOCK_N = 64  # key columns per tile: fine enough to skip much, runs keep the op count low
@@ -206,6 +207,32 @@ def _kv_layout(x: torch.Tensor, s_pad: int) -> torch.Tensor:
     return out
 
 
+def _isolate_nonfinite(key: torch.Tensor, value: torch.Tensor, canon: torch.Tensor, *, causal: bool, seqlen_q: int,
+                       heads: int, block_mask: torch.Tensor | None):
+    """Keys whose K or V row holds NaN/Inf must contribute exactly nothing to the rows that do not see them: a
+    masked score is only made -inf by an *add* (NaN + -inf = NaN) and ``0 * NaN`` in ``P V`` is NaN, so such a
+    key would poison every row of its tile. Returns ``(key, value, rows_seeing)``: K/V with non-finite entries
+    zeroed, and bool ``[B, Sq, H]`` marking the query rows that do see one of those keys (their result is NaN,
+    as in the dense definition), or ``(key, value, None)`` when everything is finite (the common case)."""
+    bad = ~(torch.isfinite(key).flatten(2).all(-1) & torch.isfinite(value).flatten(2).all(-1))  # [B, Sk]
+    if not bool(bad.any()):
+        return key, value, None
+    key = torch.where(torch.isfinite(key), key, torch.zeros((), dtype=key.dtype))
+    value = torch.where(torch.isfinite(value), value, torch.zeros((), dtype=value.dtype))
+    b, hm = canon.shape[:2]
+    rows = torch.arange(seqlen_q)
+    seeing = torch.zeros(b, hm, seqlen_q, dtype=torch.bool)
+    for bb in range(b):
+        cols = bad[bb].nonzero().flatten()
+        if cols.numel():
+            keep = dense_keep_rows(canon[bb:bb + 1], rows, cols, causal=causal, seqlen_q=seqlen_q)
+            if block_mask is not None:
+                keep = keep & expand_block_mask(block_mask[bb:bb + 1], seqlen_q, canon.shape[2], rows)[..., cols]
+            seeing[bb] = keep[0].any(-1)
+    seeing = seeing.repeat_interleave(heads // hm, dim=1)  # mask head -> its query heads
+    return key, value, seeing.transpose(1, 2)
+
+
 def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, canon: torch.Tensor | None, *,
             causal: bool, scale: float, block_mask: torch.Tensor | None = None, dropout: float = 0.0,
             seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -217,6 +244,8 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, canon: 
     g = h // hk
     if canon is None:
         canon = _trivial_canon(b, sk, sq)
+    key, value, seeing = _isolate_nonfinite(key, value, canon, causal=causal, seqlen_q=sq, heads=h,
+                                            block_mask=block_mask)
     plan = _Plan(canon, causal=causal, seqlen_q=sq, block_mask=block_mask)
     q = _q_layout(query, hk).mul_(scale)
     k = _kv_layout(key, plan.sk_pad)
@@ -274,20 +303,34 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, canon: 
             out[bb, :, r0:r1] = acc.div_(l_i.clamp(min=tiny)).view(hk, n, g, dv)
             lse[bb, :, r0:r1] = (m_i + l_i.log()).view(hk, n, g)
     out = out.permute(0, 2, 1, 3, 4).reshape(b, sq, h, dv).to(query.dtype)
-    return out, lse.permute(0, 1, 3, 2).reshape(b, h, sq)
+    lse = lse.permute(0, 1, 3, 2).reshape(b, h, sq)
+    if seeing is not None:
+        out = out.masked_fill(seeing.unsqueeze(-1), float("nan"))
+        lse = lse.masked_fill(seeing.transpose(1, 2), float("nan"))
+    return out, lse
 
 
 def backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              out: torch.Tensor, lse: torch.Tensor, canon: torch.Tensor | None, *, causal: bool, scale: float,
-             block_mask: torch.Tensor | None = None, dropout: float = 0.0,
-             seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             block_mask: torch.Tensor | None = None, dropout: float = 0.0, seed: int = 0,
+             grad_lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tiled backward: ``(dq, dk, dv)`` in the dtypes and shapes of ``query, key, value``. With dropout,
-    ``rowsum(dO * O)`` still equals ``rowsum(P * dP)`` (O is the dropped output), as in FlashAttention-2."""
+    ``rowsum(dO * O)`` still equals ``rowsum(P * dP)`` (O is the dropped output), as in FlashAttention-2.
+    ``grad_lse`` (float ``[B, H, Sq]``, optional) is the gradient of the log-sum-exp output: since
+    ``d lse_i / d s_ij = P_ij`` it enters as ``dS = P (dP - rowsum(dO O) + grad_lse)``."""
     b, sq, h, d = query.shape
     sk, hk, dv_ = key.shape[1], key.shape[2], value.shape[3]
     g = h // hk
     if canon is None:
         canon = _trivial_canon(b, sk, sq)
+    key, value, seeing = _isolate_nonfinite(key, value, canon, causal=causal, seqlen_q=sq, heads=h,
+                                            block_mask=block_mask)
+    if seeing is not None:  # rows that see a non-finite key have NaN out/lse: leave them out of the sums
+        grad_out = grad_out.masked_fill(seeing.unsqueeze(-1), 0.0)
+        out = out.masked_fill(seeing.unsqueeze(-1), 0.0)
+        lse = lse.masked_fill(seeing.transpose(1, 2), float("-inf"))
+        if grad_lse is not None:
+            grad_lse = grad_lse.masked_fill(seeing.transpose(1, 2), 0.0)
     plan = _Plan(canon, causal=causal, seqlen_q=sq, block_mask=block_mask)
     q = _q_layout(query, hk).mul_(scale)
     k = _kv_layout(key, plan.sk_pad)
@@ -296,6 +339,9 @@ def backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, val
     o = _q_layout(out, hk)
     delta = (do * o).sum(-1, keepdim=True)  # [B, Hk, Sq, G, 1]
     del o
+    if grad_lse is not None:
+        gl = torch.nan_to_num(grad_lse.float(), posinf=0.0, neginf=0.0)
+        delta -= gl.view(b, hk, g, sq).permute(0, 1, 3, 2).unsqueeze(-1)
     lse_l = lse.view(b, hk, g, sq).permute(0, 1, 3, 2).unsqueeze(-1)  # [B, Hk, Sq, G, 1]
     lse_l = torch.where(torch.isinf(lse_l), torch.full_like(lse_l, float("inf")), lse_l)  # P = 0 on empty rows
     dq = torch.zeros(b, hk, sq, g, d, dtype=torch.float32)
@@ -337,4 +383,6 @@ def backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, val
     dq = dq.mul_(scale).permute(0, 2, 1, 3, 4).reshape(b, sq, h, d).to(query.dtype)
     dk = dk[:, :, :sk].transpose(1, 2).to(key.dtype).contiguous()
     dv = dv[:, :, :sk].transpose(1, 2).to(value.dtype).contiguous()
+    if seeing is not None:  # the gradient through a NaN output row is NaN
+        dq = dq.masked_fill(seeing.unsqueeze(-1), float("nan"))
     return dq, dk, dv

@@ -2,8 +2,8 @@
 
 The Python function validates its inputs (errors name the argument, the expected and the actual
 shape/dtype), turns ``window_size`` and the index tensor into the canonical ``[LTS, LTE, UTS, UTE]`` form and
-calls the ``oarlock::flashmask_fwd`` custom op. The op has a fake (meta) implementation and a registered
-backward (``oarlock::flashmask_bwd``, itself a custom op), so ``torch.compile(fullgraph=True)`` traces through it
+calls the ``oarlock::flashmask_forward`` custom op. The op has a fake (meta) implementation and a registered
+backward (``oarlock::flashmask_backward``, itself a custom op), so ``torch.compile(fullgraph=True)`` traces through it
 without graph breaks. The op picks the back end by device: CUDA with Triton -> :mod:`.triton_kernels`, CPU ->
 :mod:`.cpu` (tiled), anything else -> :mod:`.reference`.
 """
@@ -17,7 +17,7 @@ import torch
 
 from oarlock.attention import cpu as _cpu
 from oarlock.attention.errors import AttentionInputError
-from oarlock.attention.masks import canonicalize, window_to_indices
+from oarlock.attention.masks import canonicalize, dense_keep_rows, window_to_indices
 from oarlock.attention.reference import attention_reference
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -33,14 +33,17 @@ def _triton_usable(t: torch.Tensor) -> bool:
     return True
 
 
-def _reference_backward(grad_out, query, key, value, canon, causal, scale, block_mask):
+def _reference_backward(grad_out, grad_lse, query, key, value, canon, causal, scale, block_mask):
     with torch.enable_grad():
         q, k, v = (x.detach().requires_grad_(True) for x in (query, key, value))
-        out, _ = attention_reference(q, k, v, canon, causal=causal, softmax_scale=scale, block_mask=block_mask)
-        return torch.autograd.grad(out, (q, k, v), grad_out)
+        out, lse = attention_reference(q, k, v, canon, causal=causal, softmax_scale=scale, block_mask=block_mask)
+        if grad_lse is None:
+            return torch.autograd.grad(out, (q, k, v), grad_out, allow_unused=True)
+        lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)  # fully masked rows: no gradient
+        return torch.autograd.grad((out, lse), (q, k, v), (grad_out, grad_lse), allow_unused=True)
 
 
-@torch.library.custom_op("oarlock::flashmask_fwd", mutates_args=())
+@torch.library.custom_op("oarlock::flashmask_forward", mutates_args=())
 def _flashmask_fwd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, canon: Optional[torch.Tensor],
                    block_mask: Optional[torch.Tensor], causal: bool, scale: float, dropout: float,
                    seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,24 +66,26 @@ def _(query, key, value, canon, block_mask, causal, scale, dropout, seed):
             query.new_empty(b, h, sq, dtype=torch.float32))
 
 
-@torch.library.custom_op("oarlock::flashmask_bwd", mutates_args=())
-def _flashmask_bwd(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   out: torch.Tensor, lse: torch.Tensor, canon: Optional[torch.Tensor],
+@torch.library.custom_op("oarlock::flashmask_backward", mutates_args=())
+def _flashmask_bwd(grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor], query: torch.Tensor, key: torch.Tensor,
+                   value: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, canon: Optional[torch.Tensor],
                    block_mask: Optional[torch.Tensor], causal: bool, scale: float, dropout: float,
                    seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if _triton_usable(query):
         from oarlock.attention import triton_kernels
 
         return triton_kernels.backward(grad_out, query, key, value, out, lse, canon, causal=causal, scale=scale,
-                                       block_mask=block_mask)
+                                       block_mask=block_mask, grad_lse=grad_lse)
     if query.device.type == "cpu":
         return _cpu.backward(grad_out, query, key, value, out, lse, canon, causal=causal, scale=scale,
-                             block_mask=block_mask, dropout=dropout, seed=int(seed))
-    return _reference_backward(grad_out, query, key, value, canon, causal, scale, block_mask)
+                             block_mask=block_mask, dropout=dropout, seed=int(seed), grad_lse=grad_lse)
+    dq, dk, dv = _reference_backward(grad_out, grad_lse, query, key, value, canon, causal, scale, block_mask)
+    return (dq if dq is not None else torch.zeros_like(query), dk if dk is not None else torch.zeros_like(key),
+            dv if dv is not None else torch.zeros_like(value))
 
 
 @_flashmask_bwd.register_fake
-def _(grad_out, query, key, value, out, lse, canon, block_mask, causal, scale, dropout, seed):
+def _(grad_out, grad_lse, query, key, value, out, lse, canon, block_mask, causal, scale, dropout, seed):
     return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
 
 
@@ -93,17 +98,63 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out, grad_lse):
     query, key, value, out, lse, canon, block_mask, seed = ctx.saved_tensors
-    dq, dk, dv = _flashmask_bwd(grad_out.contiguous(), query, key, value, out, lse, canon, block_mask,
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    dq, dk, dv = _flashmask_bwd(grad_out.contiguous(), grad_lse, query, key, value, out, lse, canon, block_mask,
                                 ctx.causal, ctx.scale, ctx.dropout, seed)
     return dq, dk, dv, None, None, None, None, None, None
 
 
-torch.library.register_autograd("oarlock::flashmask_fwd", _backward, setup_context=_setup_context)
+torch.library.register_autograd("oarlock::flashmask_forward", _backward, setup_context=_setup_context)
+
+
+def kernel_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, canon: torch.Tensor | None, *,
+                   causal: bool, scale: float, dropout: float = 0.0,
+                   seed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The back-end forward of :func:`flashmask_attention` without autograd or input checks, for callers that
+    run their own autograd (context parallelism): CUDA -> Triton, CPU -> tiled kernel, else dense reference.
+
+    ``canon``: int64 ``[B, Hm, Sk, 4]`` canonical indices (:func:`~oarlock.attention.masks.canonicalize`) with
+    ``Hm`` 1 or ``kv_heads``; ``seed``: int64 ``[1]`` (dropout masks). Returns ``(out [B, Sq, H, Dv], lse float32
+    [B, H, Sq])``."""
+    seed = torch.zeros(1, dtype=torch.int64) if seed is None else seed
+    with torch.no_grad():
+        return _flashmask_fwd(query, key, value, canon, None, causal, scale, float(dropout), seed)
+
+
+def kernel_backward(grad_out: torch.Tensor, grad_lse: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor,
+                    value: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, canon: torch.Tensor | None, *,
+                    causal: bool, scale: float, dropout: float = 0.0,
+                    seed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The back-end backward matching :func:`kernel_forward`: ``(dq, dk, dv)`` shaped like ``query, key, value``
+    (``grad_lse``: optional float ``[B, H, Sq]``, the gradient of the returned log-sum-exp)."""
+    seed = torch.zeros(1, dtype=torch.int64) if seed is None else seed
+    with torch.no_grad():
+        return _flashmask_bwd(grad_out.contiguous(), grad_lse, query, key, value, out, lse, canon, None, causal,
+                              scale, float(dropout), seed)
 
 
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise AttentionInputError(msg)
+
+
+#: More heads than any attention model has: a "heads" dimension this large is a sequence dimension.
+_MAX_PLAUSIBLE_HEADS = 1024
+
+
+def _check_layout(query, key, idx) -> None:
+    """Catch SDPA-layout ``[B, H, S, D]`` tensors passed where ``[B, S, H, D]`` is expected: they run without a
+    shape error (heads and sequence swap roles) and give a plausible but wrong result."""
+    sdpa = ("looks like the SDPA layout [batch, heads, seqlen, head_dim]; flashmask_attention takes "
+            "[batch, seqlen, heads, head_dim]: pass query.transpose(1, 2) (and the same for key and value)")
+    if isinstance(idx, torch.Tensor) and idx.dim() == 4 and idx.shape[2] != key.shape[1] \
+            and idx.shape[2] == key.shape[2]:
+        raise AttentionInputError(f"key shape {tuple(key.shape)} with startend_row_indices over "
+                                  f"{idx.shape[2]} keys {sdpa}")
+    if query.shape[2] > _MAX_PLAUSIBLE_HEADS and query.shape[1] < query.shape[2]:
+        raise AttentionInputError(f"query shape {tuple(query.shape)} has {query.shape[2]} 'heads' and "
+                                  f"{query.shape[1]} 'positions': it {sdpa}")
 
 
 def _validate(query, key, value, startend_row_indices, causal, window_size, dropout, block_mask):
@@ -112,6 +163,7 @@ def _validate(query, key, value, startend_row_indices, causal, window_size, drop
         _check(t.dim() == 4, f"{name} must be 4-D [batch, seqlen, heads, head_dim], got shape {tuple(t.shape)}")
         _check(t.dtype in _FLOATS, f"{name} dtype must be float32, float16 or bfloat16, got {t.dtype}")
     b, sq, h, d = query.shape
+    _check_layout(query, key, startend_row_indices)
     _check(key.dtype == query.dtype and value.dtype == query.dtype,
            f"query, key, value must share a dtype, got {query.dtype}, {key.dtype}, {value.dtype}")
     _check(key.device == query.device and value.device == query.device,
@@ -128,9 +180,10 @@ def _validate(query, key, value, startend_row_indices, causal, window_size, drop
         _check(isinstance(idx, torch.Tensor), f"startend_row_indices must be a torch.Tensor, got {type(idx).__name__}")
         _check(idx.dtype == torch.int32, f"startend_row_indices dtype must be int32, got {idx.dtype}")
         allowed = (1, 2) if causal else (2, 4)
-        _check(idx.dim() == 4 and idx.shape[0] == b and idx.shape[1] in (1, hk) and idx.shape[2] == sk
+        heads = tuple(sorted({1, hk, h}))
+        _check(idx.dim() == 4 and idx.shape[0] == b and idx.shape[1] in heads and idx.shape[2] == sk
                and idx.shape[3] in allowed,
-               f"startend_row_indices must be [batch={b}, mask_heads in (1, {hk}), seqlen_k={sk}, n in {allowed}] "
+               f"startend_row_indices must be [batch={b}, mask_heads in {heads}, seqlen_k={sk}, n in {allowed}] "
                f"for causal={causal}, got shape {tuple(idx.shape)}")
         _check(idx.device == query.device,
                f"startend_row_indices must be on {query.device}, got {idx.device}")
@@ -138,6 +191,7 @@ def _validate(query, key, value, startend_row_indices, causal, window_size, drop
     if block_mask is not None:
         _check(startend_row_indices is not None, "block_mask must be given together with startend_row_indices")
         hm = startend_row_indices.shape[1]
+        _check(hm in (1, hk), f"block_mask needs startend_row_indices with 1 or kv_heads={hk} mask heads, got {hm}")
         want = (b, hm, -(-sq // 128), -(-sk // 128))
         _check(isinstance(block_mask, torch.Tensor) and tuple(block_mask.shape) == want
                and block_mask.dtype == torch.int32,
@@ -156,7 +210,7 @@ def flashmask_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
         query: ``[batch, seqlen_q, heads, head_dim]``, float32/float16/bfloat16.
         key: ``[batch, seqlen_k, kv_heads, head_dim]``; ``heads % kv_heads == 0`` (GQA/MQA).
         value: ``[batch, seqlen_k, kv_heads, head_dim_v]``.
-        startend_row_indices: int32 ``[batch, mask_heads, seqlen_k, n]``, ``mask_heads`` 1 or ``kv_heads``,
+        startend_row_indices: int32 ``[batch, mask_heads, seqlen_k, n]``, ``mask_heads`` 1, ``kv_heads`` or ``heads``,
             ``n`` 1 or 2 when ``causal`` else 2 or 4: for each key the query rows that may not see it (see
             :mod:`oarlock.attention.masks` for the exact semantics and one constructor per mask type). None = no
             mask besides ``causal``/``window_size``.
@@ -167,7 +221,8 @@ def flashmask_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
         dropout: probability of dropping a normalised attention weight (training; inverted dropout, masks drawn
             from torch's global RNG). On CPU the tiled kernel redraws the masks in the backward from a saved seed;
             on other devices non-zero dropout runs the dense reference back end.
-        return_softmax_lse: also return the log-sum-exp of the scaled, masked scores.
+        return_softmax_lse: also return the log-sum-exp of the scaled, masked scores (differentiable: attention
+            sinks and context parallelism combine partial results through it).
         block_mask: optional int32 ``[batch, mask_heads, ceil(seqlen_q/128), ceil(seqlen_k/128)]``; 0 drops a
             whole 128x128 tile (ANDed with the index mask, as FlashMask V3).
 
@@ -177,7 +232,9 @@ def flashmask_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
         through ``out`` only). Query rows that see no key give output 0, gradient 0 and lse ``-inf`` (no NaN).
 
     Differentiable in ``query``, ``key`` and ``value``. Back end by device: CPU -> tiled kernel that skips fully
-    masked tiles (:mod:`oarlock.attention.cpu`); CUDA -> Triton kernel; other devices -> dense reference.
+    masked tiles (:mod:`oarlock.attention.cpu`), or SDPA with the dense mask when ``Sq * Sk`` is at most
+    :data:`DENSE_DISPATCH_MAX_SCORES` (too few tiles for skipping to pay); CUDA -> Triton kernel; other devices ->
+    dense reference. Mask semantics, recipes and tile skipping: ``docs/flashmask.md``.
 
     Raises:
         AttentionInputError: a bad shape, dtype, device or argument, naming the argument, expected and actual.
@@ -197,6 +254,10 @@ def flashmask_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
         out = query.new_zeros(b, sq, h, value.shape[-1]) + zero.to(query.dtype)
         lse = torch.full((b, h, sq), float("-inf"), device=query.device)
         return (out, lse) if return_softmax_lse else out
+    key, value = expand_kv_for_mask_heads(key, value, canon, h)
+    if _use_dense(query, key, value, return_softmax_lse, dropout):
+        out = dense_attention(query, key, value, canon, causal=causal, scale=scale, block_mask=block_mask)
+        return out
     if dropout > 0.0 and query.device.type != "cpu":
         # the Triton kernels have no dropout: dense reference, autograd through it
         out, lse = attention_reference(query, key, value, canon, causal=causal, softmax_scale=scale,
@@ -206,3 +267,59 @@ def flashmask_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
         seed = (torch.randint(0, 2 ** 62, (1,)) if dropout > 0.0 else torch.zeros(1, dtype=torch.int64))
         out, lse = _flashmask_fwd(query, key, value, canon, block_mask, causal, scale, float(dropout), seed)
     return (out, lse) if return_softmax_lse else out
+
+
+def expand_kv_for_mask_heads(key: torch.Tensor, value: torch.Tensor, canon: torch.Tensor | None,
+                             heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A mask with one head per *query* head (``Hm == H > Hk``, Paddle issue 77469) gives each query head of a
+    GQA group its own mask; the kernels share one mask per KV head, so K/V are repeated to ``H`` heads (autograd
+    sums the gradients back over each group). Returns ``key, value`` unchanged otherwise."""
+    hk = key.shape[2]
+    if canon is None or canon.shape[1] == hk or canon.shape[1] == 1 or canon.shape[1] != heads:
+        return key, value
+    g = heads // hk
+    return key.repeat_interleave(g, dim=2), value.repeat_interleave(g, dim=2)
+
+
+#: Score-matrix size ``Sq * Sk`` up to which CPU attention runs SDPA with a dense mask instead of the tiled
+#: kernel: at these sizes there are too few tiles for skipping to pay for the per-block work (measured on the
+#: SmolLM2 head shape with causal-document masks; ``benchmarks/flashmask_cpu.py`` compares both paths).
+DENSE_DISPATCH_MAX_SCORES = 1024 * 1024
+
+
+def _use_dense(query, key, value, return_softmax_lse: bool, dropout: float) -> bool:
+    if (query.device.type != "cpu" or return_softmax_lse or dropout > 0.0
+            or query.shape[1] * key.shape[1] > DENSE_DISPATCH_MAX_SCORES or torch.compiler.is_compiling()):
+        return False
+    # non-finite K/V must stay isolated by the mask, which an additive dense mask does not do
+    return bool(torch.isfinite(key).all()) and bool(torch.isfinite(value).all())
+
+
+def dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, canon: torch.Tensor | None, *,
+                    causal: bool, scale: float, block_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """FlashMask attention through ``torch.nn.functional.scaled_dot_product_attention`` with the dense boolean
+    mask (the fast path for small sequences). Same shapes and results as :func:`flashmask_attention` without
+    dropout: fp32 math, output in the query dtype, rows that see no key give exactly 0 with zero gradient.
+    Memory ``O(B * Hm * Sq * Sk)`` bytes for the mask."""
+    from oarlock.attention.reference import expand_block_mask
+
+    b, sq, h, _ = query.shape
+    sk, hk = key.shape[1], key.shape[2]
+    rows = torch.arange(sq, device=query.device)
+    if canon is not None:
+        keep = dense_keep_rows(canon, rows, None, causal=causal, seqlen_q=sq)
+    else:
+        keep = torch.ones(1, 1, sq, sk, dtype=torch.bool, device=query.device)
+        if causal:
+            keep = keep & (torch.arange(sk, device=query.device) <= rows.view(-1, 1) + (sk - sq))
+    if block_mask is not None:
+        keep = keep & expand_block_mask(block_mask, sq, sk, rows)
+    if keep.shape[1] > 1:
+        keep = keep.repeat_interleave(h // keep.shape[1], dim=1)
+    seen = keep.any(-1, keepdim=True)  # rows that see at least one key
+    keep = keep | ~seen  # SDPA gives NaN on empty rows: let them see everything, then zero them
+    q, k, v = (x.transpose(1, 2).float() for x in (query, key, value))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale,
+                                                           enable_gqa=hk != h)
+    out = torch.where(seen, out, torch.zeros((), dtype=out.dtype, device=out.device))
+    return out.transpose(1, 2).to(query.dtype)

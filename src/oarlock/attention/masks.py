@@ -2,7 +2,7 @@
 
 A FlashMask mask is ``startend_row_indices``, an int32 tensor ``[batch, mask_heads, seqlen_k, n]``. It is
 column-wise: for key ``j`` it lists the query rows that may *not* see ``j`` as at most two half-open row
-intervals (spec ``shared/design/flashmask.md`` section 1.3, after Paddle's ``flashmask_attention``):
+intervals (``docs/flashmask.md``, after Paddle's ``flashmask_attention``):
 
 ========  ===  =====================  ==============================================
 causal    n    last dim               row ``i`` masked for key ``j`` when
@@ -34,7 +34,8 @@ __all__ = [
     "canonicalize", "block_bounds", "classify_tiles", "dense_keep_rows", "to_dense_mask", "from_dense_mask",
     "to_mask_mod", "to_flex_block_mask", "window_to_indices", "mask_picture",
     "causal_mask", "sliding_window_mask", "bidirectional_sliding_window_mask", "causal_document_mask",
-    "document_mask", "shared_question_mask", "global_sliding_window_mask", "prefix_lm_causal_mask",
+    "causal_document_mask_from_ids", "document_mask", "shared_question_mask", "global_sliding_window_mask",
+    "prefix_lm_causal_mask",
     "prefix_lm_document_mask", "qk_sparse_mask", "random_eviction_mask", "causal_blockwise_mask",
     "TILE_SKIP", "TILE_PARTIAL", "TILE_FULL",
 ]
@@ -86,7 +87,7 @@ def canonicalize(startend_row_indices: torch.Tensor, *, causal: bool, seqlen_q: 
 
 
 def block_bounds(canon: torch.Tensor, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per key block minimum and maximum of each canonical vector (spec section 3.1).
+    """Per key block minimum and maximum of each canonical vector (``docs/flashmask.md`` section 3).
 
     Args:
         canon: int64 ``[B, Hm, Sk, 4]`` from :func:`canonicalize`.
@@ -110,7 +111,7 @@ def block_bounds(canon: torch.Tensor, block_n: int) -> tuple[torch.Tensor, torch
 
 def classify_tiles(canon: torch.Tensor, *, causal: bool, seqlen_q: int, block_m: int, block_n: int,
                    ragged_partial: bool = False) -> torch.Tensor:
-    """Classify every (query block, key block) tile as skipped, partial or full (spec section 3.2).
+    """Classify every (query block, key block) tile as skipped, partial or full (``docs/flashmask.md`` section 3).
 
     A tile is skipped when every element is masked, full when no element is masked (no element mask needed),
     partial otherwise (conservatively: a tile may be called partial although it is full). With
@@ -201,7 +202,7 @@ def mask_picture(startend_row_indices: torch.Tensor, *, causal: bool, seqlen_q: 
 
 
 def from_dense_mask(mask: torch.Tensor, *, causal: bool) -> torch.Tensor:
-    """FlashMask indices equal to a dense boolean mask (spec section 6, "mask_mod/dense -> startend").
+    """FlashMask indices equal to a dense boolean mask (``docs/flashmask.md`` section 1).
 
     Args:
         mask: bool ``[B, H, Sq, Sk]`` (or ``[Sq, Sk]``), True = attend.
@@ -284,7 +285,7 @@ def from_dense_mask(mask: torch.Tensor, *, causal: bool) -> torch.Tensor:
 
 def window_to_indices(window_size: int | tuple[int, int], *, causal: bool, batch_size: int, seqlen_q: int,
                       seqlen_k: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """Paddle's conversion of ``window_size`` into indices (spec section 1.3): query ``i`` sees keys
+    """Paddle's conversion of ``window_size`` into indices (``docs/flashmask.md`` section 2): query ``i`` sees keys
     ``[i - left, i + right]`` (``right`` ignored when causal). Returns int32 ``[batch_size, 1, Sk, 1 or 2]``."""
     if isinstance(window_size, int):
         left, right = window_size, window_size
@@ -486,6 +487,31 @@ def causal_document_mask(doc_lens, *, seqlen: int | None = None, batch_size: int
         _, ends, _, _ = _doc_ids(lens, seqlen)
         cols.append(ends.view(-1, 1))
     return _finish(cols, batch_size)
+
+
+def causal_document_mask_from_ids(document_ids: torch.Tensor) -> torch.Tensor:
+    """:func:`causal_document_mask` from per-token document ids instead of lengths (packed batches carry ids).
+
+    Args:
+        document_ids: integer ``[B, S]``, equal ids in contiguous runs (one run per document).
+
+    Returns:
+        int32 ``[B, 1, S, 1]``: for every key column ``j`` the end (exclusive) of ``j``'s document. Use with
+        ``causal=True``.
+
+    Raises:
+        AttentionInputError: ``document_ids`` is not 2-D.
+    """
+    if document_ids.dim() != 2:
+        raise AttentionInputError(f"document_ids must be [batch, seqlen], got shape {tuple(document_ids.shape)}")
+    b, s = document_ids.shape
+    pos = torch.arange(s, device=document_ids.device).expand(b, s)
+    last = torch.ones_like(document_ids, dtype=torch.bool)
+    last[:, :-1] = document_ids[:, 1:] != document_ids[:, :-1]
+    # end[j] = (index of the last token of j's document) + 1 = suffix minimum over the per-token candidates
+    cand = torch.where(last, pos + 1, torch.full_like(pos, s))
+    end = torch.flip(torch.cummin(torch.flip(cand, [1]), dim=1).values, [1])
+    return end.to(torch.int32).view(b, 1, s, 1)
 
 
 def document_mask(doc_lens, *, seqlen: int | None = None, batch_size: int = 1) -> torch.Tensor:

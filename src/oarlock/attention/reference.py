@@ -1,6 +1,6 @@
 """Dense reference FlashMask attention: additive mask, fp32 math, chunked over query rows.
 
-The definition every other back end is tested against (spec section 1.3, "Dense reference"): build the
+The definition every other back end is tested against (``docs/flashmask.md`` section 1): build the
 ``{0, -inf}`` mask from the indices, ``softmax(scale * Q K^T + M) V`` in fp32, mask heads repeated over their
 query-head group and K/V heads over theirs. Query rows are processed ``chunk_size`` at a time so memory is
 ``O(chunk_size * Sk)`` per head instead of ``O(Sq * Sk)``. Plain torch ops, so autograd differentiates it

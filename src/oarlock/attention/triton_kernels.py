@@ -1,7 +1,7 @@
 """FlashMask Triton kernels (GPU; the Triton interpreter runs them on CPU in tests). Imported lazily.
 
 FlashAttention-2 style (Dao 2023) forward and backward with FlashMask tile skipping (arXiv 2410.01359;
-spec sections 3.2-3.6):
+``docs/flashmask.md`` section 3):
 
 * Host preprocessing, O(B * Hm * (Sk + Tr * Tc)): per key block min/max of the canonical vectors, tile
   classification, then the FlashMask-V3 idea of a **compacted list of live key blocks per query block**
@@ -223,7 +223,8 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CANON, KV_LIST, KV_CNT,
 
 def _prepare(canon: torch.Tensor | None, b: int, sq: int, sk: int, causal: bool,
              block_mask: torch.Tensor | None, device: torch.device):
-    """Canonical vectors as int32 ``[B, Hm, 4, Sk]`` and the compacted live-block lists (spec 3.6)."""
+    """Canonical vectors as int32 ``[B, Hm, 4, Sk]`` and the compacted live-block lists (``docs/flashmask.md``
+    section 3)."""
     if canon is None:
         canon = torch.zeros(b, 1, sk, 4, dtype=torch.int64, device=device)
         canon[..., :2] = sq
@@ -275,7 +276,8 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, canon: 
 
 def backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              out: torch.Tensor, lse: torch.Tensor, canon: torch.Tensor | None, *, causal: bool, scale: float,
-             block_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             block_mask: torch.Tensor | None = None,
+             grad_lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton backward; same contract as :func:`oarlock.attention.cpu.backward`."""
     b, sq, h, d = query.shape
     sk, hk, dv_ = key.shape[1], key.shape[2], value.shape[3]
@@ -283,6 +285,8 @@ def backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, val
     vec, tr, tc, kv_list, kv_cnt, q_list, q_cnt = _prepare(canon, b, sq, sk, causal, block_mask, query.device)
     hm = vec.shape[1]
     delta = (grad_out.float() * out.float()).sum(-1).transpose(1, 2).contiguous()  # [B, H, Sq]
+    if grad_lse is not None:  # d lse / d s = P, so it enters dS = P (dP - delta) as -grad_lse
+        delta = (delta - torch.nan_to_num(grad_lse.float(), posinf=0.0, neginf=0.0)).contiguous()
     lse = torch.where(torch.isinf(lse), torch.full_like(lse, float("inf")), lse).contiguous()
     dq = torch.empty(b, sq, h, d, dtype=torch.float32, device=query.device)
     dk = torch.empty(b, sk, hk, d, dtype=torch.float32, device=query.device)

@@ -10,8 +10,8 @@ load planner (:func:`plan_load`), the metadata model, readers for every source f
 from oarlock.checkpoint.api import LoadReport, load_state_dict, save_state_dict
 from oarlock.checkpoint.async_save import AsyncSaveHandle, async_save
 from oarlock.checkpoint.comm import COMM_METHODS
-from oarlock.checkpoint.convert import (ConversionPlan, ParallelLayout, convert_checkpoint, export_hf,
-                                        export_hf_sharded, iter_full_tensors, plan_conversion)
+from oarlock.checkpoint.convert import (ConversionLayout, ConversionPlan, ParallelLayout, convert_checkpoint,
+                                        export_hf, export_hf_sharded, iter_full_tensors, plan_conversion)
 from oarlock.checkpoint.errors import (CheckpointError, CheckpointFormatError, CheckpointMismatchError,
                                        CheckpointTilingError, UnsafePickleError)
 from oarlock.checkpoint.full import full_state_dict
@@ -31,7 +31,7 @@ __all__ = [
     "OptimizerHyperparameterWarning",
     "plan_load", "LoadPlan", "ReadItem",
     "full_state_dict", "save_hf_checkpoint", "export_hf", "export_hf_sharded", "iter_full_tensors",
-    "convert_checkpoint", "plan_conversion", "ConversionPlan", "ParallelLayout",
+    "convert_checkpoint", "plan_conversion", "ConversionPlan", "ConversionLayout", "ParallelLayout",
     "MappingProgram", "IdentityProgram", "SliceMapping", "TensorSpec",
     "CheckpointError", "CheckpointFormatError", "CheckpointMismatchError", "CheckpointTilingError",
     "UnsafePickleError",

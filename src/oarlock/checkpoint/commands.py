@@ -127,7 +127,7 @@ def cmd_aoa_explain(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from oarlock.checkpoint.convert import (ParallelLayout, convert_checkpoint, export_hf, plan_conversion,
+    from oarlock.checkpoint.convert import (ConversionLayout, convert_checkpoint, export_hf, plan_conversion,
                                             resolve_tp_rules)
     from oarlock.checkpoint.storage import detect_format
 
@@ -147,7 +147,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         print("oarlock: error: --tp/--pp/--dp/--tp-rules apply to --to oarlock; an HF export holds whole tensors",
               file=sys.stderr)
         return 2
-    layout = ParallelLayout(args.tp, args.pp, args.dp, tuple(resolve_tp_rules(args.tp_rules)))
+    layout = ConversionLayout(args.tp, args.pp, args.dp, tuple(resolve_tp_rules(args.tp_rules)))
     if args.dry_run:
         print(plan_conversion(args.src, to=to, aoa_config=config, layout=layout,
                               max_shard_size=args.max_shard_size).render())

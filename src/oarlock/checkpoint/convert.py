@@ -52,7 +52,7 @@ from oarlock.checkpoint.save import assign_writes, check_destination, data_file_
 from oarlock.checkpoint.sharded import ShardDesc
 from oarlock.checkpoint.storage import check_destination as storage_check_destination
 from oarlock.checkpoint.storage import open_checkpoint, publish_directory, staged_directory
-from oarlock.utils import dtype_itemsize, numel, torch_dtype
+from oarlock.utils import dtype_itemsize, numel, stage_of_layer, torch_dtype
 
 # ---------------------------------------------------------------- TP rules
 
@@ -136,22 +136,24 @@ _LAYER = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks)\.(\d+)\.")
 
 
 def pp_stages(keys: Sequence[str], pp: int) -> dict[str, int]:
-    """Pipeline stage of every key: contiguous blocks of layers; non-layer keys go to stage 0 when they name an
-    embedding, else to the last stage."""
+    """Pipeline stage of every key: contiguous blocks of layers split as ``parallelize_llama`` splits them
+    (:func:`oarlock.utils.stage_of_layer`); non-layer keys go to stage 0 when they name an embedding, else to the
+    last stage."""
     ids = {k: int(m.group(1)) for k in keys if (m := _LAYER.search(k))}
     n = max(ids.values()) + 1 if ids else 1
     out = {}
     for k in keys:
         if k in ids:
-            out[k] = ids[k] * pp // n
+            out[k] = stage_of_layer(ids[k], n, pp)
         else:
             out[k] = 0 if "embed" in k else pp - 1
     return out
 
 
 @dataclass(frozen=True)
-class ParallelLayout:
-    """The simulated job: ``tp * dp * pp`` ranks, ranks ordered ``tp`` fastest, then ``dp``, then ``pp``."""
+class ConversionLayout:
+    """The job a conversion simulates: ``tp * dp * pp`` ranks, ranks ordered ``tp`` fastest, then ``dp``, then
+    ``pp``, and the TP split ``rules``. (Training layouts are :class:`oarlock.models.ParallelLayout`.)"""
 
     tp: int = 1
     pp: int = 1
@@ -203,7 +205,7 @@ class ConversionPlan:
     keys: list[KeyPlan] = field(default_factory=list)
     files: dict[str, tuple[list[str], int]] = field(default_factory=dict)
     metadata: CheckpointMetadata | None = None
-    layout: ParallelLayout | None = None
+    layout: ConversionLayout | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -244,7 +246,7 @@ def compile_program(metadata: CheckpointMetadata, aoa_config: Any = None, *,
                        destination_shards=destination_shards)
 
 
-def _program_for_layout(metadata: CheckpointMetadata, aoa_config: Any, layout: ParallelLayout
+def _program_for_layout(metadata: CheckpointMetadata, aoa_config: Any, layout: ConversionLayout
                         ) -> tuple[MappingProgram, dict[str, int | None]]:
     program = compile_program(metadata, aoa_config)
     axes = {k: tp_axis(k, program.destination_spec(k).shape, layout.rules) for k in program.destination_keys()}
@@ -256,7 +258,7 @@ def _program_for_layout(metadata: CheckpointMetadata, aoa_config: Any, layout: P
     return program, axes
 
 
-def rank_descriptions(program: MappingProgram, axes: Mapping[str, int | None], layout: ParallelLayout
+def rank_descriptions(program: MappingProgram, axes: Mapping[str, int | None], layout: ConversionLayout
                       ) -> list[list[tuple]]:
     """Per simulated rank, its shard descriptions in the form ``save_state_dict`` all-gathers:
     ``(key, global_shape, dtype, offset, local_shape, flattened_range, nbytes)``, in destination key order."""
@@ -282,7 +284,7 @@ def rank_descriptions(program: MappingProgram, axes: Mapping[str, int | None], l
 
 
 def plan_conversion(source: str | os.PathLike, *, to: str = "oarlock", aoa_config: Any = None,
-                    layout: ParallelLayout | None = None, max_shard_size: int | str = "5GB") -> ConversionPlan:
+                    layout: ConversionLayout | None = None, max_shard_size: int | str = "5GB") -> ConversionPlan:
     """Describe a conversion without writing anything (see :func:`convert_checkpoint`, :func:`export_hf`).
 
     Raises:
@@ -290,7 +292,7 @@ def plan_conversion(source: str | os.PathLike, *, to: str = "oarlock", aoa_confi
     """
     if to not in ("hf", "oarlock"):
         raise CheckpointError(f"unknown output format {to!r} (use 'hf' or 'oarlock')")
-    layout = layout or ParallelLayout(rules=tuple(resolve_tp_rules(None)))
+    layout = layout or ConversionLayout(rules=tuple(resolve_tp_rules(None)))
     with open_checkpoint(source) as reader:
         meta = reader.metadata
         plan = ConversionPlan(str(source), meta.format, to, layout=layout)
@@ -544,7 +546,7 @@ def convert_checkpoint(source: str | os.PathLike, out_dir: str | os.PathLike, *,
             temporary directory is removed; nothing is published).
     """
     out_dir = Path(out_dir)
-    layout = ParallelLayout(tp, pp, dp, tuple(resolve_tp_rules(tp_rules)))
+    layout = ConversionLayout(tp, pp, dp, tuple(resolve_tp_rules(tp_rules)))
     check_destination(out_dir, [source])
     with open_checkpoint(source) as reader, single_threaded_copies():
         program, axes = _program_for_layout(reader.metadata, aoa_config, layout)
@@ -609,3 +611,15 @@ def _byte_bar(total: int, show: bool | None) -> Any:
     disable = (env == "0") if env is not None else (not sys.stderr.isatty() if show is None else False)
     return tqdm(total=total, desc="convert", unit="B", unit_scale=True, disable=disable, file=sys.stderr,
                 dynamic_ncols=True, leave=False)
+
+
+class ParallelLayout(ConversionLayout):
+    """Deprecated name of :class:`ConversionLayout` (one concept per name: ``ParallelLayout`` is the training
+    layout of :mod:`oarlock.models.parallel`)."""
+
+    def __post_init__(self) -> None:
+        import warnings
+
+        warnings.warn("oarlock.checkpoint.ParallelLayout is deprecated: use oarlock.checkpoint.ConversionLayout",
+                      DeprecationWarning, stacklevel=3)
+        super().__post_init__()

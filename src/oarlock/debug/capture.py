@@ -1,12 +1,13 @@
 """Record every aten op of a forward and backward pass, with module paths, call stacks and checksums.
 
-How it works (design: memory_debug.md section 5, "Recorder"):
+How it works (see ``docs/memory-debug.md``):
 
 - A ``TorchDispatchMode`` sees every aten op, forward and backward. For each op it records the op name,
   input/output shapes and dtypes, where each input came from (an earlier op's output, a named parameter),
   the module path (kept by global ``nn.Module`` forward hooks) and the output checksums.
 - A ``TorchFunctionMode`` sees each user-level torch call (``F.linear``, ``x @ w``, ``loss.backward()``).
-  It takes the user's Python call stack once per call (torch and oarlock frames dropped), and after the call
+  It takes the Python call stack once per call (only the recorder's own frames dropped; the innermost
+  frame of the user's code is marked so reports show it first), and after the call
   tags every autograd node the call created (``grad_fn`` plus the nodes reachable from it created after the
   capture started, e.g. the ``TBackward0`` inside ``F.linear``) by storing an id, the stack and the module
   path in ``node.metadata``. In backward, ``torch._C._current_autograd_node()`` names the node whose ops
@@ -18,7 +19,9 @@ Dump format (one JSON object per line, ``"k"`` is the kind):
 
 - ``header``: ``format``, ``version``, ``checksum`` (spec or null), ``stacks``, ``tensors`` (file of saved
   outputs or null), ``torch`` version.
-- ``stack``: ``id``, ``frames`` = ``[[file, line, function], ...]`` innermost first.
+- ``stack``: ``id``, ``frames`` = ``[[file, line, function], ...]`` innermost first, ``u`` = index in
+  ``frames`` of the innermost user frame (outside torch/transformers/oarlock/stdlib/installed packages) or
+  null.
 - ``node`` (autograd node): ``id``, ``name``, ``mod``, ``st`` (forward stack id), ``next`` = one
   ``[node_id, input_nr]`` or null per ``next_functions`` entry, ``grads`` = ``[shape, dtype]`` of each gradient
   the node receives, ``param`` for ``AccumulateGrad``, ``ext`` for nodes created before the capture.
@@ -28,6 +31,10 @@ Dump format (one JSON object per line, ``"k"`` is the kind):
   ``node``/``nname``/``fst`` for backward ops (autograd node id, name, forward stack id), ``rg`` (region),
   ``sv`` (saved tensor keys).
 - ``end``: ``ops``, ``nodes``.
+
+The dump is written to ``<path>.partial`` and renamed to ``path`` only when the ``with`` block and the
+writing finished; a block that raised leaves ``<path>.partial`` (with an ``end`` record carrying ``error``)
+and no ``path``. Full description: ``docs/memory-debug.md``.
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ _KEY = "oarlock.debug"  # grad_fn.metadata key holding (capture token, node id, 
 _FLUSH_EVERY = 2048
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _HERE_DIR = os.path.dirname(__file__) + os.sep
+_SKIP, _LIBRARY, _USER = 0, 1, 2  # frame kinds: recorder internals (dropped), library code, the user's code
 _SKIP_NAMESPACES = ("profiler",)
 _SAFETENSORS_DTYPES = {torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
                        torch.int16, torch.int8, torch.uint8, torch.bool}
@@ -107,6 +115,41 @@ def _outputs(out: Any) -> list:
     return [out]
 
 
+def library_prefixes() -> tuple[str, ...]:
+    """Directories whose frames count as library code in stacks: torch, transformers (when installed),
+    oarlock and the Python standard library (installed packages count too, see ``_frame_kind``)."""
+    import importlib.util
+    import sysconfig
+
+    dirs = [_TORCH_DIR, os.path.dirname(os.path.dirname(_HERE_DIR.rstrip(os.sep))) + os.sep]
+    spec = importlib.util.find_spec("transformers") if "transformers" not in sys.modules else \
+        sys.modules["transformers"].__spec__
+    if spec is not None and spec.origin:
+        dirs.append(os.path.dirname(spec.origin) + os.sep)
+    for key in ("stdlib", "platstdlib"):
+        d = sysconfig.get_paths().get(key)
+        if d:
+            dirs.append(d.rstrip(os.sep) + os.sep)
+    return tuple(dict.fromkeys(dirs))
+
+
+_LIBRARY_PREFIXES: tuple[str, ...] | None = None
+
+
+def _frame_kind(filename: str) -> int:
+    """_SKIP for the recorder's frames, _LIBRARY for torch/transformers/oarlock/stdlib or any installed
+    package (site-packages, dist-packages), else _USER."""
+    global _LIBRARY_PREFIXES
+    if filename.startswith(_HERE_DIR):
+        return _SKIP
+    if _LIBRARY_PREFIXES is None:
+        _LIBRARY_PREFIXES = library_prefixes()
+    if (filename.startswith(_LIBRARY_PREFIXES) or filename.startswith("<frozen ")
+            or f"{os.sep}site-packages{os.sep}" in filename or f"{os.sep}dist-packages{os.sep}" in filename):
+        return _LIBRARY
+    return _USER
+
+
 class _FunctionTagger(TorchFunctionMode):
     """Takes the user's stack per torch call and tags the autograd nodes that call created."""
 
@@ -146,11 +189,12 @@ class _OpRecorder(TorchDispatchMode):
 
 class Capture:
     """Context manager returned by :func:`capture`; see there. Attributes after exit: ``path`` (the JSONL
-    dump), ``tensors_path`` (saved outputs, or None), ``num_ops``, ``num_nodes``."""
+    dump), ``tensors_path`` (saved outputs, or None), ``num_ops``, ``num_nodes``; ``partial_path``
+    (``<path>.partial``) is where the dump is written until the block ends, and what remains when it raised."""
 
     def __init__(self, path: str | os.PathLike, checksum: str | None = "fast", stacks: bool = True, *,
                  save_tensors: int = 0, modules: Sequence[str] | None = None, only_regions: bool = False,
-                 model: torch.nn.Module | None = None, stack_depth: int = 12):
+                 model: torch.nn.Module | None = None, stack_depth: int = 64):
         self.checksum, self._hash = _ck.hasher(checksum)
         if not isinstance(save_tensors, int) or isinstance(save_tensors, bool) or save_tensors < 0:
             raise DebugError(f"save_tensors={save_tensors!r}: expected the largest number of elements of an "
@@ -178,13 +222,19 @@ class Capture:
             raise DebugError(f"a capture into {_ACTIVE.path} is already active; captures do not nest (use "
                              "modules=[...] or region() to narrow one capture instead)")
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "w", encoding="utf-8")
+        # A stale dump at path would look like this run's if the run fails: remove it (we were asked to write
+        # path) and write next to it, renaming only on success.
+        for p in (self.path, self.tensors_path):
+            if p is not None and (p.is_file() or p.is_symlink()):
+                p.unlink()
+        self.partial_path = self.path.with_name(self.path.name + ".partial")
+        self._file = open(self.partial_path, "w", encoding="utf-8")
         self._token = object()  # tags from other (earlier) captures are ignored
         self._buf: list[dict] = []
         self._pending: list[tuple[list, int, torch.Tensor, int]] = []
         self._saved: dict[str, torch.Tensor] = {}
         self._stack_ids: dict[tuple, int] = {}
-        self._user_code: dict[Any, bool] = {}
+        self._frame_kinds: dict[Any, int] = {}
         self._producer: dict[int, str] = {}
         self._refs: dict[int, weakref.ref] = {}
         self._param_names: dict[int, str] = {}
@@ -213,24 +263,40 @@ class Capture:
         logger.info("capture started: %s (checksum=%s, stacks=%s)", self.path, self.checksum, self.stacks)
         return self
 
-    def __exit__(self, *exc) -> None:
-        self._dmode.__exit__(*exc)
-        self._fmode.__exit__(*exc)
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._dmode.__exit__(exc_type, exc, tb)
+        self._fmode.__exit__(exc_type, exc, tb)
         global _ACTIVE
         for h in self._hooks:
             h.remove()
         _ACTIVE = None
+        ok = False
         try:
-            self._emit({"k": "end", "ops": self.num_ops, "nodes": self.num_nodes})
+            end = {"k": "end", "ops": self.num_ops, "nodes": self.num_nodes}
+            if exc_type is not None:
+                end["error"] = f"{exc_type.__name__}: {exc}"[:500]
+            self._emit(end)
             self._flush()
+            self._file.close()
+            if exc_type is None:
+                if self.tensors_path is not None:
+                    from safetensors.torch import save_file
+
+                    tmp = self.tensors_path.with_name(self.tensors_path.name + ".partial")
+                    save_file(self._saved, str(tmp))
+                    os.replace(tmp, self.tensors_path)
+                os.replace(self.partial_path, self.path)  # last: a dump at path means a complete capture
+                ok = True
         finally:
             self._file.close()
-        if self.tensors_path is not None:
-            from safetensors.torch import save_file
-
-            save_file(self._saved, str(self.tensors_path))
-        self._saved, self._producer, self._refs = {}, {}, {}
-        logger.info("capture written: %s (%d ops, %d autograd nodes)", self.path, self.num_ops, self.num_nodes)
+            self._saved, self._producer, self._refs = {}, {}, {}
+            if ok:
+                logger.info("capture written: %s (%d ops, %d autograd nodes)", self.path, self.num_ops,
+                            self.num_nodes)
+            else:
+                logger.warning("capture into %s did not complete (%s); the ops recorded so far are in %s",
+                               self.path, end.get("error") if exc_type is not None else "writing failed",
+                               self.partial_path)
 
     @contextlib.contextmanager
     def region(self, name: str) -> Iterator[None]:
@@ -265,25 +331,33 @@ class Capture:
             self._mod_stack.pop()
 
     def _stack_id(self, frame) -> int | None:
-        """Id of the user's call stack starting at ``frame`` (torch and oarlock.debug frames dropped)."""
+        """Id of the Python call stack starting at ``frame``: up to ``stack_depth`` frames innermost first
+        (the recorder's own frames dropped), always including the innermost user frame (outside torch,
+        transformers, oarlock and the standard library), whose index is stored as ``u``."""
         key = []
-        user = self._user_code
+        kinds = self._frame_kinds
+        depth = self.stack_depth
+        user_at = None
         f = frame
-        while f is not None and len(key) < self.stack_depth:
+        while f is not None:
             code = f.f_code
-            ok = user.get(code)
-            if ok is None:
-                fn = code.co_filename
-                ok = user[code] = not (fn.startswith(_TORCH_DIR) or fn.startswith(_HERE_DIR)
-                                       or fn.endswith(os.sep + "contextlib.py"))
-            if ok:
-                key.append((code, f.f_lineno))
+            kind = kinds.get(code)
+            if kind is None:
+                kind = kinds[code] = _frame_kind(code.co_filename)
+            if kind:
+                if kind == _USER and user_at is None:
+                    user_at = len(key)
+                    key.append((code, f.f_lineno))
+                elif len(key) < depth:
+                    key.append((code, f.f_lineno))
+                elif user_at is not None:
+                    break
             f = f.f_back
         key = tuple(key)
         sid = self._stack_ids.get(key)
         if sid is None:
             sid = self._stack_ids[key] = len(self._stack_ids)
-            self._emit({"k": "stack", "id": sid,
+            self._emit({"k": "stack", "id": sid, "u": user_at,
                         "frames": [[c.co_filename, line, c.co_name] for c, line in key]})
         return sid
 
@@ -438,7 +512,7 @@ class Capture:
 
 def capture(path: str | os.PathLike, checksum: str | None = "fast", stacks: bool = True, *,
             save_tensors: int = 0, modules: Sequence[str] | None = None, only_regions: bool = False,
-            model: torch.nn.Module | None = None, stack_depth: int = 12) -> Capture:
+            model: torch.nn.Module | None = None, stack_depth: int = 64) -> Capture:
     """Record every aten op run inside the ``with`` block, forward and backward, into a JSONL dump.
 
     Usage::
@@ -461,7 +535,9 @@ def capture(path: str | os.PathLike, checksum: str | None = "fast", stacks: bool
         only_regions: record only ops inside :meth:`Capture.region` blocks (and their backward ops).
         model: the root module used for module paths and parameter names; by default the first module called
             at top level becomes the root (its own path is ``""``).
-        stack_depth: at most this many user frames per stack (innermost first).
+        stack_depth: at most this many frames per stack (innermost first); the innermost frame of the
+            user's own code (outside torch, transformers, oarlock, the standard library and installed
+            packages) is always kept, even deeper.
 
     Raises:
         DebugError: a bad checksum spec, ``save_tensors``, ``modules`` or ``stack_depth``; on entering, when

@@ -22,12 +22,14 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 def cmd_render(args: argparse.Namespace) -> int:
     from oarlock.debug.dump import load_dump
-    from oarlock.debug.graph import backward_dot, forward_dot, render_html
+    from oarlock.debug.graph import backward_dot, forward_dot, render_graph_html
 
     dump = load_dump(args.dump)
+    other = load_dump(args.diff) if args.diff else None  # read both before writing anything
     out = Path(args.output) if args.output else dump.path.with_suffix(".html")
+    page = render_graph_html(dump, diff_with=other, layout=args.layout)
     out.parent.mkdir(parents=True, exist_ok=True)
-    render_html(dump, out)
+    out.write_text(page, encoding="utf-8")
     written = [out]
     if args.dot:
         base = out.with_suffix("")
@@ -75,10 +77,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     r = dsub.add_parser("render", help="write the forward/backward graphs as HTML (and DOT)",
                         description="Write a self-contained HTML page (inline SVG) with the forward graph and "
                                     "the backward (autograd) graph of a dump, clustered by module, shapes on "
-                                    "edges; with --dot also Graphviz DOT files next to it.")
+                                    "edges; with --diff RUN_B the first divergent op is highlighted; with --dot "
+                                    "also Graphviz DOT files next to it.")
     r.add_argument("dump", help="a capture dump (.jsonl)")
     r.add_argument("-o", "--output", help="HTML file to write (default: DUMP with .html)")
     r.add_argument("--dot", action="store_true", help="also write OUTPUT.forward.dot and OUTPUT.backward.dot")
+    r.add_argument("--diff", metavar="RUN_B", help="another run's dump: highlight the first op where DUMP "
+                                                   "diverges from it and the producers of its inputs")
+    r.add_argument("--layout", choices=("auto", "dot", "outline"), default="auto",
+                   help="auto (default): Graphviz dot when installed, else the built-in outline")
     r.set_defaults(func=cmd_render)
     s = dsub.add_parser("show", help="list the recorded ops of a dump",
                         description="One line per op: index, phase, module, op, outputs, autograd node, checksums.")

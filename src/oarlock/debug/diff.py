@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from oarlock.debug.dump import Dump, load_dump
+from oarlock.debug.dump import Dump, format_stack, load_dump
 from oarlock.debug.errors import DebugError
 
 
@@ -50,6 +50,17 @@ class Divergence:
     stack_b: list
     fwd_stack_a: list
     fwd_stack_b: list
+    user_a: int | None = None  # index in stack_a of the innermost user frame (same for the others)
+    user_b: int | None = None
+    fwd_user_a: int | None = None
+    fwd_user_b: int | None = None
+
+    def user_frames(self) -> dict[str, tuple | None]:
+        """The innermost user frame of each stack: keys ``a``, ``b`` (where the op ran) and ``fwd_a``,
+        ``fwd_b`` (for a backward op, where its autograd node was created in forward)."""
+        pick = lambda fr, u: tuple(fr[u]) if u is not None and u < len(fr) else None  # noqa: E731
+        return {"a": pick(self.stack_a, self.user_a), "b": pick(self.stack_b, self.user_b),
+                "fwd_a": pick(self.fwd_stack_a, self.fwd_user_a), "fwd_b": pick(self.fwd_stack_b, self.fwd_user_b)}
 
 
 @dataclass
@@ -82,6 +93,11 @@ class DiffReport:
     structural: list[StructuralDiff] = field(default_factory=list)
     before_first: list[StructuralDiff] = field(default_factory=list)
 
+    def __repr__(self) -> str:
+        first = "None" if self.first is None else f"op #{self.first.a['i']} {self.first.a['op']}"
+        return (f"DiffReport(a={str(self.a.path)!r}, b={str(self.b.path)!r}, aligned={self.aligned}, "
+                f"mismatched={self.mismatched}, first={first}, structural={len(self.structural)})")
+
     @property
     def diverged(self) -> bool:
         return self.first is not None
@@ -107,12 +123,18 @@ class DiffReport:
                 if o.max_abs is not None:
                     extra = f"  max abs diff {o.max_abs:.6g}, max rel diff {o.max_rel:.6g}"
                 lines.append(f"  output {o.slot} {_fmt_meta(d.a['out'][o.slot])}: A {o.hash_a}  B {o.hash_b}{extra}")
-            for title, frames in (("A call stack", d.stack_a), ("B call stack", d.stack_b),
-                                  ("A forward stack of the producer", d.fwd_stack_a),
-                                  ("B forward stack of the producer", d.fwd_stack_b)):
+            uf = d.user_frames()
+            for side in ("a", "b"):
+                where = uf[f"fwd_{side}"] or uf[side]
+                what = "created in forward at" if uf[f"fwd_{side}"] else "run at"
+                lines.append(f"  {side.upper()} user frame ({what}): "
+                             + (f"{where[0]}:{where[1]} in {where[2]}" if where else "(none recorded)"))
+            for title, frames, u in (("A call stack", d.stack_a, d.user_a), ("B call stack", d.stack_b, d.user_b),
+                                     ("A forward stack of the producer", d.fwd_stack_a, d.fwd_user_a),
+                                     ("B forward stack of the producer", d.fwd_stack_b, d.fwd_user_b)):
                 if frames:
-                    lines.append(f"  {title}:")
-                    lines.extend(f"    {f}:{ln} in {fn}" for f, ln, fn in frames[:max_frames])
+                    lines.append(f"  {title} (user frame first):")
+                    lines.extend(f"    {x}" for x in format_stack(frames, u, max_frames))
         if self.before_first:
             lines.append("")
             lines.append("unaligned ops before the divergence (possible causes):")
@@ -136,7 +158,8 @@ class DiffReport:
             d = self.first
             out["first"] = {"a": d.a, "b": d.b, "outputs": [o.__dict__ for o in d.outputs],
                             "stack_a": d.stack_a, "stack_b": d.stack_b,
-                            "fwd_stack_a": d.fwd_stack_a, "fwd_stack_b": d.fwd_stack_b}
+                            "fwd_stack_a": d.fwd_stack_a, "fwd_stack_b": d.fwd_stack_b,
+                            "user_frames": d.user_frames()}
         return out
 
 
@@ -229,6 +252,9 @@ def diff(a: str | os.PathLike | Dump, b: str | os.PathLike | Dump) -> DiffReport
                 for k in bad:
                     mx = _value_diff(da, db, sva[k] if k < len(sva) else None, svb[k] if k < len(svb) else None)
                     outs.append(OutputDiff(k, ha[k], hb[k], *mx))
+                ui = lambda dump, sid: dump.user_index.get(sid) if sid is not None else None  # noqa: E731
                 rep.first = Divergence(ra, rb, outs, da.stack(ra.get("st")), db.stack(rb.get("st")),
-                                       da.stack(ra.get("fst")), db.stack(rb.get("fst")))
+                                       da.stack(ra.get("fst")), db.stack(rb.get("fst")),
+                                       ui(da, ra.get("st")), ui(db, rb.get("st")),
+                                       ui(da, ra.get("fst")), ui(db, rb.get("fst")))
     return rep

@@ -1,15 +1,17 @@
 """oarlock.memory: allocator simulator, pointer-stable VMM remap allocator, and memory observer.
 
-Design: ``/work/shared/design/memory_debug.md`` sections 1-3.1 (Paddle 3.3's VMM allocator, PyTorch's
-caching allocator and expandable segments, GMLake). Submodules import lazily so ``import oarlock.memory``
-stays cheap.
+Public names: traces (:class:`Trace`, :func:`load_trace`, :func:`synthesize_moe`, ``trace_from_*``), allocator
+models (:data:`ALLOCATORS`, :func:`make_allocator`, ...), the VMM allocator (:class:`RemapAllocator`,
+:class:`VmmArena`, :class:`PagedHeap`), drivers, the simulator (:func:`replay`, :func:`compare_allocators`,
+:func:`min_feasible_capacity`) and the observer (:func:`trace_region`, :func:`memory_summary`,
+:func:`render_memory_html`, :func:`render_png`). Background and formats: ``docs/memory-debug.md``.
+Submodules import lazily (on first use of a name) so ``import oarlock.memory`` stays cheap; ``dir()`` and
+``help()`` still list every public name.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
+from oarlock.lazy import lazy_exports
 from oarlock.memory.errors import (DriverError, DriverUnavailable, MemoryToolError, SimulatedOOM,
                                    TraceFormatError, UnsafeTraceError)
 
@@ -24,14 +26,11 @@ _LAZY = {
     "CountingDriver": "driver", "FakeDriver": "driver", "CudaDriver": "driver",
     "replay": "simulate", "compare_allocators": "simulate", "min_feasible_capacity": "simulate", "ReplayResult": "simulate",
     "format_table": "simulate",
-    "trace_region": "observe", "memory_summary": "observe", "render_html": "observe", "render_png": "observe",
+    "trace_region": "observe", "memory_summary": "observe", "render_memory_html": "observe", "render_png": "observe",
+    "render_html": "observe",  # the former name of render_memory_html, kept for compatibility
 }
 
-__all__ = sorted([*_LAZY, "MemoryToolError", "TraceFormatError", "UnsafeTraceError", "SimulatedOOM",
-                  "DriverError", "DriverUnavailable"])
+__all__ = sorted([*(n for n in _LAZY if n != "render_html"), "MemoryToolError", "TraceFormatError",
+                  "UnsafeTraceError", "SimulatedOOM", "DriverError", "DriverUnavailable"])
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(f"oarlock.memory.{_LAZY[name]}"), name)
-    raise AttributeError(f"module 'oarlock.memory' has no attribute {name!r}")
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())

@@ -1,4 +1,4 @@
-"""Allocator models that replay a trace (design brief section 2.4). One interface for all:
+"""Allocator models that replay a trace (``docs/memory-debug.md`` section 4). One interface for all:
 
 ``malloc(size, stream=0, category=None) -> block`` (``block.addr``, ``block.size``; raises
 :class:`~oarlock.memory.errors.SimulatedOOM`), ``free(block)``, ``reserved`` (physical bytes held),
@@ -22,7 +22,8 @@ pool)`` tuples) and ``free_block_sizes()``.
   VA range (only for requests >= ``frag_limit``).
 * ``remap``: :class:`oarlock.memory.vmm.RemapAllocator`, oarlock's pointer-stable policy (2 MiB small
   pages, 32 MiB large pages); ``remap_fine``: the same with ``mixed=True`` (32 MiB handles plus 2 MiB
-  granules at hole edges: less fragmentation, more driver calls).
+  granules at hole edges: less fragmentation, more driver calls); ``remap_binary``: ``mixed="binary"`` with
+  64 MiB large pages (each hole's remainder mapped with power-of-two handles, at most 5 per run).
 """
 
 from __future__ import annotations
@@ -610,6 +611,9 @@ ALLOCATORS: dict[str, Any] = {
     "remap": lambda capacity=None, **kw: RemapAllocator(capacity=capacity, **kw),
     "remap_fine": lambda capacity=None, **kw: _named(RemapAllocator(capacity=capacity, mixed=True, **kw),
                                                      "remap_fine"),
+    "remap_binary": lambda capacity=None, **kw: _named(
+        RemapAllocator(capacity=capacity, mixed="binary", large_page=kw.pop("large_page", 64 * MiB), **kw),
+        "remap_binary"),
 }
 DEFAULT_ALLOCATORS = ("caching", "expandable", "paddle_vmm", "paddle_compact", "gmlake", "remap", "remap_fine",
                       "oracle")

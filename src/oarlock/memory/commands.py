@@ -40,12 +40,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_view(args: argparse.Namespace) -> int:
-    from oarlock.memory.observe import render_html, render_png
+    from oarlock.memory.observe import render_memory_html, render_png
     from oarlock.memory.trace import load_trace
 
     trace = load_trace(args.trace, args.device)
     out = args.output or str(args.trace) + ".html"
-    render_html(trace, out, top=args.top)
+    render_memory_html(trace, out, top=args.top)
     print(f"wrote {out}")
     if not args.no_png:
         png = args.png or (out[:-5] if out.endswith(".html") else out) + ".png"

@@ -1,6 +1,6 @@
 """Virtual-memory drivers behind one protocol: counting (simulation), fake (checks and data) and CUDA.
 
-The protocol is the CUDA driver's VMM API (design brief section 2.7), with byte sizes and integer
+The protocol is the CUDA driver's VMM API (``docs/memory-debug.md`` section 5), with byte sizes and integer
 addresses/handles:
 
 ``granularity()``, ``reserve(size) -> va``, ``free_va(va, size)``, ``create(size) -> handle``,

@@ -1,10 +1,10 @@
-"""Replaying traces through allocator models, and the fragmentation metrics (design brief section 2.5).
+"""Replaying traces through allocator models, and the fragmentation metrics (``docs/memory-debug.md`` section 3).
 
 * ``fragmentation = 1 - peak_allocated / peak_reserved`` (GMLake's definition; Paddle's guide uses
   ``max_reserved - max_allocated``), where allocated counts the trace's bytes and reserved the model's
   physical bytes (live segments or mapped pages).
 * steady-state fragmentation: the same ratio with both peaks taken from the second training step on
-  (trace mark ``"step1"``), so warm-up growth does not count (design brief section 1.7).
+  (trace mark ``"step1"``), so warm-up growth does not count.
 * minimum feasible capacity: the smallest capacity (a multiple of 2 MiB) at which the trace replays without
   OOM, by binary search between the peak allocated bytes and the unconstrained peak reserved bytes.
 * external fragmentation at the peak of allocated bytes: ``1 - largest_free / total_free`` over the free

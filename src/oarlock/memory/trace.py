@@ -5,13 +5,13 @@ One event is a dict shaped like an entry of ``torch.cuda.memory._snapshot()["dev
 ``free_requested``, ``free_completed`` (others such as ``segment_alloc`` or ``oom`` are kept but not
 replayed), ``size`` in bytes, ``addr`` an integer address, ``frames`` a list of
 ``{"filename", "line", "name"}``. Synthetic and profiler traces add ``category`` (parameter, gradient,
-optimizer, activation, temporary, ...). Sources (design brief section 2.3):
+optimizer, activation, temporary, ...). Sources (format: ``docs/memory-debug.md`` section 1):
 
 * ``torch.cuda.memory._dump_snapshot(path)`` pickles (read with a restricted unpickler: plain data only);
 * the same snapshot as JSON;
 * CPU traces from ``torch.profiler.profile(profile_memory=True)``: live via :func:`trace_from_profiler`, or
   its ``export_chrome_trace`` JSON (``[memory]`` instant events);
-* :func:`synthesize_moe`, a seeded MoE training-step generator (design brief section 2.6).
+* :func:`synthesize_moe`, a seeded MoE training-step generator.
 """
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ class Trace:
         source: where the trace came from (file name, ``"profiler"``, ``"synthetic moe"``...).
         segments: the snapshot's ``segments`` list, when the source had one (real CUDA snapshots).
         marks: named event indices (``"step1"``: where the second training step starts), used for
-            steady-state metrics; stored in the snapshot under ``"oarlock_marks"``.
+            steady-state metrics; stored in the snapshot under ``"oarlock_marks"`` (a host trace, device -1,
+            is flagged by ``"oarlock_host": true``).
     """
 
     events: list[dict]
@@ -68,6 +69,11 @@ class Trace:
     def __len__(self) -> int:
         return len(self.events)
 
+    def __repr__(self) -> str:  # the events can number millions: summarise instead of listing them
+        n_alloc = sum(1 for e in self.events if e.get("action") == "alloc")
+        return (f"Trace(source={self.source[:60]!r}, device={self.device}, events={len(self.events)}, "
+                f"allocs={n_alloc}, peak_allocated={self.peak_allocated}, marks={len(self.marks)})")
+
     def to_snapshot(self) -> dict:
         """A ``{"segments", "device_traces"}`` dict that ``torch.cuda._memory_viz`` can read."""
         n = max(self.device, 0) + 1
@@ -76,6 +82,8 @@ class Trace:
         snap = {"segments": self.segments, "device_traces": traces}
         if self.marks:
             snap["oarlock_marks"] = dict(self.marks)
+        if self.device < 0:  # a host (CPU profiler) trace: its addresses are not a device layout
+            snap["oarlock_host"] = True
         return snap
 
     def save(self, path: str | Path) -> Path:
@@ -205,11 +213,14 @@ def trace_from_snapshot(snap: Any, device: int | None = None, source: str = "<sn
     if not 0 <= device < max(len(traces), 1):
         raise TraceFormatError(f"{source}: device {device} not in the snapshot ({len(traces)} devices)")
     events = _check_events(traces[device] if traces else [], f"{source} device {device}")
-    segs = [s for s in snap.get("segments", []) if isinstance(s, dict) and s.get("device", device) == device]
+    segs = snap.get("segments", [])
+    if not isinstance(segs, list):
+        raise TraceFormatError(f"{source}: 'segments' is {type(segs).__name__}, expected a list")
+    segs = [s for s in segs if isinstance(s, dict) and s.get("device", device) == device]
     marks = snap.get("oarlock_marks", {})
     if not isinstance(marks, dict) or not all(isinstance(v, int) for v in marks.values()):
         raise TraceFormatError(f"{source}: 'oarlock_marks' must map names to event indices")
-    return Trace(list(events), device, source, segs, dict(marks))
+    return Trace(list(events), -1 if snap.get("oarlock_host") is True else device, source, segs, dict(marks))
 
 
 def trace_from_chrome(data: dict, source: str = "<chrome trace>", device_type: int | None = None) -> Trace:
@@ -219,7 +230,11 @@ def trace_from_chrome(data: dict, source: str = "<chrome trace>", device_type: i
     They carry no stacks, so ``frames`` is empty. ``device_type`` (0 = CPU, 1 = CUDA) filters; None keeps
     the type of the first memory event.
     """
-    mem = [e for e in data.get("traceEvents", []) if isinstance(e, dict) and e.get("name") == "[memory]"]
+    events_in = data.get("traceEvents") if isinstance(data, dict) else None
+    if not isinstance(events_in, list):
+        raise TraceFormatError(f"{source}: chrome trace's 'traceEvents' is not a list")
+    mem = [e for e in events_in if isinstance(e, dict) and e.get("name") == "[memory]"
+           and isinstance(e.get("args", {}), dict)]
     if not mem:
         raise TraceFormatError(f"{source}: chrome trace has no '[memory]' events (profile with "
                                "profile_memory=True)")
@@ -227,12 +242,20 @@ def trace_from_chrome(data: dict, source: str = "<chrome trace>", device_type: i
         device_type = mem[0].get("args", {}).get("Device Type", 0)
     events = []
     dev = -1
-    for e in sorted(mem, key=lambda e: e.get("ts", 0)):
+    try:
+        ordered = sorted(mem, key=lambda e: float(e.get("ts", 0)))
+    except (TypeError, ValueError):
+        raise TraceFormatError(f"{source}: a '[memory]' event has a non-numeric 'ts'") from None
+    for e in ordered:
         a = e.get("args", {})
         if a.get("Device Type", 0) != device_type:
             continue
-        dev = int(a.get("Device Id", -1))
-        nbytes, addr = int(a.get("Bytes", 0)), int(a.get("Addr", 0))
+        try:
+            dev = int(a.get("Device Id", -1))
+            nbytes, addr = int(a.get("Bytes", 0)), int(a.get("Addr", 0))
+        except (TypeError, ValueError, OverflowError):
+            raise TraceFormatError(f"{source}: a '[memory]' event has non-integer 'Device Id', 'Bytes' or "
+                                   "'Addr'") from None
         if nbytes == 0:
             continue
         action = "alloc" if nbytes > 0 else "free_completed"
@@ -250,13 +273,47 @@ def trace_from_profiler(prof: Any) -> Trace:
     from torch.cuda._memory_viz import _profile_to_snapshot
 
     try:
-        snap = _profile_to_snapshot(prof)
+        memory_profile = prof._memory_profile()
+        snap = _profile_to_snapshot(_ProfileView(memory_profile))
     except Exception as e:  # no memory events, or a profile without profile_memory
         raise TraceFormatError(f"profiler: cannot build a memory trace ({type(e).__name__}: {e}); profile "
                                "with profile_memory=True") from None
     tr = trace_from_snapshot(snap, source="profiler")
+    _add_profiler_times(tr, memory_profile, len(snap["device_traces"]) - 1)
     tr.device = -1
     return tr
+
+
+class _ProfileView:
+    """Hands an already computed memory profile to ``_profile_to_snapshot`` (computing it costs seconds)."""
+
+    def __init__(self, memory_profile: Any):
+        self._mp = memory_profile
+
+    def _memory_profile(self) -> Any:
+        return self._mp
+
+
+def _add_profiler_times(tr: Trace, memory_profile: Any, cpu_index: int) -> None:
+    """Set ``time_us`` (Unix time, microseconds) on the events built from a profiler memory timeline.
+
+    ``_profile_to_snapshot`` turns each timeline entry of a tensor into events in order: create -> one
+    ``alloc``; destroy -> ``free_requested`` + ``free_completed``; version bump -> those two frees and an
+    ``alloc``; pre-existing -> none. Replaying that rule gives each event its entry's time (ns)."""
+    from torch.profiler._memory_profiler import Action, TensorKey
+
+    per_event = {Action.CREATE: 1, Action.DESTROY: 2, Action.INCREMENT_VERSION: 3}
+    times: list[int] = []
+    for t, action, (key, _version), _size in memory_profile.timeline:
+        if not isinstance(key, TensorKey) or action not in per_event:
+            continue
+        dev = key.device
+        index = cpu_index if dev.type != "cuda" else dev.index
+        if index == (tr.device if tr.device >= 0 else cpu_index):
+            times.extend([t] * per_event[action])
+    if len(times) == len(tr.events):  # otherwise torch changed its rule: leave the events untimed
+        for e, t in zip(tr.events, times):
+            e["time_us"] = t / 1000.0
 
 
 def load_trace(path: str | Path, device: int | None = None) -> Trace:
@@ -277,8 +334,10 @@ def load_trace(path: str | Path, device: int | None = None) -> Trace:
     if raw.lstrip()[:1] in (b"{", b"["):
         try:
             data = json.loads(raw)
-        except ValueError as e:
+        except ValueError as e:  # UnicodeDecodeError included
             raise TraceFormatError(f"{path}: invalid JSON ({e})") from None
+        except RecursionError:
+            raise TraceFormatError(f"{path}: JSON nested too deeply, not a memory trace") from None
         if isinstance(data, dict) and "traceEvents" in data:
             return trace_from_chrome(data, str(path))
         return trace_from_snapshot(data, device, str(path))
@@ -360,7 +419,7 @@ class _FirstFitHeap:
 
 @dataclass
 class MoEConfig:
-    """Shape of a synthetic MoE training run on one rank (expert-parallel; design brief section 2.6).
+    """Shape of a synthetic MoE training run on one rank (expert-parallel).
 
     Sizes are in elements unless named ``*_bytes``. ``imbalance`` is the standard deviation of the
     log-popularity of experts (0 = perfectly balanced routing); each layer has a persistent skew plus fresh

@@ -4,7 +4,7 @@ A :class:`PagedHeap` is one reserved virtual-address range cut into blocks that 
 FREE (mapped, unused) or GAP (no physical pages behind them; always page-aligned). Physical memory comes
 in driver handles covering one page, or (``mixed=True``) several consecutive pages.
 
-:class:`RemapAllocator` (the policy; design brief sections 1.6 and 2.4(5), after Paddle's post-3.3
+:class:`RemapAllocator` (the policy; ``docs/memory-debug.md`` section 4, after Paddle's post-3.3
 ``FreeBlockRemapCompactor`` and PyTorch's expandable segments) serves a request by
 
 1. best fit among FREE blocks (lowest size, then address; the front of a block is handed out);
@@ -295,7 +295,10 @@ class RemapAllocator(HeapViews):
             handles only), larger ones to the large heap (PyTorch's 1 MiB ``kSmallSize``).
         large_page: bytes of a large handle, a multiple of the granularity (default 16 granules = 32 MiB);
             equal to the granularity for fixed one-granule pages.
-        mixed: map the large heap with large handles plus single granules at run ends (see above).
+        mixed: map the large heap with large handles plus single granules at run ends (see above);
+            ``"binary"``: large handles plus power-of-two handles for the rest of each run (an 11-granule
+            remainder gets 8 + 2 + 1), so a hole edge wastes nothing and costs at most log2(large_page /
+            granule) extra handles.
         va_size: bytes of VA reserved per heap (default: 4x capacity, or 1 TiB without a capacity).
         stable_categories: trace categories routed to a third heap for long-lived tensors (e.g.
             ``("parameter", "optimizer")``, Paddle V2's lifetime pools); empty disables routing.
@@ -311,7 +314,7 @@ class RemapAllocator(HeapViews):
 
     def __init__(self, driver: Any = None, capacity: int | None = None, small_size: int = 1 * MiB,
                  large_page: int | None = None, va_size: int | None = None,
-                 stable_categories: Iterable[str] = (), before_unmap: Any = None, mixed: bool = False):
+                 stable_categories: Iterable[str] = (), before_unmap: Any = None, mixed: bool | str = False):
         from oarlock.memory.driver import CountingDriver
 
         self.driver = driver if driver is not None else CountingDriver()
@@ -321,6 +324,8 @@ class RemapAllocator(HeapViews):
             raise MemoryToolError(f"remap: large page size {large_page} is not a positive multiple of the "
                                   f"granularity {g}")
         self.big = large_page // g  # granules per large handle
+        if mixed not in (False, True, "binary"):
+            raise MemoryToolError(f"remap: mixed={mixed!r}: expected False, True or 'binary'")
         self.mixed = mixed
         self.capacity = capacity
         self.small_size = small_size
@@ -420,6 +425,8 @@ class RemapAllocator(HeapViews):
         return a, heap.unmapped_pages(a, a + size)
 
     def _grow(self, heap: PagedHeap, size: int) -> int:
+        if self.mixed == "binary" and heap.name != "small":
+            return self._grow_binary(heap, size)
         a, pages = self._placement(heap, size)
         self.counters["misses"] += 1
         big = self.big if self.mixed and heap.name != "small" else 1
@@ -450,18 +457,57 @@ class RemapAllocator(HeapViews):
             pending_large = []
         hs = self._obtain(len(singles), unit, heap, exclude)
         got += [(p, 1, h) for p, h in zip(singles, hs)]
-        try:
+
+        def create() -> None:
             for p in singles[len(hs):]:
                 got.append((p, 1, self._create(unit, size, heap, exclude)))
             for sp in pending_large:
                 got.append((sp[0], sp[1], self._create(sp[1] * unit, size, heap, exclude)))
+
+        return self._commit(heap, a, len(pages), got, create)
+
+    def _commit(self, heap: PagedHeap, a: int, n_pages: int, got: list[tuple[int, int, int]],
+                collect: Any) -> int:
+        """Run ``collect()`` (which appends ``(first, granules, handle)`` to ``got``), then map ``got`` and
+        return ``a``; on an out-of-memory every handle gathered so far goes back to the spare lists."""
+        unit = self._unit(heap)
+        try:
+            collect()
         except SimulatedOOM:
             for _, k, h in got:
                 self.spare.setdefault(k * unit, []).append(h)
             raise
         self._map(heap, got)
-        self.counters["pages_mapped"] += len(pages)
+        self.counters["pages_mapped"] += n_pages
         return a
+
+    def _grow_binary(self, heap: PagedHeap, size: int) -> int:
+        """``mixed="binary"``: each run of missing granules is cut into large handles, then the remainder into
+        power-of-two handles (largest first: at most log2(large_page / granule) of them per run), each size
+        served by spare or reclaimed handles of that size before new ones are created."""
+        a, pages = self._placement(heap, size)
+        self.counters["misses"] += 1
+        unit = self._unit(heap)
+        spans: list[tuple[int, int]] = []  # (first granule, granules)
+        for first, n in page_runs(pages):
+            k = self.big
+            while n:
+                while k > n:
+                    k //= 2
+                spans.append((first, k))
+                first, n = first + k, n - k
+        exclude = (a, a + size)
+        got: list[tuple[int, int, int]] = []
+
+        def collect() -> None:
+            for k in sorted({k for _, k in spans}, reverse=True):
+                want = [f for f, kk in spans if kk == k]
+                hs = self._obtain(len(want), k * unit, heap, exclude)
+                got.extend((f, k, h) for f, h in zip(want, hs))
+                for f in want[len(hs):]:
+                    got.append((f, k, self._create(k * unit, size, heap, exclude)))
+
+        return self._commit(heap, a, len(pages), got, collect)
 
     def _obtain(self, n: int, k: int, target: PagedHeap, exclude: tuple[int, int]) -> list[int]:
         """Up to ``n`` handles of ``k`` granules: spare ones, then ones reclaimed from under free blocks."""
@@ -551,10 +597,10 @@ def page_runs(pages: Iterable[int]) -> list[tuple[int, int]]:
 
 
 class VmmArena:
-    """Explicit CUDA tensors from a :class:`RemapAllocator` on the real driver (integration mode 1 of the
-    design brief, section 2.7): ``arena.empty(shape, dtype)`` returns a ``torch.Tensor`` on ``cuda:device``
-    whose memory is a remap-pool block; the block returns to the pool when the tensor (and every view of
-    it) is garbage-collected. Pointers never move, so the tensors are safe to use anywhere.
+    """Explicit CUDA tensors from a :class:`RemapAllocator` on the real driver (the driver protocol:
+    ``docs/memory-debug.md`` section 5): ``arena.empty(shape, dtype)`` returns a ``torch.Tensor`` on
+    ``cuda:device`` whose memory is a remap-pool block; the block returns to the pool when the tensor (and
+    every view of it) is garbage-collected. Pointers never move, so the tensors are safe to use anywhere.
 
     Frees are stream-ordered like PyTorch's caching allocator: a freed block is reused at once on the same
     stream, and before any page is unmapped the pool synchronises the device, so no kernel still reads a

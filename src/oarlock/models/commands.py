@@ -32,7 +32,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tiny", action="store_true", help="a random 2-layer model and a byte tokenizer (seconds)")
     p.add_argument("--layout-a", default=d["layout_a"].default, help="first layout, e.g. dp2, tp2, dp2tp2 "
                                                                      "(default: dp2 = ZeRO-1 data parallel)")
-    p.add_argument("--layout-b", default=d["layout_b"].default, help="resumed layout (default: tp3)")
+    p.add_argument("--layout-b", default=d["layout_b"].default,
+                   help="resumed layout (default: tp3); c2 / t3c2 = context parallel, the sequence split over "
+                        "ranks with FlashMask context-parallel attention")
     p.add_argument("--steps-a", type=int, default=d["steps_a"].default, help="training steps in layout A")
     p.add_argument("--steps-b", type=int, default=d["steps_b"].default, help="training steps in layout B")
     p.add_argument("--seq-len", type=int, default=d["seq_len"].default, help="tokens per packed sequence")

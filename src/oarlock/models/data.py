@@ -2,7 +2,8 @@
 
 Sequence packing (as in Paddle's SFT/pre-training pipelines and FlashMask's causal document mask): documents are
 laid end to end and cut into rows of ``seq_len`` tokens; ``document_ids`` let the model build a causal document
-mask (:func:`oarlock.models.llama.causal_document_mask`) so no token attends across a document boundary, and
+mask (:func:`oarlock.attention.causal_document_mask_from_ids`) so no token attends across a document boundary,
+and
 labels never ask a document's last token to predict the next document's first.
 """
 

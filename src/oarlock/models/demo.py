@@ -171,21 +171,42 @@ def _local_batch(data: dict[str, torch.Tensor], split: str, start: int, count: i
     return tuple(data[f"{split}.{n}"][a:a + per].to(device) for n in ("input_ids", "labels", "doc_ids"))
 
 
-def _token_loss_sum(model: Any, ids: torch.Tensor, labels: torch.Tensor, docs: torch.Tensor) -> tuple[torch.Tensor,
-                                                                                                      torch.Tensor]:
-    logits = model(ids, document_ids=docs)
+def _token_loss_sum(model: Any, ids: torch.Tensor, labels: torch.Tensor, docs: torch.Tensor, *,
+                    split_sequence: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed token loss and label-token count of this rank's tokens (with context parallelism: its slice of the
+    sequence under the mask-aware plan; the document ids stay global)."""
+    import torch.distributed as dist
+
+    from oarlock.models.parallel import context_parallel_plan
+
+    plan = context_parallel_plan(model, ids, document_ids=docs) if split_sequence else None
+    if plan is not None:
+        group = model.parallel_state.cp_group
+        rank = dist.get_rank(group)
+        logits = model(plan.shard(ids, rank), document_ids=docs, cp_plan=plan, cp_group=group)
+        labels = plan.shard(labels, rank)
+    else:  # also evaluation under CP: the weights are replicated, each rank runs whole sequences
+        logits = model(ids, document_ids=docs)
     loss_sum = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
                                                  ignore_index=-100, reduction="sum")
     return loss_sum, (labels != -100).sum()
 
 
-def _global_mean(loss_sum: torch.Tensor, count: torch.Tensor, group: Any) -> float:
-    """Mean token loss over the whole global batch (sum and count all-reduced over the data-parallel group)."""
+def _all_reduce(t: torch.Tensor, groups: Any) -> torch.Tensor:
+    """Sum ``t`` over one process group or a tuple of them (data and context parallel: their product)."""
     import torch.distributed as dist
 
+    for g in groups if isinstance(groups, tuple) else (groups,):
+        if g is not None:
+            dist.all_reduce(t, group=g)
+    return t
+
+
+def _global_mean(loss_sum: torch.Tensor, count: torch.Tensor, group: Any) -> float:
+    """Mean token loss over the whole global batch (sum and count all-reduced over the data-parallel group, and
+    the context-parallel one when ``group`` is a ``(dp, cp)`` tuple)."""
     t = torch.stack([loss_sum.detach().double(), count.double()]).to(loss_sum.device)
-    if group is not None:
-        dist.all_reduce(t, group=group)
+    _all_reduce(t, group)
     return float(t[0] / t[1])
 
 
@@ -196,7 +217,7 @@ def _heldout_ppl(model: Any, data: dict[str, torch.Tensor], s: DemoSettings, dp_
     if n == 0:
         return float("nan")
     ids, labels, docs = _local_batch(data, "held", 0, n, dp_rank, dp, device)
-    loss_sum, count = _token_loss_sum(model, ids, labels, docs)
+    loss_sum, count = _token_loss_sum(model, ids, labels, docs, split_sequence=False)
     return math.exp(_global_mean(loss_sum, count, group))
 
 
@@ -207,7 +228,7 @@ def parse_layout(text: str):
 
     from oarlock.models.parallel import ParallelLayout
 
-    return ParallelLayout.parse(re.sub(r"(dp|tp|pp|ep)(?=\d)", lambda m: m.group(1)[0], text.strip().lower()))
+    return ParallelLayout.parse(re.sub(r"(dp|tp|pp|ep|cp)(?=\d)", lambda m: m.group(1)[0], text.strip().lower()))
 
 
 def _build_model(hf_cfg: dict, layout_text: str, device: torch.device):
@@ -217,12 +238,12 @@ def _build_model(hf_cfg: dict, layout_text: str, device: torch.device):
     cfg = LlamaConfig.from_hf(hf_cfg)
     layout = parse_layout(layout_text)
     if layout.pp > 1 or layout.ep > 1:
-        raise ModelError(f"demo: layout {layout_text!r} uses pp/ep; the demo runs dp and tp layouts")
+        raise ModelError(f"demo: layout {layout_text!r} uses pp/ep; the demo runs dp, tp and cp layouts")
     torch.manual_seed(0)
     with torch.device(device):
         model = Llama(cfg)
     mesh = build_mesh(layout, device.type)
-    model = parallelize_llama(model, mesh, tp=layout.tp, dp=layout.dp)
+    model = parallelize_llama(model, mesh, tp=layout.tp, dp=layout.dp, cp=layout.cp)
     return cfg, layout, model
 
 
@@ -248,18 +269,20 @@ def _train_steps(model, opt, data, s, first_step: int, steps: int, dp_rank, dp, 
     from oarlock.utils import progress
 
     losses = []
+    from oarlock.models.parallel import sum_gradients
+
+    cp_group = model.parallel_state.cp_group
+    groups = (group, cp_group)
     for step in progress(range(first_step, first_step + steps), desc="train", total=steps,
                          disable=True if rank != 0 else None):
         ids, labels, docs = _local_batch(data, "train", step * s.global_batch, s.global_batch, dp_rank, dp, device)
         loss_sum, count = _token_loss_sum(model, ids, labels, docs)
         # global token mean: every rank scales by the global token count so averaged gradients match it
-        total = count.clone().double()
-        if group is not None:
-            import torch.distributed as dist
-
-            dist.all_reduce(total, group=group)
+        total = _all_reduce(count.clone().double(), groups)
         (loss_sum * (dp / total.float())).backward()
-        loss = _global_mean(loss_sum, count, group)
+        if cp_group is not None:  # each context-parallel rank saw part of every sequence: sum their gradients
+            sum_gradients(model, cp_group)
+        loss = _global_mean(loss_sum, count, groups)
         opt.step()
         opt.zero_grad()
         losses.append(loss)
@@ -430,8 +453,11 @@ def check_layouts(settings: DemoSettings, hf_dir: Path) -> None:
             raise ModelError(f"demo: unknown layout {text!r} for --{name.replace('_', '-')}: {e}") from None
         check_layout(cfg, layout)
         if layout.pp > 1 or layout.ep > 1:
-            raise ModelError(f"demo: --{name.replace('_', '-')} {text}: the demo runs data and tensor parallel "
-                             "layouts (dpN, tpN, dpNtpM)")
+            raise ModelError(f"demo: --{name.replace('_', '-')} {text}: the demo runs data, tensor and context "
+                             "parallel layouts (dpN, tpN, cpN, dpNtpM, tpNcpM)")
+        if settings.seq_len % layout.cp:
+            raise ModelError(f"demo: --seq-len {settings.seq_len} is not divisible by the context-parallel degree "
+                             f"{layout.cp} of {text}")
         if settings.global_batch % layout.dp:
             raise ModelError(f"demo: --global-batch {settings.global_batch} is not divisible by the data-parallel "
                              f"degree {layout.dp} of {text}")

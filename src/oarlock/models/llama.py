@@ -41,26 +41,20 @@ from oarlock.models.errors import ModelError
 
 # --------------------------------------------------------------------------------------------------------------
 # Attention: FlashMask (CPU tiled kernel, Triton on CUDA) with a column-wise start-row mask.
-from oarlock.attention import flashmask_attention  # noqa: E402
+from oarlock.attention import (ContextParallelPlan, causal_document_mask_from_ids,  # noqa: E402
+                               context_parallel_flashmask_attention, flashmask_attention, shard_sequence)
 
 
 def causal_document_mask(document_ids: torch.Tensor) -> torch.Tensor:
-    """FlashMask ``startend_row_indices`` of a causal document mask for packed sequences.
+    """Deprecated: use :func:`oarlock.attention.causal_document_mask_from_ids` (``causal_document_mask`` is the
+    lengths-based constructor of :mod:`oarlock.attention`). Same result: int32 ``[B, 1, S, 1]``."""
+    import warnings
 
-    ``document_ids``: integer ``[B, S]``, equal ids in contiguous runs (one run per document). Returns int32
-    ``[B, 1, S, 1]`` holding, for every key column ``j``, the end (exclusive) of ``j``'s document: queries from that
-    row on are masked (``shared/design/flashmask.md`` section 2, "causal document"). Use with ``causal=True``.
-    """
+    warnings.warn("oarlock.models.causal_document_mask(document_ids) is deprecated: use "
+                  "oarlock.attention.causal_document_mask_from_ids", DeprecationWarning, stacklevel=2)
     if document_ids.dim() != 2:
         raise ModelError(f"document_ids must be [batch, seqlen], got shape {tuple(document_ids.shape)}")
-    b, s = document_ids.shape
-    pos = torch.arange(s, device=document_ids.device).expand(b, s)
-    last = torch.ones_like(document_ids, dtype=torch.bool)
-    last[:, :-1] = document_ids[:, 1:] != document_ids[:, :-1]
-    # end[j] = (index of the last token of j's document) + 1 = suffix minimum over the per-token candidates.
-    cand = torch.where(last, pos + 1, torch.full_like(pos, s))
-    end = torch.flip(torch.cummin(torch.flip(cand, [1]), dim=1).values, [1])
-    return end.to(torch.int32).view(b, 1, s, 1)
+    return causal_document_mask_from_ids(document_ids)
 
 
 def document_position_ids(document_ids: torch.Tensor) -> torch.Tensor:
@@ -261,14 +255,18 @@ class Attention(nn.Module):
                                 bias=config.attention_bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                startend_row_indices: torch.Tensor | None) -> torch.Tensor:
+                startend_row_indices: torch.Tensor | None, cp: tuple[Any, Any] | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         r, d = self.group_size, self.head_dim
         qkv = self.qkv_proj(x).view(b, s, -1, r + 2, d)  # [B, S, local KV groups, R + 2, D]
         q = qkv[:, :, :, :r].reshape(b, s, -1, d)
         k, v = qkv[:, :, :, r], qkv[:, :, :, r + 1]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = flashmask_attention(q, k, v, startend_row_indices, causal=True)
+        if cp is not None:  # (plan, group): this rank's rows of a context-parallel sequence
+            out = context_parallel_flashmask_attention(q, k, v, startend_row_indices, plan=cp[0], group=cp[1],
+                                                       causal=True)
+        else:
+            out = flashmask_attention(q, k, v, startend_row_indices, causal=True)
         return self.o_proj(out.reshape(b, s, -1))
 
 
@@ -391,8 +389,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MoE(config) if config.is_moe else MLP(config.hidden_size, config.intermediate_size)
 
-    def forward(self, x, cos, sin, startend_row_indices):
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, startend_row_indices)
+    def forward(self, x, cos, sin, startend_row_indices, cp=None):
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, startend_row_indices, cp)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -404,8 +402,12 @@ class Llama(nn.Module):
     * ``x``: int64 token ids ``[B, S]`` on the first pipeline stage (``embed_tokens`` present), otherwise the
       previous stage's hidden states ``[B, S, hidden]``.
     * ``document_ids`` ``[B, S]``: document of each token of a packed sequence; builds the causal document mask
-      (:func:`causal_document_mask`) and, unless ``position_ids`` is given, positions restarting per document.
+      (:func:`oarlock.attention.causal_document_mask_from_ids`) and, unless ``position_ids`` is given, positions
+      restarting per document.
     * ``startend_row_indices``: an explicit FlashMask mask (int32 ``[B, Hm, S, n]``); default plain causal.
+    * ``cp_plan`` / ``cp_group``: context parallelism. ``x`` then holds only this rank's tokens (``plan.shard``),
+      while ``document_ids``, ``startend_row_indices`` and ``position_ids`` stay **global** ``[B, S]`` (the mask
+      and the RoPE positions of the local tokens are derived from them); the output covers the local tokens.
     * Returns logits ``[B, S, vocab]`` (dtype of the weights) on the last stage (``lm_head``/``norm`` present),
       else hidden states ``[B, S, hidden]``.
 
@@ -440,19 +442,27 @@ class Llama(nn.Module):
 
     def forward(self, x: torch.Tensor, *, position_ids: torch.Tensor | None = None,
                 document_ids: torch.Tensor | None = None,
-                startend_row_indices: torch.Tensor | None = None) -> torch.Tensor:
+                startend_row_indices: torch.Tensor | None = None, cp_plan: ContextParallelPlan | None = None,
+                cp_group: Any = None) -> torch.Tensor:
         h = self.embed_tokens(x) if self.embed_tokens is not None else x
         b, s = h.shape[:2]
+        if cp_plan is not None:
+            s = cp_plan.seqlen
         if document_ids is not None:
             if startend_row_indices is None:
-                startend_row_indices = causal_document_mask(document_ids)
+                startend_row_indices = causal_document_mask_from_ids(document_ids)
             if position_ids is None:
                 position_ids = document_position_ids(document_ids)
         if position_ids is None:
             position_ids = torch.arange(s, device=h.device).expand(b, s)
+        cp = None
+        if cp_plan is not None:
+            rank = torch.distributed.get_rank(cp_group) if torch.distributed.is_initialized() else 0
+            position_ids = shard_sequence(cp_plan, position_ids, rank)
+            cp = (cp_plan, cp_group)
         cos, sin = self.rotary(position_ids)
         for layer in self.layers.values():
-            h = layer(h, cos, sin, startend_row_indices)
+            h = layer(h, cos, sin, startend_row_indices, cp)
         if self.norm is not None:
             h = self.norm(h)
         if self.lm_head is not None:

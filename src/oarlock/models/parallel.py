@@ -1,7 +1,7 @@
 """Parallel layouts of :class:`oarlock.models.llama.Llama`, applied from outside the model (torchtitan style).
 
-A layout is four degrees over a device mesh with dimensions ``("pp", "dp", "ep", "tp")`` (outermost first; a
-mesh lists only the dimensions whose degree exceeds 1):
+A layout is five degrees over a device mesh with dimensions ``("pp", "dp", "cp", "ep", "tp")`` (outermost first;
+a mesh lists only the dimensions whose degree exceeds 1):
 
 * **tp** (tensor parallel, Megatron-LM, Shoeybi et al. 2019, arXiv 1909.08053): ``torch.distributed.tensor.parallel``
   column-wise on ``qkv_proj`` / ``gate_up_proj`` and row-wise on ``o_proj`` / ``down_proj``; vocabulary-parallel
@@ -16,6 +16,11 @@ mesh lists only the dimensions whose degree exceeds 1):
 * **ep** (expert parallel): rank ``r`` of the ``ep`` group keeps a contiguous range of experts
   (:func:`expert_range`); expert keys keep their global index. Ranks of an EP group see the same tokens and sum
   their experts' partial outputs (see :class:`oarlock.models.llama.MoE`).
+* **cp** (context parallel): the sequence is split over the ``cp`` ranks by the mask-aware plan of
+  :func:`oarlock.attention.plan_context_parallel` and attention runs with
+  :func:`oarlock.attention.context_parallel_flashmask_attention`; parameters are replicated (CP shards no weight,
+  so checkpoints move between CP and any other layout like DP ones). :func:`forward_backward` shards the batch,
+  weights each rank's loss by its share of the label tokens and sums the gradients over the ``cp`` group.
 * **dp** (data parallel): parameters replicated; pass ``model.parallel_state.dp_group`` to
   :class:`oarlock.models.zero.ZeroRedundancyAdamW` (ZeRO-1), which averages gradients over it.
 """
@@ -32,33 +37,38 @@ import torch.distributed as dist
 from torch import nn
 
 from oarlock.models.errors import ParallelLayoutError
+from oarlock.utils import balanced_range
+from oarlock.attention import causal_document_mask_from_ids
 from oarlock.models.llama import MLP, Llama, LlamaConfig, MoE, causal_lm_loss, ffn_fused_permutation
 
-MESH_DIMS = ("pp", "dp", "ep", "tp")
-_LETTERS = {"d": "dp", "t": "tp", "p": "pp", "e": "ep"}
+MESH_DIMS = ("pp", "dp", "cp", "ep", "tp")
+_LETTERS = {"d": "dp", "t": "tp", "p": "pp", "e": "ep", "c": "cp"}
 
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """Degrees of data (``dp``), tensor (``tp``), pipeline (``pp``) and expert (``ep``) parallelism.
+    """Degrees of data (``dp``), tensor (``tp``), pipeline (``pp``), expert (``ep``) and context (``cp``)
+    parallelism.
 
-    ``str(layout)`` and :meth:`parse` use the strategy-matrix notation: ``"d2t2"``, ``"p4"``, ``"single"``.
+    ``str(layout)`` and :meth:`parse` use the strategy-matrix notation: ``"d2t2"``, ``"p4"``, ``"t2c2"``,
+    ``"single"``.
     """
 
     dp: int = 1
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    cp: int = 1
 
     def __post_init__(self) -> None:
-        for n in ("dp", "tp", "pp", "ep"):
+        for n in ("dp", "tp", "pp", "ep", "cp"):
             v = getattr(self, n)
             if not isinstance(v, int) or v < 1:
                 raise ParallelLayoutError(f"layout degree {n}={v!r} must be a positive integer")
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp * self.ep
+        return self.dp * self.tp * self.pp * self.ep * self.cp
 
     @property
     def mesh_dims(self) -> tuple[tuple[str, int], ...]:
@@ -71,16 +81,17 @@ class ParallelLayout:
 
     @classmethod
     def parse(cls, text: str) -> "ParallelLayout":
-        """``"d2t2"`` -> ``ParallelLayout(dp=2, tp=2)``; ``"single"``/``"1"`` -> all ones. Letters: d, t, p, e."""
+        """``"d2t2"`` -> ``ParallelLayout(dp=2, tp=2)``; ``"single"``/``"1"`` -> all ones. Letters: d, t, p, e, c."""
         t = text.strip().lower()
         if t in ("single", "1", ""):
             return cls()
-        parts = re.fullmatch(r"(?:[dtpe]\d+)+", t)
+        parts = re.fullmatch(r"(?:[dtpec]\d+)+", t)
         if not parts:
             raise ParallelLayoutError(f"unknown layout {text!r}: write degrees as letter+number, e.g. 'd2', 't3', "
-                                      "'d2t2', 'p2e2' (d=data, t=tensor, p=pipeline, e=expert parallel) or 'single'")
+                                      "'d2t2', 'p2e2', 't2c2' (d=data, t=tensor, p=pipeline, e=expert, c=context "
+                                      "parallel) or 'single'")
         degrees: dict[str, int] = {}
-        for c, n in re.findall(r"([dtpe])(\d+)", t):
+        for c, n in re.findall(r"([dtpec])(\d+)", t):
             if _LETTERS[c] in degrees:
                 raise ParallelLayoutError(f"layout {text!r} gives '{c}' twice")
             degrees[_LETTERS[c]] = int(n)
@@ -125,23 +136,16 @@ def check_layout(config: LlamaConfig, layout: ParallelLayout) -> None:
                                   f"(a rank would hold none); degrees that work: 1..{config.num_experts}")
 
 
-def _balanced_range(n: int, parts: int, index: int) -> range:
-    """Contiguous ``index``-th of ``parts`` near-equal ranges of ``range(n)`` (the first ``n % parts`` get one
-    more)."""
-    base, extra = divmod(n, parts)
-    start = index * base + min(index, extra)
-    return range(start, start + base + (1 if index < extra else 0))
-
-
 def stage_layer_range(num_layers: int, pp: int, stage: int) -> range:
-    """Layers held by pipeline ``stage`` of ``pp``: contiguous, sizes differ by at most one."""
-    return _balanced_range(num_layers, pp, stage)
+    """Layers held by pipeline ``stage`` of ``pp``: contiguous, sizes differ by at most one, earlier stages larger
+    (:func:`oarlock.utils.balanced_range`; ``oarlock convert --pp`` places layers by the same rule)."""
+    return balanced_range(num_layers, pp, stage)
 
 
 def expert_range(num_experts: int, ep: int, rank: int) -> range:
     """Global expert indices held by expert-parallel ``rank`` of ``ep``: contiguous, sizes differ by at most one
     (an expert count not divisible by ``ep`` is allowed)."""
-    return _balanced_range(num_experts, ep, rank)
+    return balanced_range(num_experts, ep, rank)
 
 
 @dataclass
@@ -158,6 +162,10 @@ class ParallelState:
     @property
     def dp_group(self) -> Any:
         return self.groups.get("dp")
+
+    @property
+    def cp_group(self) -> Any:
+        return self.groups.get("cp")
 
 
 def build_mesh(layout: ParallelLayout, device_type: str | None = None, *, ranks: Sequence[int] | None = None):
@@ -193,16 +201,17 @@ def _mlps(model: Llama) -> list[tuple[str, MLP]]:
 
 
 def parallelize_llama(model: Llama, mesh: Any = None, *, tp: int = 1, dp: int = 1, pp: int = 1,
-                      ep: int = 1) -> Llama:
+                      ep: int = 1, cp: int = 1) -> Llama:
     """Apply a parallel layout to ``model`` in place and return it (with ``model.parallel_state`` set).
 
-    ``mesh``: a ``DeviceMesh`` whose dimension names include every degree > 1 (``"pp"``, ``"dp"``, ``"ep"``,
-    ``"tp"``; :func:`build_mesh`), each of that size. Every rank must start from the same single-device weights
-    (same seed or the same loaded state dict); they are then pruned (pp, ep) and sharded (tp). Create the
-    optimizer afterwards. Raises :class:`ParallelLayoutError` for impossible degrees (listing those that work)
+    ``mesh``: a ``DeviceMesh`` whose dimension names include every degree > 1 (``"pp"``, ``"dp"``, ``"cp"``,
+    ``"ep"``, ``"tp"``; :func:`build_mesh`), each of that size. ``cp`` changes no parameter (it records the
+    context-parallel group that :func:`forward_backward` splits the sequence over). Every rank must start from the
+    same single-device weights (same seed or the same loaded state dict); they are then pruned (pp, ep) and sharded
+    (tp). Create the optimizer afterwards. Raises :class:`ParallelLayoutError` for impossible degrees (listing those that work)
     or a mesh that does not match them.
     """
-    layout = ParallelLayout(dp=dp, tp=tp, pp=pp, ep=ep)
+    layout = ParallelLayout(dp=dp, tp=tp, pp=pp, ep=ep, cp=cp)
     cfg = model.config
     check_layout(cfg, layout)
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
@@ -341,21 +350,85 @@ def load_single_device_state_dict(model: Llama, state_dict: Mapping[str, torch.T
 
 # ----------------------------------------------------------------------------------------------------------------
 # Running a layout.
+def context_parallel_plan(model: Llama, input_ids: torch.Tensor, *,
+                          document_ids: torch.Tensor | None = None) -> Any:
+    """The mask-aware context-parallel plan of a global ``[B, S]`` batch for ``model``'s ``cp`` degree (None when
+    ``cp == 1``): causal document mask from ``document_ids`` (plain causal without), ``2 * cp`` chunks when ``S``
+    allows it (else ``cp``), balanced by live tiles. Raises :class:`ParallelLayoutError` if ``S`` is not a
+    multiple of ``cp``."""
+    from oarlock.attention import plan_context_parallel
+
+    state: ParallelState | None = getattr(model, "parallel_state", None)
+    if state is None or state.layout.cp == 1:
+        return None
+    cp = state.layout.cp
+    s = input_ids.shape[1]
+    if s % cp:
+        raise ParallelLayoutError(f"context-parallel degree cp={cp} needs a sequence length divisible by it, got {s}")
+    chunks = 2 * cp if s % (2 * cp) == 0 else cp
+    size = s // chunks
+    idx = causal_document_mask_from_ids(document_ids) if document_ids is not None else None
+    return plan_context_parallel(idx, causal=True, world_size=cp, chunk_size=size, block_size=size, seqlen_q=s)
+
+
+def sum_gradients(model: Llama, group: Any) -> None:
+    """All-reduce (sum) every parameter gradient over ``group`` in one collective per dtype (DTensor gradients:
+    their local shards, which the ranks of a context-parallel group hold alike)."""
+    from torch.distributed.tensor import DTensor
+
+    local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+             for p in model.parameters() if p.grad is not None]
+    for dtype in sorted({g.dtype for g in local}, key=str):
+        part = [g for g in local if g.dtype == dtype]
+        flat = torch.cat([g.reshape(-1) for g in part])
+        dist.all_reduce(flat, group=group)
+        off = 0
+        for g in part:
+            g.copy_(flat[off:off + g.numel()].view_as(g))
+            off += g.numel()
+
+
 def forward_backward(model: Llama, input_ids: torch.Tensor, labels: torch.Tensor, *,
                      document_ids: torch.Tensor | None = None,
                      loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = causal_lm_loss) -> torch.Tensor:
     """Forward and backward of one micro-batch in any layout; returns the loss (fp32 scalar, detached) on every
     rank of the pipeline group.
 
-    ``input_ids``/``labels``/``document_ids``: ``[B, S]``, the same on every rank of a tp/pp/ep group (each dp
+    ``input_ids``/``labels``/``document_ids``: ``[B, S]``, the same on every rank of a tp/pp/ep/cp group (each dp
     rank its own). Pipeline stages exchange activations ``[B, S, hidden]`` and their gradients with point-to-point
-    send/recv (one micro-batch, no interleaving: a correctness schedule, not a fast one).
+    send/recv (one micro-batch, no interleaving: a correctness schedule, not a fast one). With ``cp > 1`` each
+    rank runs its tokens of the plan (:func:`context_parallel_plan`), its loss is weighted by its share of the
+    label tokens (``labels != -100``; ``loss_fn`` must be a mean over those) and gradients and loss are summed
+    over the ``cp`` group, so the result equals the single-process step.
     """
     state: ParallelState | None = getattr(model, "parallel_state", None)
+    plan = context_parallel_plan(model, input_ids, document_ids=document_ids)
+    kwargs: dict[str, Any] = {"document_ids": document_ids}
+    weight = 1.0
+    if plan is not None:
+        cp_group = state.cp_group
+        rank = dist.get_rank(cp_group)
+        kwargs.update(cp_plan=plan, cp_group=cp_group)
+        total = int((labels != -100).sum())
+        input_ids = plan.shard(input_ids, rank)
+        labels = plan.shard(labels, rank)
+        weight = int((labels != -100).sum()) / max(total, 1)
+
+    def local_loss(logits: torch.Tensor) -> torch.Tensor:
+        if weight == 0.0:  # no label token here: a zero that keeps the graph (and the collectives) intact
+            return logits.sum() * 0.0
+        return loss_fn(logits, labels) * weight
+
+    def finish(result: torch.Tensor) -> torch.Tensor:
+        if plan is not None:
+            sum_gradients(model, state.cp_group)
+            dist.all_reduce(result, group=state.cp_group)
+        return result
+
     if state is None or state.layout.pp == 1:
-        loss = loss_fn(model(input_ids, document_ids=document_ids), labels)
+        loss = local_loss(model(input_ids, **kwargs))
         loss.backward()
-        return loss.detach()
+        return finish(loss.detach().to(torch.float32).clone())
     group, stage, last = state.groups["pp"], state.pp_stage, state.layout.pp - 1
     param = next(model.parameters())
     b, s = input_ids.shape
@@ -365,9 +438,9 @@ def forward_backward(model: Llama, input_ids: torch.Tensor, labels: torch.Tensor
         x = torch.empty(b, s, model.config.hidden_size, dtype=param.dtype, device=param.device)
         dist.recv(x, src=dist.get_global_rank(group, stage - 1), group=group)
         x.requires_grad_(True)
-    out = model(x, document_ids=document_ids)
+    out = model(x, **kwargs)
     if stage == last:
-        loss = loss_fn(out, labels)
+        loss = local_loss(out)
         loss.backward()
         result = loss.detach().to(torch.float32)
     else:
@@ -378,5 +451,6 @@ def forward_backward(model: Llama, input_ids: torch.Tensor, labels: torch.Tensor
         result = torch.zeros((), dtype=torch.float32, device=param.device)
     if stage > 0:
         dist.send(x.grad.contiguous(), dst=dist.get_global_rank(group, stage - 1), group=group)
+    result = finish(result.clone())
     dist.broadcast(result, src=dist.get_global_rank(group, last), group=group)
     return result

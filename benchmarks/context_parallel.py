@@ -1,0 +1,231 @@
+"""Context-parallel FlashMask: per-rank balance of three plans, and end-to-end steps against torch's own CP SDPA.
+
+Part 1, balance (one process, no communication): for causal-document, shared-question and sliding-window masks
+at each S, every rank's local attention (the kernel forward + backward of its rows against all keys, the work
+``context_parallel_flashmask_attention`` does between its collectives) is timed under
+
+* the mask-aware plan (``plan_context_parallel``, ``--chunks-per-rank`` chunks per rank, LPT over live tiles),
+* a contiguous split (rank r owns the r-th S/W tokens),
+* DualChunkSwap (Megatron's zigzag: rank r owns chunks r and 2W-1-r).
+
+The slowest rank bounds a step, so the table gives max and mean per-rank time and max/mean (1.00 = balanced).
+
+Part 2, end to end (``--world`` gloo ranks, or NCCL with ``--device cuda``): forward + backward of
+``context_parallel_flashmask_attention`` timed between barriers (slowest rank), per mask and plan; and on the
+plain causal mask the same against ``torch.distributed.tensor.experimental.context_parallel`` (ring attention
+with its load balancer) around ``scaled_dot_product_attention(is_causal=True)``. On CPU torch's experimental CP
+has no sharding strategy for the CPU SDPA kernel (NotImplementedError): that row then says so.
+
+    PYTHONPATH=src python benchmarks/context_parallel.py [--seqlens 8192 16384] [--world 4] [--reps 3]
+    PYTHONPATH=src python benchmarks/context_parallel.py --quick --no-write   # a seconds-long smoke run
+
+Appends the tables with the command to benchmarks/RESULTS.md unless --no-write. Ranks use 1 thread each (run on
+an otherwise idle machine with at least ``--world`` cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from oarlock.attention import (ContextParallelPlan, causal_document_mask, context_parallel_flashmask_attention,
+                               plan_context_parallel, shard_sequence, shared_question_mask, sliding_window_mask)
+from oarlock.attention.context_parallel import dual_chunk_swap, local_mask
+from oarlock.attention.flashmask import kernel_backward, kernel_forward
+
+H, D = 4, 64
+
+
+def masks(s: int) -> dict:
+    f = s / 8192
+    docs = [int(2538 * f), int(1742 * f), int(3213 * f)]  # the flashmask_cpu.py documents; the rest is one more
+    q, a = int(1024 * f), [int(x * f) for x in (1200, 1200, 1000)]
+    return {
+        "causal_document": (causal_document_mask(docs, seqlen=s), True),
+        "shared_question": (shared_question_mask([(q, a), (int(1000 * f), [int(1400 * f), int(1368 * f)])],
+                                                 seqlen=s), True),
+        "sliding_window": (sliding_window_mask(s, int(1024 * f)), True),
+        "causal": (None, True),
+    }
+
+
+def plans(idx, causal: bool, s: int, world: int, chunks_per_rank: int) -> dict:
+    chunk = s // (world * chunks_per_rank)
+    return {
+        "mask-aware": plan_context_parallel(idx, causal=causal, world_size=world, chunk_size=chunk,
+                                            block_size=min(128, chunk), seqlen_q=s),
+        "contiguous": ContextParallelPlan(s // world, s, (0,) * world, tuple((r,) for r in range(world))),
+        "dual-chunk-swap": dual_chunk_swap(s, world_size=world),
+    }
+
+
+def best(fn, reps: int) -> float:
+    fn()
+    out = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return min(out)
+
+
+def balance(args) -> list[dict]:
+    rows = []
+    for s in args.seqlens:
+        g = torch.Generator().manual_seed(0)
+        q, k, v, dout = (torch.randn(1, s, H, D, generator=g) for _ in range(4))
+        for name, (idx, causal) in masks(s).items():
+            if name == "causal":
+                continue
+            for pname, plan in plans(idx, causal, s, args.world, args.chunks_per_rank).items():
+                perm = plan.token_permutation()
+                kp, vp = k[:, perm].contiguous(), v[:, perm].contiguous()
+                times = []
+                for r in range(args.world):
+                    canon = local_mask(plan, idx, r, causal=causal)
+                    qr, dr = shard_sequence(plan, q, r), shard_sequence(plan, dout, r)
+
+                    def step(qr=qr, dr=dr, canon=canon):
+                        out, lse = kernel_forward(qr, kp, vp, canon, causal=False, scale=D ** -0.5)
+                        kernel_backward(dr, None, qr, kp, vp, out, lse, canon, causal=False, scale=D ** -0.5)
+
+                    times.append(best(step, args.reps))
+                mean = sum(times) / len(times)
+                rows.append(dict(mask=name, S=s, plan=pname, max=max(times), mean=mean, ratio=max(times) / mean,
+                                 est=plan.imbalance if pname == "mask-aware" else float("nan")))
+                print(f"balance {name:16s} S={s:6d} {pname:16s} per-rank ms "
+                      f"{' '.join(f'{t * 1e3:7.1f}' for t in times)}  max/mean {max(times) / mean:.2f}", flush=True)
+    return rows
+
+
+def _e2e_rank(rank: int, world: int, port: int, args, q_out) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cuda = args.device == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(dev)
+    sync = (lambda: torch.cuda.synchronize()) if cuda else (lambda: None)
+    rows = []
+    for s in args.seqlens:
+        g = torch.Generator().manual_seed(0)
+        q, k, v, dout = (torch.randn(1, s, H, D, generator=g) for _ in range(4))
+        for name, (idx, causal) in masks(s).items():
+            for pname, plan in plans(idx, causal, s, world, args.chunks_per_rank).items():
+                loc = [shard_sequence(plan, x, rank).to(dev) for x in (q, k, v, dout)]
+                idx_d = idx.to(dev) if idx is not None else None
+
+                def step():
+                    xs = [x.detach().requires_grad_(True) for x in loc[:3]]
+                    out = context_parallel_flashmask_attention(*xs, idx_d, plan=plan, causal=causal)
+                    out.backward(loc[3])
+                    sync()
+                    dist.barrier()
+
+                t = best(step, args.reps)
+                rows.append(dict(mask=name, S=s, impl=f"oarlock CP ({pname})", t=t))
+            if name == "causal":
+                rows.append(dict(mask=name, S=s, impl="torch context_parallel SDPA (ring, load-balanced)",
+                                 t=_torch_cp(q, k, v, dout, world, dev, sync, args.reps)))
+    if rank == 0:
+        q_out.put(rows)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _torch_cp(q, k, v, dout, world, dev, sync, reps):
+    """Seconds per forward+backward of torch's experimental context parallel SDPA, or the error text."""
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.experimental import context_parallel
+
+        mesh = init_device_mesh(dev.type, (world,))
+        bufs = [x.transpose(1, 2).contiguous().to(dev) for x in (q, k, v, dout)]
+
+        def step():
+            qq, kk, vv, dd = (x.clone() for x in bufs)
+            with context_parallel(mesh, buffers=[qq, kk, vv, dd], buffer_seq_dims=[2, 2, 2, 2]):
+                xs = [x.detach().requires_grad_(True) for x in (qq, kk, vv)]
+                out = torch.nn.functional.scaled_dot_product_attention(*xs, is_causal=True)
+                out.backward(dd)
+            sync()
+            dist.barrier()
+
+        return best(step, reps)
+    except Exception as e:  # noqa: BLE001 - reported in the table
+        dist.barrier()
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+
+
+def end_to_end(args) -> list[dict]:
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_e2e_rank, args=(r, args.world, port, args, q)) for r in range(args.world)]
+    for p in procs:
+        p.start()
+    rows = q.get()
+    for p in procs:
+        p.join()
+    for r in rows:
+        t = r["t"]
+        print(f"e2e {r['mask']:16s} S={r['S']:6d} {r['impl']:50s} "
+              f"{f'{t * 1e3:9.1f} ms' if isinstance(t, float) else t}", flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seqlens", type=int, nargs="+", default=[8192, 16384])
+    ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--chunks-per-rank", type=int, default=4)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--quick", action="store_true", help="S=2048, 1 rep: checks the script runs")
+    ap.add_argument("--no-e2e", action="store_true", help="part 1 only")
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.seqlens, args.reps = [2048], 1
+    torch.set_num_threads(1)
+    bal = balance(args)
+    e2e = [] if args.no_e2e else end_to_end(args)
+    t1 = ["| mask | S | plan | slowest rank ms | mean rank ms | max/mean measured | max/mean planned (live tiles) |",
+          "|---|---|---|---|---|---|---|"]
+    for r in bal:
+        est = "" if r["est"] != r["est"] else f"{r['est']:.2f}"  # NaN: only the mask-aware plan has an estimate
+        t1.append(f"| {r['mask']} | {r['S']} | {r['plan']} | {r['max'] * 1e3:.1f} | {r['mean'] * 1e3:.1f} | "
+                  f"{r['ratio']:.2f} | {est} |")
+    t2 = ["| mask | S | implementation | fwd+bwd ms (slowest rank) | vs oarlock mask-aware |", "|---|---|---|---|---|"]
+    ref = {(r["mask"], r["S"]): r["t"] for r in e2e if r["impl"] == "oarlock CP (mask-aware)"}
+    for r in e2e:
+        t, base = r["t"], ref.get((r["mask"], r["S"]))
+        cell = f"{t * 1e3:.1f}" if isinstance(t, float) else t
+        ratio = f"{t / base:.2f}" if isinstance(t, float) and base else ""
+        t2.append(f"| {r['mask']} | {r['S']} | {r['impl']} | {cell} | {ratio} |")
+    print("\n".join(t1 + [""] + t2))
+    if not args.no_write:
+        cmd = "PYTHONPATH=src python benchmarks/context_parallel.py " + " ".join(argv if argv is not None
+                                                                                  else sys.argv[1:])
+        with Path(__file__).with_name("RESULTS.md").open("a") as f:
+            f.write(f"\n## Context-parallel FlashMask ({args.world} ranks, {args.device})\n\n"
+                    f"Command: `{cmd.strip()}` (torch {torch.__version__}, 1 thread per rank); B=1, H={H}, D={D}, "
+                    f"fp32, best of {args.reps}; load average at the end {os.getloadavg()[0]:.1f} on "
+                    f"{os.cpu_count()} CPUs. Ratios > 1 in the second table: slower than oarlock's mask-aware "
+                    f"plan.\n\n" + "\n".join(t1) + "\n\n" + "\n".join(t2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

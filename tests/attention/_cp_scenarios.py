@@ -1,0 +1,128 @@
+"""Scenarios for tests/attention/test_cp_attention.py, run by the multirank harness on 2 and 4 gloo ranks.
+
+Every rank runs each scenario (a mask, a plan) with context-parallel FlashMask and compares its rows of out / lse
+and its dq, dk, dv with (a) single-process ``flashmask_attention`` on the whole sequence and (b) float64 dense
+attention written here from the dense mask.
+"""
+
+import torch
+
+from oarlock.attention import (context_parallel_flashmask_attention, flashmask_attention, gather_sequence,
+                               plan_context_parallel, shard_sequence)
+from oarlock.attention import masks as M
+from oarlock.attention.context_parallel import dual_chunk_swap
+
+S, B, H, HK, D = 256, 2, 4, 2, 16
+CHUNK, BLOCK = 32, 32
+
+
+def _per_head(*idx):
+    return torch.cat(idx, 1)
+
+
+def _four(idx, causal):
+    """Any index tensor as the explicit non-causal 4-vector (only for causal=False inputs)."""
+    return M.canonicalize(idx, causal=causal, seqlen_q=S).to(torch.int32)
+
+
+def _fully_masked_rows():
+    """Documents (non-causal 4-vector) plus rows 100..119 masked for every key: those rows see nothing."""
+    c = M.canonicalize(M.document_mask([60, 100, 96]), causal=False, seqlen_q=S)
+    c[..., 0], c[..., 1] = 100, 120
+    return c.to(torch.int32).expand(B, 1, S, 4).contiguous()
+
+
+SCENARIOS = {
+    # name: (indices, causal, query heads H, plan kind)
+    "causal_document": (M.causal_document_mask([[50, 90, 30, 86], [17, 200, 39]], batch_size=B), True, H, "mask"),
+    "sliding_window": (M.sliding_window_mask(S, 40, batch_size=B), True, H, "mask"),
+    "shared_question": (M.shared_question_mask([(40, [30, 20]), (30, [50, 40, 46])], batch_size=B), True, H,
+                        "mask"),
+    "prefix_lm_noncausal": (M.prefix_lm_document_mask([(20, 100), (45, 156)], batch_size=B), False, H, "mask"),
+    "gqa_per_kv_head_4vec": (_per_head(M.global_sliding_window_mask(S, 8, 30, 20, batch_size=B),
+                                       _four(M.bidirectional_sliding_window_mask(S, 10, 50, batch_size=B), False)),
+                             False, H, "mask"),
+    "fully_masked_rows": (_fully_masked_rows(), False, H, "mask"),
+    "mask_per_query_head": (M.random_eviction_mask(S, batch_size=B, num_heads=H,
+                                                   generator=torch.Generator().manual_seed(3)), True, H, "mask"),
+    "causal_none_dual_chunk_swap": (None, True, H, "dcs"),
+    "mha_causal_blockwise": (M.causal_blockwise_mask([70, 60, 126], batch_size=B), True, HK, "mask"),
+}
+
+
+def dense64(q, k, v, idx, causal):
+    """float64 softmax(QK^T/sqrt(D) + mask) V from the dense mask; fully masked rows give 0."""
+    h, hk = q.shape[2], k.shape[2]
+    if idx is None:
+        keep = torch.ones(1, 1, S, S, dtype=torch.bool).tril()
+    else:
+        keep = M.to_dense_mask(idx, causal=causal, seqlen_q=S)
+    keep = keep.repeat_interleave(h // keep.shape[1], 1) if keep.shape[1] > 1 else keep
+    qq, kk, vv = (x.double().transpose(1, 2) for x in (q, k, v))
+    kk, vv = kk.repeat_interleave(h // hk, 1), vv.repeat_interleave(h // hk, 1)
+    s = (qq @ kk.transpose(-1, -2)) / D ** 0.5
+    s = s.masked_fill(~keep, float("-inf"))
+    m = s.amax(-1, keepdim=True).detach()
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    e = torch.exp(s - m)
+    p = e / e.sum(-1, keepdim=True).clamp_min(1e-300)
+    return (p @ vv).transpose(1, 2)
+
+
+def run(name, world, rank):
+    idx, causal, h, kind = SCENARIOS[name]
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(B, S, h, D, generator=g)
+    k = torch.randn(B, S, HK, D, generator=g)
+    v = torch.randn(B, S, HK, D, generator=g)
+    dout = torch.randn(B, S, h, D, generator=g)
+    dlse = torch.randn(B, h, S, generator=g)
+    if kind == "mask":
+        plan = plan_context_parallel(idx, causal=causal, world_size=world, chunk_size=CHUNK, block_size=BLOCK)
+    else:
+        plan = dual_chunk_swap(S, world_size=world)
+    # single process: out, lse and gradients of <out, dout> + <finite lse, dlse>
+    ref = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    out1, lse1 = flashmask_attention(*ref, idx, causal=causal, return_softmax_lse=True)
+    fin = torch.isfinite(lse1)
+    ((out1 * dout).sum() + torch.where(fin, lse1, 0).mul(dlse).sum()).backward()
+    # float64 dense: out and gradients of <out, dout>
+    r64 = [x.double().requires_grad_(True) for x in (q, k, v)]
+    out64 = dense64(*r64, idx, causal)
+    (out64 * dout.double()).sum().backward()
+    # context parallel on this rank's rows
+    loc = [shard_sequence(plan, x, rank).requires_grad_(True) for x in (q, k, v)]
+    out, lse = context_parallel_flashmask_attention(*loc, idx, plan=plan, causal=causal, return_softmax_lse=True)
+    lfin = torch.isfinite(lse)
+    ((out * shard_sequence(plan, dout, rank)).sum()
+     + torch.where(lfin, lse, 0).mul(shard_sequence(plan, dlse, rank, dim=2)).sum()).backward()
+    tol = dict(rtol=1e-5, atol=1e-5)
+    shard = lambda t, dim=1: shard_sequence(plan, t, rank, dim=dim)  # noqa: E731
+    torch.testing.assert_close(out, shard(out1.detach()), **tol, msg=lambda m: f"out vs single process: {m}")
+    torch.testing.assert_close(lse, shard(lse1.detach(), 2), **tol, msg=lambda m: f"lse vs single process: {m}")
+    for nm, got, want in zip("qkv", loc, ref):
+        torch.testing.assert_close(got.grad, shard(want.grad), **tol, msg=lambda m, n=nm: f"d{n} vs single: {m}")
+    assert not torch.isnan(out).any(), "NaN in the context-parallel output"
+    torch.testing.assert_close(out.double(), shard(out64.detach()), **tol, msg=lambda m: f"out vs float64: {m}")
+    # the float64 gradients leave out the lse term: check them with a second, lse-free backward
+    loc2 = [shard_sequence(plan, x, rank).requires_grad_(True) for x in (q, k, v)]
+    out2 = context_parallel_flashmask_attention(*loc2, idx, plan=plan, causal=causal)
+    (out2 * shard(dout)).sum().backward()
+    for nm, got, want in zip("qkv", loc2, r64):
+        torch.testing.assert_close(got.grad.double(), shard(want.grad), **tol,
+                                   msg=lambda m, n=nm: f"d{n} vs float64 dense: {m}")
+    full = gather_sequence(plan, out.detach())
+    torch.testing.assert_close(full, out1.detach(), **tol, msg=lambda m: f"gathered output: {m}")
+
+
+def _scenario(name):
+    def scenario(ctx):
+        torch.set_num_threads(1)  # ranks share the machine's cores
+        run(name, ctx.world, ctx.rank)
+
+    scenario.__name__ = f"scenario_{name}"
+    return scenario
+
+
+for _name in SCENARIOS:
+    globals()[f"scenario_{_name}"] = _scenario(_name)
