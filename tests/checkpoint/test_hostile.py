@@ -640,3 +640,24 @@ def test_disk_full_names_the_file_and_tensor(tmp_path, monkeypatch):
     with pytest.raises(CheckpointError, match=r"model.safetensors: cannot write the header: No space left"):
         export_hf(tmp_path / "src", tmp_path / "hf")
     assert sorted(os.listdir(tmp_path)) == ["src"]  # nothing half-written was published or left behind
+
+
+def test_hub_cache_snapshot_links_into_blobs_are_allowed(tmp_path):
+    """A HuggingFace hub cache keeps files in ``blobs/`` and links them from ``snapshots/REV/``: that layout loads;
+    a link from the snapshot to anywhere else is still refused."""
+    from safetensors.torch import save_file
+
+    repo = tmp_path / "models--org--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    snap = repo / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    save_file({"w": torch.arange(6.0)}, repo / "blobs" / "f00d")
+    os.symlink("../../blobs/f00d", snap / "model.safetensors")
+    out = {"w": torch.zeros(6)}
+    load_state_dict(out, snap)
+    assert torch.equal(out["w"], torch.arange(6.0))
+    save_file({"w": torch.ones(6)}, tmp_path / "elsewhere.safetensors")
+    os.unlink(snap / "model.safetensors")
+    os.symlink(tmp_path / "elsewhere.safetensors", snap / "model.safetensors")
+    with pytest.raises(CheckpointFormatError, match="'model.safetensors' resolves to .*outside the checkpoint"):
+        load_state_dict(out, snap)

@@ -56,10 +56,9 @@ On-disk formats are described in ``docs/checkpoint-format.md``.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, ClassVar
-
-import os
 
 import torch
 
