@@ -1,6 +1,7 @@
 """DOT output parses with pydot and matches the real autograd graph; the HTML renders in headless Chromium."""
 
 import re
+import shutil
 from pathlib import Path
 
 import pydot
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 import oarlock.debug as od
+from oarlock.debug.graph import forward_graph
 from debug_model import make_inputs
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:pydot.*")
@@ -73,7 +75,7 @@ def test_forward_and_backward_dot_parse_and_match(tmp_path):
 def test_html_is_self_contained_and_renders_in_chromium(tmp_path, headless_chromium):
     dump, _, _ = _capture_step(tmp_path)
     page = tmp_path / "g.html"
-    text = od.render_graph_html(dump, page)
+    text = od.render_graph_html(dump, page, layout="outline")
     assert "<script" not in text and "<link" not in text
     assert re.findall(r"https?://[^\"' ]+", text) == ["http://www.w3.org/2000/svg"] * 2  # only SVG's namespace
     r = headless_chromium("--dump-dom", page.as_uri())
@@ -149,3 +151,16 @@ def test_graphviz_layout_when_dot_is_installed(run, tmp_path):
     # dot keeps the node ids; the divergent node is drawn with the red outline
     node = text[text.index(f'id="o{first["i"]}"'):]
     assert "#c00000" in node[:node.index("</g>")]
+
+
+@pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz dot is not installed (scripts/setup.sh installs it)")
+def test_dot_layout_draws_every_op_and_stays_self_contained(tmp_path):
+    dump, _, _ = _capture_step(tmp_path)
+    text = od.render_graph_html(dump, tmp_path / "d.html", layout="dot")
+    assert "<script" not in text and "<link" not in text
+    # only XML namespace names, never fetched: SVG's and XLink's (Graphviz writes both)
+    assert set(re.findall(r"https?://[^\"' ]+", text)) <= {"http://www.w3.org/2000/svg", "http://www.w3.org/1999/xlink"}
+    fwd_ids = [it["id"] for it in forward_graph(dump)[0] if it["kind"] == "op"]
+    assert len(fwd_ids) == len(dump.forward_ops())
+    for oid in fwd_ids:  # every op is a laid-out node of the SVG, under its own id
+        assert f'id="{oid}"' in text, oid

@@ -57,22 +57,54 @@ def read_aoa_config(path: str) -> object:
 
     from oarlock.checkpoint.aoa import AOASyntaxError
 
-    from oarlock.checkpoint.metadata import parse_json
-
     try:
-        text = Path(path).read_text()
+        raw = Path(path).read_bytes()
     except OSError as e:
         raise AOASyntaxError(f"{path}: cannot read the AOA config: {e.strerror or e}") from None
-    except UnicodeDecodeError:
-        raise AOASyntaxError(f"{path}: the AOA config is not UTF-8 text") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise AOASyntaxError(f"{path}: not a text AOA config (byte {e.start} is not UTF-8)") from None
+    if "\x00" in text:
+        raise AOASyntaxError(f"{path}: not a text AOA config (it holds NUL bytes)")
     if text.lstrip()[:1] in ("{", "["):
-        config = parse_json(text, path, AOASyntaxError)
-        statements = config.get("aoa_statements") if isinstance(config, dict) else config
-        if not isinstance(statements, list) or not all(isinstance(x, str) for x in statements):
-            raise AOASyntaxError(f"{path}: an AOA config is a JSON list of statement strings or an object "
-                                 "{\"aoa_statements\": [strings], ...}")
-        return config
-    return [ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise AOASyntaxError(f"{path}: invalid JSON: {e}") from None
+        except RecursionError:
+            raise AOASyntaxError(f"{path}: JSON nested too deeply for an AOA config") from None
+        statements = data.get("aoa_statements") if isinstance(data, dict) else data
+        if not isinstance(statements, (list, str)) or not all(isinstance(x, str) for x in
+                                                              ([statements] if isinstance(statements, str)
+                                                               else statements)):
+            raise AOASyntaxError(f"{path}: expected {{\"aoa_statements\": [\"...\", ...]}} or a list of statement "
+                                 "strings")
+        if not statements:
+            raise AOASyntaxError(f"{path}: the AOA config holds no statements")
+        return data
+    lines = [ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    if not lines:
+        raise AOASyntaxError(f"{path}: the AOA config holds no statements")
+    return lines
+
+
+def _explain_config(args: argparse.Namespace, source_dir: str) -> object:
+    """The AOA config of ``aoa explain``: CONFIG or ``--preset NAME`` (built from SOURCE's config.json or
+    ``--model-config``), with ``--reverse`` applied."""
+    from oarlock.checkpoint.aoa import AOASyntaxError
+
+    if (args.config is None) == (args.preset is None):
+        raise AOASyntaxError("give either an AOA CONFIG file or --preset NAME")
+    if args.preset is not None:
+        from oarlock.checkpoint.presets import preset
+
+        return preset(args.preset, args.model_config or source_dir, reverse=args.reverse)
+    config = read_aoa_config(args.config)
+    if args.reverse:
+        config = {"aoa_statements": config} if isinstance(config, list) else dict(config)
+        config["aoa_config_reverse"] = True
+    return config
 
 
 def read_target_keys(path: str) -> dict:
@@ -101,28 +133,31 @@ def read_target_keys(path: str) -> dict:
 
 
 def cmd_aoa_explain(args: argparse.Namespace) -> int:
-    import fnmatch
-
     from oarlock.checkpoint.aoa import AOAError, compile_aoa, shard_counts, source_specs
+    from oarlock.checkpoint.convert import resolve_tp_rules, tp_axis
     from oarlock.checkpoint.storage import open_checkpoint
 
-    config = read_aoa_config(args.config)
-    if args.reverse:
-        config = {"aoa_statements": config} if isinstance(config, list) else dict(config)
-        config["aoa_config_reverse"] = True
+    config = _explain_config(args, args.source)
     with open_checkpoint(args.source) as reader:
         meta = reader.metadata
     source = source_specs(meta)
     target = read_target_keys(args.target) if args.target else None
+    rules = resolve_tp_rules(args.tp_rules if args.tp_rules or not isinstance(config, dict)
+                             else config.get("tp_rules"))
+    if args.tp < 1:
+        print(f"oarlock: error: --tp must be at least 1, got {args.tp}", file=sys.stderr)
+        return 2
     try:
         prog = compile_aoa(config, source, target, source_shards=shard_counts(meta), allow_cast=args.allow_cast)
+        axes = {}
+        if args.tp > 1:  # as convert --tp N: fused_ffn / fused_qkv_old see the degree of every split key
+            axes = {k: tp_axis(k, prog.destination_spec(k).shape, rules) for k in prog.destination_keys()}
+            prog = compile_aoa(config, source, target, source_shards=shard_counts(meta), allow_cast=args.allow_cast,
+                               destination_shards={k: args.tp for k, a in axes.items() if a is not None})
     except AOAError as e:  # the full message: statement, caret, macro expansion chain
         print(f"oarlock: error: {e}", file=sys.stderr)
         return 2
-    keys = prog.destination_keys()
-    if args.only:
-        keys = [k for k in keys if fnmatch.fnmatchcase(k, args.only)]
-    print(prog.explain(keys))
+    print(prog.explain(only=args.only, tp=args.tp, tp_axes=axes))
     return 0
 
 
@@ -132,13 +167,16 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from oarlock.checkpoint.storage import detect_format
 
     config = None
+    if args.aoa and args.preset:
+        print("oarlock: error: give either --aoa CONFIG or --preset NAME, not both", file=sys.stderr)
+        return 2
     if args.aoa:
         config = read_aoa_config(args.aoa)
         if args.reverse:
             config = {"aoa_statements": config} if isinstance(config, list) else dict(config)
             config["aoa_config_reverse"] = True
-    elif args.reverse:
-        print("oarlock: error: --reverse needs --aoa CONFIG", file=sys.stderr)
+    elif args.reverse and not args.preset:
+        print("oarlock: error: --reverse needs --aoa CONFIG or --preset NAME", file=sys.stderr)
         return 2
     parallel = (args.tp, args.pp, args.dp) != (1, 1, 1)
     to = args.to or ("oarlock" if parallel or args.tp_rules
@@ -147,7 +185,15 @@ def cmd_convert(args: argparse.Namespace) -> int:
         print("oarlock: error: --tp/--pp/--dp/--tp-rules apply to --to oarlock; an HF export holds whole tensors",
               file=sys.stderr)
         return 2
-    layout = ConversionLayout(args.tp, args.pp, args.dp, tuple(resolve_tp_rules(args.tp_rules)))
+    tp_rules = args.tp_rules
+    if args.preset:
+        from oarlock.checkpoint.presets import preset
+
+        # an oarlock checkpoint going to HF is in the training layout: the preset runs backwards
+        reverse = args.reverse or (to == "hf" and detect_format(args.src) == "oarlock")
+        config = preset(args.preset, args.model_config or args.src, reverse=reverse)
+        tp_rules = tp_rules or config["tp_rules"]
+    layout = ConversionLayout(args.tp, args.pp, args.dp, tuple(resolve_tp_rules(tp_rules)))
     if args.dry_run:
         print(plan_conversion(args.src, to=to, aoa_config=config, layout=layout,
                               max_shard_size=args.max_shard_size).render())
@@ -159,7 +205,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         print(f"{args.dst}: HuggingFace checkpoint, {len(files)} safetensors file(s)")
     else:
         meta = convert_checkpoint(args.src, args.dst, aoa_config=config, tp=args.tp, pp=args.pp, dp=args.dp,
-                                  tp_rules=args.tp_rules, copy_side_files=not args.no_side_files)
+                                  tp_rules=tp_rules, copy_side_files=not args.no_side_files)
         print(f"{args.dst}: oarlock checkpoint, {len(meta.tensors)} tensors in {len(meta.files)} file(s) "
               f"(tp={args.tp} pp={args.pp} dp={args.dp})")
     return 0
@@ -184,15 +230,26 @@ def register(sub: argparse._SubParsersAction) -> None:
                                         "statements after macro expansion, then for every destination key each "
                                         "slice's source key, source box, permutation and cast. Run this when a "
                                         "conversion looks wrong.")
-    ex.add_argument("config", metavar="CONFIG", help="a text file with one statement per line, or JSON "
-                                                     "{\"aoa_statements\": [...], \"aoa_config_reverse\": false}")
+    ex.add_argument("config", metavar="CONFIG", nargs="?",
+                    help="a text file with one statement per line, or JSON "
+                         "{\"aoa_statements\": [...], \"aoa_config_reverse\": false}; or use --preset")
+    ex.add_argument("--preset", metavar="NAME", help="a ready-made config for an HF architecture (llama, mistral, "
+                                                     "smollm2, qwen2, qwen2_moe, mixtral, deepseek_v3, gemma, gemma2, "
+                                                     "phi3, gpt2, bert, or auto), built from the source's config.json")
+    ex.add_argument("--model-config", metavar="CONFIG.json", help="the model's config.json for --preset (default: "
+                                                                  "the one in --source)")
+    ex.add_argument("--tp", type=int, default=1, metavar="N",
+                    help="show the TP-blocked layout and per-rank ranges that convert --tp N writes")
+    ex.add_argument("--tp-rules", metavar="NAME|FILE.json", help="split axes for --tp (default: the preset's, "
+                                                                 "else 'megatron')")
     ex.add_argument("--source", required=True, metavar="CKPT",
                     help="checkpoint whose metadata gives the source keys (any format oarlock inspect reads)")
     ex.add_argument("--target", metavar="KEYS.json",
                     help="destination keys: {key: {\"shape\": [...], \"dtype\": \"...\"}}; default: the "
                          "program's outputs")
     ex.add_argument("--reverse", action="store_true", help="invert the statements (aoa_config_reverse)")
-    ex.add_argument("--only", metavar="GLOB", help="list only destination keys matching this glob")
+    ex.add_argument("--only", metavar="GLOB", help="list only what concerns keys matching this glob (statements, "
+                                                   "destination keys, skipped, missing, deleted and unused keys)")
     ex.add_argument("--allow-cast", action="store_true",
                     help="cast to the --target dtype where no AOA cast does (default: report a dtype mismatch)")
     ex.set_defaults(func=cmd_aoa_explain)
@@ -212,6 +269,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                          "oarlock/Paddle sources and oarlock for HF/safetensors ones)")
     cv.add_argument("--aoa", metavar="CONFIG", help="AOA config: text (one statement per line) or JSON "
                                                     "{\"aoa_statements\": [...], \"aoa_config_reverse\": bool}")
+    cv.add_argument("--preset", metavar="NAME",
+                    help="a ready-made AOA config and TP rules for an HF architecture (llama, mistral, smollm2, qwen2, "
+                         "qwen2_moe, mixtral, deepseek_v3, gemma, gemma2, phi3, gpt2, bert, or auto = config.json's "
+                         "model_type): HF -> fused training layout, or back when SRC is an oarlock checkpoint and "
+                         "--to hf")
+    cv.add_argument("--model-config", metavar="CONFIG.json",
+                    help="the model's config.json for --preset (default: the one in SRC)")
     cv.add_argument("--reverse", action="store_true", help="invert the AOA statements (export model -> HF)")
     cv.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel degree of the output (oarlock)")
     cv.add_argument("--pp", type=int, default=1, metavar="N", help="pipeline stages of the output (oarlock): "

@@ -238,6 +238,12 @@ def compile_program(metadata: CheckpointMetadata, aoa_config: Any = None, *,
     Raises:
         AOAError / AOASyntaxError (subclasses of CheckpointError): a bad config.
     """
+    from oarlock.checkpoint.aoa.layout import recorded_layouts, relayout_config
+
+    recorded = recorded_layouts(metadata)
+    if recorded:  # TP-blocked tensors of the source: written for the output's degree (1 unless split)
+        destination_shards = {**{k: 1 for k in recorded}, **(destination_shards or {})}
+        aoa_config = relayout_config([] if aoa_config is None else aoa_config, metadata, destination_shards)
     if aoa_config is None:
         return IdentityProgram(source_specs(metadata))
     from oarlock.checkpoint.aoa import compile_aoa, shard_counts
@@ -250,7 +256,7 @@ def _program_for_layout(metadata: CheckpointMetadata, aoa_config: Any, layout: C
                         ) -> tuple[MappingProgram, dict[str, int | None]]:
     program = compile_program(metadata, aoa_config)
     axes = {k: tp_axis(k, program.destination_spec(k).shape, layout.rules) for k in program.destination_keys()}
-    if aoa_config is not None and layout.tp > 1:
+    if layout.tp > 1 and (aoa_config is not None or metadata.extra.get("tp_layouts")):
         # fused_ffn / fused_qkv_old layouts depend on the destination TP degree: compile again knowing it
         counts = {k: layout.tp for k, a in axes.items() if a is not None}
         program = compile_program(metadata, aoa_config, destination_shards=counts)
@@ -554,6 +560,8 @@ def convert_checkpoint(source: str | os.PathLike, out_dir: str | os.PathLike, *,
         for t in tensors.values():
             KeyIndex(t)
         meta = CheckpointMetadata("oarlock", tensors=tensors, save_id=new_save_id())
+        if getattr(program, "tp_layouts", None):  # fused_ffn/fused_qkv_old blocks: a load at another TP re-lays out
+            meta.extra["tp_layouts"] = program.tp_layouts
         planner = Planner(reader.metadata, program)
         total = sum(numel(s.local_shape) * dtype_itemsize(t.dtype) for t in tensors.values() for s in t.shards)
         with staged_directory(out_dir, incomplete_marker=True) as tmp:

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from oarlock.checkpoint.mapping import box_slices
+from oarlock.checkpoint.mapping import box_slices, cast_tensor
 from oarlock.checkpoint.reader import CheckpointReader
-from oarlock.utils import dtype_itemsize, numel, torch_dtype
+from oarlock.utils import dtype_itemsize, numel
 
 
 @dataclass
@@ -42,6 +42,9 @@ class LoadReport:
     bytes_sent: int = 0
     bytes_received: int = 0
     messages_sent: int = 0
+    skipped_keys: list[str] = field(default_factory=list)
+    """requested keys an AOA config deliberately does not load (``_ -> key``, or named like a key dropped with
+    ``key -> _``): left untouched, and no error under ``strict=True``."""
 
 
 def read_order(it: Any) -> tuple:
@@ -67,7 +70,7 @@ def place(buf: torch.Tensor, it: Any, target: torch.Tensor) -> None:
     if view.data_ptr() == buf.data_ptr() and view.shape == buf.shape:
         return
     t = buf.permute(*it.permute) if it.permute is not None else buf
-    view.copy_(t.to(torch_dtype(it.dtype)) if it.dtype is not None else t)
+    view.copy_(cast_tensor(t, it.dtype))
 
 
 def execute_items(reader: CheckpointReader, target: torch.Tensor, items: list[Any]) -> int:

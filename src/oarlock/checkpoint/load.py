@@ -40,9 +40,19 @@ def compile_aoa_for_load(aoa_config: Any, source: dict[str, TensorSpec], destina
         AOAError / AOASyntaxError: a bad config (subclasses of CheckpointError).
     """
     from oarlock.checkpoint.aoa import compile_aoa, shard_counts  # the AOA engine imports this package's modules
+    from oarlock.checkpoint.aoa.layout import relayout_config
 
+    # a key saved in a TP-blocked layout at another degree: re-laid out, or an error naming the statement
+    aoa_config = relayout_config(aoa_config, meta, destination_shards or {}) if meta is not None else aoa_config
     return compile_aoa(aoa_config, source, destination, source_shards=shard_counts(meta) if meta is not None else None,
                        destination_shards=destination_shards)
+
+
+def dropped_data(unexpected: list[str], used: set[str]) -> list[str]:
+    """Unexpected keys that sit in a module whose other tensors the load reads (``q_proj.bias`` next to a read
+    ``q_proj.weight``): data a non-strict load would silently drop, unlike another pipeline stage's layers."""
+    modules = {k.rsplit(".", 1)[0] for k in used if "." in k}
+    return [k for k in unexpected if "." in k and k.rsplit(".", 1)[0] in modules]
 
 
 def fmt_keys(keys: list[str], limit: int = 20) -> str:
@@ -70,16 +80,17 @@ def run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process_
         leaves = collect_leaves(state_dict)
         descs = [sw.desc for sw in leaves.shards]
         return {"tensors": {d.key: (d.global_shape, d.dtype) for d in descs},
-                "offsets": {d.key: d.global_offset for d in descs if d.numel} if aoa_config is not None else {},
+                "offsets": {d.key: d.global_offset for d in descs if d.numel} if program is None else {},
                 "objects": sorted(leaves.objects)}
 
     gathered = dist.gather(request)
     reader: CheckpointReader | None = None
     plans: list[list[ReadItem]] = []
     unexpected: list[str] = []
+    used: set[str] = set()
 
-    def plan() -> list[str]:
-        nonlocal reader, program, unexpected
+    def plan() -> dict:
+        nonlocal reader, program, unexpected, aoa_config
         reader = open_checkpoint(path, view=view, rank=dist.rank)
         meta = reader.metadata
         missing: set[str] = set()
@@ -87,6 +98,8 @@ def run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process_
         for g in gathered:
             for k, (shape, dt) in g["tensors"].items():
                 dest_all.setdefault(k, TensorSpec(tuple(shape), dt))
+        if aoa_config is None and program is None and meta.extra.get("tp_layouts"):
+            aoa_config = []  # keys saved in a TP-blocked layout: compiled below, re-laid out if needed
         if aoa_config is not None:
             offsets: dict[str, set] = {}
             for g in gathered:
@@ -104,9 +117,10 @@ def run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process_
             plans.append(p.items)
             missing.update(p.missing_keys)
         missing.update(k for k in leaves.objects if k not in meta.objects)
+        skipped = missing & set(getattr(planner.program, "skipped", ()) or ())  # '_ -> key': not loaded on purpose
+        missing -= skipped
         # what the whole group reads, for the unexpected-key check
         dest_keys = set(planner.program.destination_keys())
-        used = set()
         for k in dest_all:
             if k in dest_keys:
                 used.update(m.src_key for m in planner.mappings(k))
@@ -117,7 +131,7 @@ def run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process_
         # every item this rank reads itself is checked (file opens, same save, tensor holds the array) before
         # the first target byte is written; the files stay open, so the reads see what was checked
         reader.check_items(it for items in plans for it in items if reader.path_of(it.file).is_file())
-        return sorted(missing)
+        return {"missing": sorted(missing), "skipped": sorted(skipped)}
 
     try:
         status = dist.gather(plan)
@@ -126,7 +140,7 @@ def run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process_
             reader.close()
         raise
     assert reader is not None
-    all_missing = sorted({k for s in status for k in s})
+    all_missing = sorted({k for s in status for k in s["missing"]})
     if strict and (all_missing or unexpected):
         reader.close()
         parts = []
@@ -134,10 +148,16 @@ def run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process_
             parts.append(f"missing keys (requested, not in the checkpoint): {fmt_keys(all_missing)}")
         if unexpected:
             parts.append(f"unexpected keys (in the checkpoint, not requested): {fmt_keys(unexpected)}")
-        raise CheckpointMismatchError(f"{path}: " + "; ".join(parts) + " (pass strict=False to load the rest and "
-                                      "get them in the returned LoadReport)")
+        dropped = dropped_data(unexpected, used)
+        if dropped:  # strict=False would silently lose these tensors: never suggest it
+            hint = (f" ({fmt_keys(dropped, 5)} belong to modules this load reads, e.g. biases: loading without them "
+                    "gives wrong numbers. Map them with an AOA statement (a preset built from the model's "
+                    "config.json maps biases, see docs/aoa.md), or drop them deliberately with 'KEY -> _')")
+        else:
+            hint = " (pass strict=False to load the rest and get them in the returned LoadReport)"
+        raise CheckpointMismatchError(f"{path}: " + "; ".join(parts) + hint)
 
-    report = LoadReport(all_missing, unexpected)
+    report = LoadReport(all_missing, unexpected, skipped_keys=sorted({k for s in status for k in s["skipped"]}))
     with reader, torch.no_grad():
         work = [(it, sw.local_tensor) for sw, items in zip(leaves.shards, plans)
                 for it in sorted(items, key=read_order)]

@@ -43,7 +43,8 @@ class SliceMapping:
 
     ``permute`` is a dimension order in ``torch.permute`` semantics applied to the source slice (``None`` =
     identity); after it, the slice's shape equals the extent of ``dst_box``. ``dtype`` is the cast target
-    (``None`` = keep the source dtype).
+    (``None`` = keep the source dtype), or a chain ``"bfloat16>float32"`` of casts applied in order (so that an
+    AOA ``fp32 -> bf16 -> fp32`` chain rounds through bfloat16, as Paddle does; see :func:`cast_tensor`).
     """
 
     dst_key: str
@@ -85,10 +86,27 @@ class IdentityProgram:
         return [SliceMapping(key, box, key, box)]
 
 
+CAST_CHAIN = ">"  # separates the steps of a cast chain in SliceMapping.dtype / ReadItem.dtype
+
+
+def final_dtype(dtype: str | None) -> str | None:
+    """The dtype a cast (or cast chain ``"a>b"``) ends in."""
+    return dtype.rsplit(CAST_CHAIN, 1)[-1] if dtype is not None else None
+
+
+def cast_tensor(t: torch.Tensor, dtype: str | None) -> torch.Tensor:
+    """``t`` cast to ``dtype``; a chain ``"bfloat16>float32"`` casts step by step (each step rounds)."""
+    if dtype is None:
+        return t
+    for step in dtype.split(CAST_CHAIN):
+        t = t.to(torch_dtype(step))
+    return t
+
+
 def apply_mapping(m: SliceMapping, src_slice: torch.Tensor) -> torch.Tensor:
     """Apply a mapping's permute and cast to the source slice ``src[m.src_box]``."""
     t = src_slice.permute(*m.permute) if m.permute is not None else src_slice
-    return t.to(torch_dtype(m.dtype)) if m.dtype is not None else t
+    return cast_tensor(t, m.dtype)
 
 
 def execute_on_full_tensors(program: MappingProgram, source: Mapping[str, torch.Tensor],

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, NamedTuple, Sequence
 
 from oarlock.checkpoint.errors import CheckpointError, CheckpointMismatchError, CheckpointTilingError
-from oarlock.checkpoint.mapping import Box, IdentityProgram, MappingProgram, SliceMapping, TensorSpec
+from oarlock.checkpoint.mapping import Box, IdentityProgram, MappingProgram, SliceMapping, TensorSpec, final_dtype
 from oarlock.checkpoint.metadata import CheckpointMetadata, TensorMeta
 from oarlock.checkpoint.sharded import (ShardDesc, box_intersection, box_volume, flat_range_boxes,
                                         make_box)
@@ -281,7 +281,7 @@ class Planner:
                 "(aoa_config=...)")
         for m in self.mappings(req.key):
             src_dtype = self.metadata.tensors[m.src_key].dtype if m.src_key in self.metadata.tensors else None
-            eff = m.dtype or src_dtype
+            eff = final_dtype(m.dtype) or src_dtype
             if eff is not None and eff != req.dtype:
                 raise CheckpointMismatchError(
                     f"key {req.key!r}: stored as {eff} (from {m.src_key!r}) but the target tensor is {req.dtype}; "

@@ -350,9 +350,7 @@ def _phase_b(rank: int, world: int, port: int, s: DemoSettings, hf_dir: str, out
         import torch.distributed as dist
         from safetensors.torch import load_file
 
-        from oarlock.checkpoint import sharded_state_dict
-        from oarlock.checkpoint.full import full_state_dict
-        from oarlock.checkpoint.hf import save_hf_checkpoint
+        from oarlock.checkpoint import export_hf_sharded, sharded_state_dict
         from oarlock.checkpoint.optim import load_sharded_optimizer_state_dict
         from oarlock.models.llama import hf_export_aoa_config, tp_relayout_aoa_config
 
@@ -383,17 +381,10 @@ def _phase_b(rank: int, world: int, port: int, s: DemoSettings, hf_dir: str, out
             save_file({"logits": probe.contiguous()}, Path(out) / "probe_logits.safetensors")
         t0 = time.perf_counter()
         export_dir = Path(out) / "hf-export"
-        pairs = full_state_dict(sharded_state_dict(model), {"aoa_statements": hf_export_aoa_config(cfg)},
-                                rank0_only=True)
-        if rank == 0:
-            save_hf_checkpoint(pairs, export_dir, max_shard_size="2GB")
-            for name in os.listdir(hf_dir):  # config and tokenizer files travel with the weights
-                if not name.endswith(".safetensors") and not name.endswith(".index.json") and \
-                        (Path(hf_dir) / name).is_file():
-                    (export_dir / name).write_bytes((Path(hf_dir) / name).read_bytes())
-        else:
-            for _ in pairs:  # every rank drives the collective generator to its end
-                pass
+        side = {name: Path(hf_dir) / name for name in os.listdir(hf_dir)  # config and tokenizer files
+                if not name.endswith((".safetensors", ".index.json")) and (Path(hf_dir) / name).is_file()}
+        export_hf_sharded(sharded_state_dict(model), export_dir, aoa_config=hf_export_aoa_config(cfg),
+                          max_shard_size="2GB", extra_files=side)
         t_export = time.perf_counter() - t0
         log(f"exported to HuggingFace format in {t_export:.1f} s: {export_dir}")
         if rank == 0:

@@ -6,7 +6,7 @@ attention (Ainslie et al. 2023, arXiv 2305.13245) and a SwiGLU MLP (Shazeer 2020
 replaces the MLP with a softmax top-k router over N experts plus an optional sigmoid-gated shared expert (the
 Mixtral / Qwen2-MoE formulation).
 
-Two projections are fused, in the layouts of the FlexCheckpoint spec (``shared/design/flexcheckpoint.md`` 2.5):
+Two projections are fused, in AOA's layouts (docs/aoa.md, "Fused layouts"):
 
 * ``self_attn.qkv_proj.weight`` ``[(H + 2G) * D, hidden]``: rows grouped per KV head ``g``:
   ``[Q_{gR} .. Q_{gR+R-1}, K_g, V_g]`` with ``R = H / G``, each piece ``D`` rows (AOA's ``fused_qkv`` with
@@ -124,7 +124,8 @@ class LlamaConfig:
 
     @classmethod
     def from_hf(cls, hf: Any) -> "LlamaConfig":
-        """From a transformers config (``LlamaConfig``, ``MixtralConfig``, ``Qwen2MoeConfig``) or its dict."""
+        """From a transformers config (``LlamaConfig``, ``MistralConfig``, ``Qwen2Config``, ``MixtralConfig``,
+        ``Qwen2MoeConfig``) or its dict; Qwen2's q/k/v biases are set from its ``model_type``."""
         get = (lambda k, default=None: hf.get(k, default)) if isinstance(hf, Mapping) else \
             (lambda k, default=None: getattr(hf, k, default))
         rope = get("rope_parameters") or {}
@@ -139,7 +140,9 @@ class LlamaConfig:
             num_key_value_heads=get("num_key_value_heads") or get("num_attention_heads"),
             head_dim=get("head_dim"), rms_norm_eps=float(get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
             tie_word_embeddings=bool(get("tie_word_embeddings", False)),
-            attention_bias=bool(get("attention_bias", False)), qkv_bias=bool(get("qkv_bias", False)),
+            # Qwen2's config has no flag for the q/k/v biases every Qwen2 checkpoint carries
+            attention_bias=bool(get("attention_bias", False)),
+            qkv_bias=bool(get("qkv_bias", get("model_type") in ("qwen2", "qwen2_moe"))),
             num_experts=int(num_experts), num_experts_per_tok=int(get("num_experts_per_tok", 2) or 2),
             moe_intermediate_size=get("moe_intermediate_size") if num_experts else None,
             shared_expert_intermediate_size=int(get("shared_expert_intermediate_size", 0) or 0) if num_experts else 0,
@@ -489,102 +492,47 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int
 
 # --------------------------------------------------------------------------------------------------------------
 # HF <-> oarlock key mapping: AOA statements (for FlexCheckpoint) and a plain torch converter (the reference).
+def _hf_table(config: LlamaConfig, prefix: str):
+    """The preset table (``oarlock.checkpoint.presets``) and parameters describing ``config``'s HF checkpoints:
+    Llama rows, plus Qwen2-MoE-style expert rows for an MoE config."""
+    from dataclasses import replace
+
+    from oarlock.checkpoint import presets as P
+
+    arch = P.ARCHITECTURES["qwen2_moe" if config.is_moe else "llama"]
+    features = set()
+    if config.attention_bias or config.qkv_bias:
+        features.add("qkv_bias")
+    if config.attention_bias:
+        features.add("o_bias")
+    if not config.tie_word_embeddings:  # tied: HF files have no lm_head.weight and neither does Llama
+        features.add("untied")
+    if config.shared_expert_intermediate_size:
+        features.add("shared_expert")
+    params = P.Params(config.num_attention_heads, config.num_key_value_heads, frozenset(features))
+    return replace(arch, prefix=prefix), params
+
+
 def hf_aoa_config(config: LlamaConfig, *, prefix: str = "model.") -> list[str]:
     """AOA statements loading an HF Llama / Qwen2-MoE-style checkpoint (per-expert keys) into :class:`Llama`.
 
     Left of ``->`` are HF keys (``prefix`` = ``"model."`` for ``*ForCausalLM`` checkpoints), right the oarlock keys.
     HF and oarlock weights are both torch ``[out, in]``, so the fused macros run on ``axis=0`` and no ``^T`` is
-    needed. Grammar and macros: ``shared/design/flexcheckpoint.md`` 2.2-2.5; structure after 6.1-6.3. Use with
-    ``aoa_config_reverse=True`` or :func:`hf_export_aoa_config` for the other direction.
+    needed. The statements come from the declarative preset tables of :mod:`oarlock.checkpoint.presets` (the
+    language: docs/aoa.md). Use with ``aoa_config_reverse=True`` or :func:`hf_export_aoa_config` for the other
+    direction.
     """
-    h, g = config.num_attention_heads, config.num_key_value_heads
-    p, L = prefix, "$LAYER_ID"
-    att = f"{p}layers.{L}.self_attn"
-    qkv = f"fused_qkv, num_heads={h}, num_key_value_groups={g}, axis=0"
-    out = [
-        f"{p}embed_tokens.weight -> embed_tokens.weight",
-        f"{p}layers.{L}.input_layernorm.weight -> layers.{L}.input_layernorm.weight",
-        f"{p}layers.{L}.post_attention_layernorm.weight -> layers.{L}.post_attention_layernorm.weight",
-        f"{att}.q_proj.weight, {att}.k_proj.weight, {att}.v_proj.weight -> layers.{L}.self_attn.qkv_proj.weight, "
-        f"{qkv}",
-        f"{att}.o_proj.weight -> layers.{L}.self_attn.o_proj.weight",
-    ]
-    if config.attention_bias or config.qkv_bias:
-        out.append(f"{att}.q_proj.bias, {att}.k_proj.bias, {att}.v_proj.bias -> layers.{L}.self_attn.qkv_proj.bias, "
-                   f"{qkv}")
-    if config.attention_bias:
-        out.append(f"{att}.o_proj.bias -> layers.{L}.self_attn.o_proj.bias")
-    mlp = f"{p}layers.{L}.mlp"
-    if config.is_moe:
-        e = "$EXPERT_ID"
-        out += [
-            f"{mlp}.gate.weight -> layers.{L}.mlp.gate.weight",
-            f"{mlp}.experts.{e}.gate_proj.weight, {mlp}.experts.{e}.up_proj.weight -> "
-            f"layers.{L}.mlp.experts.{e}.gate_up_proj.weight, fused_ffn, axis=0",
-            f"{mlp}.experts.{e}.down_proj.weight -> layers.{L}.mlp.experts.{e}.down_proj.weight",
-        ]
-        if config.shared_expert_intermediate_size:
-            out += [
-                f"{mlp}.shared_expert.gate_proj.weight, {mlp}.shared_expert.up_proj.weight -> "
-                f"layers.{L}.mlp.shared_expert.gate_up_proj.weight, fused_ffn, axis=0",
-                f"{mlp}.shared_expert.down_proj.weight -> layers.{L}.mlp.shared_expert.down_proj.weight",
-                f"{mlp}.shared_expert_gate.weight -> layers.{L}.mlp.shared_expert_gate.weight",
-            ]
-    else:
-        out += [
-            f"{mlp}.gate_proj.weight, {mlp}.up_proj.weight -> layers.{L}.mlp.gate_up_proj.weight, fused_ffn, axis=0",
-            f"{mlp}.down_proj.weight -> layers.{L}.mlp.down_proj.weight",
-        ]
-    out.append(f"{p}norm.weight -> norm.weight")
-    if not config.tie_word_embeddings:  # tied: HF files have no lm_head.weight and neither does Llama
-        out.append("lm_head.weight -> lm_head.weight")
-    return out
+    from oarlock.checkpoint.presets import statements
+
+    return statements(*_hf_table(config, prefix))
 
 
 def hf_export_aoa_config(config: LlamaConfig, *, prefix: str = "model.") -> list[str]:
-    """AOA statements exporting :class:`Llama` keys to HF keys (the explicit inverse of :func:`hf_aoa_config`)."""
-    h, g = config.num_attention_heads, config.num_key_value_heads
-    p, L = prefix, "$LAYER_ID"
-    att = f"{p}layers.{L}.self_attn"
-    qkv = f"fused_qkv, num_heads={h}, num_key_value_groups={g}, axis=0"
-    out = [
-        f"embed_tokens.weight -> {p}embed_tokens.weight",
-        f"layers.{L}.input_layernorm.weight -> {p}layers.{L}.input_layernorm.weight",
-        f"layers.{L}.post_attention_layernorm.weight -> {p}layers.{L}.post_attention_layernorm.weight",
-        f"layers.{L}.self_attn.qkv_proj.weight -> {att}.q_proj.weight, {att}.k_proj.weight, {att}.v_proj.weight, "
-        f"{qkv}",
-        f"layers.{L}.self_attn.o_proj.weight -> {att}.o_proj.weight",
-    ]
-    if config.attention_bias or config.qkv_bias:
-        out.append(f"layers.{L}.self_attn.qkv_proj.bias -> {att}.q_proj.bias, {att}.k_proj.bias, {att}.v_proj.bias, "
-                   f"{qkv}")
-    if config.attention_bias:
-        out.append(f"layers.{L}.self_attn.o_proj.bias -> {att}.o_proj.bias")
-    mlp = f"{p}layers.{L}.mlp"
-    if config.is_moe:
-        e = "$EXPERT_ID"
-        out += [
-            f"layers.{L}.mlp.gate.weight -> {mlp}.gate.weight",
-            f"layers.{L}.mlp.experts.{e}.gate_up_proj.weight -> {mlp}.experts.{e}.gate_proj.weight, "
-            f"{mlp}.experts.{e}.up_proj.weight, fused_ffn, axis=0",
-            f"layers.{L}.mlp.experts.{e}.down_proj.weight -> {mlp}.experts.{e}.down_proj.weight",
-        ]
-        if config.shared_expert_intermediate_size:
-            out += [
-                f"layers.{L}.mlp.shared_expert.gate_up_proj.weight -> {mlp}.shared_expert.gate_proj.weight, "
-                f"{mlp}.shared_expert.up_proj.weight, fused_ffn, axis=0",
-                f"layers.{L}.mlp.shared_expert.down_proj.weight -> {mlp}.shared_expert.down_proj.weight",
-                f"layers.{L}.mlp.shared_expert_gate.weight -> {mlp}.shared_expert_gate.weight",
-            ]
-    else:
-        out += [
-            f"layers.{L}.mlp.gate_up_proj.weight -> {mlp}.gate_proj.weight, {mlp}.up_proj.weight, fused_ffn, axis=0",
-            f"layers.{L}.mlp.down_proj.weight -> {mlp}.down_proj.weight",
-        ]
-    out.append(f"norm.weight -> {p}norm.weight")
-    if not config.tie_word_embeddings:
-        out.append("lm_head.weight -> lm_head.weight")
-    return out
+    """AOA statements exporting :class:`Llama` keys to HF keys: the explicit inverse of :func:`hf_aoa_config`,
+    generated from the same preset table rows."""
+    from oarlock.checkpoint.presets import export_statements
+
+    return export_statements(*_hf_table(config, prefix))
 
 
 def tp_relayout_aoa_config(config: LlamaConfig) -> list[str]:

@@ -10,6 +10,7 @@ import itertools
 import torch
 
 from oarlock.utils import torch_dtype
+from oarlock.checkpoint.mapping import cast_tensor
 
 
 def even_boxes(shape, axis, parts):
@@ -67,7 +68,7 @@ def load_shards(program, src_shards, dst_boxes):
                     if m.permute is not None:
                         piece = piece.permute(*m.permute)
                     if m.dtype is not None:
-                        piece = piece.to(torch_dtype(m.dtype))
+                        piece = cast_tensor(piece, m.dtype)
                     # destination position of this piece, in local coordinates
                     idx = tuple(slice(si[perm[i]][0] - want[perm[i]][0] + it[i][0] - box[i][0],
                                       si[perm[i]][1] - want[perm[i]][0] + it[i][0] - box[i][0]) for i in range(nd))

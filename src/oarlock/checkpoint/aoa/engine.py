@@ -1,13 +1,13 @@
-"""The AOA engine (FlexCheckpoint spec, sections 2.4, 2.6-2.8): primitive statements -> exact slice mappings.
+"""The AOA engine (docs/aoa.md, "Primitive statements", "Reverse mode"): primitive statements -> exact slice mappings.
 
 Every tensor name is bound to a :class:`TensorDesc`: a shape, a dtype and *refs*, each saying that the box
 ``dst_box`` of this tensor is ``cast(permute(src[src_box], perm))`` for one source key. Split, concat,
 transpose/permute and cast are interval arithmetic on these refs; no tensor data is touched. A destination
 key's refs become :class:`~oarlock.checkpoint.mapping.SliceMapping` objects whose ``dst_box`` regions tile it.
 
-Unlike Paddle, a ref keeps *one* composed permutation (native source axes -> this tensor's axes) and the *last*
-cast instead of a post-process list: permutations compose exactly; of a cast chain only the final dtype is
-applied (an intermediate narrowing cast, e.g. fp32 -> fp16 -> fp32, is not reproduced bit for bit).
+Unlike Paddle, a ref keeps *one* composed permutation (native source axes -> this tensor's axes) instead of a
+post-process list (permutations compose exactly) and its casts as one chain ``"float16>float32"`` applied step by
+step, so an intermediate narrowing cast (fp32 -> fp16 -> fp32) rounds as in Paddle.
 """
 
 from __future__ import annotations
@@ -20,11 +20,12 @@ from typing import Mapping, Sequence
 
 from oarlock.checkpoint.aoa.errors import AOAError, AOASyntaxError
 from oarlock.checkpoint.aoa.macros import (SCALAR_SUFFIXES, KeySet, MacroContext, expand_macros,
-                                           split_optimizer_suffix)
+                                           optimizer_splitter, split_optimizer_suffix)
 from oarlock.checkpoint.aoa.parser import VOID, Expr, parse_statements
-from oarlock.checkpoint.mapping import Box, SliceMapping, TensorSpec, full_box
+from oarlock.checkpoint.mapping import CAST_CHAIN, Box, SliceMapping, TensorSpec, full_box
 from oarlock.utils import dtype_name
 
+TP_LAYOUTS_KEY = "tp_layouts"  # CheckpointMetadata.extra entry: AOAProgram.tp_layouts of the writer
 _ATTRS = ("axis", "dtype", "permute", "src_dtype", "dst_dtype")
 
 
@@ -104,8 +105,14 @@ class TensorDesc:
         return TensorDesc(tuple([shape[i] for i in q]), self.dtype, refs, expr)
 
     def cast(self, dtype: str, expr: Expr | None = None) -> "TensorDesc":
+        """Cast to ``dtype``; after an earlier cast the steps chain (``"bfloat16>float32"``), so every narrowing
+        step still rounds, in order (Paddle applies each cast of a chain)."""
+        def chained(prev: str | None) -> str:
+            if prev is None or prev.rsplit(CAST_CHAIN, 1)[-1] == dtype:
+                return dtype if prev is None else prev
+            return prev + CAST_CHAIN + dtype
         return TensorDesc(self.shape, dtype,
-                          [Ref(r.src_key, r.src_box, r.dst_box, r.perm, dtype) for r in self.refs], expr)
+                          [Ref(r.src_key, r.src_box, r.dst_box, r.perm, chained(r.cast)) for r in self.refs], expr)
 
 
 @dataclass(slots=True)
@@ -162,7 +169,7 @@ def _parse_perm(e: Expr, value: object) -> tuple[int, ...] | None:
 
 
 def classify(e: Expr, memo: dict | None = None) -> Primitive:
-    """Check a macro-expanded statement against the primitive forms of spec section 2.4. ``memo`` caches the
+    """Check a macro-expanded statement against the primitive forms (docs/aoa.md, "Primitive statements"). ``memo`` caches the
     verdict per attribute list and arity (macro expansions repeat a few forms tens of thousands of times).
 
     Raises:
@@ -222,7 +229,7 @@ def classify(e: Expr, memo: dict | None = None) -> Primitive:
 
 
 def invert(prims: list[Primitive]) -> list[Primitive]:
-    """The inverse program (spec section 2.8): reversed order, split <-> concat, renames and permutations
+    """The inverse program (docs/aoa.md, "Reverse mode"): reversed order, split <-> concat, renames and permutations
     inverted, ``X -> _`` <-> ``_ -> X``, ``src_dtype``/``dst_dtype`` swapped; a plain ``dtype=`` cast becomes
     a cast to the destination's dtype."""
     out = []
@@ -290,8 +297,9 @@ def fold_optimizer_keys(source: Mapping[str, TensorSpec]) -> tuple[dict[str, Ten
     first parameter-shaped state."""
     model: dict[str, TensorSpec] = {}
     states: dict[str, list[str]] = {}
+    split = optimizer_splitter(source)
     for k, spec in source.items():
-        base, suf = split_optimizer_suffix(k)
+        base, suf = split(k)
         if not suf:
             model[k] = spec
         else:
@@ -306,15 +314,16 @@ def fold_optimizer_keys(source: Mapping[str, TensorSpec]) -> tuple[dict[str, Ten
 
 
 def fold_shard_counts(counts: Mapping[str, int] | None) -> dict[str, int]:
-    """Model-level TP shard counts; a key and its optimizer states must agree (spec section 2.5 (h)).
+    """Model-level TP shard counts; a key and its optimizer states must agree.
 
     Raises:
         AOAError: naming the key and the disagreeing counts.
     """
     out: dict[str, int] = {}
     seen: dict[str, list[str]] = {}
+    split = optimizer_splitter(counts or {})
     for k, n in (counts or {}).items():
-        base, suf = split_optimizer_suffix(k)
+        base, suf = split(k)
         if suf in SCALAR_SUFFIXES:
             continue
         if base in out and out[base] != int(n):
@@ -334,7 +343,14 @@ def source_specs(metadata) -> dict[str, TensorSpec]:
 def shard_counts(metadata) -> dict[str, int]:
     """TP shard count of every key of a :class:`~oarlock.checkpoint.CheckpointMetadata`: the number of distinct
     global offsets among its primary shards (as Paddle derives it for ``fused_qkv_old``/``fused_ffn``)."""
-    return {k: len({s.global_offset for s in t.primary_shards()}) or 1 for k, t in metadata.tensors.items()}
+    counts = {k: len({s.global_offset for s in t.primary_shards()}) or 1 for k, t in metadata.tensors.items()}
+    recorded = (getattr(metadata, "extra", None) or {}).get(TP_LAYOUTS_KEY) or {}
+    if recorded:  # the degree a fused layout was written for wins over the offsets (a reshard may differ)
+        for k in counts:
+            rec = recorded.get(split_optimizer_suffix(k)[0])
+            if isinstance(rec, dict) and isinstance(rec.get("tp"), int) and rec["tp"] > 0:
+                counts[k] = rec["tp"]
+    return counts
 
 
 @dataclass
@@ -351,10 +367,15 @@ class AOAProgram:
     Attributes:
         reverse: whether the statements were inverted (``aoa_config_reverse``).
         statements: the primitive statements as executed (expanded by macros, inverted in reverse mode).
-        skipped: destination keys declared source-less with ``_ -> key`` (left as initialised).
+        skipped: destination keys deliberately not loaded (left as initialised): declared source-less with
+            ``_ -> key``, or named like a source key dropped with ``key -> _`` (or whose state source was dropped).
         missing: destination keys that no statement and no source key provides, with the reason.
         deleted: source keys dropped with ``key -> _``.
         unused_sources: source keys (model level) that reach no destination key.
+        tp_layouts: destination keys written in a TP-degree-dependent layout (``fused_ffn``, ``fused_qkv_old``):
+            ``{key: {"statement": ..., "tp": degree, "axis": ..., ["num_heads", "num_key_value_groups"]}}``.
+            Writers store it in the checkpoint metadata (``extra["tp_layouts"]``) so that a load at another
+            degree re-lays it out (see :func:`oarlock.checkpoint.aoa.layout.relayout_config`).
     """
 
     def __init__(self, source: Mapping[str, TensorSpec], reverse: bool, statements: list[Primitive]):
@@ -365,6 +386,7 @@ class AOAProgram:
         self.missing: dict[str, str] = {}
         self.deleted: list[str] = []
         self.unused_sources: list[str] = []
+        self.tp_layouts: dict[str, dict] = {}
         self._entries: dict[str, _Entry] = {}
         self._cache: dict[str, list[SliceMapping]] = {}
 
@@ -406,33 +428,88 @@ class AOAProgram:
                     src = r.src_key + ent.suffix
                     cast = ent.spec.dtype if self.source[src].dtype != ent.spec.dtype else None
                 else:
-                    src, cast = r.src_key, (ent.cast_all or r.cast)
+                    src, cast = r.src_key, r.cast
+                    if ent.cast_all is not None and (cast or "").rsplit(CAST_CHAIN, 1)[-1] != ent.cast_all:
+                        cast = ent.cast_all if cast is None else cast + CAST_CHAIN + ent.cast_all
                 out.append(SliceMapping(key, r.dst_box, src, r.src_box, r.perm, cast))
         self._cache[key] = out
         return out
 
-    def explain(self, keys: Sequence[str] | None = None) -> str:
-        """Human-readable listing: every primitive statement, then per destination key each slice's origin."""
-        lines = [f"# {len(self.statements)} primitive statement(s)" + (" (reverse mode: inverted)"
-                                                                       if self.reverse else "")]
-        lines += [f"  {p.render()}" for p in self.statements]
-        keys = list(self._entries) if keys is None else list(keys)
+    def explain(self, keys: Sequence[str] | None = None, *, only: str | None = None,
+                tp: int = 1, tp_axes: Mapping[str, int | None] | None = None) -> str:
+        """Human-readable listing: every primitive statement, then per destination key each slice's origin, then
+        the skipped, missing, deleted and unused keys.
+
+        Args:
+            keys: destination keys to list (default: all).
+            only: an ``fnmatch`` glob; every section keeps only what names a matching key (a statement is kept
+                when one of its names matches).
+            tp, tp_axes: with ``tp > 1``, each listed key also shows the row ranges the ``tp`` ranks hold
+                (``tp_axes``: key -> split axis or None, as ``convert --tp`` splits it).
+        """
+        import fnmatch
+
+        def hit(name: str) -> bool:
+            return only is None or fnmatch.fnmatchcase(name, only)
+
+        stmts = list(self.statements)
+        if only is not None:  # statements naming a matching key, or feeding one (walked backwards)
+            need = {k for k in self._entries if hit(k)}
+            kept = []
+            for p in reversed(stmts):
+                if any(hit(n) for n in (*p.lhs, *p.rhs)) or any(n in need for n in p.rhs):
+                    kept.append(p)
+                    need.difference_update(p.rhs)  # temporaries are reused: only the latest writer feeds a reader
+                    need.update(p.lhs)
+            stmts = kept[::-1]
+        lines = [f"# {len(stmts)} primitive statement(s)" + (" (reverse mode: inverted)" if self.reverse else "")
+                 + (f" for keys matching {only!r}" if only is not None else "")]
+        lines += [f"  {p.render()}" for p in stmts]
+        keys = [k for k in (list(self._entries) if keys is None else list(keys)) if hit(k)]
         lines.append(f"# {len(keys)} destination key(s)")
         for k in keys:
             spec = self.destination_spec(k)
             lines.append(f"{k}  {list(spec.shape)} {spec.dtype}")
+            axis = (tp_axes or {}).get(k) if tp > 1 else None
+            if axis is not None:
+                n = spec.shape[axis]
+                step = -(-n // tp)  # torch.chunk sizes, as convert --tp splits
+                parts = [f"rank {r}: {min(r * step, n)}:{min((r + 1) * step, n)}" for r in range(tp)]
+                layout = self.tp_layouts.get(k)
+                extra = f", {layout['statement']} blocks for tp={layout['tp']}" if layout else ""
+                lines.append(f"  TP {tp} on axis {axis}{extra}: {'; '.join(parts)}")
             for m in self.mappings_for(k):
                 extra = (f"  permute={list(m.permute)}" if m.permute else "") + (f"  cast={m.dtype}" if m.dtype else "")
                 lines.append(f"  [{_fmt_box(m.dst_box)}] <- {m.src_key}[{_fmt_box(m.src_box)}]{extra}")
         for k in self.skipped:
-            lines.append(f"{k}  (source-less: '_ -> {k}', keeps its initial value)")
+            if hit(k):
+                lines.append(f"{k}  (not loaded on purpose: '_ -> {k}' or a dropped key of that name; keeps its "
+                             "value)")
         for k, why in self.missing.items():
-            lines.append(f"{k}  MISSING: {why}")
+            if hit(k):
+                lines.append(f"{k}  MISSING: {why}")
         for what, names in (("deleted", self.deleted), ("unused", self.unused_sources)):
+            names = [n for n in names if hit(n)]
             if names:
                 more = f" ... ({len(names) - 10} more)" if len(names) > 10 else ""
                 lines.append(f"# {len(names)} {what} source key(s): {', '.join(names[:10])}{more}")
         return "\n".join(lines)
+
+
+_FUSED_STAGES = ("fused_qkv", "fused_qkv_old", "fused_ffn")
+
+
+def _fused_hint(e: Expr) -> str:
+    """What the parameters of a fused macro mean, for errors about piece sizes."""
+    root = e
+    while root.parent is not None and root.keyword is None:
+        root = root.parent
+    if e.stage == "fused_ffn":
+        return ("; fused_ffn expects gate and up of the same shape, and a fused tensor of 2 x (TP degree) equal "
+                "blocks")
+    h, g = root.attr("num_heads"), root.attr("num_key_value_groups")
+    return (f"; check num_heads={h} and num_key_value_groups={g} against the tensor shapes: num_key_value_groups "
+            "is the number of KV heads (HF num_key_value_heads), not the number of query heads per KV head")
 
 
 def _fmt_box(box: Box) -> str:
@@ -440,8 +517,9 @@ def _fmt_box(box: Box) -> str:
 
 
 class _Executor:
-    def __init__(self, model_src: dict[str, TensorSpec], keys: KeySet):
+    def __init__(self, model_src: dict[str, TensorSpec], keys: KeySet, states: Mapping[str, TensorSpec] = {}):
         self.model_src = model_src
+        self.states = states  # optimizer-state source keys, readable when a statement names one explicitly
         self.keys = keys
         self.env: dict[str, object] = {}
         self.fresh: dict[str, None] = {}
@@ -449,6 +527,7 @@ class _Executor:
         self.deleted: dict[str, None] = {}
         self.created: dict[str, None] = {}
         self._src_cache: dict[str, TensorDesc] = {}
+        self._pieces: dict[int, tuple] = {}  # fused statement -> (piece extent, name, count, shape, expr)
 
     def source_desc(self, name: str) -> TensorDesc:
         d = self._src_cache.get(name)
@@ -459,6 +538,9 @@ class _Executor:
     def get(self, name: str, prim: Primitive) -> TensorDesc:
         b = self.env.get(name, _MISSING)
         if b is _MISSING:
+            if name not in self.model_src and name in self.states:
+                self.read_sources.add(name)
+                return TensorDesc.source(name, self.states[name])
             if name not in self.model_src:
                 near = difflib.get_close_matches(name, list(self.env) + self.keys.with_prefix(name.split(".")[0]),
                                                  n=3, cutoff=0.5)
@@ -476,6 +558,24 @@ class _Executor:
         self.fresh.pop(name, None)
         assert isinstance(b, TensorDesc)
         return b
+
+    def _check_piece(self, p: Primitive, name: str, size: int, count: int, shape: Sequence[int]) -> None:
+        """Every head/block piece of one fused statement has the same extent along its axis: a q of 8 heads x 4
+        rows and a k of 2 heads x 4 rows under ``num_key_value_groups=4`` would otherwise be cut into 2-row
+        pieces and loaded silently wrong."""
+        root = p.expr.parent if p.expr.parent is not None else p.expr
+        first = self._pieces.setdefault(id(root), (size, name, count, tuple(shape), root))
+        if first[0] == size:
+            return
+        size0, name0, count0, shape0, _ = first
+        what = {"fused_qkv": "head", "fused_qkv_old": "head"}.get(p.expr.stage, "block")
+
+        def desc(n: str, sz: int, cnt: int, sh: tuple) -> str:
+            return (f"{n!r} (shape {list(sh)}) gives {cnt} {what}s of {sz}" if cnt > 1
+                    else f"a piece of {n!r} has extent {sz}")
+        raise AOAError(f"{p.expr.stage}: {what} sizes disagree: {desc(name0, size0, count0, shape0)}, but "
+                       f"{desc(name, size, count, tuple(shape))} along the fused axis"
+                       + _fused_hint(p.expr), root, name=name)
 
     def bind(self, name: str, desc: object) -> None:
         self.env[name] = desc
@@ -499,7 +599,7 @@ class _Executor:
         if p.kind == "delete":
             for n in p.lhs:
                 self.get(n, p)
-                if n in self.model_src and n not in self.env:
+                if (n in self.model_src or n in self.states) and n not in self.env:
                     self.deleted[n] = None
                 self.bind(n, _Deleted(p))
             return
@@ -507,6 +607,10 @@ class _Executor:
             parts = [self.get(n, p) for n in p.lhs]
             nd = len(parts[0].shape)
             ax = _norm_axis(p.axis, nd, p.lhs[0], p)
+            if e.stage in _FUSED_STAGES:
+                for n, d in zip(p.lhs, parts):
+                    if len(d.shape) == nd:
+                        self._check_piece(p, n, d.shape[ax], 1, d.shape)
             for n, d in zip(p.lhs, parts):
                 if d.dtype != parts[0].dtype:
                     raise AOAError(f"All tensors must have the same dtype! {p.lhs[0]!r} is {parts[0].dtype} but "
@@ -523,13 +627,18 @@ class _Executor:
             n = len(p.rhs)
             if d.shape[ax] % n:
                 raise AOAError(f"cannot split {p.lhs[0]!r} of shape {list(d.shape)} into {n} equal parts along axis "
-                               f"{p.axis} ({d.shape[ax]} is not divisible by {n})", e, name=p.lhs[0])
+                               f"{p.axis} ({d.shape[ax]} is not divisible by {n})"
+                               + (_fused_hint(e) if e.stage in _FUSED_STAGES else ""), e, name=p.lhs[0])
             step = d.shape[ax] // n
+            if e.stage in _FUSED_STAGES:
+                self._check_piece(p, p.lhs[0], step, n, d.shape)
             for i, r in enumerate(p.rhs):
                 self.bind(r, d.slice(ax, i * step, (i + 1) * step, e))
         elif p.kind == "rename":
             if p.axis is not None:
-                _norm_axis(p.axis, len(d.shape), p.lhs[0], p)
+                ax = _norm_axis(p.axis, len(d.shape), p.lhs[0], p)
+                if e.stage in _FUSED_STAGES:
+                    self._check_piece(p, p.lhs[0], d.shape[ax], 1, d.shape)
             self.bind(p.rhs[0], d)
         elif p.kind == "permute":
             nd = len(d.shape)
@@ -547,29 +656,48 @@ class _Executor:
             raise AssertionError(p.kind)
 
 
+def _pattern_keys(keys: Sequence[str]) -> KeySet:
+    """What patterns match: the model-level keys, then the optimizer-state keys themselves (a template such as
+    ``model.*.exp_avg`` matches those; placeholders and ``*`` stand for digits only, so a template without the
+    suffix never matches a state key)."""
+    model, states = [], []
+    split = optimizer_splitter(keys)
+    for k in keys:
+        base, suf = split(k)
+        model.append(base)
+        if suf:
+            states.append(k)
+    return KeySet(model + states)
+
+
 def expand_statements(aoa_config: object, source_keys: Sequence[str], destination_keys: Sequence[str] | None = None,
                       *, source_shards: Mapping[str, int] | None = None,
-                      destination_shards: Mapping[str, int] | None = None) -> list[Expr]:
+                      destination_shards: Mapping[str, int] | None = None,
+                      layouts: dict[str, dict] | None = None) -> list[Expr]:
     """Parse and macro-expand ``aoa_config`` against key names only (no shapes): the primitive statements
     as written, before reverse-mode inversion. ``*_shards``: TP shard count per key for ``fused_qkv_old`` and
-    ``fused_ffn`` (1 where absent).
+    ``fused_ffn`` (1 where absent). ``layouts``, if given, receives ``{name: {"statement", "tp", "axis", ...}}``
+    for every destination-side name a TP-dependent fused statement writes.
 
     Raises:
         AOASyntaxError, AOAError: see :func:`compile_aoa`.
     """
     statements, reverse = normalize_config(aoa_config)
     exprs = parse_statements(statements)
-    src = KeySet(split_optimizer_suffix(k)[0] for k in source_keys)
-    dst = KeySet(split_optimizer_suffix(k)[0] for k in destination_keys) if destination_keys is not None else None
+    src = _pattern_keys(source_keys)
+    dst = _pattern_keys(destination_keys) if destination_keys is not None else None
     ctx = MacroContext(src, dst, reverse, fold_shard_counts(source_shards), fold_shard_counts(destination_shards))
-    return expand_macros(exprs, ctx)
+    out = expand_macros(exprs, ctx)
+    if layouts is not None:
+        layouts.update(ctx.layouts)
+    return out
 
 
 def compile_aoa(aoa_config: object, source: Mapping[str, TensorSpec],
                 destination: Mapping[str, TensorSpec] | None = None, *,
                 source_shards: Mapping[str, int] | None = None, destination_shards: Mapping[str, int] | None = None,
                 allow_cast: bool = False) -> AOAProgram:
-    """Compile an AOA config into slice mappings (FlexCheckpoint spec, section 2).
+    """Compile an AOA config into slice mappings (the language: docs/aoa.md).
 
     Args:
         aoa_config: ``{"aoa_statements": [str, ...], "aoa_config_reverse": bool}`` or a list of statement strings.
@@ -628,19 +756,22 @@ def _compile(aoa_config: object, source: Mapping[str, TensorSpec], destination: 
         destination = _canonical_specs(destination, "destination")
     model_src, states = fold_optimizer_keys(source)
     dst_model = None
+    split_dst = optimizer_splitter(destination or {})
     if destination is not None:
-        dst_model = [split_optimizer_suffix(k)[0] for k in destination]
+        dst_model = [split_dst(k)[0] for k in destination]
+    layouts: dict[str, dict] = {}
     exprs = expand_statements(aoa_config, list(source), dst_model, source_shards=source_shards,
-                              destination_shards=destination_shards)
+                              destination_shards=destination_shards, layouts=layouts)
     memo: dict = {}
     prims = [classify(e, memo) for e in exprs]
     if reverse:
         prims = invert(prims)
     prog = AOAProgram(source, reverse, prims)
-    ex = _Executor(model_src, KeySet(model_src))
+    ex = _Executor(model_src, KeySet(model_src), {k: v for k, v in source.items() if k not in model_src})
     for p in prims:
         ex.run(p)
-    prog.deleted = list(ex.deleted)
+    # a dropped model key takes its optimizer states along
+    prog.deleted = list(ex.deleted) + [k + s for k in ex.deleted for s in states.get(k, ()) if k + s not in ex.deleted]
 
     def resolve(key: str) -> TensorDesc | None | str:
         b = ex.env.get(key, _MISSING)
@@ -664,6 +795,8 @@ def _compile(aoa_config: object, source: Mapping[str, TensorSpec], destination: 
                 sufs = dict.fromkeys(s for sk in srcs for s in states.get(sk, ()))
                 for s in sufs:
                     ok = any if s in SCALAR_SUFFIXES else all
+                    if any(sk + s in ex.deleted or sk + s in ex.read_sources for sk in srcs):
+                        continue  # dropped, or moved by a statement of its own
                     if ok(sk + s in source for sk in srcs):
                         wanted.append((k + s, k, s))
         prog.skipped = [k for k in ex.created if ex.env.get(k) is _VOID]
@@ -673,12 +806,14 @@ def _compile(aoa_config: object, source: Mapping[str, TensorSpec], destination: 
             if k in ex.env or k in model_src:
                 wanted.append((k, k, ""))
             else:
-                base, suf = split_optimizer_suffix(k)
+                base, suf = split_dst(k)
                 wanted.append((k, base, suf) if suf else (k, k, ""))
     reached: set[str] = set()
     for key, model_key, suf in wanted:
         d = resolve(model_key)
-        if d is None:
+        if d is None or (isinstance(d, str) and d.startswith("deleted by")) or \
+                (suf and isinstance(d, TensorDesc) and any(r.src_key + suf in ex.deleted for r in d.refs)):
+            # '_ -> key', or named like a key dropped with 'key -> _': deliberately not loaded
             prog.skipped.append(key) if key not in prog.skipped else None
             continue
         if isinstance(d, str):
@@ -738,4 +873,5 @@ def _compile(aoa_config: object, source: Mapping[str, TensorSpec], destination: 
         for r in d.refs:
             reached.add(r.src_key)
     prog.unused_sources = [k for k in model_src if k not in reached and k not in ex.deleted]
+    prog.tp_layouts = {k: v for k, v in layouts.items() if k in prog._entries}
     return prog

@@ -1,7 +1,8 @@
-"""Tokens of the AOA language (FlexCheckpoint spec, section 2.2), tried in this order at each position.
+"""Tokens of the AOA language (docs/aoa.md, "Grammar"), tried in this order at each position.
 
-Extensions over PaddlePaddle 3.3: ``NUMBER`` may carry a leading ``-`` (negative axes), and a quoted
-``STRING`` may stand for a key in a variable list (keys that start with a digit or contain ``-``, ``/``, ``:``).
+Extensions over PaddlePaddle 3.3: ``NUMBER`` may carry a leading ``-`` (negative axes), a quoted ``STRING`` may
+stand for a key in a variable list (keys that start with a digit or contain ``-``, ``/``, ``:``), and an ``IDENT``
+may start with ``*`` (``model.** -> **``). The language reference is docs/aoa.md.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ _PATTERN = re.compile("|".join(f"(?P<{k}>{p})" for k, p in [
     ("COMMA", r","),
     ("NUMBER", r"-?\d+"),
     ("STRING", r"\"[^\"\n]*\"|'[^'\n]*'"),
-    ("IDENT", r"[A-Za-z_][A-Za-z0-9_.$*^]*"),
+    ("IDENT", r"[A-Za-z_*][A-Za-z0-9_.$*^]*"),
     ("SKIP", r"[ \t]+"),
     ("NEWLINE", r"[\r\n]+"),
 ]))

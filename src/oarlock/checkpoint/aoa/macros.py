@@ -1,4 +1,4 @@
-"""Macro expansion (FlexCheckpoint spec, section 2.5): rewrite parsed statements into primitive statements.
+"""Macro expansion (docs/aoa.md, "Macros"): rewrite parsed statements into primitive statements.
 
 Each macro runs over *all* expressions before the next one starts, in this order:
 
@@ -8,9 +8,12 @@ Each macro runs over *all* expressions before the next one starts, in this order
 3. ``name[a:b]``: the list ``name_a, ..., name_{b-1}``.
 4. ``prefix*suffix``: every key ``prefix<digits>suffix``, sorted by the number (left side: keys of the tensors
    read; right side: keys of the tensors produced).
-5. chain recorder: name edges used to find the TP shard count of a temporary name.
-6. ``X^T``: ``X -> X_transpose_tmp, permute='[]'`` then ``X_transpose_tmp`` in place of ``X^T``.
-7. ``fused_qkv_old``, ``fused_ffn``, ``fused_qkv``: split/concat head- or block-wise pieces.
+5. ``prefix**suffix`` (extension): every source key ``prefix<anything>suffix`` no other statement reads.
+6. chain recorder: name edges used to find the TP shard count of a temporary name.
+7. ``X^T``: ``X -> X_transpose_tmp, permute='[]'`` then ``X_transpose_tmp`` in place of ``X^T``.
+8. ``fused_qkv_old``, ``fused_ffn``, ``fused_qkv``: split/concat head- or block-wise pieces.
+
+The language reference is docs/aoa.md.
 
 In reverse mode the statements are expanded as written and inverted afterwards by the engine, so the
 placeholders are matched on the right side (which then names source keys).
@@ -35,6 +38,10 @@ _ARRAY = re.compile(r"^(.*)\[(-?\d+):(-?\d+)\]$")
 _DIGITS = re.compile(r"[#\d]+")  # digit runs (and '#' so that adjacent runs collapse into one '#')
 _ANY_PLACEHOLDER = re.compile(r"\$(?:LAYER_ID_OFFSET|LAYER_ID|EXPERT_ID)(?![A-Za-z0-9_])")
 
+# Most names one range or fused macro may expand to: `name[0:1000000000]` would otherwise build 10^9 strings until
+# memory runs out. A real model's largest expansion (experts x layers) is far below this.
+MAX_EXPANSION = 1_000_000
+
 # Suffixes of optimizer states saved next to a model key (Paddle names, then torch-style names used by oarlock).
 OPTIMIZER_SUFFIXES = (".moment1_0", ".moment2_0", ".w_0", ".velocity_0", ".beta1_pow_acc_0", ".beta2_pow_acc_0",
                       ".exp_avg_sq", ".exp_avg", ".momentum_buffer", ".max_exp_avg_sq", ".master_weight", ".step")
@@ -51,6 +58,29 @@ def split_optimizer_suffix(key: str) -> tuple[str, str]:
     if i > 0 and key[i:] in _SUFFIX_SET:
         return key[:i], key[i:]
     return key, ""
+
+
+def optimizer_splitter(keys: Iterable[str]) -> Callable[[str], tuple[str, str]]:
+    """:func:`split_optimizer_suffix` that knows the whole key set, so that keys which merely *end* like an
+    optimizer state are recognised as model keys: a key with optimizer states of its own
+    (``linear_0.w_0`` next to ``linear_0.w_0.moment1_0``), and a lone ``.w_0`` key (Paddle's static-graph
+    parameter names ``fc_0.w_0``) whose base is no key and has no other state. Everything else splits as
+    :func:`split_optimizer_suffix` does (an optimizer-only checkpoint keeps its states)."""
+    keyset = set(keys)
+    bases: dict[str, int] = {}
+    for k in keyset:
+        b, s = split_optimizer_suffix(k)
+        if s:
+            bases[b] = bases.get(b, 0) + 1
+
+    def split(key: str) -> tuple[str, str]:
+        b, s = split_optimizer_suffix(key)
+        if not s or key in bases:  # not suffixed, or a parameter with states of its own
+            return key, ""
+        if s == ".w_0" and b not in keyset and bases.get(b, 0) == 1:
+            return key, ""  # a lone Paddle parameter name
+        return b, s
+    return split
 
 
 class KeySet:
@@ -102,6 +132,18 @@ class MacroContext:
     destination_shards: dict[str, int] = field(default_factory=dict)
     fwd: dict[str, list[str]] = field(default_factory=dict)
     bwd: dict[str, list[str]] = field(default_factory=dict)
+    # destination name -> the TP-dependent layout a fused_ffn / fused_qkv_old statement wrote it in
+    layouts: dict[str, dict] = field(default_factory=dict)
+
+    def record_layout(self, e: Expr, name: str, side: str, tp: int) -> None:
+        """Note that ``name`` (``side`` of ``->``) is written in ``e``'s TP-blocked layout of degree ``tp``, if
+        that side names destination keys (the right in forward mode, the left in reverse mode)."""
+        if (side == "right") != self.reverse:
+            rec: dict = {"statement": e.keyword, "tp": int(tp), "axis": e.attr("axis", 1)}
+            for k in ("num_heads", "num_key_value_groups"):
+                if e.attr(k) is not None:
+                    rec[k] = e.attr(k)
+            self.layouts[name] = rec
 
     @property
     def left(self) -> KeySet | None:
@@ -163,8 +205,8 @@ def _template_regex(name: str, placeholders: Sequence[str]) -> tuple[str, re.Pat
     seen: set[str] = set()
     pat = []
     for i, p in enumerate(parts):
-        if i % 2 == 0:
-            pat.append(re.escape(p))
+        if i % 2 == 0:  # a '*' beside placeholders stands for any number (expanded later by the star macro)
+            pat.append(r"\d+".join(re.escape(x) for x in p.split("*")))
         else:
             g = p[1:]
             pat.append(f"(?P={g})" if g in seen else f"(?P<{g}>\\d+)")
@@ -173,7 +215,7 @@ def _template_regex(name: str, placeholders: Sequence[str]) -> tuple[str, re.Pat
 
 
 def _signature(template: str) -> str:
-    return _DIGITS.sub("#", _ANY_PLACEHOLDER.sub("#", template))  # 'w1$LAYER_ID' -> 'w#', like the key 'w15' 
+    return _DIGITS.sub("#", _ANY_PLACEHOLDER.sub("#", template).replace("*", "#"))  # 'w1$LAYER_ID' -> 'w#', like the key 'w15' 
 
 
 def _match_ids(template: str, keys: KeySet, placeholders: Sequence[str]) -> list[tuple[int, ...]]:
@@ -215,44 +257,82 @@ def macro_layer_id_offset(exprs: list[Expr], ctx: MacroContext) -> list[Expr]:
 
 
 def macro_ids(exprs: list[Expr], ctx: MacroContext) -> list[Expr]:
-    """``$LAYER_ID``/``$EXPERT_ID``: one statement per id tuple occurring jointly in one source key."""
-    out = []
-    for e in exprs:
-        used: list[str] = []
-        for n in e.names():
-            for m in _PLACEHOLDER.finditer(n):
-                if m.group(1) not in used:
-                    used.append(m.group(1))
-            if "$" in _PLACEHOLDER.sub("", n):
-                bad = n[n.index("$", ):].split(".")[0]
-                raise AOASyntaxError(f"unknown placeholder {bad!r} (known: $LAYER_ID, $EXPERT_ID, $LAYER_ID_OFFSET)",
-                                     e, name=n)
-        if not used:
-            out.append(e)
-            continue
-        src_side, dst_side = (e.rhs, e.lhs) if ctx.reverse else (e.lhs, e.rhs)
-        template = next((n for n in src_side if all(f"${p}" in n for p in used)), None)
-        keys = ctx.source
-        if template is None:
-            template = next((n for n in dst_side if all(f"${p}" in n for p in used)), None)
-            keys = ctx.destination if ctx.destination is not None else ctx.source
+    """``$LAYER_ID``/``$EXPERT_ID``: one statement per id tuple occurring jointly in one source key.
+
+    A template left of ``->`` (right in reverse mode) is matched against the source keys, then against the
+    temporaries that earlier statements produce (later ones in reverse mode, where data flows right to left);
+    a statement whose placeholders appear only on the other side is matched against the destination keys.
+    """
+    groups: list[list[Expr]] = []
+    temps = _Temps()
+    for e in (reversed(exprs) if ctx.reverse else exprs):
+        got = _expand_ids(e, ctx, temps)
+        groups.append(got)
+        for d in got:
+            temps.names.extend(n for n in (d.lhs if ctx.reverse else d.rhs) if n != VOID)
+    if ctx.reverse:
+        groups.reverse()
+    return [d for g in groups for d in g]
+
+
+class _Temps:
+    """Names produced by the statements expanded so far; their KeySet is built only when a template needs it."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self._keys: KeySet | None = None
+
+    def keys(self) -> KeySet | None:
+        if not self.names:
+            return None
+        if self._keys is None or len(self._keys.keys) != len(dict.fromkeys(self.names)):
+            self._keys = KeySet(self.names)
+        return self._keys
+
+
+def _expand_ids(e: Expr, ctx: MacroContext, temps: _Temps) -> list[Expr]:
+    used: list[str] = []
+    for n in e.names():
+        for m in _PLACEHOLDER.finditer(n):
+            if m.group(1) not in used:
+                used.append(m.group(1))
+        if "$" in _PLACEHOLDER.sub("", n):
+            bad = n[n.index("$", ):].split(".")[0]
+            raise AOASyntaxError(f"unknown placeholder {bad!r} (known: $LAYER_ID, $EXPERT_ID, $LAYER_ID_OFFSET)",
+                                 e, name=n)
+    if not used:
+        return [e]
+    src_side, dst_side = (e.rhs, e.lhs) if ctx.reverse else (e.lhs, e.rhs)
+    template = next((n for n in src_side if all(f"${p}" in n for p in used)), None)
+    tries: list[tuple[str, KeySet | None, str]] = []
+    if template is not None:
+        tries = [(template, ctx.source, "source"), (template, None, "temporary")]
+    else:
+        template = next((n for n in dst_side if all(f"${p}" in n for p in used)), None)
         if template is None:
             raise AOASyntaxError(f"no name of this statement contains every placeholder used "
                                  f"({', '.join('$' + p for p in used)}), so their values cannot be matched jointly",
                                  e)
-        order = [m.group(1) for m in _PLACEHOLDER.finditer(template)]
-        order = list(dict.fromkeys(order))
-        tuples = _match_ids(template, keys, order)
-        if not tuples:
-            raise _zero_match("placeholder pattern", _strip_t(template), keys,
-                              "source" if keys is ctx.source else "destination", e)
-        for t in tuples:
-            def sub(n: str, t=t) -> str:
-                for p, v in zip(order, t):
-                    n = n.replace(f"${p}", str(v))
-                return n
-            out.append(e.derive("$LAYER_ID/$EXPERT_ID", [sub(n) for n in e.lhs], [sub(n) for n in e.rhs],
-                                keyword=e.keyword))
+        keys = ctx.destination if ctx.destination is not None else ctx.source
+        tries = [(template, keys, "destination" if keys is ctx.destination else "source")]
+    order = list(dict.fromkeys(m.group(1) for m in _PLACEHOLDER.finditer(template)))
+    tuples: list[tuple[int, ...]] = []
+    for _, keys, side in tries:
+        keys = temps.keys() if side == "temporary" else keys
+        if keys is not None:
+            tuples = _match_ids(template, keys, order)
+            if tuples:
+                break
+    if not tuples:
+        raise _zero_match("placeholder pattern", _strip_t(template), tries[0][1], tries[0][2], e)
+    out = []
+    for t in tuples:
+        def sub(n: str, t=t) -> str:
+            for p, v in zip(order, t):
+                n = n.replace(f"${p}", str(v))
+            return n
+        out.append(e.derive("$LAYER_ID/$EXPERT_ID", [sub(n) for n in e.lhs], [sub(n) for n in e.rhs],
+                            keyword=e.keyword))
     return out
 
 
@@ -275,6 +355,9 @@ def macro_array(exprs: list[Expr], ctx: MacroContext) -> list[Expr]:
                 if not 0 <= a < b:
                     raise AOASyntaxError(f"array range [{a}:{b}] of {m.group(1)!r} must satisfy 0 <= a < b", e,
                                          name=n)
+                if b - a > MAX_EXPANSION:
+                    raise AOASyntaxError(f"array range [{a}:{b}] of {m.group(1)!r} expands to {b - a} names, more "
+                                         f"than the limit of {MAX_EXPANSION}", e, name=n)
                 res.extend(f"{m.group(1)}_{i}" for i in range(a, b))
             return res
         out.append(e.derive("array [a:b]", expand(e.lhs), expand(e.rhs), keyword=e.keyword))
@@ -285,7 +368,7 @@ def macro_star(exprs: list[Expr], ctx: MacroContext) -> list[Expr]:
     """``prefix*suffix`` -> every key ``prefix<digits>suffix`` sorted by the number."""
     out = []
     for e in exprs:
-        if not any("*" in n for n in e.names()):
+        if not any("*" in n for n in e.names()) or any("**" in n for n in e.names()):  # '**': macro_rest
             out.append(e)
             continue
 
@@ -311,6 +394,44 @@ def macro_star(exprs: list[Expr], ctx: MacroContext) -> list[Expr]:
         lside, rside = ("destination", "source") if ctx.reverse else ("source", "destination")
         out.append(e.derive("star *", expand(e.lhs, ctx.left, lside), expand(e.rhs, ctx.right, rside),
                             keyword=e.keyword))
+    return out
+
+
+def macro_rest(exprs: list[Expr], ctx: MacroContext) -> list[Expr]:
+    """``**`` (an extension): ``model.** -> **`` renames every source key ``model.<anything>`` that no other
+    statement reads to ``<anything>`` (prefix renames, e.g. dropping HF's ``model.`` prefix around the
+    statements that fuse q/k/v). Every name of the statement holds ``**`` exactly once; optimizer states follow
+    their model keys as usual."""
+    if not any("**" in n for e in exprs for n in e.names()):
+        return exprs
+    read = set()
+    for e in exprs:
+        if not any("**" in n for n in e.names()):
+            read.update(_strip_t(n) for n in (e.rhs if ctx.reverse else e.lhs))
+    keys = ctx.source
+    model = [k for k in keys.keys if not (split_optimizer_suffix(k)[1] and split_optimizer_suffix(k)[0] in keys)]
+    out = []
+    for e in exprs:
+        if not any("**" in n for n in e.names()):
+            out.append(e)
+            continue
+        for n in e.names():
+            if _strip_t(n).count("**") != 1 or "*" in _strip_t(n).replace("**", ""):
+                raise AOASyntaxError(f"{n!r}: with '**' every name of the statement holds '**' exactly once (and no "
+                                     "other '*')", e, name=n)
+        src_side = e.rhs if ctx.reverse else e.lhs
+        if len(src_side) != 1:
+            raise AOASyntaxError("a '**' statement reads one name", e, name=src_side[0])
+        prefix, suffix = _strip_t(src_side[0]).split("**")
+        hits = [k for k in model if k.startswith(prefix) and k.endswith(suffix) and len(k) > len(prefix) + len(suffix)
+                and k not in read]
+        if not hits:
+            raise _zero_match("pattern", _strip_t(src_side[0]), ctx.source, "source", e)
+        for k in hits:
+            mid = k[len(prefix):len(k) - len(suffix)]
+            out.append(e.derive("rest **", [n.replace("**", mid) for n in e.lhs], [n.replace("**", mid) for n in e.rhs],
+                                keyword=e.keyword))
+            read.add(k)
     return out
 
 
@@ -357,6 +478,9 @@ def _int_param(e: Expr, name: str) -> int:
         raise AOASyntaxError(f"{e.keyword} needs the parameter {name}=", e, name=e.keyword)
     if not isinstance(v, int) or v <= 0:
         raise AOASyntaxError(f"{e.keyword}: {name} must be a positive integer, got {v!r}", e, name=name)
+    if v > MAX_EXPANSION:
+        raise AOASyntaxError(f"{e.keyword}: {name}={v} is more than the limit of {MAX_EXPANSION} pieces", e,
+                             name=name)
     return v
 
 
@@ -428,18 +552,22 @@ def _fused_qkv_old(e: Expr, ctx: MacroContext) -> list[Expr]:
         return out
     stage = "fused_qkv_old"
     qs, ks, vs = ([f"{t}.{c}_{i}" for i in range(n)] for c, n in (("Q", h), ("K", kv), ("V", kv)))
+    def count(name: str, side: str) -> int:
+        n = ctx.shard_count(name, side, e)
+        ctx.record_layout(e, name, side, n)
+        return n
     if len(e.lhs) == 1 and len(e.rhs) == 1:
         x, y = e.lhs[0], e.rhs[0]
-        return [e.derive(stage, [x], layout(ctx.shard_count(x, "left", e), x), ax),
-                e.derive(stage, layout(ctx.shard_count(y, "right", e), y), [y], ax)]
+        return [e.derive(stage, [x], layout(count(x, "left"), x), ax),
+                e.derive(stage, layout(count(y, "right"), y), [y], ax)]
     if len(e.lhs) == 1 and len(e.rhs) == 3:
         x = e.lhs[0]
-        return [e.derive(stage, [x], layout(ctx.shard_count(x, "left", e), x), ax)] + \
+        return [e.derive(stage, [x], layout(count(x, "left"), x), ax)] + \
             [e.derive(stage, names, [d], ax) for names, d in zip((qs, ks, vs), e.rhs)]
     if len(e.lhs) == 3 and len(e.rhs) == 1:
         y = e.rhs[0]
         return [e.derive(stage, [s], names, ax) for names, s in zip((qs, ks, vs), e.lhs)] + \
-            [e.derive(stage, layout(ctx.shard_count(y, "right", e), y), [y], ax)]
+            [e.derive(stage, layout(count(y, "right"), y), [y], ax)]
     raise AOASyntaxError(f"fused_qkv_old takes 1 -> 1, 1 -> 3 or 3 -> 1 names, got {len(e.lhs)} -> {len(e.rhs)}",
                          e, name=e.keyword)
 
@@ -459,17 +587,21 @@ def _fused_ffn(e: Expr, ctx: MacroContext) -> list[Expr]:
     if len(e.lhs) == 1 and len(e.rhs) == 1:
         x, y = e.lhs[0], e.rhs[0]
         ts, td = ctx.shard_count(x, "left", e), ctx.shard_count(y, "right", e)
+        ctx.record_layout(e, x, "left", ts)
+        ctx.record_layout(e, y, "right", td)
         n = math.lcm(ts, td)
         return [e.derive(stage, [x], layout(ts, n), ax), e.derive(stage, layout(td, n), [y], ax)]
     if len(e.lhs) == 1 and len(e.rhs) == 2:
         x = e.lhs[0]
         n = ctx.shard_count(x, "left", e)
+        ctx.record_layout(e, x, "left", n)
         return [e.derive(stage, [x], layout(n, n), ax),
                 e.derive(stage, [f"{t}.GATE_{i}" for i in range(n)], [e.rhs[0]], ax),
                 e.derive(stage, [f"{t}.UP_{i}" for i in range(n)], [e.rhs[1]], ax)]
     if len(e.lhs) == 2 and len(e.rhs) == 1:
         y = e.rhs[0]
         n = ctx.shard_count(y, "right", e)
+        ctx.record_layout(e, y, "right", n)
         return [e.derive(stage, [e.lhs[0]], [f"{t}.GATE_{i}" for i in range(n)], ax),
                 e.derive(stage, [e.lhs[1]], [f"{t}.UP_{i}" for i in range(n)], ax),
                 e.derive(stage, layout(n, n), [y], ax)]
@@ -497,6 +629,7 @@ MACROS: tuple[tuple[str, Callable[[list[Expr], MacroContext], list[Expr]]], ...]
     ("$LAYER_ID/$EXPERT_ID", macro_ids),
     ("array [a:b]", macro_array),
     ("star *", macro_star),
+    ("rest **", macro_rest),
     ("chain recorder", macro_record_chain),
     ("transpose ^T", macro_transpose),
     ("fused", macro_fused),

@@ -1,4 +1,4 @@
-"""Parse AOA statement strings into :class:`Expr` objects (FlexCheckpoint spec, section 2.3).
+"""Parse AOA statement strings into :class:`Expr` objects (docs/aoa.md, "Grammar").
 
 Grammar (names may still hold macro syntax at this stage: ``$LAYER_ID``, ``*``, ``^T``, ``name[a:b]``)::
 

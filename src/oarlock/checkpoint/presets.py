@@ -1,0 +1,458 @@
+"""Presets: ready-made AOA configs for HuggingFace architectures, one declarative table per architecture.
+
+A preset maps the keys of a ``save_pretrained`` directory to a *training layout* -- Q/K/V fused per KV group
+(AOA ``fused_qkv``), gate/up fused in the tensor-parallel-blocked ``fused_ffn`` layout, MoE experts' gate/up fused
+per expert -- and carries the TP rules that split that layout (column-parallel fused projections on axis 0,
+row-parallel output projections on axis 1, vocabulary-parallel embeddings). The same table read backwards
+(``aoa_config_reverse``) exports it to HF keys again, bit for bit. Head counts, KV heads, biases and tied
+embeddings come from the model's own ``config.json``.
+
+A table is a list of :class:`Row` s. Each row names HF key templates (``{L}`` = ``$LAYER_ID``, ``{E}`` =
+``$EXPERT_ID``; a leading ``/`` = outside the architecture's key prefix such as ``model.``), training-layout key
+templates, an operation, and the config feature it depends on. Rows become AOA statements (:func:`statements`);
+the explicit export statements (:func:`export_statements`) come from the same rows. The Llama family's training
+layout is :class:`oarlock.models.llama.Llama` 's key set (no ``model.`` prefix); other architectures keep their
+HF names except for the fused tensors, and every key no row names passes through unchanged.
+
+Usage::
+
+    load_state_dict(model.state_dict(), "hf_dir", aoa_config=preset("llama", "hf_dir"))
+    convert_checkpoint("hf_dir", "ckpt", aoa_config=cfg := preset("hf_dir"), tp=2, tp_rules=cfg["tp_rules"])
+    export_hf("ckpt", "hf_out", aoa_config=preset("hf_dir", reverse=True))
+
+or ``oarlock convert SRC DST --preset NAME --tp N`` and ``oarlock aoa explain --preset NAME --source SRC``.
+The language and the layouts are described in docs/aoa.md ("Presets").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from oarlock.checkpoint.errors import CheckpointError
+
+
+class PresetError(CheckpointError):
+    """A preset cannot be built: unknown name, unreadable ``config.json``, or a config of another architecture
+    (the message names the preset, the ``model_type`` found and the presets that fit)."""
+
+
+@dataclass(frozen=True)
+class Row:
+    """One mapping of a preset table.
+
+    ``op``: ``"rename"`` (one HF key -> one key), ``"T"`` (HF stores ``[in, out]``: transposed), ``"qkv"``
+    (separate q, k, v -> ``fused_qkv``), ``"ffn"`` (separate gate, up -> ``fused_ffn``), ``"ffn_fused"`` (an
+    HF ``[gate; up]`` tensor -> the TP-blocked ``fused_ffn`` layout), ``"qkv_cat"`` / ``"qkv_cat_T"`` (an HF
+    ``[Q; K; V]`` tensor, optionally ``[in, out]`` -> ``fused_qkv`` order). ``when``: a feature of
+    :class:`Params` that must hold (``"qkv_bias"``, ``"o_bias"``, ``"mlp_bias"``, ``"untied"``, ``"gemma2"``,
+    ...), ``None`` = always.
+    """
+
+    op: str
+    hf: tuple[str, ...]
+    model: str
+    when: str | None = None
+
+
+@dataclass(frozen=True)
+class Params:
+    """What a table needs from ``config.json``: query heads ``h``, KV heads ``g``, and feature flags."""
+
+    h: int
+    g: int
+    features: frozenset[str]
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """A preset: its name, the ``model_type`` values it accepts, the HF key prefix, the rows and the TP rules
+    (``[(glob, axis or None)]``, first match wins, for :func:`oarlock.checkpoint.convert.resolve_tp_rules`)."""
+
+    name: str
+    model_types: tuple[str, ...]
+    prefix: str
+    rows: tuple[Row, ...]
+    tp_rules: tuple[tuple[str, int | None], ...]
+    features: tuple[str, ...] = ()  # features always on for this architecture (e.g. Qwen2's q/k/v biases)
+
+
+def _r(op: str, hf: str | tuple[str, ...], model: str, when: str | None = None) -> Row:
+    return Row(op, (hf,) if isinstance(hf, str) else tuple(hf), model, when)
+
+
+def _same(*names: str, when: str | None = None) -> tuple[Row, ...]:
+    return tuple(_r("rename", n, n, when) for n in names)
+
+
+# ---------------------------------------------------------------- row groups (Llama-style decoders)
+_A = "layers.{L}.self_attn."
+_M = "layers.{L}.mlp."
+DECODER_BASE = (
+    *_same("embed_tokens.weight", "layers.{L}.input_layernorm.weight", "layers.{L}.post_attention_layernorm.weight",
+           "norm.weight"),
+    *_same("layers.{L}.pre_feedforward_layernorm.weight", "layers.{L}.post_feedforward_layernorm.weight",
+           when="gemma2"),
+    _r("rename", "/lm_head.weight", "lm_head.weight", "untied"),
+)
+ATTENTION = (
+    _r("qkv", (_A + "q_proj.weight", _A + "k_proj.weight", _A + "v_proj.weight"), _A + "qkv_proj.weight"),
+    _r("qkv", (_A + "q_proj.bias", _A + "k_proj.bias", _A + "v_proj.bias"), _A + "qkv_proj.bias", "qkv_bias"),
+    _r("rename", _A + "o_proj.weight", _A + "o_proj.weight"),
+    _r("rename", _A + "o_proj.bias", _A + "o_proj.bias", "o_bias"),
+)
+DENSE_MLP = (
+    _r("ffn", (_M + "gate_proj.weight", _M + "up_proj.weight"), _M + "gate_up_proj.weight"),
+    _r("rename", _M + "down_proj.weight", _M + "down_proj.weight"),
+    _r("ffn", (_M + "gate_proj.bias", _M + "up_proj.bias"), _M + "gate_up_proj.bias", "mlp_bias"),
+    _r("rename", _M + "down_proj.bias", _M + "down_proj.bias", "mlp_bias"),
+)
+_X = _M + "experts.{E}."
+QWEN_MOE = (
+    _r("rename", _M + "gate.weight", _M + "gate.weight"),
+    _r("ffn", (_X + "gate_proj.weight", _X + "up_proj.weight"), _X + "gate_up_proj.weight"),
+    _r("rename", _X + "down_proj.weight", _X + "down_proj.weight"),
+)
+_S = _M + "shared_expert."
+QWEN_SHARED = (
+    _r("ffn", (_S + "gate_proj.weight", _S + "up_proj.weight"), _S + "gate_up_proj.weight", "shared_expert"),
+    _r("rename", _S + "down_proj.weight", _S + "down_proj.weight", "shared_expert"),
+    _r("rename", _M + "shared_expert_gate.weight", _M + "shared_expert_gate.weight", "shared_expert"),
+)
+_B = "layers.{L}.block_sparse_moe."
+MIXTRAL_MOE = (
+    _r("rename", _B + "gate.weight", _M + "gate.weight"),
+    _r("ffn", (_B + "experts.{E}.w1.weight", _B + "experts.{E}.w3.weight"), _X + "gate_up_proj.weight"),
+    _r("rename", _B + "experts.{E}.w2.weight", _X + "down_proj.weight"),
+)
+PHI3 = (
+    _r("qkv_cat", _A + "qkv_proj.weight", _A + "qkv_proj.weight"),
+    _r("rename", _A + "o_proj.weight", _A + "o_proj.weight"),
+    _r("ffn_fused", _M + "gate_up_proj.weight", _M + "gate_up_proj.weight"),
+    _r("rename", _M + "down_proj.weight", _M + "down_proj.weight"),
+)
+_D = "model.layers.{L}."
+_DS = _D + "mlp.shared_experts."
+DEEPSEEK_V3 = (  # MLA projections keep their names (TP rules below); dense first layers and experts fuse gate/up
+    _r("ffn", (_D + "mlp.gate_proj.weight", _D + "mlp.up_proj.weight"), _D + "mlp.gate_up_proj.weight"),
+    _r("ffn", (_D + "mlp.experts.{E}.gate_proj.weight", _D + "mlp.experts.{E}.up_proj.weight"),
+       _D + "mlp.experts.{E}.gate_up_proj.weight"),
+    _r("ffn", (_DS + "gate_proj.weight", _DS + "up_proj.weight"), _DS + "gate_up_proj.weight"),
+)
+_G = "transformer.h.{L}."
+GPT2 = (  # Conv1D weights are [in, out]: transposed into torch's [out, in]
+    _r("qkv_cat_T", _G + "attn.c_attn.weight", _G + "attn.qkv_proj.weight"),
+    _r("qkv_cat", _G + "attn.c_attn.bias", _G + "attn.qkv_proj.bias"),
+    _r("T", _G + "attn.c_proj.weight", _G + "attn.o_proj.weight"),
+    _r("rename", _G + "attn.c_proj.bias", _G + "attn.o_proj.bias"),
+    _r("T", _G + "mlp.c_fc.weight", _G + "mlp.up_proj.weight"),
+    _r("rename", _G + "mlp.c_fc.bias", _G + "mlp.up_proj.bias"),
+    _r("T", _G + "mlp.c_proj.weight", _G + "mlp.down_proj.weight"),
+    _r("rename", _G + "mlp.c_proj.bias", _G + "mlp.down_proj.bias"),
+)
+_E = "encoder.layer.{L}.attention.self."
+BERT = (
+    _r("qkv", (_E + "query.weight", _E + "key.weight", _E + "value.weight"), _E + "qkv_proj.weight"),
+    _r("qkv", (_E + "query.bias", _E + "key.bias", _E + "value.bias"), _E + "qkv_proj.bias"),
+)
+
+# TP rules of the training layouts (torch [out, in] weights). Fused q/k/v and gate/up are split on axis 0: a
+# fused_qkv row block holds whole KV groups per rank when tp divides the KV heads, and fused_ffn is written for tp.
+_COLUMN = ["*qkv_proj.weight", "*qkv_proj.bias", "*gate_up_proj.weight", "*gate_up_proj.bias", "*up_proj.weight",
+           "*up_proj.bias", "*q_b_proj.weight", "*kv_b_proj.weight", "*intermediate.dense.weight",
+           "*intermediate.dense.bias"]
+_ROW = ["*o_proj.weight", "*down_proj.weight", "*attention.output.dense.weight", "*layer.*.output.dense.weight"]
+_VOCAB = ["*embed_tokens.weight", "lm_head.weight", "*.wte.weight", "*word_embeddings.weight"]
+TP_RULES = tuple([(p, 0) for p in _VOCAB] + [(p, 0) for p in _COLUMN] + [(p, 1) for p in _ROW])
+
+_LLAMA_LIKE = DECODER_BASE + ATTENTION + DENSE_MLP
+ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
+    Architecture("llama", ("llama", "mistral"), "model.", _LLAMA_LIKE, TP_RULES),
+    Architecture("qwen2", ("qwen2",), "model.", _LLAMA_LIKE, TP_RULES, features=("qkv_bias",)),
+    Architecture("qwen2_moe", ("qwen2_moe",), "model.", DECODER_BASE + ATTENTION + QWEN_MOE + QWEN_SHARED, TP_RULES,
+                 features=("qkv_bias",)),
+    Architecture("mixtral", ("mixtral",), "model.", DECODER_BASE + ATTENTION + MIXTRAL_MOE, TP_RULES),
+    Architecture("gemma", ("gemma",), "model.", _LLAMA_LIKE, TP_RULES),
+    Architecture("gemma2", ("gemma2",), "model.", _LLAMA_LIKE, TP_RULES, features=("gemma2",)),
+    Architecture("phi3", ("phi3",), "model.", DECODER_BASE + PHI3, TP_RULES),
+    Architecture("deepseek_v3", ("deepseek_v3",), "", DEEPSEEK_V3, TP_RULES),
+    Architecture("gpt2", ("gpt2",), "", GPT2, TP_RULES),
+    Architecture("bert", ("bert",), "", BERT, TP_RULES),
+)}
+ALIASES = {"mistral": "llama", "smollm2": "llama", "smollm": "llama", "qwen2-moe": "qwen2_moe",
+           "deepseek-v3": "deepseek_v3", "minilm": "bert"}
+
+
+def _features(arch: Architecture, cfg: Mapping[str, Any]) -> frozenset[str]:
+    f = set(arch.features)
+    if cfg.get("attention_bias"):
+        f |= {"qkv_bias", "o_bias"}
+    if cfg.get("qkv_bias"):
+        f.add("qkv_bias")
+    if cfg.get("mlp_bias"):
+        f.add("mlp_bias")
+    if not cfg.get("tie_word_embeddings", arch.name in ("gemma", "gemma2", "gpt2", "bert")):
+        f.add("untied")
+    if cfg.get("shared_expert_intermediate_size"):
+        f.add("shared_expert")
+    return frozenset(f)
+
+
+def params_from_config(arch: Architecture, cfg: Mapping[str, Any]) -> Params:
+    """Head counts and features of an HF ``config.json`` dict for ``arch``.
+
+    Raises:
+        PresetError: head counts missing or inconsistent (naming the fields).
+    """
+    h = cfg.get("num_attention_heads", cfg.get("n_head"))
+    g = cfg.get("num_key_value_heads") or h
+    if not isinstance(h, int) or not isinstance(g, int) or h <= 0 or g <= 0 or h % g:
+        raise PresetError(f"preset {arch.name!r}: config.json needs positive num_attention_heads (or n_head) "
+                          f"divisible by num_key_value_heads; got {h!r} and {g!r}")
+    return Params(h, g, _features(arch, cfg))
+
+
+def _expand(template: str, prefix: str) -> str:
+    t = template.replace("{L}", "$LAYER_ID").replace("{E}", "$EXPERT_ID")
+    return t[1:] if t.startswith("/") else prefix + t
+
+
+def _model_name(template: str) -> str:
+    return template.replace("{L}", "$LAYER_ID").replace("{E}", "$EXPERT_ID")
+
+
+def _gqa_pieces(base: str, p: Params) -> tuple[list[str], list[str]]:
+    """Temporaries for an HF ``[Q; K; V]`` tensor cut into head pieces: (natural order, fused_qkv order)."""
+    names = [f"{base}.head_{i}" for i in range(p.h + 2 * p.g)]
+    r = p.h // p.g
+    order = []
+    for j in range(p.g):
+        order += names[j * r:(j + 1) * r] + [names[p.h + j], names[p.h + p.g + j]]
+    return names, order
+
+
+def row_statements(row: Row, prefix: str, p: Params) -> list[str]:
+    """The AOA statements (HF -> training layout) of one row."""
+    hf = [_expand(n, prefix) for n in row.hf]
+    m = _model_name(row.model)
+    qkv = f"fused_qkv, num_heads={p.h}, num_key_value_groups={p.g}, axis=0"
+    if row.op == "rename":
+        return [f"{hf[0]} -> {m}"]
+    if row.op == "T":
+        return [f"{hf[0]}^T -> {m}"]
+    if row.op == "qkv":
+        return [f"{', '.join(hf)} -> {m}, {qkv}"]
+    if row.op == "ffn":
+        return [f"{', '.join(hf)} -> {m}, fused_ffn, axis=0"]
+    if row.op == "ffn_fused":
+        return [f"{hf[0]} -> {m}, fused_ffn, axis=0"]
+    if row.op in ("qkv_cat", "qkv_cat_T"):
+        natural, order = _gqa_pieces(m, p)
+        t = "^T" if row.op == "qkv_cat_T" else ""
+        return [f"{hf[0]}{t} -> {', '.join(natural)}, axis=0", f"{', '.join(order)} -> {m}, axis=0"]
+    raise AssertionError(row.op)
+
+
+def row_export_statements(row: Row, prefix: str, p: Params) -> list[str]:
+    """The explicit inverse of :func:`row_statements` (training layout -> HF), for rows whose inverse is one
+    statement (rename, T, qkv, ffn, ffn_fused); ``aoa_config_reverse`` inverts every row."""
+    hf = [_expand(n, prefix) for n in row.hf]
+    m = _model_name(row.model)
+    qkv = f"fused_qkv, num_heads={p.h}, num_key_value_groups={p.g}, axis=0"
+    if row.op == "rename":
+        return [f"{m} -> {hf[0]}"]
+    if row.op == "T":
+        return [f"{m}^T -> {hf[0]}"]
+    if row.op == "qkv":
+        return [f"{m} -> {', '.join(hf)}, {qkv}"]
+    if row.op == "ffn":
+        return [f"{m} -> {', '.join(hf)}, fused_ffn, axis=0"]
+    if row.op == "ffn_fused":
+        return [f"{m} -> {hf[0]}, fused_ffn, axis=0"]
+    raise PresetError(f"row {row.op} of {row.hf[0]!r} has no single-statement inverse: use aoa_config_reverse")
+
+
+def _rows(arch: Architecture, p: Params) -> list[Row]:
+    return [r for r in arch.rows if r.when is None or r.when in p.features]
+
+
+def statements(arch: Architecture, p: Params) -> list[str]:
+    """Every AOA statement (HF -> training layout) of ``arch`` for ``p``."""
+    return [s for r in _rows(arch, p) for s in row_statements(r, arch.prefix, p)]
+
+
+def export_statements(arch: Architecture, p: Params) -> list[str]:
+    """The explicit export statements (training layout -> HF) of ``arch`` for ``p``."""
+    return [s for r in _rows(arch, p) for s in row_export_statements(r, arch.prefix, p)]
+
+
+def _read_config(config: Any) -> dict[str, Any]:
+    if isinstance(config, Mapping):
+        return dict(config)
+    if hasattr(config, "to_dict"):  # a transformers PretrainedConfig
+        return dict(config.to_dict())
+    if isinstance(config, (str, os.PathLike)):
+        path = Path(config)
+        if path.is_dir():
+            path = path / "config.json"
+        try:
+            data = json.loads(path.read_text())
+        except OSError as e:
+            raise PresetError(f"{path}: cannot read the model config: {e.strerror or e}") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise PresetError(f"{path}: not a JSON config.json: {e}") from None
+        if not isinstance(data, dict):
+            raise PresetError(f"{path}: config.json must hold a JSON object")
+        return data
+    raise PresetError(f"config must be a config.json path, a checkpoint directory, a dict or a transformers config; "
+                      f"got {type(config).__name__}")
+
+
+def architecture(name: str) -> Architecture:
+    """The preset table called ``name`` (aliases: ``mistral``, ``smollm2`` -> ``llama``, ``minilm`` -> ``bert``).
+
+    Raises:
+        PresetError: unknown name, listing the known ones.
+    """
+    key = ALIASES.get(name.lower(), name.lower())
+    if key not in ARCHITECTURES:
+        raise PresetError(f"unknown preset {name!r}; known presets: {', '.join(sorted(ARCHITECTURES))} "
+                          f"(aliases: {', '.join(sorted(ALIASES))}), or 'auto' to use config.json's model_type")
+    return ARCHITECTURES[key]
+
+
+def preset(name: str | os.PathLike, config: Any = None, *, reverse: bool = False) -> dict[str, Any]:
+    """An AOA config for an HF architecture, built from the model's ``config.json``.
+
+    Args:
+        name: a preset name (see :data:`ARCHITECTURES`; ``"auto"`` = from ``config["model_type"]``), or a
+            checkpoint directory holding ``config.json`` (then ``config`` may be omitted: ``"auto"`` with it).
+        config: ``config.json`` as a path (file or its directory), a dict, or a transformers config.
+        reverse: the export direction (training layout -> HF): ``aoa_config_reverse`` set.
+
+    Returns:
+        ``{"aoa_statements": [...], "aoa_config_reverse": reverse, "tp_rules": [[glob, axis], ...],
+        "preset": name}``: pass it as ``aoa_config=`` anywhere, and ``tp_rules`` to ``convert_checkpoint``.
+
+    Raises:
+        PresetError: unknown preset, unreadable config, or a config whose ``model_type`` this preset does not
+            cover (the message names both and the preset that fits, if any).
+    """
+    if config is None and Path(name).is_dir():
+        config, name = name, "auto"
+    if config is None:
+        raise PresetError(f"preset {str(name)!r} needs the model's config.json (config=PATH, dict or "
+                          "transformers config)")
+    cfg = _read_config(config)
+    model_type = cfg.get("model_type")
+    if str(name) == "auto":
+        fits = [a for a in ARCHITECTURES.values() if model_type in a.model_types]
+        if not fits:
+            raise PresetError(f"no preset for model_type {model_type!r}; known presets: "
+                              f"{', '.join(sorted(ARCHITECTURES))}")
+        arch = fits[0]
+    else:
+        arch = architecture(str(name))
+        if model_type not in arch.model_types:
+            fits = [a.name for a in ARCHITECTURES.values() if model_type in a.model_types]
+            raise PresetError(f"preset {arch.name!r} is for model_type {', '.join(arch.model_types)}, but the config "
+                              f"says model_type={model_type!r}" + (f": use preset {fits[0]!r}" if fits else ""))
+    p = params_from_config(arch, cfg)
+    return {"aoa_statements": statements(arch, p), "aoa_config_reverse": bool(reverse),
+            "tp_rules": [list(r) for r in arch.tp_rules], "preset": arch.name}
+
+
+def rotary_permutation_statements(source: str, destination: str, num_heads: int, head_dim: int, *,
+                                  to_hf: bool = True) -> list[str]:
+    """AOA statements that permute the rows of a q/k projection between Meta's interleaved rotary layout
+    (``consolidated.pth``, GGUF) and HF's half-split layout, without a ``reshape=`` primitive: the rows are cut into
+    single rows (``split``) and concatenated in the new order (``concat``), all on axis 0.
+
+    HF's conversion script computes ``w.view(H, D // 2, 2, -1).transpose(1, 2).reshape(H * D, -1)`` (Meta -> HF):
+    within each head, HF row ``i * D/2 + j`` is Meta row ``2 * j + i``. ``to_hf=False`` gives the inverse.
+    ``source``/``destination`` may hold ``$LAYER_ID``. Shapes: ``[num_heads * head_dim, in]`` both sides.
+
+    Raises:
+        PresetError: an odd ``head_dim`` or non-positive sizes.
+    """
+    if num_heads <= 0 or head_dim <= 0 or head_dim % 2:
+        raise PresetError(f"rotary permutation needs positive num_heads and an even head_dim, got {num_heads}, "
+                          f"{head_dim}")
+    rows = [f"{destination}.rotary_row_{r}" for r in range(num_heads * head_dim)]
+    order = []
+    half = head_dim // 2
+    for h in range(num_heads):
+        for i in range(2):
+            for j in range(half):
+                meta = h * head_dim + 2 * j + i  # HF row h*D + i*half + j comes from this Meta row
+                order.append(meta)
+    if not to_hf:  # the inverse permutation
+        inv = [0] * len(order)
+        for new, old in enumerate(order):
+            inv[old] = new
+        order = inv
+    return [f"{source} -> {', '.join(rows)}, axis=0", f"{', '.join(rows[r] for r in order)} -> {destination}, axis=0"]
+
+
+def reference_convert(arch: Architecture, p: Params, hf_state_dict: Mapping[str, Any], *,
+                      tp: int = 1) -> dict[str, Any]:
+    """Plain-torch execution of a preset table (the test oracle for its AOA statements): HF tensors -> the
+    training layout whose TP-blocked ``fused_ffn`` tensors are laid out for degree ``tp``. Keys no row names pass
+    through unchanged, as under AOA.
+
+    Raises:
+        PresetError: a row template that matches no key of ``hf_state_dict``.
+    """
+    import re
+
+    import torch
+
+    def regex(template: str) -> re.Pattern:
+        t = re.escape(_expand(template, arch.prefix))
+        return re.compile(t.replace(re.escape("$LAYER_ID"), r"(?P<L>\d+)").replace(re.escape("$EXPERT_ID"),
+                                                                                      r"(?P<E>\d+)"))
+
+    def fill(template: str, ids: Mapping[str, str]) -> str:
+        return template.replace("{L}", ids.get("L", "{L}")).replace("{E}", ids.get("E", "{E}"))
+
+    def blocked(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x for r in range(tp) for x in (gate.chunk(tp)[r], up.chunk(tp)[r])])
+
+    def gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        qs, ks, vs, r = q.chunk(p.h), k.chunk(p.g), v.chunk(p.g), p.h // p.g
+        return torch.cat([x for j in range(p.g) for x in (*qs[j * r:(j + 1) * r], ks[j], vs[j])])
+
+    out: dict[str, Any] = {}
+    used: set[str] = set()
+    for row in _rows(arch, p):
+        rx = regex(row.hf[0])
+        matches = [m for k in hf_state_dict if (m := rx.fullmatch(k))]
+        if not matches:
+            raise PresetError(f"preset {arch.name!r}: no HF key matches {_expand(row.hf[0], arch.prefix)!r}")
+        for m in matches:
+            ids = {k: v for k, v in m.groupdict().items() if v is not None}
+            names = [_expand(fill(t, ids), arch.prefix) for t in row.hf]
+            src = [hf_state_dict[n] for n in names]
+            used.update(names)
+            if row.op == "rename":
+                val = src[0]
+            elif row.op == "T":
+                val = src[0].T
+            elif row.op == "qkv":
+                val = gqa(*src)
+            elif row.op == "ffn":
+                val = blocked(*src)
+            elif row.op == "ffn_fused":
+                val = blocked(*src[0].chunk(2))
+            else:  # qkv_cat, qkv_cat_T: HF [Q; K; V] rows
+                w = src[0].T if row.op == "qkv_cat_T" else src[0]
+                d = w.shape[0] // (p.h + 2 * p.g)
+                val = gqa(w[:p.h * d], w[p.h * d:(p.h + p.g) * d], w[(p.h + p.g) * d:])
+            out[fill(row.model, ids)] = val
+    for k, v in hf_state_dict.items():
+        if k not in used:
+            out.setdefault(k, v)
+    return out
