@@ -112,22 +112,206 @@ def progress(iterable: Iterable[T], *, desc: str, total: int | None = None, unit
                      file=sys.stderr, dynamic_ncols=True, leave=False))
 
 
+class _ArrayState:
+    """Stand-in for an array under construction (numpy's ``_reconstruct`` followed by BUILD): keeps the state
+    until :meth:`AllowlistUnpickler.load` checks it and builds the array from its bytes."""
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+
+class _DtypeState:
+    """Stand-in for a numpy dtype under construction (``numpy.dtype(spec, align, copy)`` then BUILD)."""
+
+    def __init__(self, spec: Any):
+        self.spec, self.state = spec, None
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def __repr__(self) -> str:
+        return f"dtype({self.spec!r})"
+
+
+_MAX_NESTING = 200  # containers nested deeper than this in a pickle are refused
+
+
 class AllowlistUnpickler(pickle.Unpickler):
     """A :class:`pickle.Unpickler` that resolves a global only when ``admit(module, name)`` returns it.
 
     Plain containers, strings and numbers never reach ``find_class``, so ``admit=lambda m, n: None`` reads
     pure-data pickles (PyTorch memory snapshots) and refuses everything else. A refused global raises
     ``refuse(message)`` (the caller's own error class) before any code runs.
+
+    numpy is never trusted, whatever ``admit`` returns: arrays (``ndarray``, ``_reconstruct`` + state),
+    scalars and dtypes are built by this class from checked values, never by numpy's own unpickling code, so that
+    file bytes can never become pointers: only plain numeric/bool dtypes (no object, structured, sub-array or
+    string dtypes), byte buffers exactly as long as the shape says (a huge shape with few bytes is refused before
+    any allocation), no ndarray subclasses; any other numpy global is refused. Containers nested more than
+    200 deep are refused too.
     """
 
     def __init__(self, file: Any, admit: Callable[[str, str], Any], refuse: Callable[[str], Exception],
                  source: str = "<pickle>", admitted_desc: str = "plain containers"):
         super().__init__(file)
         self._admit, self._refuse, self._source, self._desc = admit, refuse, source, admitted_desc
+        self._stand_ins = 0
 
     def find_class(self, module: str, name: str) -> Any:
         obj = self._admit(module, name)
         if obj is None:
             raise self._refuse(f"{self._source}: refuses to unpickle {module}.{name} "
                                f"(only {self._desc} are admitted)")
+        if module == "numpy" or module.startswith("numpy."):
+            return self._numpy_stand_in(obj, f"{module}.{name}")
         return obj
+
+    def load(self) -> Any:
+        obj = super().load()
+        if self._stand_ins:
+            try:
+                obj = self._finish(obj, {}, 0)
+            except RecursionError:
+                raise self._refuse(f"{self._source}: nested too deeply") from None
+        return obj
+
+    # ------------------------------------------------------------ numpy, rebuilt from checked values
+
+    def _bad(self, what: str) -> Exception:
+        return self._refuse(f"{self._source}: refuses {what} (only arrays of plain numeric dtypes are built; "
+                            "object arrays would let file bytes become pointers)")
+
+    def _numpy_stand_in(self, obj: Any, qualname: str) -> Any:
+        import numpy as np
+
+        multiarray = np._core.multiarray if hasattr(np, "_core") else np.core.multiarray
+        if obj is np.ndarray:
+            return self._ndarray
+        if obj is getattr(multiarray, "_reconstruct", None):
+            return self._reconstruct
+        if obj is getattr(multiarray, "scalar", None):
+            return self._scalar
+        if obj is np.dtype:
+            return self._dtype_spec
+        if isinstance(obj, type) and issubclass(obj, np.dtype):  # numpy.dtypes.Float32DType & co.
+            return lambda *a: self._checked_dtype(obj(*a), qualname)
+        raise self._bad(f"the numpy global {qualname}")
+
+    def _checked_dtype(self, dt: Any, what: str = "dtype") -> Any:
+        import numpy as np
+
+        if isinstance(dt, _DtypeState):
+            dt = self._build_dtype(dt)
+        try:
+            dt = np.dtype(dt) if isinstance(dt, (str, type)) and dt not in (object, "O", "object") else dt
+        except TypeError:
+            raise self._bad(f"{what} {dt!r}") from None
+        if not isinstance(dt, np.dtype) or dt.hasobject or dt.fields is not None or dt.subdtype is not None \
+                or dt.kind not in "biufc" or dt.itemsize == 0:
+            raise self._bad(f"{what} {dt!r}")
+        return dt
+
+    def _dtype_spec(self, spec: Any = None, align: Any = False, copy: Any = False) -> _DtypeState:
+        if not isinstance(spec, str):
+            raise self._bad(f"a dtype built from {type(spec).__name__}")
+        self._stand_ins += 1
+        return _DtypeState(spec)
+
+    def _build_dtype(self, d: _DtypeState) -> Any:
+        import numpy as np
+
+        try:
+            dt = np.dtype(d.spec) if d.spec not in ("O", "O8", "O4", "object") else None
+        except TypeError:
+            dt = None
+        if dt is None:
+            raise self._bad(f"dtype {d.spec!r}")
+        st = d.state
+        if st is not None:  # (version, byte order, subarray, names, fields, itemsize, alignment, flags)
+            if not isinstance(st, tuple) or len(st) < 5 or any(x is not None for x in st[2:5]):
+                raise self._bad(f"dtype {d.spec!r} with state {st!r}")
+            if st[1] in ("<", ">"):
+                dt = dt.newbyteorder(st[1])
+        return self._checked_dtype(dt, f"dtype {d.spec!r}")
+
+    def _ndarray(self, shape: Any, dtype: Any = None, buffer: Any = None, offset: Any = 0, strides: Any = None,
+                 order: Any = None) -> Any:
+        import numpy as np
+
+        dt = self._checked_dtype(dtype if dtype is not None else "float64")
+        if not isinstance(buffer, (bytes, bytearray)) or strides is not None or not isinstance(offset, int):
+            raise self._bad("ndarray(...) without a byte buffer")
+        dims = self._shape(shape)
+        n = math.prod(dims) * dt.itemsize
+        if offset < 0 or offset + n > len(buffer):
+            raise self._bad(f"an array of shape {list(dims)} {dt} from {len(buffer)} bytes")
+        return np.frombuffer(buffer, dt, count=math.prod(dims), offset=offset).reshape(
+            dims, order="F" if order == "F" else "C").copy()
+
+    def _reconstruct(self, cls: Any, shape: Any = None, dtype: Any = None) -> _ArrayState:
+        if cls != self._ndarray:  # bound methods compare equal, never identical
+            raise self._bad(f"an array of class {getattr(cls, '__name__', cls)!r}")
+        self._stand_ins += 1
+        return _ArrayState()
+
+    def _scalar(self, dtype: Any, data: Any = None) -> Any:
+        import numpy as np
+
+        dt = self._checked_dtype(dtype)
+        if not isinstance(data, bytes) or len(data) != dt.itemsize:
+            raise self._bad(f"a {dt} scalar from {type(data).__name__}")
+        return np.frombuffer(data, dt)[0]
+
+    def _shape(self, shape: Any) -> tuple[int, ...]:
+        if isinstance(shape, int) and not isinstance(shape, bool):
+            shape = (shape,)
+        if not isinstance(shape, (tuple, list)) or len(shape) > 64 or not all(
+                isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shape):
+            raise self._bad(f"an array of shape {shape!r}")
+        return tuple(shape)
+
+    def _build_array(self, a: _ArrayState) -> Any:
+        import numpy as np
+
+        st = getattr(a, "state", None)
+        if isinstance(st, tuple) and len(st) == 5:
+            st = st[1:]  # (version, shape, dtype, is_fortran, raw)
+        if not isinstance(st, tuple) or len(st) != 4:
+            raise self._bad("an array without a state")
+        shape, dtype, fortran, raw = st
+        dt = self._checked_dtype(dtype)
+        dims = self._shape(shape)
+        if not isinstance(raw, (bytes, bytearray)) or len(raw) != math.prod(dims) * dt.itemsize:
+            raise self._bad(f"an array of shape {list(dims)} {dt} from "
+                            f"{len(raw) if isinstance(raw, (bytes, bytearray)) else type(raw).__name__} bytes")
+        return np.frombuffer(raw, dt).reshape(dims, order="F" if fortran else "C").copy()
+
+    def _finish(self, obj: Any, done: dict[int, Any], depth: int) -> Any:
+        """Replace the stand-ins in ``obj`` by the arrays and dtypes they describe (checked)."""
+        if depth > _MAX_NESTING:
+            raise self._refuse(f"{self._source}: nested more than {_MAX_NESTING} deep")
+        key = id(obj)
+        if key in done:
+            return done[key]
+        if isinstance(obj, _ArrayState):
+            out = self._build_array(obj)
+        elif isinstance(obj, _DtypeState):
+            out = self._build_dtype(obj)
+        elif isinstance(obj, dict):
+            items = [(self._finish(k, done, depth + 1), self._finish(v, done, depth + 1)) for k, v in obj.items()]
+            obj.clear()
+            obj.update(items)
+            out = obj
+        elif isinstance(obj, list):
+            obj[:] = [self._finish(v, done, depth + 1) for v in obj]
+            out = obj
+        elif isinstance(obj, (tuple, set, frozenset)):
+            out = type(obj)(self._finish(v, done, depth + 1) for v in obj)
+        elif hasattr(obj, "__dict__") and not isinstance(obj, type) and type(obj).__module__ != "numpy":
+            for k, v in list(vars(obj).items()):
+                vars(obj)[k] = self._finish(v, done, depth + 1)
+            out = obj
+        else:
+            out = obj
+        done[key] = out
+        return out

@@ -172,10 +172,14 @@ def test_simulated_tp_equals_real_ranks_and_live_export(tmp_path, multirank):
     sim = tmp_path / "sim"
     convert_checkpoint(src, sim, tp=WORLD)
     real = shared / "real"
-    # the same metadata and byte-identical data files as the two gloo ranks saved with save_state_dict
-    assert json.loads((sim / "metadata.json").read_text()) == json.loads((real / "metadata.json").read_text())
-    data = lambda d: {k: v for k, v in tree_digest(d).items() if k != "metadata.json"}  # noqa: E731
-    assert data(sim) == data(real) and len(data(sim)) == WORLD
+    # the same metadata and byte-identical data files as the two gloo ranks saved with save_state_dict, but for
+    # the unique id of each save (metadata.json and every data file header carry it)
+    metas = [json.loads((d / "metadata.json").read_text()) for d in (sim, real)]
+    ids = [m.pop("save_id") for m in metas]
+    assert metas[0] == metas[1] and ids[0] != ids[1] and len(ids[0]) == len(ids[1]) == 32
+    data = lambda d, i: {f.name: f.read_bytes().replace(i.encode(), b"0" * 32)  # noqa: E731
+                         for f in sorted(d.iterdir()) if f.name != "metadata.json"}
+    assert data(sim, ids[0]) == data(real, ids[1]) and len(data(sim, ids[0])) == WORLD
     # export back to HF: every tensor as saved
     got = dict(iter_full_tensors(sim))
     assert set(got) == set(ref) and all(torch.equal(got[k], ref[k]) and got[k].dtype == ref[k].dtype for k in ref)

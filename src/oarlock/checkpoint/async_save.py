@@ -12,11 +12,17 @@ and renames the directory into place.
 
 A new save (async or not) first waits for the previous one
 to finish, so saves never overlap; :meth:`AsyncSaveHandle.wait` re-raises the background error, if any.
+
+A save still running when the interpreter exits is not lost: an ``atexit`` hook waits for it to commit, and a
+save that failed without anyone calling ``wait()`` is reported on stderr (and the ``oarlock`` logger) naming its
+path and error, so a script whose last line is an async save leaves a loadable checkpoint or a loud message.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 import threading
 from typing import Any, Mapping
 
@@ -24,6 +30,7 @@ import torch
 
 from oarlock.checkpoint.dist import DistWrapper
 from oarlock.checkpoint.save import local_tensors, prepare_save, write_and_commit
+from oarlock.utils import logger
 
 _lock = threading.Lock()
 _pending: "AsyncSaveHandle | None" = None
@@ -39,6 +46,7 @@ class AsyncSaveHandle:
         self.pinned_bytes = 0  # bytes of the snapshot staged in pinned memory (CUDA tensors)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._reported = False  # the error reached the caller (wait) or stderr (exit)
 
     def done(self) -> bool:
         """True once the background write has finished (committed or failed)."""
@@ -55,6 +63,7 @@ class AsyncSaveHandle:
             if self._thread.is_alive():
                 raise TimeoutError(f"async save to {self.path} still running after {timeout} s")
         if self._error is not None:
+            self._reported = True
             raise self._error
 
 
@@ -150,12 +159,33 @@ def stage(tensors: Mapping[Any, torch.Tensor]) -> tuple[dict[Any, torch.Tensor],
     return snap, events
 
 
+def _report_unseen(h: AsyncSaveHandle) -> None:
+    """Say loudly that save ``h`` failed when nobody has seen its error."""
+    if h._error is not None and not h._reported:
+        h._reported = True
+        msg = f"oarlock: async save to {h.path} FAILED, no checkpoint was written: {h._error}"
+        logger.error(msg)
+        print(msg, file=sys.stderr, flush=True)
+
+
+@atexit.register
+def _wait_at_exit() -> None:
+    """At interpreter exit: let the last async save commit (its thread is a daemon and would be killed), and
+    report its failure if ``wait()`` was never called."""
+    with _lock:
+        h = _pending
+    if h is not None and h._thread is not None:
+        h._thread.join()
+        _report_unseen(h)
+
+
 def wait_pending() -> None:
-    """Wait for the last async save of this process, if any (its error, if any, is raised by its handle, not
-    here)."""
+    """Wait for the last async save of this process, if any (its error, if any, is raised by its handle's
+    ``wait()``, not here; an error nobody has seen yet is reported on stderr)."""
     global _pending
     with _lock:
         h = _pending
         _pending = None
     if h is not None and h._thread is not None:
         h._thread.join()
+        _report_unseen(h)

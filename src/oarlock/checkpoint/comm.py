@@ -34,6 +34,7 @@ own file, with one ``all_reduce`` of a flag and no data communication.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -46,9 +47,10 @@ from oarlock.checkpoint.balance import assign_readers
 from oarlock.checkpoint.dist import DistWrapper
 from oarlock.checkpoint.errors import CheckpointError
 from oarlock.checkpoint.executor import LoadReport, destination_view, place
+from oarlock.checkpoint.formats import load_formats
 from oarlock.checkpoint.integrity import verify_own_file
-from oarlock.checkpoint.metadata import METADATA_FILE
-from oarlock.checkpoint.reader import CheckpointReader
+from oarlock.checkpoint.metadata import METADATA_FILE, SAVE_ID_HEADER
+from oarlock.checkpoint.reader import CheckpointReader, checkpoint_file
 from oarlock.checkpoint.safetensors_io import SafetensorsFile
 from oarlock.checkpoint.save import SHARDS_HEADER, WORLD_HEADER, sharded_weight_record
 from oarlock.checkpoint.storage import INCOMPLETE_MARKER, View
@@ -250,13 +252,30 @@ def _broadcast(remote, readers, consumers, mine, dw, stats, read, alloc, pbytes)
 
 # ---------------------------------------------------------------- warm restart
 
+def _warm_matches(meta: Any, leaves: Any, data_file: str) -> bool:
+    """Whether ``metadata.json`` describes every requested shard as stored, with the requested global shape and
+    dtype, in ``data_file`` under its key, and holds every requested JSON object."""
+    for sw in leaves.shards:
+        d = sw.desc
+        t = meta.tensors.get(d.key)
+        if t is None or tuple(t.global_shape) != tuple(d.global_shape) or t.dtype != d.dtype:
+            return False
+        fr = tuple(d.flattened_range) if d.flattened_range is not None else None
+        if not any(s.file == data_file and s.name == d.key and tuple(s.global_offset) == tuple(d.global_offset)
+                   and tuple(s.local_shape) == tuple(d.local_shape) and s.flattened_range == fr for s in t.shards):
+            return False
+    return all(k in meta.objects for k in leaves.objects)
+
+
 def try_warm_start(state_dict: Any, path: str | os.PathLike, dist: DistWrapper, data_file: str, *,
                    verify_checksums: bool = True) -> LoadReport | None:
     """Same-layout restart without planning or communication (see ``docs/checkpoint-format.md``, warm restart).
 
     Each rank compares its requested shards with the shard records in the header of its own data file
-    ``data_file`` (only that file's header is read; ``metadata.json`` only when the state dict holds JSON
-    values); one ``all_reduce`` (MIN) of the match flag decides for all. On a match every rank reads its own
+    ``data_file`` and with ``metadata.json`` (global shapes, dtypes, shard boxes, file; a rank whose node-local
+    directory lacks ``metadata.json`` relies on the ranks that have it); one ``all_gather_object`` of the match
+    flags and save ids decides for all: the path is taken only when every rank matched and every data file and
+    ``metadata.json`` belong to the same save. On a match every rank reads its own
     file straight into its targets and a :class:`~oarlock.checkpoint.executor.LoadReport` with
     ``comm_method="warm"`` is returned; otherwise None (nothing was written) and the normal load runs. With
     ``verify_checksums`` the own file's block checksums are verified first (:mod:`oarlock.checkpoint.integrity`).
@@ -266,20 +285,34 @@ def try_warm_start(state_dict: Any, path: str | os.PathLike, dist: DistWrapper, 
             rank after the ranks agreed on the warm path.
     """
     p = Path(path)
-    ok = False
-    leaves = sf = None
+    ok = has_meta = False
+    leaves = sf = meta = None
+    file_id = meta_id = None
     try:
         leaves = collect_leaves(state_dict)
-        fpath = p / data_file
-        if p.is_dir() and not (p / INCOMPLETE_MARKER).exists() and fpath.is_file() and \
-                (not leaves.objects or (p / METADATA_FILE).is_file()):
+        fpath = checkpoint_file(p, data_file, str(p))
+        if p.is_dir() and not (p / INCOMPLETE_MARKER).exists() and fpath.is_file():
             sf = SafetensorsFile(fpath)
             rec = sf.header_metadata.get(SHARDS_HEADER)
+            file_id = sf.header_metadata.get(SAVE_ID_HEADER)
             ok = (rec is not None and sf.header_metadata.get(WORLD_HEADER) == str(dist.size)
                   and json.loads(rec) == {sw.key: sharded_weight_record(sw) for sw in leaves.shards})
+            has_meta = (p / METADATA_FILE).exists()
+            if ok and has_meta:  # validated against metadata.json like every other load
+                with load_formats()["oarlock"].open(p, partial=True) as r:
+                    meta = r.metadata
+                meta_id = meta.save_id
+                ok = _warm_matches(meta, leaves, data_file)
+            elif leaves.objects:
+                ok = False
     except Exception:  # any doubt: the normal path reports errors properly
         ok = False
-    ok = dist.all_true(ok)
+    # one all_reduce decides for all: every rank matched (its metadata.json, if it has one, is of its file's
+    # save), some rank read metadata.json, and every rank's data file is of one save (equal codes: min == max)
+    ok = ok and (not has_meta or meta_id == file_id)
+    code = int.from_bytes(hashlib.sha256(file_id.encode()).digest()[:7], "little") + 1 if file_id else 0
+    agreed = dist.all_min([int(ok), -int(has_meta), code, -code])
+    ok = agreed[0] == 1 and agreed[1] == -1 and agreed[2] == -agreed[3]
     if not ok:
         if sf is not None:
             sf.close()
@@ -302,7 +335,7 @@ def try_warm_start(state_dict: Any, path: str | os.PathLike, dist: DistWrapper, 
         finally:
             sf.close()
         if leaves.objects:
-            objects = json.loads((p / METADATA_FILE).read_text()).get("objects", {})
+            objects = meta.objects
             for k, path_ in leaves.object_paths.items():
                 if k in objects:
                     set_path(state_dict, path_, objects[k])

@@ -118,12 +118,12 @@ def read_target_keys(path: str) -> dict:
     from oarlock.checkpoint.mapping import TensorSpec
     from oarlock.utils import dtype_name
 
+    from oarlock.checkpoint.metadata import parse_json
+
     try:
-        raw = json.loads(Path(path).read_text())
+        raw = parse_json(Path(path).read_bytes(), path, AOAError)
     except OSError as e:
         raise AOAError(f"{path}: cannot read the target keys: {e.strerror or e}") from None
-    except json.JSONDecodeError as e:
-        raise AOAError(f"{path}: invalid JSON: {e}") from None
     if not isinstance(raw, dict):
         raise AOAError(f"{path}: expected an object {{key: {{\"shape\": [...], \"dtype\": \"...\"}}}}")
     out = {}

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
-import json
 import os
 import re
 import shutil
@@ -46,12 +45,13 @@ from oarlock.checkpoint.full import full_state_dict
 from oarlock.checkpoint.integrity import CHECKSUMS_KEY, BlockHasher, make_record, verify_all_blocks
 from oarlock.checkpoint.hf import HF_INDEX, hf_shard_names, parse_size, save_hf_checkpoint, write_hf_index
 from oarlock.checkpoint.mapping import IdentityProgram, MappingProgram, TensorSpec
-from oarlock.checkpoint.metadata import METADATA_FILE, CheckpointMetadata, key_selected
+from oarlock.checkpoint.metadata import METADATA_FILE, CheckpointMetadata, key_selected, parse_json
 from oarlock.checkpoint.plan import KeyIndex, Planner, source_specs
-from oarlock.checkpoint.reader import CheckpointReader
+from oarlock.checkpoint.reader import CheckpointReader, checkpoint_file
 from oarlock.checkpoint.safetensors_io import SafetensorsWriter, contiguous_run
-from oarlock.checkpoint.save import assign_writes, check_destination, data_file_name, shard_header
+from oarlock.checkpoint.save import assign_writes, check_destination, data_file_name, new_save_id, shard_header
 from oarlock.checkpoint.sharded import ShardDesc
+from oarlock.checkpoint.storage import check_destination as storage_check_destination
 from oarlock.checkpoint.storage import open_checkpoint, publish_directory, staged_directory
 from oarlock.utils import dtype_itemsize, numel, stage_of_layer, torch_dtype
 
@@ -88,6 +88,7 @@ def resolve_tp_rules(rules: str | Path | Mapping[str, int | None] | Sequence[tup
     """
     if rules is None:
         return list(TP_RULES["megatron"])
+    origin = ""
     if isinstance(rules, (str, Path)):
         if str(rules) in TP_RULES:
             return list(TP_RULES[str(rules)])
@@ -96,15 +97,16 @@ def resolve_tp_rules(rules: str | Path | Mapping[str, int | None] | Sequence[tup
             raise CheckpointError(f"TP rules {str(rules)!r}: neither a rule-set name ({', '.join(TP_RULES)}) nor a "
                                   "JSON file")
         try:
-            rules = json.loads(p.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{p}: cannot read the TP rules: {e}") from None
+            rules = parse_json(p.read_bytes(), f"{p}: TP rules", CheckpointError)
+        except OSError as e:
+            raise CheckpointError(f"{p}: cannot read the TP rules: {e.strerror or e}") from None
         if not isinstance(rules, dict):
             raise CheckpointError(f"{p}: TP rules must be a JSON object {{glob: axis or null}}")
+        origin = f"{p}: "
     pairs = list(rules.items()) if isinstance(rules, Mapping) else [tuple(r) for r in rules]
     for pat, axis in pairs:
         if axis is not None and (isinstance(axis, bool) or not isinstance(axis, int)):
-            raise CheckpointError(f"TP rule {pat!r}: axis must be an int or null, got {axis!r}")
+            raise CheckpointError(f"{origin}TP rule {pat!r}: axis must be an int or null, got {axis!r}")
     return [(str(p), a) for p, a in pairs]
 
 
@@ -448,7 +450,7 @@ def side_files(source: str | os.PathLike) -> dict[str, Path]:
     out = {}
     for f in sorted(p.iterdir()):
         if f.is_file() and f.suffix in _SIDE_SUFFIXES and f.name not in skip and not f.name.endswith(".metadata"):
-            out[f.name] = f
+            out[f.name] = checkpoint_file(p, f.name, f"{p}: side file")  # a symlink out of the source is refused
     return out
 
 
@@ -477,7 +479,8 @@ def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike, *, aoa_conf
 
     Raises:
         CheckpointError: unreadable source (naming file and key), a bad AOA config, I/O errors (nothing is
-            published), or a filter that leaves no key; ChecksumError: a corrupt source block.
+            published), a filter that leaves no key, or an ``out_dir`` that is, contains or is inside ``source``, or exists
+            and is not a HuggingFace checkpoint or an empty directory (nothing is written); ChecksumError: a corrupt source block.
     """
     plan = plan_conversion(source, to="hf", aoa_config=aoa_config, max_shard_size=max_shard_size, include=include,
                            exclude=exclude, optimizer_state=optimizer_state)
@@ -485,6 +488,8 @@ def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike, *, aoa_conf
         raise CheckpointError(f"{source}: no tensor left to export after filtering "
                               f"(include={include}, exclude={exclude}, optimizer_state={optimizer_state})")
     out_dir = Path(out_dir)
+    storage_check_destination(out_dir, "huggingface", [source])
+    plan = plan_conversion(source, to="hf", aoa_config=aoa_config, max_shard_size=max_shard_size)
     with staged_directory(out_dir) as tmp:
         with open_checkpoint(source) as reader, single_threaded_copies():
             if verify_checksums:
@@ -624,12 +629,12 @@ def convert_checkpoint(source: str | os.PathLike, out_dir: str | os.PathLike, *,
     writes).
 
     Raises:
-        CheckpointError: bad source/config/rules, an existing non-checkpoint ``out_dir``, I/O errors (the
+        CheckpointError: bad source/config/rules, an ``out_dir`` that is, contains or is inside ``source`` or is an existing non-checkpoint, I/O errors (the
             temporary directory is removed; nothing is published).
     """
     out_dir = Path(out_dir)
     layout = ConversionLayout(tp, pp, dp, tuple(resolve_tp_rules(tp_rules)))
-    check_destination(out_dir)
+    check_destination(out_dir, [source])
     with open_checkpoint(source) as reader, single_threaded_copies():
         if verify_checksums:  # a corrupt source must not turn into a valid-looking output
             verify_all_blocks(reader)
@@ -639,7 +644,7 @@ def convert_checkpoint(source: str | os.PathLike, out_dir: str | os.PathLike, *,
         tensors, writes = assign_writes(rank_descriptions(program, axes, layout))
         for t in tensors.values():
             KeyIndex(t)
-        meta = CheckpointMetadata("oarlock", tensors=tensors)
+        meta = CheckpointMetadata("oarlock", tensors=tensors, save_id=new_save_id())
         if getattr(program, "tp_layouts", None):  # fused_ffn/fused_qkv_old blocks: a load at another TP re-lays out
             meta.extra["tp_layouts"] = program.tp_layouts
         planner = Planner(reader.metadata, program)
@@ -653,7 +658,7 @@ def convert_checkpoint(source: str | os.PathLike, out_dir: str | os.PathLike, *,
                     ids = sorted((i[0], i[1], i[2]) for i in writes[rank])
                     # the shard records a same-layout restart checks, as save_state_dict writes them
                     hdr = shard_header([(i[0], i[1], i[2], tensors[i[0]].global_shape, tensors[i[0]].dtype, i[3])
-                                        for i in sorted(writes[rank])], layout.world)
+                                        for i in sorted(writes[rank])], layout.world, meta.save_id)
                     outs[rank] = SafetensorsWriter(tmp / data_file_name(rank), [(k, lshape, tensors[k].dtype)
                                                                           for k, _, lshape in ids], hdr,
                                                    hasher=BlockHasher())

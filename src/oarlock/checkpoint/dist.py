@@ -18,8 +18,9 @@ Contract for code built on it (other modules and new formats):
 ``DistWrapper(group)``
     ``rank``, ``size``, ``active`` (a process group with more than one rank), ``is_coordinator`` (rank 0),
     ``global_rank(r)``, ``comm_device()`` (CUDA for NCCL, CPU otherwise).
-``all_gather_object(obj) -> list``; ``broadcast_object(obj, src) -> obj``; ``all_true(flag) -> bool``
-    Plain collectives (``[obj]``, ``obj`` and ``flag`` without a group).
+``all_gather_object(obj) -> list``; ``broadcast_object(obj, src) -> obj``; ``all_true(flag) -> bool``;
+``all_min(values) -> list[int]``
+    Plain collectives (``[obj]``, ``obj``, ``flag`` and ``values`` without a group).
 ``check(error)``
     Collective: every rank passes its exception or None; raises on every rank when any rank failed (one
     ``all_reduce`` of a flag on success, plus one ``all_gather_object`` of the reports on failure).
@@ -164,13 +165,17 @@ class DistWrapper:
 
     def all_true(self, flag: bool) -> bool:
         """True on every rank when ``flag`` is true on every rank (one ``all_reduce`` MIN of an int)."""
+        return bool(self.all_min([1 if flag else 0])[0])
+
+    def all_min(self, values: list[int]) -> list[int]:
+        """Element-wise minimum over the ranks of ``values`` (ints within int64; one ``all_reduce`` MIN)."""
         if not self.active:
-            return bool(flag)
+            return [int(v) for v in values]
         import torch.distributed as dist
 
-        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.comm_device())
+        t = torch.tensor([int(v) for v in values], dtype=torch.int64, device=self.comm_device())
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
-        return bool(t.item())
+        return [int(v) for v in t.tolist()]
 
     # ------------------------------------------------------------ error agreement
 

@@ -21,7 +21,7 @@ import torch
 from oarlock.checkpoint.errors import CheckpointError
 from oarlock.checkpoint.formats.huggingface import HF_INDEX, HF_SINGLE
 from oarlock.checkpoint.safetensors_io import write_safetensors
-from oarlock.checkpoint.storage import publish_directory, staged_directory
+from oarlock.checkpoint.storage import check_destination, publish_directory, staged_directory
 from oarlock.utils import progress
 
 __all__ = ["HF_INDEX", "HF_SINGLE", "hf_shard_names", "parse_size", "save_hf_checkpoint", "write_hf_index"]
@@ -75,6 +75,7 @@ def save_hf_checkpoint(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str
     """
     out_dir = Path(out_dir)
     limit = parse_size(max_shard_size)
+    check_destination(out_dir, "huggingface")
     with staged_directory(out_dir) as tmp:
         shards: list[list[str]] = []
         pending: dict[str, torch.Tensor] = {}

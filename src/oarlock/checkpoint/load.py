@@ -146,6 +146,9 @@ def run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process_
         wanted_objects = {k for g in gathered for k in g["objects"]}
         unexpected = sorted([k for k in meta.tensors if k not in used]
                             + [k for k in meta.objects if k not in wanted_objects and k not in dest_all])
+        # every item this rank reads itself is checked (file opens, same save, tensor holds the array) before
+        # the first target byte is written; the files stay open, so the reads see what was checked
+        reader.check_items(it for items in plans for it in items if reader.path_of(it.file).is_file())
         if verify_checksums:  # before any target is written; a mismatch fails every rank in this gather
             verify_read_items(reader, (it for items in plans for it in items))
         return {"missing": sorted(missing), "skipped": sorted(skipped)}
@@ -181,7 +184,9 @@ def run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process_
     with reader, torch.no_grad():
         work = [(it, sw.local_tensor) for sw, items in zip(leaves.shards, plans)
                 for it in sorted(items, key=read_order)]
-        st = comm.execute(reader, work, comm_method=comm_method, view=view, dist=dist, direct=execute_work)
+        # one rank's read error reaches every rank (they would otherwise run into their next collective)
+        st = dist.run(comm.execute, reader, work, comm_method=comm_method, view=view, dist=dist,
+                      direct=execute_work)
         report.bytes_read, report.comm_method, report.files_read = st.bytes_read, st.method, st.files_read
         report.bytes_sent, report.bytes_received, report.messages_sent = st.bytes_sent, st.bytes_received, st.messages_sent
         for k, value in ((k, reader.metadata.objects[k]) for k in leaves.objects if k in reader.metadata.objects):

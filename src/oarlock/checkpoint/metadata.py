@@ -28,6 +28,18 @@ PARAM_GROUPS_KEY = "optimizer.param_groups"
 #: Suffixes of optimizer state keys: torch state names and Paddle's (see :mod:`oarlock.checkpoint.optim`).
 STATE_SUFFIXES = (".exp_avg", ".exp_avg_sq", ".max_exp_avg_sq", ".momentum_buffer", ".master_weight", ".step",
                   ".moment1_0", ".moment2_0", ".velocity_0", ".w_0", ".beta1_pow_acc_0", ".beta2_pow_acc_0")
+SAVE_ID_HEADER = "oarlock.save_id"  # safetensors __metadata__ entry of every data file: the save it belongs to
+
+
+def parse_json(data: bytes | str, source: str, error: type[Exception] = CheckpointFormatError) -> Any:
+    """Parse the JSON text ``data`` read from ``source`` (a file name, for messages); any failure -- not UTF-8,
+    invalid JSON, nesting deeper than the parser handles -- raises ``error`` with one line naming ``source``."""
+    try:
+        return json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise error(f"{source}: invalid JSON: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    except RecursionError:
+        raise error(f"{source}: invalid JSON: nested too deeply") from None
 
 
 @dataclass(frozen=True)
@@ -70,8 +82,12 @@ class ShardMeta:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "ShardMeta":
         fr = d.get("flattened_range")
-        return cls(tuple(d["global_offset"]), tuple(d["local_shape"]), d["file"], d["name"],
-                   tuple(fr) if fr is not None else None, d.get("replica_id"))
+        if not isinstance(d["file"], str) or not isinstance(d["name"], str):
+            raise TypeError("\"file\" and \"name\" must be strings")
+        rid = d.get("replica_id")
+        return cls(tuple(int(x) for x in d["global_offset"]), tuple(int(x) for x in d["local_shape"]), d["file"],
+                   d["name"], tuple(int(x) for x in fr) if fr is not None else None,
+                   int(rid) if rid is not None else None)
 
 
 @dataclass
@@ -107,6 +123,9 @@ class CheckpointMetadata:
         objects: small non-tensor values (ints, floats, strings, lists) saved as JSON.
         nested: flat key -> path (list of str/int) to rebuild nested state dicts.
         extra: format-specific information (for example the HF index's ``metadata`` block).
+        save_id: the unique id of the save that wrote the checkpoint (oarlock format; None for other formats
+            and older checkpoints); every data file's header carries it (:data:`SAVE_ID_HEADER`) and readers
+            refuse a data file of another save.
     """
 
     format: str
@@ -114,6 +133,7 @@ class CheckpointMetadata:
     objects: dict[str, Any] = field(default_factory=dict)
     nested: dict[str, list] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    save_id: str | None = None
 
     @property
     def files(self) -> list[str]:
@@ -125,8 +145,10 @@ class CheckpointMetadata:
         return sum(t.nbytes for t in self.tensors.values())
 
     def to_json(self) -> dict[str, Any]:
-        return {"format": FORMAT_NAME, "version": FORMAT_VERSION,
-                "tensors": {k: t.to_json() for k, t in self.tensors.items()},
+        d = {"format": FORMAT_NAME, "version": FORMAT_VERSION}
+        if self.save_id is not None:
+            d["save_id"] = self.save_id
+        return {**d, "tensors": {k: t.to_json() for k, t in self.tensors.items()},
                 "objects": self.objects, "nested": self.nested, "extra": self.extra}
 
     def optimizer_state_keys(self) -> list[str]:
@@ -167,13 +189,20 @@ class CheckpointMetadata:
         if d.get("version") != FORMAT_VERSION:
             raise CheckpointFormatError(f"{source}: unsupported metadata version {d.get('version')!r} "
                                         f"(this oarlock reads version {FORMAT_VERSION})")
-        meta = cls("oarlock", objects=dict(d.get("objects", {})), nested=dict(d.get("nested", {})),
-                   extra=dict(d.get("extra", {})))
-        for key, t in d.get("tensors", {}).items():
+        save_id = d.get("save_id")
+        if save_id is not None and not isinstance(save_id, str):
+            raise CheckpointFormatError(f"{source}: \"save_id\" must be a string, found {save_id!r}")
+        try:
+            meta = cls("oarlock", objects=dict(d.get("objects", {})), nested=dict(d.get("nested", {})),
+                       extra=dict(d.get("extra", {})), save_id=save_id)
+            tensors = dict(d.get("tensors", {}))
+        except (TypeError, ValueError) as e:
+            raise CheckpointFormatError(f"{source}: malformed metadata: {e}") from None
+        for key, t in tensors.items():
             try:
                 tm = TensorMeta(key, tuple(int(x) for x in t["global_shape"]), dtype_name(t["dtype"]),
                                 [ShardMeta.from_json(s) for s in t["shards"]])
-            except (KeyError, TypeError, ValueError) as e:
+            except (KeyError, TypeError, ValueError, AttributeError) as e:
                 raise CheckpointFormatError(f"{source}: malformed entry for key {key!r}: {e}") from None
             meta.tensors[key] = tm
         return meta

@@ -37,6 +37,16 @@ What a format class provides:
 ``visible_files() -> set[str]``
     The data files of the metadata this rank can open (node-local disks see only some).
 
+Path safety (one rule for every format): every file a checkpoint names -- a data file of the metadata, an HF
+index ``weight_map`` entry, a Paddle storage file name, a file found by listing the directory -- must resolve
+inside the checkpoint directory: no absolute path, no ``..`` component, no symlink whose target leaves the
+directory (the one exception: a HuggingFace hub cache snapshot, whose files link into the repository's
+``blobs/``). :func:`checkpoint_file` checks a name and returns its path, refusing with an error naming the entry
+*before* anything is opened; the base class applies it to every data file of the metadata when a reader is
+built and again in :meth:`CheckpointReader.path_of`, so a format gets the rule by building its reader from its
+metadata and reaching data through ``path_of``; files a format reads in ``open`` (its metadata files, index
+files, listed files) go through :func:`checkpoint_file` too.
+
 The metadata model (:class:`~oarlock.checkpoint.metadata.CheckpointMetadata`: keys, global shapes, dtypes,
 shard boxes, data files, stored tensor names, flattened ranges) is the whole contract with the planner: a
 reader never plans. Readers never write into the source, never open a file outside it, and never build objects
@@ -46,13 +56,14 @@ On-disk formats are described in ``docs/checkpoint-format.md``.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from oarlock.checkpoint.errors import CheckpointFormatError
-from oarlock.checkpoint.metadata import CheckpointMetadata, ShardMeta
+from oarlock.checkpoint.metadata import SAVE_ID_HEADER, CheckpointMetadata, ShardMeta
 from oarlock.checkpoint.safetensors_io import SafetensorsFile, contiguous_run, np_prod
 from oarlock.utils import torch_dtype
 
@@ -78,6 +89,41 @@ def registered_formats() -> dict[str, type["CheckpointReader"]]:
     return dict(_REGISTRY)
 
 
+def _within(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
+
+
+def checkpoint_file(root: str | os.PathLike, name: Any, entry: str) -> Path:
+    """The path of file ``name`` named by the checkpoint directory ``root`` (in ``entry``, e.g.
+    ``"metadata.json: tensor 'w'"``), after checking that it stays inside ``root``: a non-empty relative name
+    without ``..`` components whose real path (symlinks resolved) lies inside the real path of ``root``. Files of
+    a HuggingFace hub cache snapshot (``.../snapshots/REV/``) may also resolve into the repository's ``blobs/``.
+    Only the name and symlinks are examined; nothing is opened.
+
+    Raises:
+        CheckpointFormatError: ``"{entry}: file {name!r} ...; refusing to open it"`` naming the entry and why.
+    """
+    def refuse(why: str) -> CheckpointFormatError:
+        return CheckpointFormatError(f"{entry}: file {name!r} {why}; refusing to open it")
+
+    if not isinstance(name, str) or not name or "\0" in name:
+        raise refuse("is not a file name")
+    if os.path.isabs(name) or name.startswith(("/", "\\")):
+        raise refuse("is an absolute path, outside the checkpoint directory")
+    if ".." in name.replace("\\", "/").split("/"):
+        raise refuse("leaves the checkpoint directory (a '..' component)")
+    root = Path(root)
+    path = root / name
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(path)
+    if _within(real, real_root):
+        return path
+    if root.parent.name == "snapshots" and (root.parent.parent / "blobs").is_dir():
+        if _within(real, os.path.realpath(root.parent.parent / "blobs")):
+            return path
+    raise refuse(f"resolves to {real}, outside the checkpoint directory {real_root} (a symlink)")
+
+
 class CheckpointReader:
     """An opened checkpoint source: its metadata and byte-range access to its data (see the module docstring).
 
@@ -95,6 +141,13 @@ class CheckpointReader:
         self.metadata = metadata
         self._st_files: dict[str, SafetensorsFile] = {}
         self.files_opened: list[str] = []  # instrumentation: one entry per data file actually opened
+        self._safe: set[str] = set()
+        if self.root.is_dir():  # path safety, before any data file is opened (see the module docstring)
+            for t in metadata.tensors.values():
+                for s in t.shards:
+                    if s.file not in self._safe:
+                        checkpoint_file(self.root, s.file, f"{self.root}: tensor {t.key!r}")
+                        self._safe.add(s.file)
 
     # ------------------------------------------------------------ format hooks
 
@@ -123,20 +176,61 @@ class CheckpointReader:
     # ------------------------------------------------------------ files
 
     def path_of(self, file: str) -> Path:
-        """Absolute path of data file ``file`` (the root itself for a single-file source)."""
-        return self.root / file if self.root.is_dir() else self.root
+        """Path of data file ``file`` (the root itself for a single-file source), checked by
+        :func:`checkpoint_file` to stay inside the checkpoint."""
+        if not self.root.is_dir():
+            return self.root
+        if file not in self._safe:
+            checkpoint_file(self.root, file, f"{self.root}: data file")
+            self._safe.add(file)
+        return self.root / file
 
     def visible_files(self) -> set[str]:
         """The metadata's data files this rank can open."""
         return {f for f in self.metadata.files if self.path_of(f).is_file()}
 
     def safetensors_file(self, file: str) -> SafetensorsFile:
-        """The opened (header-validated, cached) safetensors data file ``file``."""
+        """The opened (header-validated, cached) safetensors data file ``file``. When the metadata carries a
+        save id, the file's header must carry the same one.
+
+        Raises:
+            CheckpointFormatError: naming the file: invalid header, or a file of another save.
+        """
         f = self._st_files.get(file)
         if f is None:
-            f = self._st_files[file] = SafetensorsFile(self.path_of(file))
+            f = SafetensorsFile(self.path_of(file))
+            want = self.metadata.save_id
+            got = f.header_metadata.get(SAVE_ID_HEADER)
+            if want is not None and got != want:
+                f.close()
+                raise CheckpointFormatError(
+                    f"{self.path_of(file)}: data file of {'save ' + repr(got) if got else 'no recorded save'}, but "
+                    f"the metadata is of save {want!r}: the checkpoint mixes files of two saves (or was replaced "
+                    "while being read)")
+            self._st_files[file] = f
             self.files_opened.append(file)
         return f
+
+    def check_read(self, key: str, file: str, name: str, flat_start: int, shape: tuple[int, ...]) -> None:
+        """Check, without reading data, that :meth:`read_box` of any box of this array would succeed: the file
+        opens and belongs to this save, the tensor is there with the metadata's dtype and holds the array. The
+        base implementation covers safetensors data files; formats with other data files override it.
+
+        Raises:
+            CheckpointFormatError: naming the file and tensor.
+        """
+        self.safetensors_file(file).check_array(name, flat_start, shape, self.metadata.tensors[key].dtype)
+
+    def check_items(self, items: Any) -> None:
+        """:meth:`check_read` of every read item (``src_key``, ``file``, ``name``, ``src_flat_start``,
+        ``src_shape``): the load calls it on everything a rank reads before the first target byte is written,
+        and keeps the files open, so that the reads see the files it checked."""
+        done = set()
+        for it in items:
+            k = (it.src_key, it.file, it.name, it.src_flat_start, tuple(it.src_shape))
+            if k not in done:
+                done.add(k)
+                self.check_read(*k)
 
     # ------------------------------------------------------------ data
 

@@ -19,6 +19,7 @@ start. See ``docs/checkpoint-format.md`` for how oarlock uses the ``__metadata__
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import struct
@@ -139,6 +140,15 @@ def read_header(path: str | Path, fd: int | None = None) -> SafetensorsHeader:
             raise CheckpointFormatError(f"{path}: invalid safetensors file: tensor {name!r}: data offsets [{begin}, "
                                         f"{end}) do not fit shape {list(shape)} {dt} in a file of {size} bytes")
         hdr.entries[name] = (dt, shape, begin, end)
+    # no two tensors may share bytes (checked here too, not only by the library: its check reads the file by
+    # path, this header came through ``fd``)
+    prev = None
+    for name, (_, _, begin, end) in sorted(hdr.entries.items(), key=lambda kv: (kv[1][2], kv[1][3])):
+        if prev is not None and begin < prev[1] and end > begin:
+            raise CheckpointFormatError(f"{path}: invalid safetensors file: tensors {prev[0]!r} and {name!r} "
+                                        f"overlap (data offsets [{prev[2]}, {prev[1]}) and [{begin}, {end}))")
+        if end > begin:
+            prev = (name, end, begin)
     return hdr
 
 
@@ -198,15 +208,12 @@ class SafetensorsFile:
             os.close(self.fd)
             self.fd = -1
 
-    def read_box(self, name: str, flat_start: int, shape: tuple[int, ...], box: tuple[tuple[int, int], ...],
-                 dtype: str, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Read ``array[box]``, where ``array`` is the C-contiguous ``shape`` array that starts ``flat_start``
-        elements into stored tensor ``name``; into ``out`` (a CPU tensor of the box's extent, any strides) or a
-        new tensor. Only the needed byte ranges are read: one pread per contiguous run, or, when the runs are
-        short, whole rows of the box in chunks of at most 64 MiB that are then sliced.
+    def check_array(self, name: str, flat_start: int, shape: tuple[int, ...], dtype: str) -> int:
+        """Check that stored tensor ``name`` has ``dtype`` and holds the C-contiguous ``shape`` array starting
+        ``flat_start`` elements into it; returns the tensor's begin offset in the data section.
 
         Raises:
-            CheckpointFormatError: tensor missing, dtype different from ``dtype``, or the array not inside it.
+            CheckpointFormatError: naming the file and tensor (missing, other dtype, array not inside it).
         """
         e = self.entries.get(name)
         if e is None:
@@ -219,6 +226,19 @@ class SafetensorsFile:
                                                                           and tuple(sshape) != tuple(shape)):
             raise CheckpointFormatError(f"{self.path}: tensor {name!r} of shape {list(sshape)} does not hold the "
                                         f"{list(shape)} array at element {flat_start} that the metadata describes")
+        return begin
+
+    def read_box(self, name: str, flat_start: int, shape: tuple[int, ...], box: tuple[tuple[int, int], ...],
+                 dtype: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Read ``array[box]``, where ``array`` is the C-contiguous ``shape`` array that starts ``flat_start``
+        elements into stored tensor ``name``; into ``out`` (a CPU tensor of the box's extent, any strides) or a
+        new tensor. Only the needed byte ranges are read: one pread per contiguous run, or, when the runs are
+        short, whole rows of the box in chunks of at most 64 MiB that are then sliced.
+
+        Raises:
+            CheckpointFormatError: tensor missing, dtype different from ``dtype``, or the array not inside it.
+        """
+        begin = self.check_array(name, flat_start, shape, dtype)
         tdt = torch_dtype(dtype)
         isz = tdt.itemsize
         ext = [b - a for a, b in box]
@@ -347,7 +367,9 @@ class SafetensorsWriter:
     file (``hasher.finish(fd, size)`` at close) is left in ``checksum_record``.
 
     Raises:
-        CheckpointFormatError: a dtype safetensors cannot store (naming the tensor).
+        CheckpointFormatError: a dtype safetensors cannot store, or the name ``__metadata__`` (reserved by the
+            format for the header's metadata block), naming the tensor.
+        CheckpointError: an I/O error (a full disk, ...), naming the file and, while writing data, the tensor.
     """
 
     def __init__(self, path: str | Path, entries: Sequence[tuple[str, Sequence[int], Any]],
@@ -360,6 +382,9 @@ class SafetensorsWriter:
         self.where: dict[str, tuple[int, tuple[int, ...], str]] = {}
         off = 0
         for name, shape, dtype in entries:
+            if name == "__metadata__":
+                raise CheckpointFormatError(f"{self.path}: tensor {name!r}: the name is reserved by the safetensors "
+                                            "format for the header's metadata block; rename this key")
             try:
                 code = safetensors_code(dtype)
             except (ValueError, KeyError):
@@ -376,16 +401,29 @@ class SafetensorsWriter:
         self.nbytes = self.base + off
         self._flushed = 0
         self._written = 0
-        mode = os.O_RDWR if hasher is not None else os.O_WRONLY  # the hasher may read blocks back
-        self.fd = os.open(self.path, mode | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.fd = -1
         try:
+            mode = os.O_RDWR if hasher is not None else os.O_WRONLY  # the hasher may read blocks back
+            self.fd = os.open(self.path, mode | os.O_CREAT | os.O_TRUNC, 0o644)
             head = memoryview(struct.pack("<Q", len(hb)) + hb)
             _write_all(self.fd, head, 0)
             if self._hasher is not None:
                 self._hasher.feed(0, head)
+        except OSError as e:
+            self._abandon()
+            raise self._io_error(e, "the header") from None
         except BaseException:
-            self.close()
+            self._abandon()
             raise
+
+    def _io_error(self, e: OSError, what: str) -> CheckpointError:
+        return CheckpointError(f"{self.path}: cannot write {what}: {e.strerror or e}"
+                               + (" (the disk is full)" if e.errno == errno.ENOSPC else ""))
+
+    def _abandon(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
     def __enter__(self) -> "SafetensorsWriter":
         return self
@@ -396,6 +434,12 @@ class SafetensorsWriter:
     def put(self, name: str, data: torch.Tensor | list[tuple[int, int, int]]) -> int:
         """Write tensor ``name`` from a tensor of its shape and dtype or from byte runs ``[(fd, offset, nbytes)]``
         (concatenated in order); returns its byte count."""
+        try:
+            return self._put(name, data)
+        except OSError as e:
+            raise self._io_error(e, f"tensor {name!r}") from None
+
+    def _put(self, name: str, data: torch.Tensor | list[tuple[int, int, int]]) -> int:
         off, shape, dtype = self.where[name]
         pos = self.base + off
         if isinstance(data, list):
@@ -429,6 +473,8 @@ class SafetensorsWriter:
                     self.checksum_record = self._hasher.finish(self.fd, self.nbytes)
                 if self.fsync:
                     os.fsync(self.fd)
+            except OSError as e:
+                raise self._io_error(e, "(fsync)") from None
             finally:
                 os.close(self.fd)
                 self.fd = -1

@@ -16,20 +16,22 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 
 from oarlock.checkpoint.dist import DistWrapper
 from oarlock.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from oarlock.checkpoint.integrity import CHECKSUMS_KEY, BlockHasher, make_record
-from oarlock.checkpoint.metadata import METADATA_FILE, CheckpointMetadata, ShardMeta, TensorMeta
+from oarlock.checkpoint.metadata import METADATA_FILE, SAVE_ID_HEADER, CheckpointMetadata, ShardMeta, TensorMeta
 from oarlock.checkpoint.plan import KeyIndex
 from oarlock.checkpoint.safetensors_io import write_safetensors
 from oarlock.checkpoint.sharded import ShardedWeight
 from oarlock.checkpoint.storage import INCOMPLETE_MARKER, publish_directory, staging_path
+from oarlock.checkpoint.storage import check_destination as storage_check_destination
 from oarlock.checkpoint.traversal import Leaves, collect_leaves
 from oarlock.utils import dtype_itemsize
 
@@ -54,12 +56,21 @@ def sharded_weight_record(sw: ShardedWeight) -> list:
     return shard_record(d.global_offset, d.local_shape, d.global_shape, d.dtype, d.flattened_range)
 
 
-def shard_header(shards: list[tuple], world: int) -> dict[str, str]:
-    """The safetensors ``__metadata__`` entries recording each shard a data file holds and the size of the group
-    that saved it. ``shards``: ``(key, global_offset, local_shape, global_shape, dtype, flattened_range)`` in file
-    order."""
+def new_save_id() -> str:
+    """A fresh unique save id (written into ``metadata.json`` and every data file of one save)."""
+    return uuid.uuid4().hex
+
+
+def shard_header(shards: list[tuple], world: int, save_id: str | None = None) -> dict[str, str]:
+    """The safetensors ``__metadata__`` entries of a data file: each shard it holds, the size of the group that
+    saved it, and the id of the save (:data:`~oarlock.checkpoint.metadata.SAVE_ID_HEADER`, checked against
+    ``metadata.json`` on load). ``shards``: ``(key, global_offset, local_shape, global_shape, dtype,
+    flattened_range)`` in file order."""
     rec = {k: shard_record(off, ls, gs, dt, fr) for k, off, ls, gs, dt, fr in shards}
-    return {SHARDS_HEADER: json.dumps(rec, separators=(",", ":")), WORLD_HEADER: str(world)}
+    out = {SHARDS_HEADER: json.dumps(rec, separators=(",", ":")), WORLD_HEADER: str(world)}
+    if save_id is not None:
+        out[SAVE_ID_HEADER] = save_id
+    return out
 
 
 def assign_writes(per_rank: list[list[tuple]], replicas: bool = False
@@ -140,11 +151,14 @@ def local_tensors(leaves: Leaves) -> dict[tuple, torch.Tensor]:
     return {shard_id(sw): sw.local_tensor for sw in leaves.shards}
 
 
-def check_destination(path: Path) -> None:
-    """Raises:
-        CheckpointError: ``path`` exists and is neither an oarlock checkpoint nor an empty directory."""
-    if path.exists() and not (path.is_dir() and ((path / METADATA_FILE).is_file() or not any(path.iterdir()))):
-        raise CheckpointError(f"{path}: exists and is not an oarlock checkpoint; refusing to replace it")
+def check_destination(path: Path, sources: Sequence[str | os.PathLike] = ()) -> None:
+    """The destination rule of an oarlock checkpoint writer (:func:`oarlock.checkpoint.storage.check_destination`
+    with format ``"oarlock"``).
+
+    Raises:
+        CheckpointError: ``path`` is, contains or is inside one of ``sources``, or exists and is neither an
+            oarlock checkpoint nor an empty directory."""
+    storage_check_destination(path, "oarlock", sources)
 
 
 @dataclass
@@ -159,6 +173,7 @@ class SavePlan:
     tensors: dict[str, TensorMeta]
     writes: dict[int, list[tuple]]
     leaves: Leaves
+    save_id: str | None = None
 
 
 def prepare_save(state_dict: Mapping[str, Any], path: str | os.PathLike, process_group: Any,
@@ -175,6 +190,9 @@ def prepare_save(state_dict: Mapping[str, Any], path: str | os.PathLike, process
         descs: list[tuple] = []
         mine: set[tuple] = set()
         for sw in leaves.shards:
+            if sw.key == "__metadata__":
+                raise CheckpointError(f"key {sw.key!r}: the name is reserved by the safetensors format (the header's "
+                                      "metadata block) and cannot be saved; rename this key")
             if shard_id(sw) in mine:
                 raise CheckpointError(f"rank {dist.rank} holds the shard of key {sw.key!r} at offset "
                                       f"{list(sw.global_offset)} twice")
@@ -185,6 +203,7 @@ def prepare_save(state_dict: Mapping[str, Any], path: str | os.PathLike, process
         if dist.is_coordinator:
             check_destination(path)
         return {"descs": descs, "tmp": staging_path(path) if dist.is_coordinator else None,
+                "save_id": new_save_id() if dist.is_coordinator else None,
                 "objects": leaves.objects, "nested": leaves.nested}
 
     gathered = dist.gather(describe)
@@ -192,7 +211,8 @@ def prepare_save(state_dict: Mapping[str, Any], path: str | os.PathLike, process
     tensors, writes = assign_writes([g["descs"] for g in gathered], save_replicas)
     for t in tensors.values():
         KeyIndex(t)  # validates that the shards tile the global box
-    return SavePlan(path, dist.rank, dist.size, gathered[0]["tmp"], gathered, tensors, writes, leaves)
+    return SavePlan(path, dist.rank, dist.size, gathered[0]["tmp"], gathered, tensors, writes, leaves,
+                    gathered[0]["save_id"])
 
 
 def _desc_tuple(sw: ShardedWeight) -> tuple:
@@ -221,7 +241,8 @@ def write_and_commit(plan: SavePlan, local: dict[Any, torch.Tensor], process_gro
         out = {names[i]: local[i] if i in local else local[i[0]] for i in ids}
         hasher = BlockHasher()
         write_safetensors(tmp / file, out, metadata=shard_header(
-            [(names[i], *_desc_tuple(mine[i])) for i in ids], plan.world), hasher=hasher)
+            [(names[i], *_desc_tuple(mine[i])) for i in ids], plan.world, plan.save_id),
+            hasher=hasher)
         return {file: hasher.record}  # block checksums, recorded in the metadata
 
     def commit(records: list[dict[str, Any]]) -> None:
@@ -233,7 +254,7 @@ def write_and_commit(plan: SavePlan, local: dict[Any, torch.Tensor], process_gro
                 nested.update(g["nested"])
             files = {f: r for rec in records for f, r in rec.items()}
             publish_directory(tmp, plan.path, CheckpointMetadata("oarlock", tensors=plan.tensors, objects=objects,
-                                                                 nested=nested,
+                                                                 nested=nested, save_id=plan.save_id,
                                                                  extra={CHECKSUMS_KEY: make_record(files)}),
                               fsync_files=False)
 

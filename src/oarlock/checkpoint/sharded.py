@@ -174,9 +174,18 @@ class ShardedWeight:
 
     @property
     def desc(self) -> ShardDesc:
-        """The hashable :class:`ShardDesc` of this shard."""
-        return ShardDesc(self.key, self.local_shape, self.global_shape, self.global_offset,
-                         dtype_name(self.local_tensor.dtype), self.flattened_range)
+        """The hashable :class:`ShardDesc` of this shard.
+
+        Raises:
+            CheckpointError: the tensor's dtype is not one oarlock checkpoints store (naming the key)."""
+        try:
+            dt = dtype_name(self.local_tensor.dtype)
+        except ValueError:
+            raise CheckpointError(f"key {self.key!r}: dtype {self.local_tensor.dtype} is not supported by oarlock "
+                                  "checkpoints (supported: float64/32/16, bfloat16, float8_e4m3fn/e5m2, "
+                                  "int64/32/16/8, uint64/32/16/8, bool, complex64)") from None
+        return ShardDesc(self.key, self.local_shape, self.global_shape, self.global_offset, dt,
+                         self.flattened_range)
 
     @property
     def box(self) -> Box:

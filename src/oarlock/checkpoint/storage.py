@@ -28,19 +28,19 @@ import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from oarlock.checkpoint.dist import DistWrapper
 from oarlock.checkpoint.errors import CheckpointFormatError
 from oarlock.checkpoint.formats import load_formats
 from oarlock.checkpoint.formats.huggingface import HF_INDEX, HF_SINGLE, PADDLE_HF_CACHE
 from oarlock.checkpoint.metadata import METADATA_FILE, CheckpointMetadata
-from oarlock.checkpoint.reader import CheckpointReader
+from oarlock.checkpoint.reader import CheckpointReader, checkpoint_file
 from oarlock.checkpoint.safetensors_io import (SafetensorsFile, contiguous_run, np_prod, safetensors_header,
                                                write_safetensors)
 
 __all__ = ["CheckpointReader", "SafetensorsFile", "View", "contiguous_run", "detect_format", "fsync_dir",
-           "gather_view", "np_prod", "open_checkpoint", "publish_directory", "read_metadata", "safetensors_header",
+           "gather_view", "np_prod", "open_checkpoint", "publish_directory", "check_destination", "recover_publish", "read_metadata", "safetensors_header",
            "staged_directory", "staging_path", "write_safetensors", "HF_INDEX", "HF_SINGLE", "INCOMPLETE_MARKER",
            "PADDLE_HF_CACHE"]
 
@@ -57,6 +57,7 @@ def detect_format(path: str | os.PathLike) -> str:
             mixes formats.
     """
     p = Path(path)
+    recover_publish(p)  # a replacement of this checkpoint interrupted by a crash is completed first
     if not p.exists():
         raise CheckpointFormatError(f"{p}: no such file or directory")
     formats = load_formats()
@@ -120,8 +121,8 @@ def gather_view(path: str | os.PathLike, dist: DistWrapper) -> View:
     payload = None
     if dist.rank == holders[0]:
         try:
-            payload = {m: (p / m).read_bytes() for m in files}
-        except OSError:
+            payload = {m: checkpoint_file(p, m, str(p)).read_bytes() for m in files}
+        except (OSError, CheckpointFormatError):
             payload = None
     payload = dist.broadcast_object(payload, holders[0])
     return View(visible, view_fmt, payload if dist.rank not in holders else None)
@@ -200,38 +201,187 @@ def fsync_dir(path: str | Path) -> None:
         os.close(fd)
 
 
+FORMAT_ALIASES = {"hf": "huggingface"}  # writer-side names of formats (``convert --to hf``)
+
+
+def check_destination(final: str | os.PathLike, fmt: str, sources: Iterable[str | os.PathLike] = ()) -> None:
+    """The destination rule of every writer (save, convert, HF export): refuse ``final`` when it is, contains or
+    is inside one of ``sources`` (the checkpoints being read), or when it exists and is neither an empty
+    directory nor a checkpoint of format ``fmt`` (``"oarlock"``, ``"huggingface"``/``"hf"``; recognised by the
+    format's own metadata file, see :func:`detect_format`). Nothing is written or removed.
+
+    Raises:
+        CheckpointError: naming the destination and the reason.
+    """
+    from oarlock.checkpoint.errors import CheckpointError
+
+    final = Path(final)
+    fmt = FORMAT_ALIASES.get(fmt, fmt)
+    dst = os.path.realpath(final)
+    for src in sources:
+        s = os.path.realpath(src)
+        if dst == s:
+            raise CheckpointError(f"{final}: the destination is the source checkpoint {src}; write to another path")
+        if s.startswith(dst.rstrip(os.sep) + os.sep):
+            raise CheckpointError(f"{final}: the destination contains the source checkpoint {src}; replacing it "
+                                  "would delete the source")
+        if dst.startswith(s.rstrip(os.sep) + os.sep):
+            raise CheckpointError(f"{final}: the destination is inside the source checkpoint {src}; write "
+                                  "outside it")
+    recover_publish(final)
+    if not os.path.lexists(final):
+        return
+    if not final.is_dir() or final.is_symlink():
+        raise CheckpointError(f"{final}: exists and is not a directory; refusing to replace it")
+    names = set(os.listdir(final))
+    if not names:
+        return
+    cls = load_formats().get(fmt)
+    if cls is None or cls.claim(final, names) < 2 or INCOMPLETE_MARKER in names:
+        raise CheckpointError(f"{final}: exists and is not {'an' if fmt[0] in 'aeiou' else 'a'} {fmt} checkpoint; "
+                              f"refusing to replace it (it holds {len(names)} entr{'y' if len(names) == 1 else 'ies'}"
+                              f", e.g. {sorted(names)[0]!r})")
+
+
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap directories ``a`` and ``b`` in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``); False where the
+    system or filesystem does not offer it (the caller then renames in two steps)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_fdcwd = -100
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    import errno
+
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _intent_path(final: Path) -> Path:
+    return final.parent / f".{final.name}.publish"
+
+
+def recover_publish(final: str | os.PathLike) -> None:
+    """Finish or undo a replacement of ``final`` that a writer started and did not finish (it died): afterwards
+    ``final`` is the old or the new complete checkpoint and no hidden leftover of that replacement remains.
+    Waits while a live writer holds the replacement (a lock on its intent file). Called by every open and every
+    writer; a no-op when there is nothing to recover or the directory is not writable."""
+    import fcntl
+    import json
+
+    final = Path(final)
+    intent = _intent_path(final)
+    if not os.path.lexists(intent):
+        return
+    try:
+        fd = os.open(intent, os.O_RDWR)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # a live writer holds it until its replacement is complete
+        try:
+            if os.fstat(fd).st_ino != os.stat(intent).st_ino:
+                return  # the writer finished and a new replacement began meanwhile
+            rec = json.loads(os.pread(fd, 1 << 16, 0) or b"{}")
+            new, old = final.parent / rec["new"], final.parent / rec["old"]
+        except (OSError, ValueError, KeyError, TypeError):
+            rec = None
+        if rec is not None:
+            if not os.path.lexists(final):  # died between "old aside" and "new in": finish the replacement
+                os.replace(new if new.is_dir() else old, final)
+            # whatever of the two names remains is a leftover: the old checkpoint once the new one is in
+            # place, or the unpublished new one when the writer died before the swap
+            for leftover in (new, old):
+                shutil.rmtree(leftover, ignore_errors=True)
+        os.unlink(intent)
+        fsync_dir(final.parent)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def publish_directory(tmp: Path, final: Path, metadata: CheckpointMetadata | None = None, *,
                       fsync_files: bool = True) -> None:
     """The commit step of every writer (save, convert, HF export): make the fully written directory ``tmp``
-    appear as ``final`` in one rename. With ``fsync_files`` the files in ``tmp`` are fsynced first (a save
-    passes False: each rank fsynced its own data file, and rank 0 need not touch the others').
+    appear as ``final``. With ``fsync_files`` the files in ``tmp`` are fsynced first (a save passes False: each
+    rank fsynced its own data file, and rank 0 need not touch the others').
 
     With ``metadata``, first write ``metadata.json`` (via a ``.part`` file, fsync, rename) and remove the
-    incomplete-marker. An existing ``final`` is replaced only now that the new directory is complete: it is
-    moved aside, the new one renamed in, then the old one removed; a crash at any point leaves either the old
-    or the new complete directory at ``final`` (plus hidden leftovers), never a partial one.
+    incomplete-marker. An existing ``final`` is replaced only now that the new directory is complete, and only
+    when it is a checkpoint of the same format as ``tmp`` or an empty directory (:func:`check_destination`).
+    The replacement is recorded first in an intent file ``.NAME.publish`` next to ``final`` (locked while this
+    process works on it); then the two directories are swapped in one atomic exchange where the filesystem
+    offers it (else the old one is renamed to ``.NAME.old-XXXXXXXXXXXX`` and the new one renamed in), the old
+    one removed, and the intent file deleted. If the writer dies part way, the next open or write of ``final``
+    (:func:`recover_publish`) completes or undoes the replacement, so ``final`` is always the old or the new
+    complete checkpoint, never a partial one (``docs/checkpoint-format.md``, commit protocol).
+
+    Raises:
+        CheckpointError: ``final`` exists and is not a checkpoint of the format written (nothing is replaced).
     """
+    import fcntl
+    import json
+
     for f in tmp.iterdir() if fsync_files else ():
         if f.is_file():
             with open(f, "rb") as fh:  # files written without fsync (side files, an index)
                 os.fsync(fh.fileno())
     if metadata is not None:
         part = tmp / (METADATA_FILE + ".part")
-        with open(part, "w") as f:
-            f.write(metadata.dumps())
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(part, "w") as f:
+                f.write(metadata.dumps())
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            from oarlock.checkpoint.errors import CheckpointError
+
+            raise CheckpointError(f"{final / METADATA_FILE}: cannot write: {e.strerror or e} (nothing was "
+                                  "published)") from None
         os.replace(part, tmp / METADATA_FILE)
         marker = tmp / INCOMPLETE_MARKER
         if marker.exists():
             os.unlink(marker)
     fsync_dir(tmp)
-    if final.exists():
-        old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:12]}"
-        os.replace(final, old)
+    recover_publish(final)
+    if not os.path.lexists(final):
         os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
+        fsync_dir(final.parent)
+        return
+    try:
+        fmt = detect_format(tmp)
+    except CheckpointFormatError:
+        fmt = "empty"
+    check_destination(final, fmt)
+    old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:12]}"
+    intent = _intent_path(final)
+    fd = os.open(intent, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.write(fd, json.dumps({"new": tmp.name, "old": old.name}).encode())
+        os.fsync(fd)
+        fsync_dir(final.parent)
+        if _exchange(tmp, final):
+            fsync_dir(final.parent)
+            shutil.rmtree(tmp, ignore_errors=True)  # now the old checkpoint
+        else:
+            os.replace(final, old)
+            os.replace(tmp, final)
+            fsync_dir(final.parent)
+            shutil.rmtree(old, ignore_errors=True)
+        os.unlink(intent)
+    finally:
+        os.close(fd)
     fsync_dir(final.parent)
-

@@ -4,13 +4,13 @@ whole shard; the metadata comes from the files' headers."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 from oarlock.checkpoint.errors import CheckpointFormatError
+from oarlock.checkpoint.metadata import parse_json
 from oarlock.checkpoint.formats.safetensors_file import whole_tensor_metadata
-from oarlock.checkpoint.reader import CheckpointReader, register_format
+from oarlock.checkpoint.reader import CheckpointReader, checkpoint_file, register_format
 
 HF_INDEX = "model.safetensors.index.json"
 HF_SINGLE = "model.safetensors"
@@ -42,14 +42,15 @@ class HuggingFaceReader(CheckpointReader):
             files = {n: root / n for n in sorted(os.listdir(root)) if n.endswith(".safetensors")}
             return cls(root, whole_tensor_metadata("huggingface", files, root))
         try:
-            index = json.loads(index_path.read_text())
+            index = parse_json(checkpoint_file(root, HF_INDEX, str(root)).read_bytes(), str(index_path))
             weight_map = index["weight_map"]
             if not isinstance(weight_map, dict):
                 raise TypeError("weight_map is not an object")
-        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        except (OSError, KeyError, TypeError) as e:
             raise CheckpointFormatError(f"{index_path}: invalid index: {e}") from None
         files = {}
         for key, f in weight_map.items():
+            checkpoint_file(root, f, f"{index_path}: tensor {key!r}")
             if not (root / f).is_file():
                 raise CheckpointFormatError(f"{index_path}: tensor {key!r} is mapped to {f}, which does not exist")
             files[f] = root / f

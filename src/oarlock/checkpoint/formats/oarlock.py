@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
-import json
+import re
 from pathlib import Path
 
 from oarlock.checkpoint.errors import CheckpointFormatError
-from oarlock.checkpoint.metadata import METADATA_FILE, CheckpointMetadata
-from oarlock.checkpoint.reader import CheckpointReader, register_format
+from oarlock.checkpoint.metadata import METADATA_FILE, CheckpointMetadata, parse_json
+from oarlock.checkpoint.reader import CheckpointReader, checkpoint_file, register_format
+
+
+DATA_FILE = re.compile(r"^rank-\d{5,}\.safetensors$")
 
 
 @register_format
@@ -25,7 +28,9 @@ class OarlockReader(CheckpointReader):
         if names is None:
             return 2 if path.name == METADATA_FILE else 0
         if METADATA_FILE not in names:
-            return 0
+            # oarlock data files without their metadata: a guess, so that opening names the missing file instead
+            # of reading them as some other format
+            return 1 if any(DATA_FILE.match(n) for n in names) else 0
         try:  # Megatron-Core writes a metadata.json of its own ({"sharded_backend": ...})
             with open(path / METADATA_FILE, "rb") as f:
                 head = f.read(4096)
@@ -41,17 +46,18 @@ class OarlockReader(CheckpointReader):
             text, source = shipped[METADATA_FILE], f"{METADATA_FILE} (received from another rank)"
         else:
             source = str(root / METADATA_FILE)
+            if not (root / METADATA_FILE).exists():
+                raise CheckpointFormatError(f"{source}: missing; the oarlock data files in {root} cannot be loaded "
+                                            "without it (an incomplete or damaged checkpoint)")
             try:
-                text = (root / METADATA_FILE).read_bytes()
+                text = checkpoint_file(root, METADATA_FILE, str(root)).read_bytes()
             except OSError as e:
                 raise CheckpointFormatError(f"{source}: cannot read: {e.strerror or e}") from None
-        try:
-            raw = json.loads(text)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointFormatError(f"{source}: invalid JSON: {e}") from None
+        raw = parse_json(text, source)
         meta = CheckpointMetadata.from_json(raw, source=source)
+        reader = cls(root, meta)  # checks that every data file stays inside the checkpoint, naming the tensor
         if not partial:
             for f in meta.files:
                 if not (root / f).is_file():
                     raise CheckpointFormatError(f"{root / f}: data file named in {METADATA_FILE} is missing")
-        return cls(root, meta)
+        return reader

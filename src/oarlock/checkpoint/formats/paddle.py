@@ -14,7 +14,7 @@ import torch
 from oarlock.checkpoint import paddle as paddle_pickle
 from oarlock.checkpoint.errors import CheckpointFormatError
 from oarlock.checkpoint.metadata import CheckpointMetadata, ShardMeta, TensorMeta
-from oarlock.checkpoint.reader import CheckpointReader, register_format
+from oarlock.checkpoint.reader import CheckpointReader, checkpoint_file, register_format
 from oarlock.checkpoint.safetensors_io import np_prod
 from oarlock.utils import dtype_name, torch_dtype
 
@@ -44,7 +44,7 @@ def read_paddle_metadata(root: Path) -> CheckpointMetadata:
     data_kinds = {m.group(3) for n in names if (m := PADDLE_DATA.match(n)) and int(m.group(2)) == uid}
     if len(data_kinds) > 1:
         raise CheckpointFormatError(f"{root}: Paddle checkpoint {uid} mixes .distcp and .safetensors data files")
-    mpath = root / f"{uid}.metadata"
+    mpath = checkpoint_file(root, f"{uid}.metadata", str(root))
     raw = paddle_pickle.restricted_load(mpath)
     if not isinstance(raw, paddle_pickle.PaddleMetadata):
         raise CheckpointFormatError(f"{mpath}: expected a Paddle Metadata record, found {type(raw).__name__}")
@@ -53,6 +53,7 @@ def read_paddle_metadata(root: Path) -> CheckpointMetadata:
     file_of: dict[tuple, tuple[str, int | None]] = {}
     for idx, fname in storage.items():
         k = (idx.tensor_key, _tuple(idx.global_offset), _flat_range(idx))
+        checkpoint_file(root, fname, f"{mpath}: tensor {getattr(idx, 'tensor_key', None)!r}")
         if not (root / fname).is_file():
             raise CheckpointFormatError(f"{mpath}: tensor {idx.tensor_key!r} is stored in {fname}, which is missing")
         rid = getattr(idx, "replica_id", None)
@@ -101,7 +102,10 @@ class PaddleReader(CheckpointReader):
     @classmethod
     def open(cls, path: Path, *, shipped: dict[str, bytes] | None = None, partial: bool = False
              ) -> "PaddleReader":
-        return cls(path, read_paddle_metadata(path))
+        try:
+            return cls(path, read_paddle_metadata(path))
+        except (AttributeError, TypeError, ValueError, KeyError) as e:  # records of the wrong shape
+            raise CheckpointFormatError(f"{path}: malformed Paddle metadata ({type(e).__name__}: {e})") from None
 
     def close(self) -> None:
         self._pickles.clear()
@@ -118,14 +122,29 @@ class PaddleReader(CheckpointReader):
             self.files_opened.append(file)
         return h
 
+    def check_read(self, key: str, file: str, name: str, flat_start: int, shape: tuple[int, ...]) -> None:
+        if not file.endswith(".distcp"):
+            return super().check_read(key, file, name, flat_start, shape)
+        import numpy as np
+
+        h = self._pickle(file)
+        arr = h.get(name)
+        if arr is None:
+            raise CheckpointFormatError(f"{self.path_of(file)}: tensor {name!r} is missing")
+        if not isinstance(arr, np.ndarray):
+            raise CheckpointFormatError(f"{self.path_of(file)}: tensor {name!r} is a {type(arr).__name__}, not an "
+                                        "array")
+        if arr.size < flat_start + np_prod(shape):
+            raise CheckpointFormatError(f"{self.path_of(file)}: tensor {name!r} holds {getattr(arr, 'size', 0)} "
+                                        f"elements, the metadata reads {np_prod(shape)} from element {flat_start}")
+
     def read_box(self, key: str, file: str, name: str, flat_start: int, shape: tuple[int, ...],
                  box: tuple[tuple[int, int], ...], out: torch.Tensor | None = None) -> torch.Tensor:
         if not file.endswith(".distcp"):
             return super().read_box(key, file, name, flat_start, shape, box, out)
         dtype = self.metadata.tensors[key].dtype
+        self.check_read(key, file, name, flat_start, shape)
         h = self._pickle(file)
-        if name not in h:
-            raise CheckpointFormatError(f"{self.path_of(file)}: tensor {name!r} is missing")
         arr = h[name].reshape(-1)[flat_start:flat_start + np_prod(shape)].reshape(shape)
         t = torch.from_numpy(arr[tuple(slice(a, b) for a, b in box)].copy())
         if dtype == "bfloat16" and t.dtype in (torch.int16, torch.uint16):  # numpy has no bf16

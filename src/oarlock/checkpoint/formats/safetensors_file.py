@@ -6,7 +6,7 @@ from pathlib import Path
 
 from oarlock.checkpoint.errors import CheckpointFormatError
 from oarlock.checkpoint.metadata import CheckpointMetadata, ShardMeta, TensorMeta
-from oarlock.checkpoint.reader import CheckpointReader, register_format
+from oarlock.checkpoint.reader import CheckpointReader, checkpoint_file, register_format
 from oarlock.checkpoint.safetensors_io import safetensors_header
 
 
@@ -20,6 +20,8 @@ def whole_tensor_metadata(fmt: str, files: dict[str, Path], root: Path) -> Check
     meta = CheckpointMetadata(fmt)
     owner: dict[str, str] = {}
     for rel, p in files.items():
+        if root.is_dir():
+            checkpoint_file(root, rel, str(root))
         for name, (shape, dt) in safetensors_header(p).items():
             if name in owner:
                 raise CheckpointFormatError(f"{root}: tensor {name!r} is stored twice, in {owner[name]} and {rel}")
