@@ -39,7 +39,7 @@ import torch
 
 from oarlock.checkpoint.errors import CheckpointFormatError, UnsafePickleError
 from oarlock.checkpoint.metadata import CheckpointMetadata, ShardMeta, TensorMeta
-from oarlock.checkpoint.reader import CheckpointReader, register_format
+from oarlock.checkpoint.reader import CheckpointReader, checkpoint_file, register_format
 from oarlock.checkpoint.safetensors_io import MAX_HEADER_BYTES, SafetensorsFile, contiguous_run, np_prod
 from oarlock.utils import AllowlistUnpickler, dtype_name, torch_dtype
 
@@ -862,9 +862,9 @@ def _is_megatron(path: Path, names: set[str]) -> bool:
     if MEGATRON_METADATA not in names:
         return False
     try:
-        with open(path / MEGATRON_METADATA, "rb") as f:
+        with open(checkpoint_file(path, MEGATRON_METADATA, MEGATRON_METADATA), "rb") as f:
             head = f.read(4096)
-    except OSError:
+    except (OSError, CheckpointFormatError):
         return False
     return b'"sharded_backend"' in head
 

@@ -41,7 +41,7 @@ import torch
 
 from oarlock.checkpoint.errors import CheckpointFormatError
 from oarlock.checkpoint.metadata import CheckpointMetadata, ShardMeta, TensorMeta
-from oarlock.checkpoint.reader import CheckpointReader, register_format
+from oarlock.checkpoint.reader import CheckpointReader, checkpoint_file, register_format
 from oarlock.utils import dtype_name
 
 OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -112,8 +112,8 @@ def tag_directory(path: Path) -> Path | None:
     latest = path / "latest"
     if latest.is_file():
         try:
-            tag = latest.read_text().strip()
-        except (OSError, UnicodeDecodeError):
+            tag = checkpoint_file(path, "latest", "latest").read_text().strip()
+        except (OSError, UnicodeDecodeError, CheckpointFormatError):
             return None
         if tag and "/" not in tag and tag not in (".", "..") and has_files(path / tag):
             return path / tag

@@ -28,7 +28,7 @@ import torch
 
 from oarlock.checkpoint.errors import CheckpointFormatError
 from oarlock.checkpoint.formats.dcp import MEGATRON_METADATA, DcpReader, is_dcp_dir
-from oarlock.checkpoint.reader import register_format
+from oarlock.checkpoint.reader import checkpoint_file, register_format
 
 COMMON_FILE = "common.pt"
 
@@ -79,8 +79,8 @@ def read_common(path: Path) -> tuple[dict[str, Any], str | None]:
 def megatron_backend(path: Path) -> dict[str, Any] | None:
     """The parsed ``metadata.json`` of a Megatron-Core checkpoint directory, or None if it is not one."""
     try:
-        raw = json.loads((path / MEGATRON_METADATA).read_text())
-    except (OSError, ValueError, UnicodeDecodeError):
+        raw = json.loads(checkpoint_file(path, MEGATRON_METADATA, MEGATRON_METADATA).read_text())
+    except (OSError, ValueError, UnicodeDecodeError, CheckpointFormatError):
         return None
     return raw if isinstance(raw, dict) and "sharded_backend" in raw else None
 

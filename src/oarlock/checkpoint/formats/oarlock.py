@@ -32,9 +32,10 @@ class OarlockReader(CheckpointReader):
             # of reading them as some other format
             return 1 if any(DATA_FILE.match(n) for n in names) else 0
         try:  # Megatron-Core writes a metadata.json of its own ({"sharded_backend": ...})
-            with open(path / METADATA_FILE, "rb") as f:
+            # the path-safety rule first: a metadata.json linking outside is refused by open(), never read here
+            with open(checkpoint_file(path, METADATA_FILE, METADATA_FILE), "rb") as f:
                 head = f.read(4096)
-        except OSError:
+        except (OSError, CheckpointFormatError):
             return 2
         return 0 if b'"sharded_backend"' in head else 2
 
