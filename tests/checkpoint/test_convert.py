@@ -176,6 +176,10 @@ def test_simulated_tp_equals_real_ranks_and_live_export(tmp_path, multirank):
     # the unique id of each save (metadata.json and every data file header carry it)
     metas = [json.loads((d / "metadata.json").read_text()) for d in (sim, real)]
     ids = [m.pop("save_id") for m in metas]
+    # the block checksums cover the headers, which hold the save ids: both record every data file, sizes equal
+    sums = [m["extra"].pop("checksums") for m in metas]
+    sizes = [{f: r["size"] for f, r in s_["files"].items()} for s_ in sums]
+    assert sizes[0] == sizes[1] and len(sizes[0]) == WORLD
     assert metas[0] == metas[1] and ids[0] != ids[1] and len(ids[0]) == len(ids[1]) == 32
     data = lambda d, i: {f.name: f.read_bytes().replace(i.encode(), b"0" * 32)  # noqa: E731
                          for f in sorted(d.iterdir()) if f.name != "metadata.json"}

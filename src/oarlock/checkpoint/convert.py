@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import json
 import os
 import re
 import shutil
@@ -489,7 +490,6 @@ def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike, *, aoa_conf
                               f"(include={include}, exclude={exclude}, optimizer_state={optimizer_state})")
     out_dir = Path(out_dir)
     storage_check_destination(out_dir, "huggingface", [source])
-    plan = plan_conversion(source, to="hf", aoa_config=aoa_config, max_shard_size=max_shard_size)
     with staged_directory(out_dir) as tmp:
         with open_checkpoint(source) as reader, single_threaded_copies():
             if verify_checksums:

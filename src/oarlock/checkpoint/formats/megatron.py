@@ -80,7 +80,7 @@ def megatron_backend(path: Path) -> dict[str, Any] | None:
     """The parsed ``metadata.json`` of a Megatron-Core checkpoint directory, or None if it is not one."""
     try:
         raw = json.loads(checkpoint_file(path, MEGATRON_METADATA, MEGATRON_METADATA).read_text())
-    except (OSError, ValueError, UnicodeDecodeError, CheckpointFormatError):
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError, CheckpointFormatError):
         return None
     return raw if isinstance(raw, dict) and "sharded_backend" in raw else None
 
