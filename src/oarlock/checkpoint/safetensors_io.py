@@ -311,20 +311,6 @@ def contiguous_run(shape: tuple[int, ...], box: tuple[tuple[int, int], ...]) -> 
     return start, np_prod(b - a for a, b in box)
 
 
-def contiguous_run(shape: tuple[int, ...], box: tuple[tuple[int, int], ...]) -> tuple[int, int] | None:
-    """``(first element, element count)`` when ``box`` of a C-contiguous array of ``shape`` is one contiguous run
-    (leading dims of extent 1, one partial dim, then full dims), else None."""
-    nd = len(shape)
-    k = nd - 1
-    while k > 0 and tuple(box[k]) == (0, shape[k]):
-        k -= 1
-    if nd and any(b - a != 1 for a, b in box[:k]):
-        return None
-    strides = [np_prod(shape[d + 1:]) for d in range(nd)]
-    start = sum(box[d][0] * strides[d] for d in range(nd))
-    return start, np_prod(b - a for a, b in box)
-
-
 # ---------------------------------------------------------------- the writer
 
 def _write_all(fd: int, mv: memoryview, pos: int) -> int:
