@@ -218,8 +218,8 @@ def main() -> None:
     for d in ("HF -> TP=3", "TP=3 -> HF"):
         o_p, o_w, o_rss = best[f"oarlock {d}"]
         t_p, t_w, t_rss = best[f"torch-only {d}"]
-        rows.append(f"| {d} | {o_w:.2f} | {o_p:.2f} | {o_rss:.0f} | {o_w / cp_t:.2f} | {o_w / cps_t:.2f} | {t_w:.2f} | {t_p:.2f} | "
-                    f"{t_rss:.0f} | {o_w / t_w:.2f} | {o_rss / t_rss:.2f} | {o_rss / mib:.2f} |")
+        rows.append(f"| {d} | {o_w:.2f} | {o_p:.2f} | {o_rss:.0f} | {o_w / cp_t:.2f} | {o_w / cps_t:.2f} | "
+                    f"{t_w:.2f} | {t_p:.2f} | {t_rss:.0f} | {o_w / t_w:.2f} | {o_rss / t_rss:.2f} | {o_rss / mib:.2f} |")
     nv = best["oarlock TP=3 -> HF no-verify"][1]
     load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
     table = "\n".join([
@@ -227,7 +227,8 @@ def main() -> None:
         f"of the TP=3 source: {best['oarlock TP=3 -> HF'][1]:.2f} s with, {nv:.2f} s without "
         f"({best['oarlock TP=3 -> HF'][1] / nv:.2f}x).",
         "",
-        f"Model file {mib:.0f} MiB (fp32); `cp` of it: {cp_t:.2f} s, `cp` then `sync` of the copy: {cps_t:.2f} s. Best of {args.repeat} runs, page cache warm, "
+        f"Model file {mib:.0f} MiB (fp32); `cp` of it: {cp_t:.2f} s, `cp` then `sync` of the copy: {cps_t:.2f} s. "
+        f"Best of {args.repeat} runs, page cache warm, "
         "each step in its own process. *work* = time after imports (the conversion itself), *process* = whole "
         "process including interpreter start and `import torch`; peak RSS includes the Python + torch runtime. "
         "oarlock fsyncs every file it writes, cp does not.",
