@@ -148,6 +148,11 @@ def test_verify_checks_tp_checkpoint_and_missing_file(ck, tmp_path, capsys):
                        victim.read_bytes()[:-1] + b"\x01")
     rep = verify_checkpoint(tmp_path / "tp2")
     assert not rep.intact and rep.problems[0].file == victim.name
+    victim.unlink()  # a missing data file: named, and the summary does not claim "no checksums recorded"
+    assert main(["verify", str(tmp_path / "tp2")]) == 1
+    out = capsys.readouterr().out
+    assert victim.name in out and "missing" in out
+    assert "no checksums recorded" not in out and "could not be opened" in out
 
 
 def test_diff_fast_path_uses_checksums(ck, tmp_path):

@@ -301,7 +301,8 @@ def _use_dense(query, key, value, return_softmax_lse: bool, dropout: float) -> b
     # Non-finite K/V must stay isolated by the mask, which SDPA's dense mask does not do (0 * inf = NaN in the
     # backward). A sum is one read pass; NaN/inf propagate through it. A finite tensor whose sum overflows only
     # sends the call to the tiled kernel, which is also correct.
-    return math.isfinite(float(key.sum(dtype=torch.float32) + value.sum(dtype=torch.float32)))
+    with torch.no_grad():
+        return math.isfinite(float(key.sum(dtype=torch.float32) + value.sum(dtype=torch.float32)))
 
 
 class _DenseMaskCache:

@@ -483,6 +483,7 @@ class VerifyReport:
     files_checked: int = 0
     bytes_hashed: int = 0
     problems: list[Problem] = None  # type: ignore[assignment]
+    opened: bool = True  # False: the checkpoint could not be opened (its problem says why), nothing was hashed
 
     def __post_init__(self) -> None:
         if self.problems is None:
@@ -501,6 +502,8 @@ class VerifyReport:
         lines = [f"{p.file or self.path}: {p.message}" for p in self.problems]
         what = "every block checked against its checksum" if self.checksums else \
             "no checksums recorded: headers, sizes, offsets and shard coverage checked"
+        if not self.opened:
+            what = "could not be opened: nothing was hashed"
         lines.append(f"{self.path}: {self.format} checkpoint, {self.files_checked} file(s), "
                      f"{'intact' if self.intact else f'{len(self.problems)} problem(s)'} ({what})")
         return "\n".join(lines)
@@ -586,7 +589,7 @@ def verify_checkpoint(path: str | Path) -> VerifyReport:
     try:
         reader = open_checkpoint(path)
     except CheckpointFormatError as e:  # detected but unreadable metadata or header: corruption
-        rep = VerifyReport(str(path), fmt, False)
+        rep = VerifyReport(str(path), fmt, False, opened=False)
         rep.problems.append(Problem("", str(e), []))
         return rep
     with reader:
