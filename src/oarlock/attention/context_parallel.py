@@ -470,9 +470,10 @@ def context_parallel_flashmask_attention(query: torch.Tensor, key: torch.Tensor,
       their blocks. Holds two ``S / W`` blocks at a time; costs ``W`` kernel calls per pass and one more hop
       of gradients. Which is faster depends on the link and the kernel (docs/flashmask.md,
       "Context parallelism"; ``benchmarks/context_parallel.py`` times both).
- Works with GQA, masks per KV head or per query head,
-    causal 1/2-vector and non-causal 2/4-vector indices; rows that see no key give exactly 0 (no NaN).
-    Algorithm: FlashMask V3 context parallelism (docs/flashmask.md, "Context parallelism").
+
+    Works with GQA, masks per KV head or per query head, causal 1/2-vector and non-causal 2/4-vector indices;
+    rows that see no key give exactly 0 (no NaN). Algorithm: FlashMask V3 context parallelism, the ring after
+    Ring Attention (arXiv 2310.01889); docs/flashmask.md, "Context parallelism".
 
     Args:
         query: this rank's rows ``[B, S / W, H, D]`` (float32/float16/bfloat16; CPU or CUDA).
