@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from oarlock.attention import (AttentionInputError, causal_document_mask, flashmask_attention, local_positions,
-                               plan_context_parallel, shard_sequence, sliding_window_mask, to_dense_mask)
+from oarlock.attention import (AttentionInputError, causal_document_mask, context_parallel_flashmask_attention,
+                               flashmask_attention, local_positions, plan_context_parallel, shard_sequence,
+                               sliding_window_mask, to_dense_mask)
 from oarlock.attention import flashmask as F
 from oarlock.attention.context_parallel import dual_chunk_swap, local_mask
 from oarlock.attention.masks import random_eviction_mask
@@ -26,6 +27,25 @@ def test_context_parallel_matches_single_process_and_float64(world, multirank):
     outcome = multirank("_cp_scenarios", world)
     outcome.check()
     assert len(outcome.names) == 9 and len(outcome.ranks) == world
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_context_parallel_matches_single_process_and_float64(world, multirank):
+    """method="ring" on every scenario of the all-gather test (same checks: out, lse, dq, dk, dv against
+    single-process flashmask_attention and float64 dense attention, atol 1e-5; fully masked rows exactly 0),
+    plus: the ring runs the kernel only on the K/V blocks a rank's rows see (counted from the dense mask)."""
+    outcome = multirank("_cp_ring_scenarios", world)
+    outcome.check()
+    assert len(outcome.names) == 10 and len(outcome.ranks) == world
+
+
+def test_unknown_cp_method_is_named():
+    plan = plan_context_parallel(None, causal=True, world_size=1, chunk_size=128, seqlen_q=256)
+    x = torch.randn(1, 256, 2, 8)
+    with pytest.raises(AttentionInputError, match=r"method must be one of \('allgather', 'ring'\), got 'tree'"):
+        context_parallel_flashmask_attention(x, x, x, None, plan=plan, causal=True, method="tree")
 
 
 def test_shard_helpers_follow_the_plan_permutation():
