@@ -98,3 +98,24 @@ class PickledCall:
 
     def __reduce__(self):
         return self.fn, self.args
+
+
+class TransposeSplit:
+    """A hand-built mapping program (no AOA): ``w`` (4, 6) float32 -> ``a`` = ``w[:, :3]^T`` (3, 4) and ``b`` =
+    ``w[:, 3:]`` cast to float64 (4, 3), ``b`` assembled from two row halves."""
+
+    def destination_keys(self):
+        return ["a", "b"]
+
+    def destination_spec(self, key):
+        from oarlock.checkpoint.mapping import TensorSpec
+
+        return {"a": TensorSpec((3, 4), "float32"), "b": TensorSpec((4, 3), "float64")}[key]
+
+    def mappings_for(self, key):
+        from oarlock.checkpoint.mapping import SliceMapping
+
+        if key == "a":
+            return [SliceMapping("a", ((0, 3), (0, 4)), "w", ((0, 4), (0, 3)), permute=(1, 0))]
+        return [SliceMapping("b", ((0, 2), (0, 3)), "w", ((0, 2), (3, 6)), dtype="float64"),
+                SliceMapping("b", ((2, 4), (0, 3)), "w", ((2, 4), (3, 6)), dtype="float64")]

@@ -15,10 +15,10 @@ from safetensors.torch import load_file, save_file
 
 import oarlock.checkpoint.save as api
 from oarlock.checkpoint import (CheckpointError, CheckpointFormatError, CheckpointMismatchError,
-                                CheckpointTilingError, ShardedWeight, SliceMapping, TensorSpec, load_state_dict,
+                                CheckpointTilingError, ShardedWeight, TensorSpec, load_state_dict,
                                 open_checkpoint, save_state_dict, sharded_state_dict)
 from oarlock.checkpoint.mapping import execute_on_full_tensors
-from testkit import tree_digest, write_paddle_checkpoint
+from testkit import TransposeSplit, tree_digest, write_paddle_checkpoint
 
 
 def sample(seed=0):
@@ -119,21 +119,6 @@ def test_paddle_directory_source(tmp_path, data_format):
 
 
 # ---------------------------------------------------------------- mapping programs and the AOA hook
-
-class TransposeSplit:
-    """w (4, 6) -> a = w[:, :3]^T (3, 4), b = w[:, 3:] as float64 (4, 3)."""
-
-    def destination_keys(self):
-        return ["a", "b"]
-
-    def destination_spec(self, key):
-        return {"a": TensorSpec((3, 4), "float32"), "b": TensorSpec((4, 3), "float64")}[key]
-
-    def mappings_for(self, key):
-        if key == "a":
-            return [SliceMapping("a", ((0, 3), (0, 4)), "w", ((0, 4), (0, 3)), permute=(1, 0))]
-        return [SliceMapping("b", ((0, 4), (0, 3)), "w", ((0, 4), (3, 6)), dtype="float64")]
-
 
 def test_hand_built_program_through_files(tmp_path):
     full = torch.randn(4, 6)
