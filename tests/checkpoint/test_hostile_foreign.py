@@ -260,8 +260,9 @@ def test_megatron_common_pt_calling_os_system_is_reported_not_run(tmp_path):
 
 # ---------------------------------------------------------------- byte ranges, partitions and shapes
 
-def test_dcp_entry_past_the_end_of_its_file(tmp_path, capsys):
-    ck = dcp_ckpt(tmp_path / "ck")
+@pytest.mark.parametrize("build", [dcp_ckpt, megatron_ckpt], ids=["dcp", "megatron"])
+def test_dcp_entry_past_the_end_of_its_file(tmp_path, capsys, build):
+    ck = build(tmp_path / "ck")
     size = (ck / "__0_0.distcp").stat().st_size
 
     def edit(md):
