@@ -318,7 +318,7 @@ class AllowlistUnpickler(pickle.Unpickler):
         return out
 
 
-def first_line(e: BaseException) -> str:
+def error_reason(e: BaseException) -> str:
     """The line of an exception's message that says what went wrong: torch's weights-only refusals run to many
     lines of advice, of which the one naming the refused ``GLOBAL`` (``Trying to load unsupported GLOBAL posix.system
     ...``) or the unpickler's reason (``WeightsUnpickler error: ...``) says what the file holds; otherwise the

@@ -65,7 +65,7 @@ import torch
 from oarlock.checkpoint.errors import CheckpointFormatError
 from oarlock.checkpoint.metadata import SAVE_ID_HEADER, CheckpointMetadata, ShardMeta
 from oarlock.checkpoint.safetensors_io import SafetensorsFile, contiguous_run, np_prod
-from oarlock.utils import first_line, torch_dtype
+from oarlock.utils import error_reason, torch_dtype
 
 _REGISTRY: dict[str, type["CheckpointReader"]] = {}
 
@@ -140,7 +140,7 @@ def load_weights_only(source: Any, where: Any, what: str = "weights-only torch.s
         with torch.serialization.safe_globals(list(safe_globals)):
             return torch.load(source, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as e:  # truncated zips, refused globals, ...
-        raise CheckpointFormatError(f"{where}: not a {what}: {first_line(e)}") from None
+        raise CheckpointFormatError(f"{where}: not a {what}: {error_reason(e)}") from None
 
 
 def box_of_stored(stored: torch.Tensor, flat_start: int, shape: tuple[int, ...], box: tuple[tuple[int, int], ...],
