@@ -16,41 +16,45 @@ def _fmt_bytes(n: int) -> str:
     raise AssertionError
 
 
+def _inspect_json(path: str, meta: object) -> dict:
+    from oarlock.utils import dtype_itemsize
+
+    return {"path": str(path), "format": meta.format, "num_tensors": len(meta.tensors),
+            "total_bytes": meta.total_bytes, "files": meta.files, "objects": meta.objects,
+            "tensors": [{"key": t.key, "shape": list(t.global_shape), "dtype": t.dtype, "nbytes": t.nbytes,
+                         "shards": [s.to_json() | {"nbytes": s.numel * dtype_itemsize(t.dtype)} for s in t.shards]}
+                        for t in meta.tensors.values()]}
+
+
+def _inspect_text(path: str, meta: object) -> str:
+    sharded = any(len(t.shards) > 1 or t.shards[0].local_shape != t.global_shape
+                  or t.shards[0].flattened_range is not None for t in meta.tensors.values())
+    w = max([len(k) for k in meta.tensors] + [3])
+    lines = [f"{path}: {meta.format} checkpoint, {len(meta.tensors)} tensors, "
+             f"{_fmt_bytes(meta.total_bytes)} in {len(meta.files)} file(s)",
+             f"{'key':<{w}}  {'shape':<20} {'dtype':<10} {'bytes':>12}"]
+    for t in meta.tensors.values():
+        lines.append(f"{t.key:<{w}}  {str(list(t.global_shape)):<20} {t.dtype:<10} {t.nbytes:>12}")
+        if sharded:
+            for s in t.shards:
+                extra = f" flat={list(s.flattened_range)}" if s.flattened_range is not None else ""
+                extra += f" replica={s.replica_id}" if s.replica_id else ""
+                lines.append(f"{'':<{w}}    shard offset={list(s.global_offset)} local_shape={list(s.local_shape)} "
+                             f"file={s.file}{extra}")
+    for k, v in meta.objects.items():
+        lines.append(f"{k:<{w}}  (object) {json.dumps(v)[:60]}")
+    return "\n".join(lines)
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from oarlock.checkpoint.storage import open_checkpoint
-    from oarlock.utils import dtype_itemsize
+    from oarlock.utils import print_report
 
     with open_checkpoint(args.path) as reader:
         meta = reader.metadata
     if args.include or args.exclude:
         meta = meta.filtered(args.include, args.exclude)
-    sharded = any(len(t.shards) > 1 or t.shards[0].local_shape != t.global_shape
-                  or t.shards[0].flattened_range is not None for t in meta.tensors.values())
-    if args.json:
-        out = {"path": str(args.path), "format": meta.format, "num_tensors": len(meta.tensors),
-               "total_bytes": meta.total_bytes, "files": meta.files, "objects": meta.objects,
-               "tensors": [{"key": t.key, "shape": list(t.global_shape), "dtype": t.dtype, "nbytes": t.nbytes,
-                            "shards": [s.to_json() | {"nbytes": s.numel * dtype_itemsize(t.dtype)}
-                                       for s in t.shards]}
-                           for t in meta.tensors.values()]}
-        json.dump(out, sys.stdout, indent=1)
-        sys.stdout.write("\n")
-        return 0
-    w = max([len(k) for k in meta.tensors] + [3])
-    print(f"{args.path}: {meta.format} checkpoint, {len(meta.tensors)} tensors, "
-          f"{_fmt_bytes(meta.total_bytes)} in {len(meta.files)} file(s)")
-    print(f"{'key':<{w}}  {'shape':<20} {'dtype':<10} {'bytes':>12}")
-    for t in meta.tensors.values():
-        print(f"{t.key:<{w}}  {str(list(t.global_shape)):<20} {t.dtype:<10} {t.nbytes:>12}")
-        if sharded:
-            for s in t.shards:
-                extra = f" flat={list(s.flattened_range)}" if s.flattened_range is not None else ""
-                extra += f" replica={s.replica_id}" if s.replica_id else ""
-                print(f"{'':<{w}}    shard offset={list(s.global_offset)} local_shape={list(s.local_shape)} "
-                      f"file={s.file}{extra}")
-    for k, v in meta.objects.items():
-        print(f"{k:<{w}}  (object) {json.dumps(v)[:60]}")
-    return 0
+    return print_report(args.json, lambda: _inspect_json(args.path, meta), lambda: _inspect_text(args.path, meta))
 
 
 def read_aoa_config(path: str) -> object:
@@ -235,30 +239,22 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def cmd_diff(args: argparse.Namespace) -> int:
     from oarlock.checkpoint.diff import diff_checkpoints
+    from oarlock.utils import print_report
 
     if args.rtol < 0 or args.atol < 0:
         print("oarlock: error: --rtol and --atol must be >= 0", file=sys.stderr)
         return 2
     rep = diff_checkpoints(args.a, args.b, rtol=args.rtol, atol=args.atol, include=args.include,
                            exclude=args.exclude)
-    if args.json:
-        json.dump(rep.to_json(), sys.stdout, indent=1)
-        sys.stdout.write("\n")
-    else:
-        print(rep.render())
-    return 0 if rep.equal else 1
+    return print_report(args.json, rep.to_json, rep.render, rep.equal)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from oarlock.checkpoint.integrity import verify_checkpoint
+    from oarlock.utils import print_report
 
     rep = verify_checkpoint(args.path)
-    if args.json:
-        json.dump(rep.to_json(), sys.stdout, indent=1)
-        sys.stdout.write("\n")
-    else:
-        print(rep.render())
-    return 0 if rep.intact else 1
+    return print_report(args.json, rep.to_json, rep.render, rep.intact)
 
 
 def _add_filters(p: argparse.ArgumentParser) -> None:

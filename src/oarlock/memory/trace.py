@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Iterable, NamedTuple
 
 from oarlock.memory.errors import TraceFormatError, UnsafeTraceError
-from oarlock.utils import AllowlistUnpickler
+from oarlock.utils import AllowlistUnpickler, load_allowlisted
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -341,14 +341,8 @@ def load_trace(path: str | Path, device: int | None = None) -> Trace:
         if isinstance(data, dict) and "traceEvents" in data:
             return trace_from_chrome(data, str(path))
         return trace_from_snapshot(data, device, str(path))
-    import io
-
-    try:
-        snap = AllowlistUnpickler(io.BytesIO(raw), _admit_plain, _refuse, str(path)).load()
-    except UnsafeTraceError:
-        raise
-    except Exception as e:
-        raise TraceFormatError(f"{path}: not a snapshot pickle or JSON trace ({type(e).__name__}: {e})") from None
+    snap = load_allowlisted(path, lambda f, source: AllowlistUnpickler(f, _admit_plain, _refuse, source),
+                            UnsafeTraceError, TraceFormatError, data=raw, what="snapshot pickle or JSON trace")
     return trace_from_snapshot(snap, device, str(path))
 
 
