@@ -134,3 +134,17 @@ def scenario_optimizer_resume_with_node_local_directories(ctx):
     assert torch.equal(q.detach(), want["w"])
     for name in ("exp_avg", "exp_avg_sq", "step"):
         assert torch.equal(opt2.state[q][name], want[name]), name
+
+
+def scenario_reshape_load_moves_pieces_between_ranks(ctx):
+    """AOA ``reshape=`` on 4 ranks: ``w`` [8, 8] (rank r saved rows 2r, 2r+1) loads as ``v = w.reshape(4, 16)``
+    split by columns (rank r holds ``v[:, 4r:4r+4]``, which comes from rows of two other ranks), with every
+    communication method; the reference is torch's reshape of the full weight."""
+    _save_rows(ctx, "ck")
+    want = _full_weight().reshape(4, 16)[:, 4 * ctx.rank:4 * ctx.rank + 4]
+    for method in ("auto", "grouped_send_recv", "broadcast"):
+        target = torch.full((4, 4), float("nan"))
+        rep = load_state_dict({"v": ShardedWeight("v", target, (4, 4), (4, 16), (0, 4 * ctx.rank))},
+                              ctx.root / "ck", aoa_config=["w -> v, reshape=[4, 16]"], comm_method=method)
+        assert torch.equal(target, want), (method, target, want)
+        assert rep.comm_method == ("direct" if method == "auto" else method), rep.comm_method
