@@ -201,6 +201,10 @@ def test_rotary_permutation_via_reshape_and_permute(to_hf, h, kv, hd, dim, tmp_p
     assert torch.equal(out["layers.0.q_proj"], perm(q, h)) and torch.equal(out["layers.1.q_proj"], perm(q * 2, h))
     assert torch.equal(out["layers.0.k_proj"], perm(k, kv)) and torch.equal(out["layers.1.k_proj"], perm(k * 3, kv))
     assert len(prog.mappings_for("layers.0.q_proj")) == h * hd  # one row each: a row permutation
+    if to_hf:  # the GGUF reader's internal transform undoes the same permutation
+        from oarlock.checkpoint.formats.gguf import unpermute_rotary
+
+        assert torch.equal(unpermute_rotary(q, h), out["layers.0.q_proj"])
     # the same through the loader: sources saved as TP shards (plus first moments), destinations TP-sharded
     # along the rows and, for k, along the columns
     save_state_dict({"layers.0.wq": shards_of("layers.0.wq", q, 2),
