@@ -106,7 +106,8 @@ def _explain_config(args: argparse.Namespace, source_dir: str) -> object:
     if args.preset is not None:
         from oarlock.checkpoint.presets import preset
 
-        return preset(args.preset, args.model_config or source_dir, reverse=args.reverse)
+        return preset(args.preset, args.model_config or source_dir, reverse=args.reverse, source=source_dir,
+                      stacked_experts=getattr(args, "stacked_experts", False))
     config = read_aoa_config(args.config)
     if args.reverse:
         config = {"aoa_statements": config} if isinstance(config, list) else dict(config)
@@ -199,7 +200,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
         # an oarlock checkpoint going to HF is in the training layout: the preset runs backwards
         reverse = args.reverse or (to == "hf" and detect_format(args.src) == "oarlock")
-        config = preset(args.preset, args.model_config or args.src, reverse=reverse)
+        config = preset(args.preset, args.model_config or args.src, reverse=reverse, source=args.src,
+                        stacked_experts=getattr(args, "stacked_experts", False))
         tp_rules = tp_rules or config["tp_rules"]
     layout = ConversionLayout(args.tp, args.pp, args.dp, tuple(resolve_tp_rules(tp_rules)))
     keep_opt = args.keep_optimizer_state or to == "oarlock"
@@ -217,6 +219,13 @@ def cmd_convert(args: argparse.Namespace) -> int:
         out = export_hf(args.src, args.dst, aoa_config=config, max_shard_size=args.max_shard_size,
                         copy_side_files=not args.no_side_files, include=args.include, exclude=args.exclude,
                         optimizer_state=keep_opt, verify_checksums=not args.no_verify)
+        if args.preset and args.model_config and not (out / "config.json").exists():
+            # a foreign source (Megatron) carries no HF config: the one the preset was built from goes along
+            import shutil
+            from pathlib import Path
+
+            cfg_file = Path(args.model_config)
+            shutil.copyfile(cfg_file / "config.json" if cfg_file.is_dir() else cfg_file, out / "config.json")
         files = sorted(p.name for p in out.iterdir() if p.suffix == ".safetensors")
         print(f"{args.dst}: HuggingFace checkpoint, {len(plan.keys)} tensors in {len(files)} safetensors file(s)")
         if plan.dropped_optimizer_keys:
@@ -315,9 +324,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                          "{\"aoa_statements\": [...], \"aoa_config_reverse\": false}; or use --preset")
     ex.add_argument("--preset", metavar="NAME", help="a ready-made config for an HF architecture (llama, mistral, "
                                                      "smollm2, qwen2, qwen2_moe, mixtral, deepseek_v3, gemma, gemma2, "
-                                                     "phi3, gpt2, bert, or auto), built from the source's config.json")
+                                                     "phi3, gpt2, bert, or auto), built from the source's config.json; "
+                                                     "megatron_gpt: Megatron-Core GPT/Llama -> HF Llama keys")
     ex.add_argument("--model-config", metavar="CONFIG.json", help="the model's config.json for --preset (default: "
                                                                   "the one in --source)")
+    ex.add_argument("--stacked-experts", action="store_true",
+                    help="with --preset mixtral/qwen2_moe: stack each layer's experts into one [E, out, in] tensor")
     ex.add_argument("--tp", type=int, default=1, metavar="N",
                     help="show the TP-blocked layout and per-rank ranges that convert --tp N writes")
     ex.add_argument("--tp-rules", metavar="NAME|FILE.json", help="split axes for --tp (default: the preset's, "
@@ -357,9 +369,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="a ready-made AOA config and TP rules for an HF architecture (llama, mistral, smollm2, qwen2, "
                          "qwen2_moe, mixtral, deepseek_v3, gemma, gemma2, phi3, gpt2, bert, or auto = config.json's "
                          "model_type): HF -> fused training layout, or back when SRC is an oarlock checkpoint and "
-                         "--to hf")
+                         "--to hf; megatron_gpt: a Megatron-Core GPT/Llama checkpoint -> HF Llama keys (give the "
+                         "HF config.json with --model-config; it is copied into DST)")
     cv.add_argument("--model-config", metavar="CONFIG.json",
                     help="the model's config.json for --preset (default: the one in SRC)")
+    cv.add_argument("--stacked-experts", action="store_true",
+                    help="with --preset mixtral/qwen2_moe: stack each layer's experts into one [E, out, in] tensor "
+                         "(layers.N.mlp.experts.gate_up_proj.weight / down_proj.weight), split on the expert axis")
     cv.add_argument("--reverse", action="store_true", help="invert the AOA statements (export model -> HF)")
     cv.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel degree of the output (oarlock)")
     cv.add_argument("--pp", type=int, default=1, metavar="N", help="pipeline stages of the output (oarlock): "
