@@ -217,6 +217,9 @@ def trace_from_snapshot(snap: Any, device: int | None = None, source: str = "<sn
     if not isinstance(segs, list):
         raise TraceFormatError(f"{source}: 'segments' is {type(segs).__name__}, expected a list")
     segs = [s for s in segs if isinstance(s, dict) and s.get("device", device) == device]
+    if not events and not segs:
+        raise TraceFormatError(f"{source}: an empty memory snapshot (no allocation events and no segments for "
+                               f"device {device}): record with torch.cuda.memory._record_memory_history() first")
     marks = snap.get("oarlock_marks", {})
     if not isinstance(marks, dict) or not all(isinstance(v, int) for v in marks.values()):
         raise TraceFormatError(f"{source}: 'oarlock_marks' must map names to event indices")
