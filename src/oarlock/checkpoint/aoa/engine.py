@@ -773,7 +773,9 @@ class _Executor:
                 self.read_sources.add(name)
                 return TensorDesc.source(name, self.states[name])
             if name not in self.model_src:
-                near = difflib.get_close_matches(name, list(self.env) + self.keys.with_prefix(name.split(".")[0]),
+                # temporaries the macros made (``X_transpose_tmp``, ``dst@1``...) are not names a user wrote
+                user_env = [n for n in self.env if not (n.endswith("_tmp") or "@" in n)]
+                near = difflib.get_close_matches(name, user_env + self.keys.with_prefix(name.split(".")[0]),
                                                  n=3, cutoff=0.5)
                 raise AOAError(f"`{name}` should be assigned before! It is neither a source key nor the result of an "
                                "earlier statement" + (f"; closest names: {', '.join(near)}" if near else ""),
