@@ -248,22 +248,25 @@ def flashmask_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     if window_size is not None:
         idx = window_to_indices(window_size, causal=causal, batch_size=b, seqlen_q=sq, seqlen_k=sk,
                                 device=query.device)
-    canon = canonicalize(idx, causal=causal, seqlen_q=sq) if idx is not None else None
     if query.numel() == 0 or key.numel() == 0 or value.numel() == 0:
         # Zero-size inputs: nothing to attend; keep the graph so backward gives zero gradients.
         zero = (query.sum() + key.sum() + value.sum()) * 0
         out = query.new_zeros(b, sq, h, value.shape[-1]) + zero.to(query.dtype)
         lse = torch.full((b, h, sq), float("-inf"), device=query.device)
         return (out, lse) if return_softmax_lse else out
-    key, value = expand_kv_for_mask_heads(key, value, canon, h)
+    key, value = expand_kv_for_mask_heads(key, value, idx, h)  # needs only the mask-head count
     if _use_dense(query, key, value, return_softmax_lse, dropout):
+        # a cached mask skips canonicalising the indices too: at small S every step of this path shows
         mask = _DENSE_MASKS.lookup(startend_row_indices, block_mask, (causal, sq, sk, h, query.device))
+        canon = None
         if mask is None:
+            canon = canonicalize(idx, causal=causal, seqlen_q=sq) if idx is not None else None
             mask = _DENSE_MASKS.store(startend_row_indices, block_mask, (causal, sq, sk, h, query.device),
                                       dense_sdpa_mask(canon, sq, sk, h, causal=causal, block_mask=block_mask,
                                                       device=query.device))
         return dense_attention(query, key, value, canon, causal=causal, scale=scale, block_mask=block_mask,
                                mask=mask)
+    canon = canonicalize(idx, causal=causal, seqlen_q=sq) if idx is not None else None
     if dropout > 0.0 and query.device.type != "cpu":
         # the Triton kernels have no dropout: dense reference, autograd through it
         out, lse = attention_reference(query, key, value, canon, causal=causal, softmax_scale=scale,
@@ -277,7 +280,8 @@ def flashmask_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
 
 def expand_kv_for_mask_heads(key: torch.Tensor, value: torch.Tensor, canon: torch.Tensor | None,
                              heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A mask with one head per *query* head (``Hm == H > Hk``, Paddle issue 77469) gives each query head of a
+    """``canon``: the mask indices (canonical or not: only the mask-head count, dimension 1, is read). A mask
+    with one head per *query* head (``Hm == H > Hk``, Paddle issue 77469) gives each query head of a
     GQA group its own mask; the kernels share one mask per KV head, so K/V are repeated to ``H`` heads (autograd
     sums the gradients back over each group). Returns ``key, value`` unchanged otherwise."""
     hk = key.shape[2]
