@@ -57,13 +57,24 @@ def headless_chromium():
     return run
 
 
+def pytest_configure(config):
+    # Tests parametrized by multirank.each_scenario share one launch of gloo ranks per xdist group: `-n N` (load)
+    # becomes loadgroup, which spreads every other test exactly like load.
+    config.addinivalue_line("markers", "xdist_group(name): run in the same xdist worker as the group's other tests")
+    if getattr(config.option, "dist", "no") == "load":
+        config.option.dist = "loadgroup"
+
+
 @pytest.fixture
 def multirank(tmp_path):
-    """``multirank(module, world, names=None)``: run the named scenarios of ``module`` on ``world`` gloo ranks and
-    return the :class:`multirank.Outcome` (``.check()`` names every failed scenario and rank with its traceback)."""
+    """``multirank(module, world, names=None, **kw)``: run the named scenarios of ``module`` on ``world`` gloo ranks
+    in ``multirank.root`` (``tmp_path / "ranks"``, where a test may prepare inputs first) and return the
+    :class:`multirank.Outcome` (``.check()`` names every failed scenario and rank with its traceback); ``kw``:
+    :func:`multirank.run_scenarios`'s ``timeout_s``, ``threads``, ``env``."""
     from multirank import run_scenarios
 
-    def run(module: str, world: int, names: list[str] | None = None):
-        return run_scenarios(module, world, tmp_path / "ranks", names)
+    def run(module: str, world: int, names: list[str] | None = None, **kw):
+        return run_scenarios(module, world, run.root, names, **kw)
 
+    run.root = tmp_path / "ranks"
     return run
