@@ -1,8 +1,9 @@
 """torch.distributed.checkpoint (DCP) directories written by the real ``dcp.save`` on 4 gloo ranks, read by oarlock.
 
-The fixtures (see _dcp_worker.py) are an FSDP2 HF-Llama model + AdamW state from ``get_state_dict`` in the three
-serialisations torch 2.13 writes (torch.save archives, embedded safetensors, zstd-compressed archives), DTensors
-on a 2x2 mesh, a ShardedTensor with two chunks of one key per rank, and a checkpoint saved by a 2-rank subgroup.
+The fixtures (written by the ``write_*`` scenarios of _dcp_scenarios.py, one launch of 4 ranks) are an FSDP2
+HF-Llama model + AdamW state from ``get_state_dict`` in the three serialisations torch 2.13 writes (torch.save
+archives, embedded safetensors, zstd-compressed archives), DTensors on a 2x2 mesh, a ShardedTensor with two chunks
+of one key per rank, and a checkpoint saved by a 2-rank subgroup.
 Values are compared bit for bit with the writer's own full tensors.
 """
 
@@ -13,15 +14,14 @@ import json
 import os
 import pickle
 import shutil
-import socket
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-import _dcp_worker as W
+import _dcp_scenarios as W
+from multirank import each_scenario, launch_fixture, scenario_names
 from oarlock.checkpoint import load_state_dict, open_checkpoint
 from oarlock.checkpoint.errors import CheckpointFormatError, UnsafePickleError
 from oarlock.checkpoint.formats.dcp import load_dcp_pickle, parse_dcp_metadata
@@ -30,22 +30,26 @@ from oarlock.cli import main
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def written(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("dcp")
+def _single(root: Path, world: int) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         import torch.distributed.checkpoint as dcp
 
         dcp.save(W.single_state(), checkpoint_id=str(root / "single"))  # one process, no process group
-        mp.start_processes(W.run, args=(4, _free_port(), str(root)), nprocs=4, start_method="spawn", join=True)
-    return root
+
+
+launched = launch_fixture("_dcp_scenarios", worlds=(4,), prepare=_single, timeout_s=300)
+WRITERS = [n for n in scenario_names("_dcp_scenarios") if n.startswith("scenario_write_")]
+# The tests that read what the ranks wrote run in the launch's xdist worker (one launch per session, not one per
+# worker).
+GROUP = pytest.mark.xdist_group("_dcp_scenarios-w4")
+
+
+@pytest.fixture(scope="module")
+def written(launched) -> Path:
+    for name in WRITERS:
+        launched.check(name)
+    return launched.root(4)
 
 
 def _flat(d, p=()):
@@ -83,6 +87,7 @@ def _assemble(root: Path, refused_ok: bool = False) -> tuple[dict[str, torch.Ten
         return out, dict(meta.objects)
 
 
+@GROUP
 @pytest.mark.parametrize("name", ["fsdp", "fsdp_st", "fsdp_zstd"])
 def test_fsdp2_model_and_optimizer_bit_exact(written, reference, name):
     if not (written / name).exists():
@@ -103,6 +108,7 @@ def test_fsdp2_model_and_optimizer_bit_exact(written, reference, name):
         "optim", "state", "model.embed_tokens.weight", "exp_avg"]
 
 
+@GROUP
 def test_mesh_multichunk_and_subgroup_bit_exact(written):
     tensors, values = _assemble(written / "mesh")
     assert set(tensors) == set(W.MESH_SHAPES)
@@ -161,6 +167,7 @@ def test_hostile_metadata_refused_and_nothing_runs(tmp_path, kind):
     assert not marker.exists()
 
 
+@GROUP
 def test_hostile_object_entry_is_refused_not_run(written, tmp_path):
     """A non-tensor value whose torch.save archive calls os.system is reported as refused and never runs."""
     d = tmp_path / "mesh"
@@ -197,6 +204,7 @@ def test_hostile_object_entry_is_refused_not_run(written, tmp_path):
     assert not marker.exists()
 
 
+@GROUP
 @pytest.mark.parametrize("name", ["fsdp", "fsdp_st"])
 def test_truncated_and_missing_data_files(written, tmp_path, name):
     d = tmp_path / name
@@ -210,6 +218,7 @@ def test_truncated_and_missing_data_files(written, tmp_path, name):
         parse_dcp_metadata(d)
 
 
+@GROUP
 def test_truncated_metadata(written, tmp_path):
     d = tmp_path / "m"
     shutil.copytree(written / "mesh", d)
@@ -220,16 +229,14 @@ def test_truncated_metadata(written, tmp_path):
 
 # ---------------------------------------------------------------- entry points: load_state_dict, inspect, convert
 
-def test_rank_scenarios(written):
-    """Named scenarios every rank ran with oarlock's load_state_dict (see _dcp_worker.py)."""
-    failed = []
-    for r in range(4):
-        res = json.loads((written / f"results_{r}.json").read_text())
-        assert len(res) >= 4, res
-        failed += [f"rank {r}: {name}: {msg}" for name, msg in res.items() if msg != "ok"]
-    assert not failed, "\n".join(failed)
+@each_scenario("_dcp_scenarios", worlds=(4,))
+def test_rank_scenarios(launched, world, scenario):
+    """Every rank's part of each scenario: the torch writers (write_*), then oarlock's load_state_dict of what they
+    wrote into other layouts, compared bit for bit with the writer's own tensors."""
+    launched.check(scenario, world)
 
 
+@GROUP
 def test_four_to_one_into_plain_model(written, reference):
     """The 4-rank FSDP2 checkpoint loaded in one process into a plain (unsharded) HF model + nested optimizer
     state, with torch's own dcp.load of the same files as a second reference."""
@@ -251,6 +258,7 @@ def test_four_to_one_into_plain_model(written, reference):
         assert torch.equal(v, ref_sd["model"][k]), k
 
 
+@GROUP
 def test_inspect_dcp(written, capsys):
     assert main(["inspect", str(written / "mesh"), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -260,6 +268,7 @@ def test_inspect_dcp(written, capsys):
     assert "dcp checkpoint, 84 tensors" in capsys.readouterr().out
 
 
+@GROUP
 def test_convert_dcp_to_hf_loads_in_transformers(written, reference, tmp_path):
     """`oarlock convert DCP OUT --to hf` of the FSDP2 model (HF key names); config.json placed next to the
     DCP files is carried over, and transformers loads the result with the writer's exact weights."""
@@ -274,6 +283,7 @@ def test_convert_dcp_to_hf_loads_in_transformers(written, reference, tmp_path):
         assert torch.equal(v, reference[f"model.{k}"]), k
 
 
+@GROUP
 @pytest.mark.parametrize("name", ["fsdp", "fsdp_st"])
 def test_convert_dcp_to_oarlock_tp2(written, reference, tmp_path, name):
     out = tmp_path / "oar"
@@ -299,6 +309,7 @@ def _zeros_like_nested(d):
     return d
 
 
+@GROUP
 def test_convert_to_dcp_loaded_by_torch(written, tmp_path):
     """`oarlock convert FSDP2-DCP OUT --to dcp --tp 2`: torch's own dcp.load reads OUT into the nested model +
     optimizer state dict (values included) with the writer's exact tensors."""
