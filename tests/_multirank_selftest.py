@@ -49,3 +49,12 @@ def scenario_rank_1_dies(ctx):
     if ctx.rank == 1:
         os._exit(3)
     dist.barrier()  # rank 0 waits for the dead rank until the parent stops it
+
+
+def scenario_leaves_a_child_process(ctx):
+    """A library's worker process that would outlive the rank (and hold the launcher's pipes open)."""
+    import multiprocessing
+
+    child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(600,))
+    child.start()
+    return child.pid

@@ -204,9 +204,25 @@ def _rank_main(rank: int, world: int, port: int, module: str, names: list[str], 
             pass
     # The outcome is recorded: leave without running interpreter/C++ teardown, where gloo's background threads
     # sometimes abort the process ("terminate called without an active exception") after all work succeeded.
+    # Processes a scenario's libraries started (Megatron's async writer pool, ...) would outlive os._exit and keep
+    # the launcher's stdout/stderr pipes open: stop them, as a normal interpreter exit would.
+    _stop_children()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _stop_children() -> None:
+    import multiprocessing
+
+    children = multiprocessing.active_children()
+    for p in children:
+        p.terminate()
+    for p in children:
+        p.join(5)
+        if p.is_alive():
+            p.kill()
+            p.join(5)
 
 
 # ---------------------------------------------------------------- the parent

@@ -52,3 +52,36 @@ def test_reports_the_scenario_a_dead_rank_was_running(tmp_path):
     msg = str(e.value)
     assert "rank_1_dies @ rank 1 of 2: the rank process died while running rank_1_dies (" in msg, msg
     assert "(exit code 3)" in msg, msg
+
+
+@pytest.mark.multiproc
+def test_command_line_returns_although_a_scenario_left_a_child_process(tmp_path):
+    """`python multirank.py FILE WORLD ROOT NAMES`: the report on stdout, exit 0; a child process a scenario started
+    is stopped with its rank (it used to keep the caller's pipes open, so subprocess.run never returned)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    r = subprocess.run([sys.executable, str(here / "multirank.py"), str(here / "_multirank_selftest.py"), "2",
+                        str(tmp_path), "passes_and_returns", "leaves_a_child_process"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.splitlines() == ["passes_and_returns: ok", "leaves_a_child_process: ok"], r.stdout
+    import json
+
+    pids = [json.loads((tmp_path / f"outcome.{i}.json").read_text())["scenario_leaves_a_child_process"]["value"]
+            for i in range(2)]
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        if not os.path.isdir("/proc"):
+            raise AssertionError(f"child process {pid} of a rank still runs")
+        with open(f"/proc/{pid}/stat") as f:  # a zombie awaiting its reaper is gone too
+            assert f.read().split()[2] == "Z", f"child process {pid} of a rank still runs"
+    r = subprocess.run([sys.executable, str(here / "multirank.py"), str(here / "_multirank_selftest.py"), "2",
+                        str(tmp_path / "b"), "fails_on_rank_1"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "fails_on_rank_1 @ rank 1 of 2: AssertionError: rank 1 sees value 42" in r.stdout
