@@ -57,14 +57,6 @@ def headless_chromium():
     return run
 
 
-def pytest_configure(config):
-    # Tests parametrized by multirank.each_scenario share one launch of gloo ranks per xdist group: `-n N` (load)
-    # becomes loadgroup, which spreads every other test exactly like load.
-    config.addinivalue_line("markers", "xdist_group(name): run in the same xdist worker as the group's other tests")
-    if getattr(config.option, "dist", "no") == "load":
-        config.option.dist = "loadgroup"
-
-
 @pytest.fixture
 def multirank(tmp_path):
     """``multirank(module, world, names=None, **kw)``: run the named scenarios of ``module`` on ``world`` gloo ranks

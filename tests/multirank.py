@@ -21,7 +21,7 @@ Usage (the ``multirank`` fixture of ``tests/conftest.py`` wraps it)::
     outcome = multirank("_my_scenarios", world=4)   # a module next to the test, or any importable module
     outcome.check()                                  # AssertionError naming scenario, rank and traceback
 
-One pytest test per scenario, the ranks launched once per module (and xdist worker group)::
+One pytest test per scenario, the ranks launched once per session (shared by pytest-xdist workers)::
 
     launched = launch_fixture("_my_scenarios", worlds=(4,))
 
@@ -354,33 +354,56 @@ def run_scenarios(module: str, world: int, root: str | os.PathLike, names: list[
 # ---------------------------------------------------------------- pytest: one test per scenario
 
 class Launches:
-    """The launches of one scenario module in a test module, one per world size, each run once (lazily, at the
-    first :meth:`check`) with the scenarios the session selected (plus what they need)."""
+    """The launches of one scenario module for one test module, one per world size, each run once per session
+    (lazily, at the first :meth:`check`) with the scenarios the session selected (plus what they need).
+
+    Under pytest-xdist every worker collects the same tests and may run some of one launch's: the first worker
+    that needs a launch runs it while holding a lock on its directory (shared by the session's workers) and
+    records it; the others wait for that record and read it, so the ranks never launch twice.
+    """
 
     def __init__(self, module: str, root: Path, selected: dict[int, list[str]], prepare: Callable | None,
                  kwargs: dict):
         self.module, self._root, self.selected, self.prepare, self.kwargs = module, root, selected, prepare, kwargs
-        self._outcomes: dict[int, Outcome | BaseException] = {}
+        self._outcomes: dict[int, Outcome] = {}
 
     def root(self, world: int) -> Path:
         """The directory of the launch at ``world`` (``ctx.shared`` of its scenarios)."""
         return self._root / f"world{world}"
 
     def outcome(self, world: int) -> Outcome:
-        """The launch at ``world``, run now if it has not run yet."""
+        """The launch at ``world``, run now if no worker of this session has run it yet."""
+        import fcntl
+
+        import pytest
+
         if world not in self._outcomes:
-            try:
-                root = self.root(world)
-                root.mkdir(parents=True, exist_ok=True)
-                if self.prepare is not None:
-                    self.prepare(root, world)
-                self._outcomes[world] = run_scenarios(self.module, world, root, self.selected[world], **self.kwargs)
-            except BaseException as e:  # noqa: BLE001 - every test of the launch reports it, not only the first
-                self._outcomes[world] = e
-        got = self._outcomes[world]
-        if isinstance(got, BaseException):
-            raise got
-        return got
+            root = self.root(world)
+            root.mkdir(parents=True, exist_ok=True)
+            record = root / "launch.json"
+            with open(root.with_name(root.name + ".lock"), "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes (also if this worker dies)
+                if not record.is_file():
+                    try:
+                        if self.prepare is not None:
+                            self.prepare(root, world)
+                        got = run_scenarios(self.module, world, root, self.selected[world], **self.kwargs)
+                        data = {"outcome": {"names": got.names, "world": got.world, "ranks": got.ranks,
+                                            "lost": got.lost}}
+                    except pytest.skip.Exception as e:
+                        data = {"skip": str(e.msg)}
+                    except BaseException:  # noqa: BLE001 - every test of the launch reports it, not only the first
+                        data = {"error": traceback.format_exc()}
+                    _write_json(record, data)
+            data = json.loads(record.read_text())
+            if "skip" in data:
+                pytest.skip(data["skip"])
+            if "error" in data:
+                raise RuntimeError(f"launching {self.module} on {world} ranks failed:\n{data['error']}")
+            o = data["outcome"]
+            self._outcomes[world] = Outcome(o["names"], o["world"], o["ranks"],
+                                            {int(r): v for r, v in o["lost"].items()})
+        return self._outcomes[world]
 
     def check(self, scenario: str, world: int | None = None) -> None:
         """:meth:`Outcome.check` of ``scenario`` in the launch at ``world`` (the only one if omitted)."""
@@ -411,24 +434,22 @@ def launch_fixture(module: str, worlds: tuple[int, ...] = (4,), *, prepare: Call
                 if w in wanted:
                     wanted[w].append(spec.params["scenario"])
         selected = {w: with_needs(module, names, w) or scenario_names(module, w) for w, names in wanted.items()}
-        return Launches(module, tmp_path_factory.mktemp(Path(module).stem.strip("_") or "ranks"), selected,
-                        prepare, kwargs)
+        base = tmp_path_factory.getbasetemp()
+        if os.environ.get("PYTEST_XDIST_WORKER"):  # the session's directory, above the worker's own
+            base = base.parent
+        test_module = request.module.__name__.rpartition(".")[2]
+        return Launches(module, base / f"multirank-{test_module}-{request.fixturename}", selected, prepare, kwargs)
 
     return fixture
 
 
 def each_scenario(module: str, worlds: tuple[int, ...] = (4,)) -> Callable:
     """Decorator: parametrize a test by ``world`` and ``scenario`` (pytest id: the scenario's name, prefixed by
-    the world size when there are several), every scenario of one launch in one xdist group, so that the ranks
-    launch once per world size."""
+    the world size when there are several)."""
     import pytest
 
-    params = []
-    for w in worlds:
-        group = pytest.mark.xdist_group(f"{Path(module).stem}-w{w}")
-        for n in scenario_names(module, w):
-            params.append(pytest.param(w, n, marks=group,
-                                       id=scenario_id(n) if len(worlds) == 1 else f"w{w}-{scenario_id(n)}"))
+    params = [pytest.param(w, n, id=scenario_id(n) if len(worlds) == 1 else f"w{w}-{scenario_id(n)}")
+              for w in worlds for n in scenario_names(module, w)]
     return pytest.mark.parametrize("world,scenario", params)
 
 

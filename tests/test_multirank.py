@@ -85,3 +85,18 @@ def test_command_line_returns_although_a_scenario_left_a_child_process(tmp_path)
     r = subprocess.run([sys.executable, str(here / "multirank.py"), str(here / "_multirank_selftest.py"), "2",
                         str(tmp_path / "b"), "fails_on_rank_1"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 1 and "fails_on_rank_1 @ rank 1 of 2: AssertionError: rank 1 sees value 42" in r.stdout
+
+
+@pytest.mark.multiproc
+def test_launch_shared_by_workers_runs_once(tmp_path):
+    """Two Launches on one directory (two pytest-xdist workers): the second reads the first's record."""
+    from multirank import Launches
+
+    prepared = []
+    a, b = (Launches(MOD, tmp_path, {2: ["scenario_passes_and_returns"]}, lambda root, w: prepared.append(w), {})
+            for _ in range(2))
+    a.check("passes_and_returns", 2)
+    b.check("passes_and_returns", 2)
+    assert prepared == [2]
+    assert b.values("passes_and_returns", 2) == a.values("passes_and_returns", 2) == [
+        {"rank": r, "gathered": [0, 10], "shared": True} for r in range(2)]

@@ -40,9 +40,6 @@ def _single(root: Path, world: int) -> None:
 
 launched = launch_fixture("_dcp_scenarios", worlds=(4,), prepare=_single, timeout_s=300)
 WRITERS = [n for n in scenario_names("_dcp_scenarios") if n.startswith("scenario_write_")]
-# The tests that read what the ranks wrote run in the launch's xdist worker (one launch per session, not one per
-# worker).
-GROUP = pytest.mark.xdist_group("_dcp_scenarios-w4")
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +84,6 @@ def _assemble(root: Path, refused_ok: bool = False) -> tuple[dict[str, torch.Ten
         return out, dict(meta.objects)
 
 
-@GROUP
 @pytest.mark.parametrize("name", ["fsdp", "fsdp_st", "fsdp_zstd"])
 def test_fsdp2_model_and_optimizer_bit_exact(written, reference, name):
     if not (written / name).exists():
@@ -108,7 +104,6 @@ def test_fsdp2_model_and_optimizer_bit_exact(written, reference, name):
         "optim", "state", "model.embed_tokens.weight", "exp_avg"]
 
 
-@GROUP
 def test_mesh_multichunk_and_subgroup_bit_exact(written):
     tensors, values = _assemble(written / "mesh")
     assert set(tensors) == set(W.MESH_SHAPES)
@@ -167,7 +162,6 @@ def test_hostile_metadata_refused_and_nothing_runs(tmp_path, kind):
     assert not marker.exists()
 
 
-@GROUP
 def test_hostile_object_entry_is_refused_not_run(written, tmp_path):
     """A non-tensor value whose torch.save archive calls os.system is reported as refused and never runs."""
     d = tmp_path / "mesh"
@@ -204,7 +198,6 @@ def test_hostile_object_entry_is_refused_not_run(written, tmp_path):
     assert not marker.exists()
 
 
-@GROUP
 @pytest.mark.parametrize("name", ["fsdp", "fsdp_st"])
 def test_truncated_and_missing_data_files(written, tmp_path, name):
     d = tmp_path / name
@@ -218,7 +211,6 @@ def test_truncated_and_missing_data_files(written, tmp_path, name):
         parse_dcp_metadata(d)
 
 
-@GROUP
 def test_truncated_metadata(written, tmp_path):
     d = tmp_path / "m"
     shutil.copytree(written / "mesh", d)
@@ -236,7 +228,6 @@ def test_rank_scenarios(launched, world, scenario):
     launched.check(scenario, world)
 
 
-@GROUP
 def test_four_to_one_into_plain_model(written, reference):
     """The 4-rank FSDP2 checkpoint loaded in one process into a plain (unsharded) HF model + nested optimizer
     state, with torch's own dcp.load of the same files as a second reference."""
@@ -258,7 +249,6 @@ def test_four_to_one_into_plain_model(written, reference):
         assert torch.equal(v, ref_sd["model"][k]), k
 
 
-@GROUP
 def test_inspect_dcp(written, capsys):
     assert main(["inspect", str(written / "mesh"), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -268,7 +258,6 @@ def test_inspect_dcp(written, capsys):
     assert "dcp checkpoint, 84 tensors" in capsys.readouterr().out
 
 
-@GROUP
 def test_convert_dcp_to_hf_loads_in_transformers(written, reference, tmp_path):
     """`oarlock convert DCP OUT --to hf` of the FSDP2 model (HF key names); config.json placed next to the
     DCP files is carried over, and transformers loads the result with the writer's exact weights."""
@@ -283,7 +272,6 @@ def test_convert_dcp_to_hf_loads_in_transformers(written, reference, tmp_path):
         assert torch.equal(v, reference[f"model.{k}"]), k
 
 
-@GROUP
 @pytest.mark.parametrize("name", ["fsdp", "fsdp_st"])
 def test_convert_dcp_to_oarlock_tp2(written, reference, tmp_path, name):
     out = tmp_path / "oar"
@@ -309,7 +297,6 @@ def _zeros_like_nested(d):
     return d
 
 
-@GROUP
 def test_convert_to_dcp_loaded_by_torch(written, tmp_path):
     """`oarlock convert FSDP2-DCP OUT --to dcp --tp 2`: torch's own dcp.load reads OUT into the nested model +
     optimizer state dict (values included) with the writer's exact tensors."""

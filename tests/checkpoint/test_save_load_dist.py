@@ -16,8 +16,7 @@ from multirank import run_scenarios
 from oarlock.checkpoint import load_state_dict, open_checkpoint, save_state_dict
 from oarlock.cli import main
 
-# The three tests share one launch: one xdist worker runs them all (the launch happens once per session).
-pytestmark = [pytest.mark.multiproc, pytest.mark.xdist_group("_dist_worker")]
+pytestmark = pytest.mark.multiproc
 
 
 @pytest.fixture(scope="module")
