@@ -16,8 +16,17 @@ plain causal mask the same against ``torch.distributed.tensor.experimental.conte
 with its load balancer) around ``scaled_dot_product_attention(is_causal=True)``. On CPU torch's experimental CP
 has no sharding strategy for the CPU SDPA kernel (NotImplementedError): that row then says so.
 
+Part 3, all-gather vs ring (same ranks, mask-aware plan, causal-document / shared-question / sliding-window):
+per-step forward and forward + backward wall time of ``method="allgather"`` and ``method="ring"`` (slowest rank,
+between barriers) and their ratio ring / all-gather (< 1: the ring is faster); the bytes each rank sends per
+step (point-to-point sends counted at the call, all-gather / reduce-scatter at their bandwidth-optimal
+``(W - 1) / W`` of the gathered / reduced tensor); the K/V communication buffers a rank holds at once in the
+backward (gathered K/V and full-sequence fp32 dK/dV for the all-gather, two blocks and two fp32 accumulators
+for the ring: computed from the buffer sizes); on CUDA also the measured peak allocated memory of a step.
+
     PYTHONPATH=src python benchmarks/context_parallel.py [--seqlens 8192 16384] [--world 4] [--reps 3]
     PYTHONPATH=src python benchmarks/context_parallel.py --quick --no-write   # a seconds-long smoke run
+    PYTHONPATH=src python benchmarks/context_parallel.py --methods-only       # part 3 alone
 
 Appends the tables with the command to benchmarks/RESULTS.md unless --no-write. Ranks use 1 thread each (run on
 an otherwise idle machine with at least ``--world`` cores).
@@ -106,6 +115,100 @@ def balance(args) -> list[dict]:
     return rows
 
 
+class _SentBytes:
+    """Counts the bytes this rank sends through ``torch.distributed`` while active (wraps the entry points
+    ``context_parallel_flashmask_attention`` calls at call time: ``batch_isend_irecv`` sends are counted in
+    full, an all-gather as ``(W - 1)`` times its input, a reduce-scatter as ``(W - 1) / W`` of its input)."""
+
+    def __init__(self, world: int):
+        self.world, self.n, self._saved = world, 0, {}
+
+    def __enter__(self):
+        w = self.world
+
+        def wrap(name, count):
+            real = getattr(dist, name, None)
+            if real is None:
+                return
+            self._saved[name] = real
+
+            def counted(*a, **kw):
+                self.n += count(*a, **kw)
+                return real(*a, **kw)
+
+            setattr(dist, name, counted)
+
+        wrap("batch_isend_irecv", lambda ops: sum(o.tensor.nbytes for o in ops if o.op is dist.isend))
+        for name in ("all_gather_single", "all_gather_into_tensor"):
+            wrap(name, lambda out, inp, **kw: (w - 1) * inp.nbytes)
+        for name in ("reduce_scatter_single", "reduce_scatter_tensor"):
+            wrap(name, lambda out, inp, **kw: (w - 1) * inp.nbytes // w)
+        return self
+
+    def __exit__(self, *exc):
+        for name, real in self._saved.items():
+            setattr(dist, name, real)
+
+
+def _kv_buffer_bytes(method: str, world: int, kv_local: int, grad_local: int) -> int:
+    """K/V communication buffers one rank holds at once in the backward (the larger pass): all-gather: the
+    gathered ``W`` blocks plus the full-sequence fp32 dK/dV it reduce-scatters; ring: the held and the incoming
+    block plus the outgoing and the incoming fp32 accumulator."""
+    if method == "allgather":
+        return world * (kv_local + grad_local)
+    return 2 * (kv_local + grad_local)
+
+
+def _methods(rank, world, args, dev, sync, cuda) -> list[dict]:
+    """Part 3: the two ways to move K/V, side by side, under the mask-aware plan."""
+    rows = []
+    for s in args.seqlens:
+        g = torch.Generator().manual_seed(0)
+        q, k, v, dout = (torch.randn(1, s, H, D, generator=g) for _ in range(4))
+        for name, (idx, causal) in masks(s).items():
+            if name == "causal":
+                continue
+            plan = plans(idx, causal, s, world, args.chunks_per_rank)["mask-aware"]
+            loc = [shard_sequence(plan, x, rank).to(dev) for x in (q, k, v, dout)]
+            idx_d = idx.to(dev) if idx is not None else None
+            kv_local = loc[1].nbytes + loc[2].nbytes
+            grad_local = (loc[1].numel() + loc[2].numel()) * 4
+            for method in ("allgather", "ring"):
+                def fwd(method=method):
+                    xs = [x.detach().requires_grad_(True) for x in loc[:3]]
+                    context_parallel_flashmask_attention(*xs, idx_d, plan=plan, causal=causal, method=method)
+                    sync()
+                    dist.barrier()
+
+                def fwd_bwd(method=method):
+                    xs = [x.detach().requires_grad_(True) for x in loc[:3]]
+                    out = context_parallel_flashmask_attention(*xs, idx_d, plan=plan, causal=causal, method=method)
+                    out.backward(loc[3])
+                    sync()
+                    dist.barrier()
+
+                with _SentBytes(world) as sent_f:
+                    fwd()
+                with _SentBytes(world) as sent_fb:
+                    fwd_bwd()
+                peak = None
+                if cuda:
+                    torch.cuda.synchronize()
+                    base = torch.cuda.memory_allocated()
+                    torch.cuda.reset_peak_memory_stats()
+                    fwd_bwd()
+                    peak = torch.cuda.max_memory_allocated() - base
+                row = dict(mask=name, S=s, method=method, fwd=best(fwd, args.reps), fwd_bwd=best(fwd_bwd, args.reps),
+                           sent_fwd=sent_f.n, sent_step=sent_fb.n,
+                           kv_buffers=_kv_buffer_bytes(method, world, kv_local, grad_local), cuda_peak=peak)
+                # the slowest rank bounds the step: every rank reports, rank 0 keeps the maxima
+                t = torch.tensor([row["fwd"], row["fwd_bwd"]], dtype=torch.float64, device=dev)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                row["fwd"], row["fwd_bwd"] = float(t[0]), float(t[1])
+                rows.append(row)
+    return rows
+
+
 def _e2e_rank(rank: int, world: int, port: int, args, q_out) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -115,6 +218,16 @@ def _e2e_rank(rank: int, world: int, port: int, args, q_out) -> None:
     if cuda:
         torch.cuda.set_device(dev)
     sync = (lambda: torch.cuda.synchronize()) if cuda else (lambda: None)
+    rows = [] if args.methods_only else _plans_e2e(rank, world, args, dev, sync)
+    rows += _methods(rank, world, args, dev, sync, cuda)
+    if rank == 0:
+        q_out.put(rows)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _plans_e2e(rank, world, args, dev, sync) -> list[dict]:
+    """Part 2: oarlock CP (all-gather) under each plan, and torch's context-parallel SDPA on the causal mask."""
     rows = []
     for s in args.seqlens:
         g = torch.Generator().manual_seed(0)
@@ -136,10 +249,7 @@ def _e2e_rank(rank: int, world: int, port: int, args, q_out) -> None:
             if name == "causal":
                 rows.append(dict(mask=name, S=s, impl="torch context_parallel SDPA (ring, load-balanced)",
                                  t=_torch_cp(q, k, v, dout, world, dev, sync, args.reps)))
-    if rank == 0:
-        q_out.put(rows)
-    dist.barrier()
-    dist.destroy_process_group()
+    return rows
 
 
 def _torch_cp(q, k, v, dout, world, dev, sync, reps):
@@ -179,6 +289,10 @@ def end_to_end(args) -> list[dict]:
     for p in procs:
         p.join()
     for r in rows:
+        if "method" in r:
+            print(f"method {r['mask']:16s} S={r['S']:6d} {r['method']:9s} fwd {r['fwd'] * 1e3:9.1f} ms  fwd+bwd "
+                  f"{r['fwd_bwd'] * 1e3:9.1f} ms  sent {r['sent_step'] / 2 ** 20:8.1f} MiB", flush=True)
+            continue
         t = r["t"]
         print(f"e2e {r['mask']:16s} S={r['S']:6d} {r['impl']:50s} "
               f"{f'{t * 1e3:9.1f} ms' if isinstance(t, float) else t}", flush=True)
@@ -194,13 +308,16 @@ def main(argv=None) -> int:
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--quick", action="store_true", help="S=2048, 1 rep: checks the script runs")
     ap.add_argument("--no-e2e", action="store_true", help="part 1 only")
+    ap.add_argument("--methods-only", action="store_true", help="part 3 only (all-gather vs ring)")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args(argv)
     if args.quick:
         args.seqlens, args.reps = [2048], 1
     torch.set_num_threads(1)
-    bal = balance(args)
-    e2e = [] if args.no_e2e else end_to_end(args)
+    bal = [] if args.methods_only else balance(args)
+    rows = [] if args.no_e2e else end_to_end(args)
+    e2e = [r for r in rows if "method" not in r]
+    meth = [r for r in rows if "method" in r]
     t1 = ["| mask | S | plan | slowest rank ms | mean rank ms | max/mean measured | max/mean planned (live tiles) |",
           "|---|---|---|---|---|---|---|"]
     for r in bal:
@@ -214,7 +331,19 @@ def main(argv=None) -> int:
         cell = f"{t * 1e3:.1f}" if isinstance(t, float) else t
         ratio = f"{t / base:.2f}" if isinstance(t, float) and base else ""
         t2.append(f"| {r['mask']} | {r['S']} | {r['impl']} | {cell} | {ratio} |")
-    print("\n".join(t1 + [""] + t2))
+    t3 = ["| mask | S | method | fwd ms | fwd+bwd ms | fwd ring/all-gather | fwd+bwd ring/all-gather | "
+          "MiB sent per rank (fwd / fwd+bwd) | K/V comm buffers MiB (bwd) | CUDA peak MiB (fwd+bwd) |",
+          "|---|---|---|---|---|---|---|---|---|---|"]
+    ag = {(r["mask"], r["S"]): r for r in meth if r["method"] == "allgather"}
+    mib = 2 ** 20
+    for r in meth:
+        a = ag[(r["mask"], r["S"])]
+        peak = "" if r["cuda_peak"] is None else f"{r['cuda_peak'] / mib:.1f}"
+        t3.append(f"| {r['mask']} | {r['S']} | {r['method']} | {r['fwd'] * 1e3:.1f} | {r['fwd_bwd'] * 1e3:.1f} | "
+                  f"{r['fwd'] / a['fwd']:.2f} | {r['fwd_bwd'] / a['fwd_bwd']:.2f} | "
+                  f"{r['sent_fwd'] / mib:.1f} / {r['sent_step'] / mib:.1f} | {r['kv_buffers'] / mib:.1f} | {peak} |")
+    tables = [t for t in (t1, t2, t3) if len(t) > 2]
+    print("\n\n".join("\n".join(t) for t in tables))
     if not args.no_write:
         cmd = "PYTHONPATH=src python benchmarks/context_parallel.py " + " ".join(argv if argv is not None
                                                                                   else sys.argv[1:])
@@ -223,7 +352,8 @@ def main(argv=None) -> int:
                     f"Command: `{cmd.strip()}` (torch {torch.__version__}, 1 thread per rank); B=1, H={H}, D={D}, "
                     f"fp32, best of {args.reps}; load average at the end {os.getloadavg()[0]:.1f} on "
                     f"{os.cpu_count()} CPUs. Ratios > 1 in the second table: slower than oarlock's mask-aware "
-                    f"plan.\n\n" + "\n".join(t1) + "\n\n" + "\n".join(t2) + "\n")
+                    f"plan. Third table: ring / all-gather < 1 means the ring is faster.\n\n"
+                    + "\n\n".join("\n".join(t) for t in tables) + "\n")
     return 0
 
 

@@ -178,6 +178,9 @@ def main() -> None:
         torch_only = [py, str(work / "torch_only.py")]
         steps = {
             "cp": (hf / "model.safetensors", ["cp", str(hf / "model.safetensors"), str(work / "cp.st")]),
+            # oarlock makes what it writes durable before it commits: the same for cp
+            "cp + fsync": (hf / "model.safetensors", ["sh", "-c", 'cp "$0" "$1" && sync "$1"',
+                                                      str(hf / "model.safetensors"), str(work / "cps.st")]),
             "oarlock HF -> TP=3": (hf, cli + [str(hf), str(work / "tp3"), "--aoa", str(aoa), "--tp", "3"]),
             "oarlock TP=3 -> HF": (work / "tp3", cli + [str(work / "tp3"), str(work / "back"), "--aoa", str(aoa),
                                                         "--reverse"]),
@@ -209,13 +212,14 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
 
     cp_t = best["cp"][1]
+    cps_t = best["cp + fsync"][1]
     mib = model_bytes / 2**20
     rows = []
     for d in ("HF -> TP=3", "TP=3 -> HF"):
         o_p, o_w, o_rss = best[f"oarlock {d}"]
         t_p, t_w, t_rss = best[f"torch-only {d}"]
-        rows.append(f"| {d} | {o_w:.2f} | {o_p:.2f} | {o_rss:.0f} | {o_w / cp_t:.2f} | {t_w:.2f} | {t_p:.2f} | "
-                    f"{t_rss:.0f} | {o_w / t_w:.2f} | {o_rss / t_rss:.2f} | {o_rss / mib:.2f} |")
+        rows.append(f"| {d} | {o_w:.2f} | {o_p:.2f} | {o_rss:.0f} | {o_w / cp_t:.2f} | {o_w / cps_t:.2f} | "
+                    f"{t_w:.2f} | {t_p:.2f} | {t_rss:.0f} | {o_w / t_w:.2f} | {o_rss / t_rss:.2f} | {o_rss / mib:.2f} |")
     nv = best["oarlock TP=3 -> HF no-verify"][1]
     load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
     table = "\n".join([
@@ -223,15 +227,17 @@ def main() -> None:
         f"of the TP=3 source: {best['oarlock TP=3 -> HF'][1]:.2f} s with, {nv:.2f} s without "
         f"({best['oarlock TP=3 -> HF'][1] / nv:.2f}x).",
         "",
-        f"Model file {mib:.0f} MiB (fp32); `cp` of it: {cp_t:.2f} s. Best of {args.repeat} runs, page cache warm, "
+        f"Model file {mib:.0f} MiB (fp32); `cp` of it: {cp_t:.2f} s, `cp` then `sync` of the copy: {cps_t:.2f} s. "
+        f"Best of {args.repeat} runs, page cache warm, "
         "each step in its own process. *work* = time after imports (the conversion itself), *process* = whole "
         "process including interpreter start and `import torch`; peak RSS includes the Python + torch runtime. "
         "oarlock fsyncs every file it writes, cp does not.",
         "",
-        "| direction | oarlock work s | oarlock process s | oarlock peak RSS MiB | oarlock work / cp | torch-only work s "
+        "| direction | oarlock work s | oarlock process s | oarlock peak RSS MiB | oarlock work / cp "
+        "| oarlock work / (cp + fsync) | torch-only work s "
         "| torch-only process s | torch-only peak RSS MiB | oarlock / torch-only (work) | oarlock / torch-only (RSS) "
         "| oarlock RSS / model size |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
         *rows,
     ])
     print(table)
@@ -239,7 +245,7 @@ def main() -> None:
         with open(REPO / "benchmarks" / "RESULTS.md", "a") as f:
             f.write("\n## checkpoint: `oarlock convert` SmolLM2-135M HF <-> TP=3 with fused QKV and gate/up (issue 5)\n\n"
                     f"Command: `.venv/bin/python benchmarks/convert_smollm2.py --repeat {args.repeat} "
-                    "--append-results` (2-core CPU box shared with other jobs; absolute times are noisy).\n\n"
+                    "--append-results`.\n\n"
                     + table + "\n")
 
 

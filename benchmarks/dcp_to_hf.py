@@ -1,7 +1,7 @@
 """DCP -> HuggingFace conversion of an FSDP2 checkpoint: oarlock vs the DCP-native route, time and peak RSS.
 
 Workload: a Llama model (HF ``LlamaForCausalLM`` key names; hidden 1024, 12 layers, MLP 4096, vocab 32000,
-untied: 1.0 GiB fp32) sharded with FSDP2 (``fully_shard``) on 4 gloo CPU ranks and saved with ``dcp.save`` of
+vocab 42000, untied: 268.5 M parameters, 1.00 GiB fp32) sharded with FSDP2 (``fully_shard``) on 4 gloo CPU ranks and saved with ``dcp.save`` of
 ``get_model_state_dict`` (default ``torch.save`` serialisation), written once into ``--dir`` and reused.
 
 Routes, each in a fresh process (peak RSS = that process's ``ru_maxrss``; time = wall clock of the conversion,
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-FULL = dict(vocab_size=32000, hidden_size=1024, intermediate_size=4096, num_hidden_layers=12,
+FULL = dict(vocab_size=42000, hidden_size=1024, intermediate_size=4096, num_hidden_layers=12,
             num_attention_heads=16, num_key_value_heads=4)
 QUICK = dict(vocab_size=8000, hidden_size=256, intermediate_size=1024, num_hidden_layers=6,
              num_attention_heads=4, num_key_value_heads=2)
@@ -78,7 +78,7 @@ def _write_rank(rank: int, world: int, port: int, out: str, shape: dict) -> None
 
 
 def ensure_checkpoint(root: Path, shape: dict) -> Path:
-    tag = "quick" if shape is QUICK else "full"
+    tag = "quick" if shape is QUICK else "full1g"
     out = root / f"fsdp2_{tag}"
     if (out / ".metadata").is_file():
         return out
@@ -119,8 +119,17 @@ def route_dcp(src: str, out: str) -> float:
 
 def _child(route: str, src: str, out: str) -> None:
     fn = {"oarlock": route_oarlock, "dcp": route_dcp}[route]
+    # the route's imports first: the peak RSS they alone cause (Python + torch runtime) is the floor that no
+    # conversion can go below; what a route adds above it is its working memory
+    if route == "oarlock":
+        import oarlock.checkpoint.convert  # noqa: F401
+    else:
+        import safetensors.torch  # noqa: F401
+        import torch.distributed.checkpoint.state_dict_loader  # noqa: F401
+    floor = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     seconds = fn(src, out)
-    print(json.dumps({"seconds": seconds, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+    print(json.dumps({"seconds": seconds, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                      "floor_rss": floor}))
 
 
 def run_route(route: str, src: Path, out: Path) -> dict:
@@ -170,12 +179,16 @@ def main() -> None:
     assert same_tensors(root / "out_oarlock", root / "out_dcp"), "the two routes wrote different tensors"
     gib = 1024 ** 3
     print(f"DCP -> HF, FSDP2 checkpoint of {size / gib:.2f} GiB on {WORLD} ranks ({os.cpu_count()} CPUs)")
-    print(f"{'route':10s} {'time s':>8s} {'peak RSS GiB':>13s} {'RSS / model':>12s}")
+    print(f"{'route':10s} {'time s':>8s} {'peak RSS GiB':>13s} {'RSS / model':>12s} {'import floor MiB':>17s} "
+          f"{'above floor MiB':>16s}")
     for route, r in results.items():
-        print(f"{route:10s} {r['seconds']:8.2f} {r['peak_rss'] / gib:13.2f} {r['peak_rss'] / size:12.2f}")
+        print(f"{route:10s} {r['seconds']:8.2f} {r['peak_rss'] / gib:13.2f} {r['peak_rss'] / size:12.2f} "
+              f"{r['floor_rss'] / 2**20:17.0f} {(r['peak_rss'] - r['floor_rss']) / 2**20:16.0f}")
     o, d = results["oarlock"], results["dcp"]
     print(f"oarlock / dcp: time x{o['seconds'] / d['seconds']:.2f}, peak RSS x{o['peak_rss'] / d['peak_rss']:.2f}")
-    print(json.dumps({"model_bytes": size, **{k: {"seconds": v["seconds"], "peak_rss": v["peak_rss"]}
+    print(f"load average: {' / '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(json.dumps({"model_bytes": size, **{k: {"seconds": v["seconds"], "peak_rss": v["peak_rss"],
+                                                  "floor_rss": v["floor_rss"]}
                                               for k, v in results.items()}}))
 
 

@@ -69,7 +69,7 @@ def dense64(q, k, v, idx, causal):
     return (p @ vv).transpose(1, 2)
 
 
-def run(name, world, rank):
+def run(name, world, rank, method="allgather"):
     idx, causal, h, kind = SCENARIOS[name]
     g = torch.Generator().manual_seed(11)
     q = torch.randn(B, S, h, D, generator=g)
@@ -92,7 +92,8 @@ def run(name, world, rank):
     (out64 * dout.double()).sum().backward()
     # context parallel on this rank's rows
     loc = [shard_sequence(plan, x, rank).requires_grad_(True) for x in (q, k, v)]
-    out, lse = context_parallel_flashmask_attention(*loc, idx, plan=plan, causal=causal, return_softmax_lse=True)
+    out, lse = context_parallel_flashmask_attention(*loc, idx, plan=plan, causal=causal, return_softmax_lse=True,
+                                                    method=method)
     lfin = torch.isfinite(lse)
     ((out * shard_sequence(plan, dout, rank)).sum()
      + torch.where(lfin, lse, 0).mul(shard_sequence(plan, dlse, rank, dim=2)).sum()).backward()
@@ -106,7 +107,7 @@ def run(name, world, rank):
     torch.testing.assert_close(out.double(), shard(out64.detach()), **tol, msg=lambda m: f"out vs float64: {m}")
     # the float64 gradients leave out the lse term: check them with a second, lse-free backward
     loc2 = [shard_sequence(plan, x, rank).requires_grad_(True) for x in (q, k, v)]
-    out2 = context_parallel_flashmask_attention(*loc2, idx, plan=plan, causal=causal)
+    out2 = context_parallel_flashmask_attention(*loc2, idx, plan=plan, causal=causal, method=method)
     (out2 * shard(dout)).sum().backward()
     for nm, got, want in zip("qkv", loc2, r64):
         torch.testing.assert_close(got.grad.double(), shard(want.grad), **tol,

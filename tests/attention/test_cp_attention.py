@@ -2,11 +2,14 @@
 mask heads equal to query heads, a differentiable log-sum-exp, the small-sequence dense path, and non-finite
 keys isolated by the mask."""
 
+import math
+
 import pytest
 import torch
 
-from oarlock.attention import (AttentionInputError, causal_document_mask, flashmask_attention, local_positions,
-                               plan_context_parallel, shard_sequence, sliding_window_mask, to_dense_mask)
+from oarlock.attention import (AttentionInputError, causal_document_mask, context_parallel_flashmask_attention,
+                               flashmask_attention, local_positions, plan_context_parallel, shard_sequence,
+                               sliding_window_mask, to_dense_mask)
 from oarlock.attention import flashmask as F
 from oarlock.attention.context_parallel import dual_chunk_swap, local_mask
 from oarlock.attention.masks import random_eviction_mask
@@ -24,6 +27,25 @@ def test_context_parallel_matches_single_process_and_float64(world, multirank):
     outcome = multirank("_cp_scenarios", world)
     outcome.check()
     assert len(outcome.names) == 9 and len(outcome.ranks) == world
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_context_parallel_matches_single_process_and_float64(world, multirank):
+    """method="ring" on every scenario of the all-gather test (same checks: out, lse, dq, dk, dv against
+    single-process flashmask_attention and float64 dense attention, atol 1e-5; fully masked rows exactly 0),
+    plus: the ring runs the kernel only on the K/V blocks a rank's rows see (counted from the dense mask)."""
+    outcome = multirank("_cp_ring_scenarios", world)
+    outcome.check()
+    assert len(outcome.names) == 10 and len(outcome.ranks) == world
+
+
+def test_unknown_cp_method_is_named():
+    plan = plan_context_parallel(None, causal=True, world_size=1, chunk_size=128, seqlen_q=256)
+    x = torch.randn(1, 256, 2, 8)
+    with pytest.raises(AttentionInputError, match=r"method must be one of \('allgather', 'ring'\), got 'tree'"):
+        context_parallel_flashmask_attention(x, x, x, None, plan=plan, causal=True, method="tree")
 
 
 def test_shard_helpers_follow_the_plan_permutation():
@@ -180,3 +202,61 @@ def test_nonfinite_key_hidden_by_the_mask_does_not_leak(bad):
         assert torch.isnan(out[:, sees]).all()
         out[:, ~sees].sum().backward()
         assert torch.isfinite(qg.grad[:, ~sees]).all()
+
+
+def _dense_float64(q, k, v, keep):
+    """Plain float64 attention with a dense bool mask [B, 1, Sq, Sk]; rows that see nothing give 0."""
+    qd, kd, vd = (x.double().transpose(1, 2) for x in (q, k, v))
+    kd = kd.repeat_interleave(qd.shape[1] // kd.shape[1], dim=1)
+    vd = vd.repeat_interleave(qd.shape[1] // vd.shape[1], dim=1)
+    s = (qd @ kd.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    s = s.masked_fill(~keep, float("-inf"))
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    return (p @ vd).transpose(1, 2)
+
+
+def test_dense_path_mask_cache_follows_in_place_changes_of_the_indices():
+    """The dense path caches the mask built from one index tensor (the layers of a model share it). An in-place
+    change of that tensor must rebuild it; a new tensor with other values must not reuse the old mask."""
+    g = torch.Generator().manual_seed(5)
+    s = 96
+    q, k, v = (torch.randn(1, s, 2, 8, generator=g) for _ in range(3))
+    rows = torch.arange(s).view(-1, 1)
+    cols = torch.arange(s).view(1, -1)
+
+    def keep_for(doc_starts):  # causal documents: key j visible to rows in [j, end of j's document)
+        ends = torch.tensor([next(e for e in doc_starts[1:] + [s] if e > j) for j in range(s)])
+        return ((rows >= cols) & (rows < ends.view(1, -1))).view(1, 1, s, s), ends
+
+    keep_a, ends_a = keep_for([0, 30, 60])
+    idx = ends_a.view(1, 1, s, 1).int().clone()
+    out_a = flashmask_attention(q, k, v, idx, causal=True)
+    torch.testing.assert_close(out_a.double(), _dense_float64(q, k, v, keep_a), atol=1e-5, rtol=1e-5)
+    again = flashmask_attention(q, k, v, idx, causal=True)
+    assert torch.equal(again, out_a)
+    keep_b, ends_b = keep_for([0, 50])
+    idx.copy_(ends_b.view(1, 1, s, 1))  # in place: same tensor object, new values
+    out_b = flashmask_attention(q, k, v, idx, causal=True)
+    torch.testing.assert_close(out_b.double(), _dense_float64(q, k, v, keep_b), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(out_a, out_b)
+    fresh = ends_a.view(1, 1, s, 1).int()  # another tensor: its own mask
+    torch.testing.assert_close(flashmask_attention(q, k, v, fresh, causal=True), out_a, atol=0, rtol=0)
+    with torch.inference_mode():  # inference tensors have no version counter: not cached, still right
+        inf_idx = ends_b.view(1, 1, s, 1).int()
+        torch.testing.assert_close(flashmask_attention(q, k, v, inf_idx, causal=True).double(),
+                                   _dense_float64(q, k, v, keep_b), atol=1e-5, rtol=1e-5)
+
+
+def test_dense_path_sends_non_finite_keys_to_the_tiled_kernel():
+    """A NaN in a masked-out key must not reach the output (SDPA's dense mask would let it through)."""
+    g = torch.Generator().manual_seed(6)
+    s = 64
+    q, k, v = (torch.randn(1, s, 2, 8, generator=g) for _ in range(3))
+    idx = causal_document_mask([32, 32])
+    k[:, 40] = float("nan")  # in the second document: invisible to rows 0..31
+    out = flashmask_attention(q, k, v, idx, causal=True)
+    assert torch.isfinite(out[:, :32]).all()
+    keep = (torch.arange(s).view(-1, 1) >= torch.arange(s).view(1, -1)) & \
+           ((torch.arange(s).view(-1, 1) < 32) == (torch.arange(s).view(1, -1) < 32))
+    torch.testing.assert_close(out[:, :32].double(), _dense_float64(q, k, v, keep.view(1, 1, s, s))[:, :32],
+                               atol=1e-5, rtol=1e-5)

@@ -137,3 +137,24 @@ def test_inspect_include_exclude(ckpts, capsys):
     out = json.loads(capsys.readouterr().out)
     assert [t["key"] for t in out["tensors"]] == ["model.layers.0.counter"]
     assert out["total_bytes"] == ref["model.layers.0.counter"].numel() * 8
+
+
+def test_checksum_fast_path_does_not_vouch_for_a_corrupted_copy(tmp_path, capsys):
+    """Two copies of one checkpoint are equal by their recorded checksums; after a byte of one copy's data file
+    is flipped (metadata.json untouched) diff must not answer "equal": it names the corrupt file."""
+    import shutil
+
+    ref = _model()
+    (tmp_path / "hf").mkdir()
+    save_file(ref, tmp_path / "hf" / "model.safetensors")
+    convert_checkpoint(tmp_path / "hf", tmp_path / "a", tp=2, show_progress=False)
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    assert "equal" in capsys.readouterr().out
+    f = sorted((tmp_path / "b").glob("*.safetensors"))[1]
+    data = bytearray(f.read_bytes())
+    data[-3] ^= 0x40
+    f.write_bytes(bytes(data))
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err
+    assert f.name in err and "corrupted" in err

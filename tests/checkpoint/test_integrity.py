@@ -146,6 +146,11 @@ def test_verify_checks_tp_checkpoint_and_missing_file(ck, tmp_path, capsys):
                        victim.read_bytes()[:-1] + b"\x01")
     rep = verify_checkpoint(tmp_path / "tp2")
     assert not rep.intact and rep.problems[0].file == victim.name
+    victim.unlink()  # a missing data file: named, and the summary does not claim "no checksums recorded"
+    assert main(["verify", str(tmp_path / "tp2")]) == 1
+    out = capsys.readouterr().out
+    assert victim.name in out and "missing" in out
+    assert "no checksums recorded" not in out and "could not be opened" in out
 
 
 def test_diff_fast_path_uses_checksums(ck, tmp_path):
@@ -237,3 +242,30 @@ def test_verify_paddle_structure(tmp_path, data_format, capsys):
     data.write_bytes(data.read_bytes()[: len(data.read_bytes()) // 2])  # truncated data file
     assert main(["verify", str(tmp_path)]) == 1
     assert f"0_0.{data_format}" in capsys.readouterr().out
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from oarlock.checkpoint.integrity import share_blocks  # noqa: E402
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.dictionaries(st.sampled_from(["a.safetensors", "b.safetensors"]),
+                                st.sets(st.integers(0, 40), max_size=30), max_size=2), min_size=1, max_size=6))
+def test_share_blocks_hashes_every_needed_block_once_on_a_rank_that_reads_it(needs):
+    """A load's ranks split the verification of blocks several of them read: every needed block is verified
+    exactly once in the group, by a rank that reads it; blocks every rank reads are spread within one."""
+    shares = share_blocks([{f: sorted(b) for f, b in n.items()} for n in needs])
+    assert len(shares) == len(needs)
+    seen = {}
+    for r, share in enumerate(shares):
+        for f, blocks in share.items():
+            for b in blocks:
+                assert (f, b) not in seen, f"block {f}:{b} verified by ranks {seen.get((f, b))} and {r}"
+                assert b in needs[r].get(f, ()), f"rank {r} verifies {f}:{b}, which it does not read"
+                seen[(f, b)] = r
+    assert set(seen) == {(f, b) for n in needs for f, bs in n.items() for b in bs}
+    common = set.intersection(*[{(f, b) for f, bs in n.items() for b in bs} for n in needs])
+    if len(needs) > 1 and all(set((f, b) for f, bs in n.items() for b in bs) == common for n in needs):
+        counts = [sum(len(v) for v in s.values()) for s in shares]
+        assert max(counts) - min(counts) <= 1

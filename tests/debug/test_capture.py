@@ -198,3 +198,29 @@ def test_fused_vs_unfused_region_is_one_replace_stretch(tmp_path):
     assert da.ops[0]["op"] == "aten.mm.default" and rep.aligned >= 4
     if rep.first is not None:  # float rounding may differ between the two formulas: it shows after the region
         assert rep.first.a["i"] > first.a_ops[0]["i"] and rep.before_first[0] is first
+
+
+def test_views_of_captured_outputs_record_their_geometry_and_are_still_compared(tmp_path):
+    """A view of a tensor an op of the capture produced is not hashed again (its bytes are its base's): it
+    records ``view:OFFSET:STRIDES``. Viewing other bytes of an equal base is still found at the view op; a
+    view of an outside input is hashed like any output."""
+    import hashlib
+
+    x = torch.arange(24, dtype=torch.float32).view(4, 6)
+
+    def step(path, start):
+        with od.capture(path, checksum="md5", stacks=False):
+            y = x * 2  # op output
+            z = y[:, start:start + 3]  # view of it
+            w = x.t()  # view of an outside input
+            (z.sum() + w.sum()).item()
+        return od.load_dump(path)
+
+    da, db = step(tmp_path / "a.jsonl", 1), step(tmp_path / "b.jsonl", 2)
+    sl = [r for r in da.ops if r["op"] == "aten.slice.Tensor"]
+    assert sl and sl[0]["h"] == ["view:1:6,1"]  # storage offset 1, strides (6, 1), from torch's own view
+    t = next(r for r in da.ops if r["op"] == "aten.t.default")
+    assert t["h"] == [hashlib.md5(x.t().contiguous().numpy().tobytes()).hexdigest()]
+    rep = od.diff(da.path, db.path)
+    assert rep.diverged and rep.first.a["op"] == "aten.slice.Tensor"
+    assert rep.first.outputs[0].hash_a == "view:1:6,1" and rep.first.outputs[0].hash_b == "view:2:6,1"

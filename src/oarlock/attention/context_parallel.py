@@ -282,6 +282,152 @@ class _ContextParallelAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None
 
 
+# ----------------------------------------------------------------------------------------------------------
+# The ring variant: K/V blocks travel round the ranks while each rank computes on the block it holds.
+
+#: Key tile edge used to decide that a peer's K/V block is dead for this rank's rows (both kernels tile keys by
+#: 64; a block is skipped only when every 64 x 64 tile of it is, so the kernel would have done nothing).
+_RING_TILE = 64
+_TAG_KV, _TAG_GRAD = 7, 8  # gloo matches messages per tag; NCCL ignores tags (every rank posts the same order)
+
+CP_METHODS = ("allgather", "ring")
+
+
+def _ring_exchange(send: torch.Tensor, recv: torch.Tensor, group, rank: int, world: int, tag: int) -> list:
+    """Post ``send`` to the next rank and ``recv`` from the previous one (one batched pair, so NCCL cannot
+    deadlock on the ring's cycle); returns the requests to wait on."""
+    ops = [dist.P2POp(dist.isend, send, group=group, group_peer=(rank + 1) % world, tag=tag),
+           dist.P2POp(dist.irecv, recv, group=group, group_peer=(rank - 1) % world, tag=tag)]
+    return dist.batch_isend_irecv(ops)
+
+
+def _wait(works: list) -> None:
+    for w in works:
+        w.wait()
+
+
+def _pack(tensors, dtype=None) -> torch.Tensor:
+    """One flat contiguous buffer (one message per hop instead of two)."""
+    return torch.cat([t.reshape(-1).to(dtype or t.dtype) for t in tensors])
+
+
+def _unpack(flat: torch.Tensor, shapes) -> list[torch.Tensor]:
+    out, off = [], 0
+    for shape in shapes:
+        n = math.prod(shape)
+        out.append(flat[off:off + n].view(shape))
+        off += n
+    return out
+
+
+def _ring_blocks(canon: torch.Tensor, world: int) -> tuple[list[torch.Tensor], list[bool]]:
+    """The local mask cut into the ``world`` key blocks (block ``j`` = rank ``j``'s keys) and, per block, whether
+    any tile of it is live for this rank's rows (the kernels' tile classification on the re-indexed mask)."""
+    n = canon.shape[2] // world  # keys per block = local rows (equal slices, Sq = Sk)
+    blocks, live = [], []
+    for j in range(world):
+        c = canon[:, :, j * n:(j + 1) * n].contiguous()
+        blocks.append(c)
+        cls = classify_tiles(c, causal=False, seqlen_q=n, block_m=_RING_TILE, block_n=_RING_TILE)
+        live.append(bool((cls != TILE_SKIP).any()))
+    return blocks, live
+
+
+def _merge_partial(out, lse, o, l):
+    """Log-sum-exp combination of two normalised partial attentions over disjoint key sets (fp32 ``out``
+    ``[B, Sq, H, Dv]``, ``lse`` ``[B, H, Sq]``): ``lse = logaddexp(lse, l)``, ``out = out e^(lse_old - lse) +
+    o e^(l - lse)``. Rows no key has reached yet keep ``lse = -inf`` and output 0 (no ``-inf - -inf``)."""
+    o = o.float()
+    if out is None:
+        return o, l
+    new = torch.logaddexp(lse, l)
+    ref = torch.where(torch.isneginf(new), torch.zeros_like(new), new)
+    w_old = torch.exp(lse - ref).transpose(1, 2).unsqueeze(-1)
+    w_new = torch.exp(l - ref).transpose(1, 2).unsqueeze(-1)
+    return out * w_old + o * w_new, new
+
+
+class _RingContextParallelAttention(torch.autograd.Function):
+    """Ring attention over the plan's rank order (Liu et al., "Ring Attention with Blockwise Transformers",
+    arXiv 2310.01889; docs/flashmask.md, "Context parallelism"). Forward, ``W`` steps: at step ``i`` rank ``r``
+    holds the K/V block of rank ``r - i``, posts its transfer to rank ``r + 1`` (and the receive of the next
+    block), runs the kernel of its rows against the held block unless the mask kills every tile of it, merges
+    the partial result by log-sum-exp, then waits for the transfer. Backward: the same ring with the final
+    ``out``/``lse`` (so each block's kernel backward gives that block's exact share of dQ, dK, dV); dQ adds up
+    locally, and an fp32 dK/dV accumulator follows each K/V block one step behind, arriving at the block's
+    owner after a full cycle. Nothing of size ``S`` is held: two K/V blocks and two accumulators at a time."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, canon, group, world, scale, dropout, seed):  # type: ignore[override]
+        rank = dist.get_rank(group)
+        blocks, live = _ring_blocks(canon, world)
+        shapes = (k.shape, v.shape)
+        cur = _pack((k, v))
+        out = lse = None
+        for i in range(world):
+            src = (rank - i) % world
+            works, nxt = [], None
+            if i < world - 1:  # dead blocks are still forwarded: the next rank may need them
+                nxt = torch.empty_like(cur)
+                works = _ring_exchange(cur, nxt, group, rank, world, _TAG_KV)
+            if live[src]:
+                kb, vb = _unpack(cur, shapes)
+                o, l = kernel_forward(q, kb, vb, blocks[src], causal=False, scale=scale, dropout=dropout,
+                                      seed=seed + src)
+                out, lse = _merge_partial(out, lse, o, l)
+            _wait(works)
+            cur = nxt
+        b, sq, h, _ = q.shape
+        if out is None:  # every key is masked for every local row
+            out = q.new_zeros(b, sq, h, v.shape[3], dtype=torch.float32)
+            lse = torch.full((b, h, sq), float("-inf"), dtype=torch.float32, device=q.device)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, canon, seed)
+        ctx.group, ctx.world, ctx.scale, ctx.dropout, ctx.live = group, world, scale, dropout, live
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):  # type: ignore[override]
+        q, k, v, out, lse, canon, seed = ctx.saved_tensors
+        group, world, live = ctx.group, ctx.world, ctx.live
+        rank = dist.get_rank(group)
+        blocks, _ = _ring_blocks(canon, world)
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        shapes = (k.shape, v.shape)
+        cur = _pack((k, v))
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        acc = acc_in = None
+        acc_works: list = []
+        for i in range(world):
+            src = (rank - i) % world
+            works, nxt = [], None
+            if i < world - 1:
+                nxt = torch.empty_like(cur)
+                works = _ring_exchange(cur, nxt, group, rank, world, _TAG_KV)
+            contrib = None
+            if live[src]:
+                kb, vb = _unpack(cur, shapes)
+                dqi, dki, dvi = kernel_backward(grad_out, grad_lse, q, kb, vb, out, lse, blocks[src], causal=False,
+                                                scale=ctx.scale, dropout=ctx.dropout, seed=seed + src)
+                dq += dqi
+                contrib = _pack((dki, dvi), torch.float32)
+            if i == 0:
+                acc = contrib if contrib is not None else \
+                    torch.zeros(k.numel() + v.numel(), dtype=torch.float32, device=k.device)
+            else:  # block src's accumulator, sent by the previous rank at the end of its step i - 1
+                _wait(acc_works)
+                acc = acc_in if contrib is None else acc_in.add_(contrib)
+            acc_in = torch.empty_like(acc)
+            # at the last step this hop takes every block's accumulator home: rank r receives its own block's
+            acc_works = _ring_exchange(acc, acc_in, group, rank, world, _TAG_GRAD)
+            _wait(works)
+            cur = nxt
+        _wait(acc_works)
+        dk, dv = _unpack(acc_in, shapes)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None)
+
+
 def local_mask(plan: ContextParallelPlan, startend_row_indices: torch.Tensor | None, rank: int, *, causal: bool,
                batch_size: int = 1) -> torch.Tensor:
     """The canonical (int64 ``[B, Hm, S, 4]``, non-causal form) mask of rank ``rank``'s rows against every key
@@ -306,18 +452,28 @@ def local_mask(plan: ContextParallelPlan, startend_row_indices: torch.Tensor | N
 def context_parallel_flashmask_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                          startend_row_indices: torch.Tensor | None, *, plan: ContextParallelPlan,
                                          group=None, causal: bool = False, softmax_scale: float | None = None,
-                                         dropout: float = 0.0, return_softmax_lse: bool = False):
+                                         dropout: float = 0.0, return_softmax_lse: bool = False,
+                                         method: str = "allgather"):
     """FlashMask attention with the sequence split over the ranks of ``group`` (context parallelism).
 
     Rank ``r`` owns the ``r``-th equal slice of ``plan.token_permutation()`` (:func:`shard_sequence` cuts it
-    out of a ``[B, S, ...]`` tensor; :func:`local_positions` gives its RoPE positions). K/V are all-gathered
-    (one collective per pass; a ring would overlap transfer and compute but needs a log-sum-exp merge per block
-    and a kernel call per peer, which costs more than it hides on CPU/gloo), the local rows attend every key
-    with the mask re-indexed to them (:func:`local_mask`), so fully masked tiles are skipped as in
-    :func:`~oarlock.attention.flashmask_attention`. The backward returns dQ for the local rows and dK/dV
-    reduce-scattered onto the ranks that own those keys. Works with GQA, masks per KV head or per query head,
-    causal 1/2-vector and non-causal 2/4-vector indices; rows that see no key give exactly 0 (no NaN).
-    Algorithm: FlashMask V3 context parallelism (docs/flashmask.md, "Context parallelism").
+    out of a ``[B, S, ...]`` tensor; :func:`local_positions` gives its RoPE positions). The local rows attend
+    every key with the mask re-indexed to them (:func:`local_mask`), so fully masked tiles are skipped as in
+    :func:`~oarlock.attention.flashmask_attention`; the backward returns dQ for the local rows and dK/dV summed
+    onto the ranks that own those keys. Two ways to move K/V (``method``):
+
+    * ``"allgather"`` (default): one all-gather of K/V per pass, one kernel call against all ``S`` keys, dK/dV
+      reduce-scattered in fp32. Holds ``S`` keys (and their fp32 gradients in the backward) at once.
+    * ``"ring"``: ``W`` steps; at each the rank computes against the K/V block it holds while that block moves
+      on to the next rank (``batch_isend_irecv``), partial results merge by log-sum-exp; blocks whose tiles the
+      mask kills entirely cost no kernel call. Backward: the same ring, fp32 dK/dV accumulators travelling with
+      their blocks. Holds two ``S / W`` blocks at a time; costs ``W`` kernel calls per pass and one more hop
+      of gradients. Which is faster depends on the link and the kernel (docs/flashmask.md,
+      "Context parallelism"; ``benchmarks/context_parallel.py`` times both).
+
+    Works with GQA, masks per KV head or per query head, causal 1/2-vector and non-causal 2/4-vector indices;
+    rows that see no key give exactly 0 (no NaN). Algorithm: FlashMask V3 context parallelism, the ring after
+    Ring Attention (arXiv 2310.01889); docs/flashmask.md, "Context parallelism".
 
     Args:
         query: this rank's rows ``[B, S / W, H, D]`` (float32/float16/bfloat16; CPU or CUDA).
@@ -330,13 +486,18 @@ def context_parallel_flashmask_attention(query: torch.Tensor, key: torch.Tensor,
         softmax_scale: default ``1 / sqrt(D)``.
         dropout: CPU only (the masks differ from a single-process run).
         return_softmax_lse: also return this rank's float32 ``[B, H, S / W]`` log-sum-exp (differentiable).
+        method: ``"allgather"`` or ``"ring"`` (same results up to float32 rounding; with float16/bfloat16
+            inputs the ring merges partial outputs rounded to the input dtype).
 
     Returns:
         ``out`` ``[B, S / W, H, Dv]`` for this rank's rows (and ``lse`` when asked).
 
     Raises:
-        AttentionInputError: shapes that do not match the plan or the group, naming both.
+        AttentionInputError: shapes that do not match the plan or the group, naming both; an unknown
+            ``method``.
     """
+    if method not in CP_METHODS:
+        raise AttentionInputError(f"method must be one of {CP_METHODS}, got {method!r}")
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     if plan.world_size != world:
@@ -368,5 +529,6 @@ def context_parallel_flashmask_attention(query: torch.Tensor, key: torch.Tensor,
         return flashmask_attention(query, key, value, full_idx, causal=causal, softmax_scale=scale,
                                    dropout=dropout, return_softmax_lse=return_softmax_lse)
     seed = torch.randint(0, 2 ** 62, (1,)) if dropout > 0.0 else torch.zeros(1, dtype=torch.int64)
-    out, lse = _ContextParallelAttention.apply(query, key, value, canon, group, world, scale, float(dropout), seed)
+    fn = _RingContextParallelAttention if method == "ring" else _ContextParallelAttention
+    out, lse = fn.apply(query, key, value, canon, group, world, scale, float(dropout), seed)
     return (out, lse) if return_softmax_lse else out

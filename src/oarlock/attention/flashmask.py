@@ -11,6 +11,7 @@ without graph breaks. The op picks the back end by device: CUDA with Triton -> :
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Optional
 
 import torch
@@ -256,8 +257,13 @@ def flashmask_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
         return (out, lse) if return_softmax_lse else out
     key, value = expand_kv_for_mask_heads(key, value, canon, h)
     if _use_dense(query, key, value, return_softmax_lse, dropout):
-        out = dense_attention(query, key, value, canon, causal=causal, scale=scale, block_mask=block_mask)
-        return out
+        mask = _DENSE_MASKS.lookup(startend_row_indices, block_mask, (causal, sq, sk, h, query.device))
+        if mask is None:
+            mask = _DENSE_MASKS.store(startend_row_indices, block_mask, (causal, sq, sk, h, query.device),
+                                      dense_sdpa_mask(canon, sq, sk, h, causal=causal, block_mask=block_mask,
+                                                      device=query.device))
+        return dense_attention(query, key, value, canon, causal=causal, scale=scale, block_mask=block_mask,
+                               mask=mask)
     if dropout > 0.0 and query.device.type != "cpu":
         # the Triton kernels have no dropout: dense reference, autograd through it
         out, lse = attention_reference(query, key, value, canon, causal=causal, softmax_scale=scale,
@@ -282,44 +288,111 @@ def expand_kv_for_mask_heads(key: torch.Tensor, value: torch.Tensor, canon: torc
 
 
 #: Score-matrix size ``Sq * Sk`` up to which CPU attention runs SDPA with a dense mask instead of the tiled
-#: kernel: at these sizes there are too few tiles for skipping to pay for the per-block work (measured on the
-#: SmolLM2 head shape with causal-document masks; ``benchmarks/flashmask_cpu.py`` compares both paths).
-DENSE_DISPATCH_MAX_SCORES = 1024 * 1024
+#: kernel: at these sizes there are too few tiles for skipping to pay for the per-block work. Measured with
+#: ``benchmarks/flashmask_cpu.py`` (its "tiled kernel alone" column): on 4 heads of 64 the tiled kernel wins from
+#: S = 1024 on, SDPA with the dense mask below.
+DENSE_DISPATCH_MAX_SCORES = 768 * 768
 
 
 def _use_dense(query, key, value, return_softmax_lse: bool, dropout: float) -> bool:
     if (query.device.type != "cpu" or return_softmax_lse or dropout > 0.0
             or query.shape[1] * key.shape[1] > DENSE_DISPATCH_MAX_SCORES or torch.compiler.is_compiling()):
         return False
-    # non-finite K/V must stay isolated by the mask, which an additive dense mask does not do
-    return bool(torch.isfinite(key).all()) and bool(torch.isfinite(value).all())
+    # Non-finite K/V must stay isolated by the mask, which SDPA's dense mask does not do (0 * inf = NaN in the
+    # backward). A sum is one read pass; NaN/inf propagate through it. A finite tensor whose sum overflows only
+    # sends the call to the tiled kernel, which is also correct.
+    with torch.no_grad():
+        return math.isfinite(float(key.sum(dtype=torch.float32) + value.sum(dtype=torch.float32)))
 
 
-def dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, canon: torch.Tensor | None, *,
-                    causal: bool, scale: float, block_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """FlashMask attention through ``torch.nn.functional.scaled_dot_product_attention`` with the dense boolean
-    mask (the fast path for small sequences). Same shapes and results as :func:`flashmask_attention` without
-    dropout: fp32 math, output in the query dtype, rows that see no key give exactly 0 with zero gradient.
-    Memory ``O(B * Hm * Sq * Sk)`` bytes for the mask."""
+class _DenseMaskCache:
+    """The last few dense masks built from index tensors, so that the layers of a model, which share one
+    ``startend_row_indices`` tensor per batch, build the ``O(Sq * Sk)`` mask once (as a caller of SDPA with a
+    dense mask would). An entry holds a weak reference to its index tensor and that tensor's version counter:
+    it dies with the tensor and is never used after an in-place change. Inference tensors (no version counter)
+    and calls without index tensors are not cached."""
+
+    def __init__(self, size: int = 4):
+        self.size = size
+        self.entries: list[tuple] = []
+
+    @staticmethod
+    def _stamp(t: torch.Tensor | None):
+        if t is None:
+            return None
+        if t.is_inference():
+            raise LookupError
+        return weakref.ref(t), t._version
+
+    def lookup(self, idx, block_mask, params) -> "tuple | None":
+        if idx is None:
+            return None
+        for ref, ver, bm, p, mask in self.entries:
+            if ref() is idx and ver == idx._version and p == params and not idx.is_inference() and \
+                    (bm is None if block_mask is None else (bm[0]() is block_mask and bm[1] == block_mask._version)):
+                return mask
+        return None
+
+    def store(self, idx, block_mask, params, mask: tuple) -> tuple:
+        if idx is None:
+            return mask
+        try:
+            ref, ver = self._stamp(idx)
+            bm = self._stamp(block_mask)
+        except LookupError:
+            return mask
+        self.entries = [(ref, ver, bm, params, mask)] + [e for e in self.entries if e[0]() is not None]
+        del self.entries[self.size:]
+        return mask
+
+
+_DENSE_MASKS = _DenseMaskCache()
+
+
+def dense_sdpa_mask(canon: torch.Tensor | None, sq: int, sk: int, heads: int, *, causal: bool,
+                    block_mask: torch.Tensor | None, device: torch.device) -> tuple:
+    """``(keep, seen)`` for SDPA: ``keep`` bool ``[B or 1, heads or 1, Sq, Sk]`` (True = attend; rows that see no
+    key may attend everything, as SDPA would give NaN there), ``seen`` bool ``[B, H, Sq, 1]`` (rows that see a
+    key) or None when every row sees one."""
     from oarlock.attention.reference import expand_block_mask
 
-    b, sq, h, _ = query.shape
-    sk, hk = key.shape[1], key.shape[2]
-    rows = torch.arange(sq, device=query.device)
+    rows = torch.arange(sq, device=device)
     if canon is not None:
         keep = dense_keep_rows(canon, rows, None, causal=causal, seqlen_q=sq)
     else:
-        keep = torch.ones(1, 1, sq, sk, dtype=torch.bool, device=query.device)
+        keep = torch.ones(1, 1, sq, sk, dtype=torch.bool, device=device)
         if causal:
-            keep = keep & (torch.arange(sk, device=query.device) <= rows.view(-1, 1) + (sk - sq))
+            keep = keep & (torch.arange(sk, device=device) <= rows.view(-1, 1) + (sk - sq))
     if block_mask is not None:
         keep = keep & expand_block_mask(block_mask, sq, sk, rows)
     if keep.shape[1] > 1:
-        keep = keep.repeat_interleave(h // keep.shape[1], dim=1)
+        keep = keep.repeat_interleave(heads // keep.shape[1], dim=1)
     seen = keep.any(-1, keepdim=True)  # rows that see at least one key
-    keep = keep | ~seen  # SDPA gives NaN on empty rows: let them see everything, then zero them
+    if bool(seen.all()):
+        return keep, None
+    return keep | ~seen, seen
+
+
+def _sdpa_with_mask(query, key, value, mask: tuple, scale: float) -> torch.Tensor:
+    keep, seen = mask
+    h, hk = query.shape[2], key.shape[2]
     q, k, v = (x.transpose(1, 2).float() for x in (query, key, value))
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale,
                                                            enable_gqa=hk != h)
-    out = torch.where(seen, out, torch.zeros((), dtype=out.dtype, device=out.device))
+    if seen is not None:  # rows that see no key: exactly 0, and zero gradient
+        out = torch.where(seen, out, torch.zeros((), dtype=out.dtype, device=out.device))
     return out.transpose(1, 2).to(query.dtype)
+
+
+def dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, canon: torch.Tensor | None, *,
+                    causal: bool, scale: float, block_mask: torch.Tensor | None = None,
+                    mask: tuple | None = None) -> torch.Tensor:
+    """FlashMask attention through ``torch.nn.functional.scaled_dot_product_attention`` with the dense boolean
+    mask (the fast path for small sequences). Same shapes and results as :func:`flashmask_attention` without
+    dropout: fp32 math, output in the query dtype, rows that see no key give exactly 0 with zero gradient.
+    Memory ``O(B * Hm * Sq * Sk)`` bytes for the mask; ``mask``: a prebuilt :func:`dense_sdpa_mask` result."""
+    if mask is not None:
+        return _sdpa_with_mask(query, key, value, mask, scale)
+    b, sq, h, _ = query.shape
+    mask = dense_sdpa_mask(canon, sq, key.shape[1], h, causal=causal, block_mask=block_mask, device=query.device)
+    return _sdpa_with_mask(query, key, value, mask, scale)

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 import torch
 
-from oarlock.checkpoint.integrity import equal_by_checksum
+from oarlock.checkpoint.integrity import BlockVerifier, ChecksumError, corrupt_keys, equal_by_checksum, recorded
 from oarlock.checkpoint.metadata import CheckpointMetadata, key_selected
 from oarlock.utils import dtype_name
 
@@ -179,11 +179,12 @@ def diff_checkpoints(a: str | Path, b: str | Path, *, rtol: float = 0.0, atol: f
         rtol, atol: tolerances (module docstring); 0 means exact equality.
         include, exclude: glob patterns over keys (:func:`~oarlock.checkpoint.metadata.key_selected`).
         use_checksums: keys whose stored bytes have equal checksums on both sides (same layout, same dtype) are
-            equal without being read.
+            equal without being compared element by element; the files holding them are first hashed against
+            their recorded checksums (a corrupted copy with an intact ``metadata.json`` is not "equal").
 
     Raises:
         CheckpointFormatError: either side unreadable (naming the file); CheckpointTilingError: a key whose
-            shards do not tile it.
+            shards do not tile it; ChecksumError: a file of either side no longer matches its recorded checksums.
     """
     from oarlock.checkpoint.convert import read_destination
     from oarlock.checkpoint.plan import Planner
@@ -199,6 +200,9 @@ def diff_checkpoints(a: str | Path, b: str | Path, *, rtol: float = 0.0, atol: f
         rep.only_in_b = [k for k in kb if k not in set(ka)]
         pa, pb = Planner(ma), Planner(mb)
         same = _checksum_equal_keys(ma, mb) if use_checksums else set()
+        if same:  # recorded checksums prove equality only of intact files: check the files they cover first
+            for reader, meta in ((ra, ma), (rb, mb)):
+                _verify_files(reader, meta, {sh.file for k in same for sh in meta.tensors[k].shards})
         for k in ka:
             if k not in sb:
                 continue
@@ -222,6 +226,20 @@ def diff_checkpoints(a: str | Path, b: str | Path, *, rtol: float = 0.0, atol: f
         rep.objects_changed = [k for k in oa if k in ob and json.dumps(oa[k], sort_keys=True)
                                != json.dumps(ob[k], sort_keys=True)]
     return rep
+
+
+def _verify_files(reader, meta: CheckpointMetadata, files: set[str]) -> None:
+    sums = recorded(meta)
+    verifier = BlockVerifier(reader.path_of, sums)
+    for f in sorted(files):
+        bad = verifier.bad_blocks(f, range(len(sums[f].blocks)))
+        if bad:
+            path = reader.path_of(f)
+            bs = sums[f].block_size
+            raise ChecksumError(f"{path}: block(s) {bad[:5]} (bytes from {bad[0] * bs}) do not match the checksums "
+                                f"recorded at save (keys {corrupt_keys(path, bad, bs)[:5]}): the file was corrupted "
+                                "after it was written, so its recorded checksums cannot stand for its contents; "
+                                "`oarlock verify` lists every bad block")
 
 
 def _checksum_equal_keys(ma: CheckpointMetadata, mb: CheckpointMetadata) -> set[str]:

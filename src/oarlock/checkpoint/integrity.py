@@ -97,16 +97,12 @@ class BlockHasher:
 
 
 def _hash_range(fd: int, start: int, end: int, block_size: int, path: Path) -> list[str]:
-    out = []
-    pos = start
-    while pos < end:
-        n = min(block_size, end - pos)
-        data = os.pread(fd, n, pos)
-        if len(data) != n:
-            raise ChecksumError(f"{path}: file ends at byte {pos + len(data)}, the checksums cover {end} bytes")
-        out.append(_digest(data))
-        pos += n
-    return out
+    """Block hashes of bytes ``[start, end)`` of ``fd`` (``start`` a multiple of ``block_size``), each block
+    mapped rather than read: no copy into Python, and the resident set does not grow with the file."""
+    size = os.fstat(fd).st_size
+    if size < end:
+        raise ChecksumError(f"{path}: file ends at byte {size}, the checksums cover {end} bytes")
+    return [_digest_block(fd, pos, min(block_size, end - pos)) for pos in range(start, end, block_size)]
 
 
 def _digest(data: Any) -> str:
@@ -281,19 +277,14 @@ def _shard_words(metadata: Any, key: str, file: str, name: str) -> str:
     return f"stored tensor {name!r}"
 
 
-def verify_read_items(reader: Any, items: Iterable[Any], verifier: BlockVerifier | None = None) -> int:
-    """Verify every block a load's read items touch, before anything is written. Items are
-    :class:`~oarlock.checkpoint.plan.ReadItem` s (``src_key``, ``file``, ``name``, ``src_flat_start``,
-    ``src_shape``, ``src_box``). Files this rank cannot see are skipped (another rank reads them). Returns the
-    bytes hashed; 0 when the checkpoint records no checksums.
-
-    Raises:
-        ChecksumError: naming the file, the corrupt block's byte range, and the key and shard box read from it.
-    """
+def blocks_needed(reader: Any, items: Iterable[Any]) -> dict[str, dict[int, Any]]:
+    """The checksum blocks a load's read items touch, per data file: ``{file: {block: first item reading it}}``.
+    Items are :class:`~oarlock.checkpoint.plan.ReadItem` s (``src_key``, ``file``, ``name``, ``src_flat_start``,
+    ``src_shape``, ``src_box``). Files this rank cannot see are left out (another rank reads them); empty when
+    the checkpoint records no checksums."""
     checksums = recorded(reader.metadata)
     if not checksums:
-        return 0
-    verifier = verifier or BlockVerifier(reader.path_of, checksums)
+        return {}
     visible = reader.visible_files()
     need: dict[str, dict[int, Any]] = {}
     for it in items:
@@ -305,9 +296,45 @@ def verify_read_items(reader: Any, items: Iterable[Any], verifier: BlockVerifier
         per = need.setdefault(it.file, {})
         for b in checksums[it.file].block_range(*span):
             per.setdefault(b, it)
+    return need
+
+
+def share_blocks(needs: Sequence[dict[str, Sequence[int]]]) -> list[dict[str, list[int]]]:
+    """Split the verification of blocks that several ranks read: every (file, block) any rank needs goes to
+    exactly one of the ranks that need it, the one with the fewest blocks so far (ties: lowest rank), so the
+    group hashes each block once. Deterministic: every rank computes the same split from the same ``needs``
+    (rank ``r``'s ``{file: blocks}``). Returns each rank's share."""
+    who: dict[tuple[str, int], list[int]] = {}
+    for r, need in enumerate(needs):
+        for f, blocks in need.items():
+            for b in blocks:
+                who.setdefault((f, int(b)), []).append(r)
+    load = [0] * len(needs)
+    out: list[dict[str, list[int]]] = [{} for _ in needs]
+    # blocks that only one rank reads first: they are fixed; the shared ones then even out the load
+    for (f, b), ranks in sorted(who.items(), key=lambda kv: (len(kv[1]) > 1, kv[0])):
+        r = min(ranks, key=lambda q: (load[q], q))
+        load[r] += 1
+        out[r].setdefault(f, []).append(b)
+    return out
+
+
+def verify_blocks(reader: Any, need: dict[str, dict[int, Any]], share: dict[str, Sequence[int]] | None = None,
+                  verifier: BlockVerifier | None = None) -> int:
+    """Hash the blocks of ``need`` (:func:`blocks_needed`), or only those of ``share`` (this rank's part of a
+    :func:`share_blocks` split), against the recorded checksums. Returns the bytes hashed.
+
+    Raises:
+        ChecksumError: naming the file, the corrupt block's byte range, and the key and shard box read from it.
+    """
+    checksums = recorded(reader.metadata)
+    if not checksums:
+        return 0
+    verifier = verifier or BlockVerifier(reader.path_of, checksums)
     before = verifier.bytes_verified
-    for file in sorted(need):
-        bad = verifier.bad_blocks(file, need[file])
+    for file in sorted(need if share is None else share):
+        blocks = need[file] if share is None else share[file]
+        bad = verifier.bad_blocks(file, blocks)
         if bad:
             b = bad[0]
             it = need[file][b]
@@ -318,6 +345,16 @@ def verify_read_items(reader: Any, items: Iterable[Any], verifier: BlockVerifier
                                 f"key {it.src_key!r} {_shard_words(reader.metadata, it.src_key, file, it.name)}"
                                 f"{more}: the file was corrupted after it was written; nothing was loaded")
     return verifier.bytes_verified - before
+
+
+def verify_read_items(reader: Any, items: Iterable[Any], verifier: BlockVerifier | None = None) -> int:
+    """Verify every block a load's read items touch (:func:`blocks_needed`), before anything is written. Returns
+    the bytes hashed; 0 when the checkpoint records no checksums.
+
+    Raises:
+        ChecksumError: naming the file, the corrupt block's byte range, and the key and shard box read from it.
+    """
+    return verify_blocks(reader, blocks_needed(reader, items), verifier=verifier)
 
 
 def corrupt_keys(file_path: str | Path, blocks: Sequence[int], block_size: int) -> list[str]:
@@ -446,6 +483,7 @@ class VerifyReport:
     files_checked: int = 0
     bytes_hashed: int = 0
     problems: list[Problem] = None  # type: ignore[assignment]
+    opened: bool = True  # False: the checkpoint could not be opened (its problem says why), nothing was hashed
 
     def __post_init__(self) -> None:
         if self.problems is None:
@@ -464,6 +502,8 @@ class VerifyReport:
         lines = [f"{p.file or self.path}: {p.message}" for p in self.problems]
         what = "every block checked against its checksum" if self.checksums else \
             "no checksums recorded: headers, sizes, offsets and shard coverage checked"
+        if not self.opened:
+            what = "could not be opened: nothing was hashed"
         lines.append(f"{self.path}: {self.format} checkpoint, {self.files_checked} file(s), "
                      f"{'intact' if self.intact else f'{len(self.problems)} problem(s)'} ({what})")
         return "\n".join(lines)
@@ -549,7 +589,7 @@ def verify_checkpoint(path: str | Path) -> VerifyReport:
     try:
         reader = open_checkpoint(path)
     except CheckpointFormatError as e:  # detected but unreadable metadata or header: corruption
-        rep = VerifyReport(str(path), fmt, False)
+        rep = VerifyReport(str(path), fmt, False, opened=False)
         rep.problems.append(Problem("", str(e), []))
         return rep
     with reader:

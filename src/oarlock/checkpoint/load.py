@@ -21,7 +21,7 @@ from oarlock.checkpoint import comm
 from oarlock.checkpoint.dist import DistWrapper
 from oarlock.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from oarlock.checkpoint.executor import LoadReport, execute_work, read_order
-from oarlock.checkpoint.integrity import verify_read_items
+from oarlock.checkpoint.integrity import blocks_needed, share_blocks, verify_blocks
 from oarlock.checkpoint.mapping import MappingProgram, TensorSpec
 from oarlock.checkpoint.metadata import ALGORITHM_KEY, PARAM_GROUPS_KEY, CheckpointMetadata
 from oarlock.checkpoint.plan import Planner, ReadItem, source_specs
@@ -149,12 +149,21 @@ def run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process_
         # every item this rank reads itself is checked (file opens, same save, tensor holds the array) before
         # the first target byte is written; the files stay open, so the reads see what was checked
         reader.check_items(it for items in plans for it in items if reader.path_of(it.file).is_file())
-        if verify_checksums:  # before any target is written; a mismatch fails every rank in this gather
-            verify_read_items(reader, (it for items in plans for it in items))
-        return {"missing": sorted(missing), "skipped": sorted(skipped)}
+        if verify_checksums:  # hashed below, before any target is written
+            need.update(blocks_needed(reader, (it for items in plans for it in items)))
+        return {"missing": sorted(missing), "skipped": sorted(skipped),
+                "blocks": {f: sorted(bs) for f, bs in need.items()}}
 
+    def verify() -> None:
+        # each block that several ranks read is hashed by one of them; a mismatch fails every rank in this gather
+        share = share_blocks([s["blocks"] for s in status])[dist.rank]
+        verify_blocks(reader, need, share)
+
+    need: dict[str, dict[int, Any]] = {}
     try:
         status = dist.gather(plan)
+        if verify_checksums and any(s["blocks"] for s in status):
+            dist.gather(verify)
     except BaseException:
         if reader is not None:
             reader.close()

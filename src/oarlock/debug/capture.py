@@ -90,6 +90,17 @@ def _op_str(func) -> str:
     return s
 
 
+_IS_VIEW: dict[Any, bool] = {}
+
+
+def _is_view(func) -> bool:
+    """Whether an aten op returns views of an input without writing it (its schema's alias annotations)."""
+    v = _IS_VIEW.get(func)
+    if v is None:
+        v = _IS_VIEW[func] = bool(getattr(func, "is_view", False))
+    return v
+
+
 def _meta(x: Any) -> list | None:
     if isinstance(x, torch.Tensor):
         return [list(x.shape), _dtype_str(x.dtype)]
@@ -460,6 +471,10 @@ class Capture:
         if self._hash is not None:
             hs = rec["h"] = [None] * len(outs)
         saved = None
+        # a view of an op output of this capture is not hashed again (see docs); a view of a parameter or of an
+        # outside input is: those bytes were never hashed
+        view = _is_view(func) and bool(rec["src"]) and isinstance(rec["src"][0], str) \
+            and rec["src"][0].startswith("o")
         for j, t in enumerate(outs):
             if not isinstance(t, torch.Tensor):
                 continue
@@ -468,7 +483,11 @@ class Capture:
             if tid not in self._refs:
                 self._refs[tid] = weakref.ref(t, self._forget(tid))
             prod[tid] = key
-            if self._hash is not None and _ck.hashable(t):
+            if self._hash is not None and view:
+                # its bytes are its base's, hashed where the base was produced: record which bytes it sees
+                # (a difference there is still found at this op) and skip re-reading (often copying) them
+                hs[j] = f"view:{t.storage_offset()}:{','.join(map(str, t.stride()))}"
+            elif self._hash is not None and _ck.hashable(t):
                 h = self._hash(t)
                 if isinstance(h, str):
                     hs[j] = h
