@@ -22,7 +22,6 @@ bit for bit with the writer's local tensors (kept in the rank process by the wri
 from __future__ import annotations
 
 import warnings
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
