@@ -70,3 +70,27 @@ def multirank(tmp_path):
 
     run.root = tmp_path / "ranks"
     return run
+
+
+@pytest.fixture
+def opened(monkeypatch):
+    """Every path passed to ``os.open`` or ``builtins.open`` while the test runs (resolved)."""
+    import builtins
+
+    seen: list[str] = []
+    real_os_open, real_open = os.open, builtins.open
+
+    def os_open(path, *a, **kw):
+        if kw.get("dir_fd") is None and isinstance(path, (str, bytes, os.PathLike)):
+            seen.append(os.path.realpath(os.fsdecode(path)))
+        return real_os_open(path, *a, **kw)
+
+    def b_open(file, *a, **kw):
+        if isinstance(file, (str, bytes, os.PathLike)):
+            seen.append(os.path.realpath(os.fsdecode(file)))
+        return real_open(file, *a, **kw)
+
+    monkeypatch.setattr(os, "open", os_open)
+    monkeypatch.setattr(builtins, "open", b_open)
+    return seen
+

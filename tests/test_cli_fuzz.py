@@ -65,7 +65,7 @@ def test_random_json_is_refused_cleanly(value, as_lines):
     check_refused(text.encode())
 
 
-@pytest.mark.parametrize("data", [b"", b"\n\n", b"\xff\xfe\x00garbage", b"[" * 100_000 + b"]" * 100_000,
+@pytest.mark.parametrize("data", [b"", b"\n\n", b'{"device_traces": []}', b'{"device_traces": [[]], "segments": []}', b"\xff\xfe\x00garbage", b"[" * 100_000 + b"]" * 100_000,
                                   b'{"a":' * 50_000 + b"1" + b"}" * 50_000, b"\x80\x04K\x01.",
                                   json.dumps({"k": "header", "format": "oarlock-debug-capture", "version": 1}).encode()
                                   + b"\n" + b"[" * 100_000])

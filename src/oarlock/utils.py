@@ -5,6 +5,7 @@ Keep this module small and dependency-free (torch, tqdm only): each capability p
 
 from __future__ import annotations
 
+import io
 import logging
 import math
 import os
@@ -315,3 +316,58 @@ class AllowlistUnpickler(pickle.Unpickler):
             out = obj
         done[key] = out
         return out
+
+
+def error_reason(e: BaseException) -> str:
+    """The line of an exception's message that says what went wrong: torch's weights-only refusals run to many
+    lines of advice, of which the one naming the refused ``GLOBAL`` (``Trying to load unsupported GLOBAL posix.system
+    ...``) or the unpickler's reason (``WeightsUnpickler error: ...``) says what the file holds; otherwise the
+    first line (the class name when the message is empty)."""
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    named = [ln for ln in lines if "GLOBAL" in ln or ln.startswith("WeightsUnpickler error:")]
+    return (named or lines or [type(e).__name__])[0]
+
+
+def load_allowlisted(path: str | os.PathLike, unpickler: Callable[[Any, str], AllowlistUnpickler],
+                     refused: type[Exception], unreadable: type[Exception], *,
+                     data: bytes | None = None, max_bytes: int | None = None, what: str = "readable pickle") -> Any:
+    """Unpickle file ``path`` (or its bytes ``data``, when given) with ``unpickler(stream, source)``, an
+    :class:`AllowlistUnpickler`: the one sequence every reader of foreign pickles follows.
+
+    Args:
+        refused: the error class the unpickler raises for a refused global (raised as is).
+        unreadable: the error class for anything else (missing file, truncated or corrupt stream); raised as
+            is when the unpickler raises it.
+        max_bytes: a larger file is refused before unpickling.
+        what: completes ``"{path}: not a {what} (ErrorType: reason)"``.
+
+    Raises:
+        ``refused``: the pickle names a global outside the allowlist (nothing it names ran).
+        ``unreadable(...)``: ``"{path}: cannot read: {reason}"`` or ``"{path}: not a {what} (...)"``.
+    """
+    try:
+        if data is not None:
+            return unpickler(io.BytesIO(data), str(path)).load()
+        with open(path, "rb") as f:
+            if max_bytes is not None and os.fstat(f.fileno()).st_size > max_bytes:
+                raise unreadable(f"{path}: larger than {max_bytes >> 20} MiB; refusing to unpickle it")
+            return unpickler(f, str(path)).load()
+    except (refused, unreadable):
+        raise
+    except OSError as e:
+        raise unreadable(f"{path}: cannot read: {e.strerror or e}") from None
+    except Exception as e:  # truncated or corrupt pickle streams raise many types
+        raise unreadable(f"{path}: not a {what} ({type(e).__name__}: {e})") from None
+
+
+def print_report(as_json: bool, data: Callable[[], Any], text: Callable[[], str], ok: bool = True) -> int:
+    """The tail of a reporting CLI command: print ``data()`` as indented JSON (``--json``) or ``text()`` on
+    stdout, and return the exit status, 0 when ``ok`` else 1 (``diff``: different; ``verify``: corrupt)."""
+    if as_json:
+        import json
+
+        json.dump(data(), sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        print(text())
+    return 0 if ok else 1

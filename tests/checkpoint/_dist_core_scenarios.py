@@ -134,3 +134,23 @@ def scenario_optimizer_resume_with_node_local_directories(ctx):
     assert torch.equal(q.detach(), want["w"])
     for name in ("exp_avg", "exp_avg_sq", "step"):
         assert torch.equal(opt2.state[q][name], want[name]), name
+
+
+def scenario_reshape_load_moves_pieces_between_ranks(ctx):
+    """AOA ``reshape=`` on 4 ranks: ``w`` [8, 8] (rank r saved rows 2r, 2r+1) loads as ``v = w.reshape(2, 4, 8)``
+    (the mapping adds a unit axis: source boxes [1, 8] land in [1, 1, 8] targets) split on axis 1 (rank r holds
+    ``v[:, r]`` = rows r and 4 + r, saved by other ranks), and as ``u = w.reshape(4, 16)`` split by columns, with
+    every communication method; the reference is torch's reshape of the full weight."""
+    _save_rows(ctx, "ck")
+    r = ctx.rank
+    want_v = _full_weight().reshape(2, 4, 8)[:, r:r + 1]
+    want_u = _full_weight().reshape(4, 16)[:, 4 * r:4 * r + 4]
+    for method in ("auto", "grouped_send_recv", "broadcast"):
+        v, u = torch.full((2, 1, 8), float("nan")), torch.full((4, 4), float("nan"))
+        rep = load_state_dict({"v": ShardedWeight("v", v, (2, 1, 8), (2, 4, 8), (0, r, 0)),
+                               "u": ShardedWeight("u", u, (4, 4), (4, 16), (0, 4 * r))}, ctx.root / "ck",
+                              aoa_config=["w -> v, reshape=[2, 4, 8]", "w -> u, reshape=[4, 16]"],
+                              comm_method=method)
+        assert torch.equal(v, want_v), (method, v, want_v)
+        assert torch.equal(u, want_u), (method, u, want_u)
+        assert rep.comm_method == ("direct" if method == "auto" else method), rep.comm_method

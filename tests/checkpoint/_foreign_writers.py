@@ -3,12 +3,14 @@ references: multirank scenarios run on 2 gloo ranks with .foreign-venv's python 
 through the harness's command line, so a failing writer is reported by scenario and rank::
 
     PY tests/multirank.py tests/checkpoint/_foreign_writers.py 2 OUT megatron_gpt_tp2
-        # GPTModel, TP=2 -> OUT/ckpt, OUT/ref_rank{r}.pt
+        # GPTModel, TP=2 -> OUT/ckpt, OUT/ref_rank{r}.pt, OUT/logits.pt (Megatron's own forward)
     PY tests/multirank.py tests/checkpoint/_foreign_writers.py 2 OUT deepspeed_zero1 deepspeed_zero2 deepspeed_zero3
         # tiny HF Llama, one ZeRO stage each -> OUT/z{S}/ckpt, OUT/z{S}/ref.pt
 
 Megatron-Core's async file writer calls ``torch.cuda.synchronize()`` and ``torch.cuda.current_device()`` even
-for CPU tensors; both are replaced by CPU no-ops in these writer processes only (nothing else is patched).
+for CPU tensors; both are replaced by CPU no-ops in these writer processes only, and for Megatron's own forward
+(reference logits, after the save) its CUDA RNG fork around the eval-mode (identity) attention dropout is a no-op
+context too (nothing else is patched).
 """
 
 from __future__ import annotations
@@ -77,6 +79,39 @@ def scenario_megatron_gpt_tp2(ctx) -> None:
     dist_checkpointing.save(sd, os.path.join(out, "ckpt"))
     dist.barrier()
     assert os.path.isfile(os.path.join(out, "ckpt", "metadata.json")), os.listdir(os.path.join(out, "ckpt"))
+    megatron_logits(model, out, rank, world)  # after the save: the CPU stand-ins above are in place
+
+
+def megatron_logits(model, out: str, rank: int, world: int) -> None:
+    """Megatron's own forward on CPU (causal mask, RoPE positions 0..S-1), logits gathered over the TP ranks:
+    OUT/logits.pt holds ``ids`` and ``logits`` ``[1, S, padded vocab]``; on failure OUT/logits_error.txt says why
+    (the checkpoint is still written)."""
+    import torch.distributed as dist
+
+    try:
+        import contextlib
+
+        from megatron.core import tensor_parallel
+
+        # attention dropout runs inside a CUDA RNG fork even in eval mode (where dropout is the identity): on CPU
+        # the fork is replaced by a no-op context, in this writer process only
+        tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+        seq = 12
+        ids = torch.randint(0, 128, (1, seq), generator=torch.Generator().manual_seed(5))
+        mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]  # True = masked out
+        model.eval()
+        with torch.no_grad():
+            local = model(input_ids=ids, position_ids=torch.arange(seq)[None], attention_mask=mask)
+        parts = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(parts, local.contiguous())
+        if rank == 0:
+            torch.save({"ids": ids, "logits": torch.cat(parts, -1)}, os.path.join(out, "logits.pt"))
+    except Exception as e:  # noqa: BLE001 - the reason is recorded for the test's docstring-stated fallback
+        if rank == 0:
+            import traceback
+
+            with open(os.path.join(out, "logits_error.txt"), "w") as f:
+                f.write(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
 
 
 def _deepspeed_zero(ctx, stage: int) -> None:

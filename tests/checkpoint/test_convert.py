@@ -1,7 +1,6 @@
 """`oarlock convert` and the conversion API: real MiniLM HF -> fused-QKV TP=2 oarlock -> HF, simulated ranks
 against real gloo ranks (save_state_dict) and the live HF export, every safetensors dtype, and bad input."""
 
-import hashlib
 import json
 import os
 import pickle
@@ -16,25 +15,10 @@ from oarlock.checkpoint import ShardedWeight, load_state_dict, open_checkpoint, 
 from oarlock.checkpoint.convert import (chunk_sizes, convert_checkpoint, export_hf, export_hf_sharded,
                                         iter_full_tensors, resolve_tp_rules, tp_axis)
 from oarlock.cli import main
+from testkit import st_tensors, tree_digest
 
 P = "encoder.layer.$LAYER_ID.attention.self"
 QKV = [f"{P}.query.{w}, {P}.key.{w}, {P}.value.{w} -> {P}.qkv.{w}, axis=0" for w in ("weight", "bias")]
-
-
-def tree_digest(root):
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-def st_tensors(d):
-    """Every tensor of an HF directory, read with safetensors.safe_open (the independent reader)."""
-    out = {}
-    for f in sorted(d.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as fh:
-            for k in fh.keys():
-                assert k not in out
-                out[k] = fh.get_tensor(k)
-    return out
 
 
 def bits(t):

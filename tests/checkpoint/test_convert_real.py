@@ -13,16 +13,9 @@ from safetensors import safe_open
 
 from oarlock.checkpoint import ShardedWeight, load_state_dict
 from oarlock.checkpoint.convert import convert_checkpoint, export_hf
+from testkit import st_tensors
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def st_tensors(d):
-    out = {}
-    for f in sorted(Path(d).glob("*.safetensors")):
-        with safe_open(str(f), "pt") as fh:
-            out.update({k: fh.get_tensor(k) for k in fh.keys()})
-    return out
 
 
 @pytest.mark.slow

@@ -26,6 +26,7 @@ from oarlock.checkpoint import load_state_dict, open_checkpoint
 from oarlock.checkpoint.errors import CheckpointFormatError, UnsafePickleError
 from oarlock.checkpoint.formats.dcp import load_dcp_pickle, parse_dcp_metadata
 from oarlock.cli import main
+from testkit import PickledCall
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
@@ -123,27 +124,18 @@ def test_mesh_multichunk_and_subgroup_bit_exact(written):
 
 # ---------------------------------------------------------------- hostile and broken files
 
-class _Call:
-    """Pickles as a call of ``fn(*args)``: what a hostile .metadata would contain."""
-
-    def __init__(self, fn, *args):
-        self.fn, self.args = fn, args
-
-    def __reduce__(self):
-        return self.fn, self.args
-
-
 def _hostile(kind: str, marker: Path) -> bytes:
     if kind == "os.system":
-        return pickle.dumps(_Call(os.system, f"touch {marker}"))
+        return pickle.dumps(PickledCall(os.system, f"touch {marker}"))
     if kind == "eval":
         import builtins
 
-        return pickle.dumps(_Call(builtins.eval, f"open({str(marker)!r}, 'w').close()"))
+        return pickle.dumps(PickledCall(builtins.eval, f"open({str(marker)!r}, 'w').close()"))
     if kind == "numpy-object":
         import numpy as np
 
-        return pickle.dumps({"state_dict_metadata": np.array([_Call(os.system, f"touch {marker}")], dtype=object)})
+        evil = PickledCall(os.system, f"touch {marker}")
+        return pickle.dumps({"state_dict_metadata": np.array([evil], dtype=object)})
     raise ValueError(kind)
 
 
@@ -170,7 +162,7 @@ def test_hostile_object_entry_is_refused_not_run(written, tmp_path):
     e = entries["step"]
     marker = tmp_path / "pwned"
     buf = io.BytesIO()
-    torch.save(_Call(os.system, f"touch {marker}"), buf)
+    torch.save(PickledCall(os.system, f"touch {marker}"), buf)
     evil = buf.getvalue()
     data = bytearray((d / e.file).read_bytes())
     # rewrite the file with the evil archive in place of 'step', then patch its length in the metadata

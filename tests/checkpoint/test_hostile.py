@@ -15,6 +15,7 @@ import torch
 
 from oarlock.checkpoint import load_state_dict, save_state_dict
 from oarlock.checkpoint.errors import CheckpointError, CheckpointFormatError
+from testkit import run_cli
 
 PY = sys.executable
 
@@ -31,10 +32,6 @@ def tree(root: Path) -> dict[str, bytes | None]:
     return out
 
 
-def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([PY, "-m", "oarlock.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=120)
-
-
 def small_state() -> dict[str, torch.Tensor]:
     return {"w": torch.arange(12.0).reshape(3, 4), "b": torch.arange(4, dtype=torch.int64)}
 
@@ -46,7 +43,7 @@ def test_convert_into_parent_of_source_deletes_nothing(tmp_path):
     subprocess.run("mkdir proj && echo precious > proj/notes.txt", shell=True, cwd=tmp_path, check=True)
     save_state_dict(small_state(), tmp_path / "proj" / "ckpt")
     before = tree(tmp_path)
-    r = cli("convert", "proj/ckpt", "proj", "--to", "hf", cwd=tmp_path)
+    r = run_cli("convert", "proj/ckpt", "proj", "--to", "hf", cwd=tmp_path)
     assert r.returncode == 2, r.stdout + r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert "proj: the destination contains the source checkpoint proj/ckpt" in r.stderr
@@ -175,34 +172,11 @@ def test_replacement_uses_one_atomic_exchange_where_available(tmp_path, monkeypa
 
 # ---------------------------------------------------------------- 2. nothing outside the checkpoint is opened
 
-@pytest.fixture
-def opened(monkeypatch):
-    """Every path passed to ``os.open`` or ``builtins.open`` while the test runs (resolved)."""
-    import builtins
-
-    seen: list[str] = []
-    real_os_open, real_open = os.open, builtins.open
-
-    def os_open(path, *a, **kw):
-        if kw.get("dir_fd") is None and isinstance(path, (str, bytes, os.PathLike)):
-            seen.append(os.path.realpath(os.fsdecode(path)))
-        return real_os_open(path, *a, **kw)
-
-    def b_open(file, *a, **kw):
-        if isinstance(file, (str, bytes, os.PathLike)):
-            seen.append(os.path.realpath(os.fsdecode(file)))
-        return real_open(file, *a, **kw)
-
-    monkeypatch.setattr(os, "open", os_open)
-    monkeypatch.setattr(builtins, "open", b_open)
-    return seen
-
-
 def _paddle_ckpt(root: Path, storage_name: str | None = None) -> None:
     """A Paddle checkpoint (0.metadata + 0_0.distcp); ``storage_name`` (10 characters, like ``0_0.distcp``) is
     written into the metadata as the storage file name instead."""
     import numpy as np
-    from test_inspect import write_paddle_checkpoint
+    from testkit import write_paddle_checkpoint
 
     write_paddle_checkpoint(root, {"w": np.arange(12, dtype=np.float32).reshape(3, 4)})
     if storage_name is not None:

@@ -1,13 +1,10 @@
 """`oarlock inspect` and the format readers behind it, on real and hand-made checkpoints, good and bad."""
 
-import hashlib
 import json
 import os
 import pickle
 import struct
 import subprocess
-import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -17,17 +14,9 @@ from safetensors.torch import save_file
 
 from oarlock.checkpoint import CheckpointFormatError, UnsafePickleError, open_checkpoint
 from oarlock.cli import main
+from testkit import run_cli, tree_digest, write_paddle_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "oarlock.cli", *map(str, args)], capture_output=True, text=True)
-
-
-def tree_digest(root: Path) -> dict:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 # ---------------------------------------------------------------- real input: all-MiniLM-L6-v2
@@ -111,52 +100,6 @@ def test_oarlock_sharded_directory_lists_shards(tmp_path, capsys):
 
 # ---------------------------------------------------------------- Paddle FlexCheckpoint layout
 
-def _fake_paddle_module():
-    """Classes pickled under Paddle's module path, as Paddle 3.3 writes them (NEWOBJ + dict state)."""
-    mod = types.ModuleType("paddle.distributed.flex_checkpoint.dcp.metadata")
-    for name in ("Metadata", "LocalTensorMetadata", "LocalTensorIndex"):
-        cls = type(name, (), {"__module__": mod.__name__, "__hash__": lambda s: hash(repr(sorted(s.__dict__.items())))})
-        setattr(mod, name, cls)
-    return mod
-
-
-def _make(cls, **kw):
-    o = cls.__new__(cls)
-    o.__dict__.update(kw)
-    return o
-
-
-def write_paddle_checkpoint(root: Path, tensors: dict, data_format="distcp"):
-    import numpy as np
-
-    mod = _fake_paddle_module()
-    saved = {m: sys.modules.get(m) for m in ["paddle", "paddle.distributed", "paddle.distributed.flex_checkpoint",
-                                             "paddle.distributed.flex_checkpoint.dcp", mod.__name__]}
-    for m in saved:
-        sys.modules[m] = mod if m == mod.__name__ else types.ModuleType(m)
-    try:
-        fname = f"0_0.{data_format}"
-        sdm, storage = {}, {}
-        for k, arr in tensors.items():
-            sdm[k] = [_make(mod.LocalTensorMetadata, global_offset=(0,) * arr.ndim, local_shape=arr.shape,
-                            dtype=str(arr.dtype), global_shape=arr.shape, is_flattened=False, flattened_range=None)]
-            storage[_make(mod.LocalTensorIndex, tensor_key=k, global_offset=(0,) * arr.ndim, is_flattened=False,
-                          flattened_range=None, replica_id=None, local_shape=arr.shape)] = fname
-        meta = _make(mod.Metadata, state_dict_metadata=sdm, storage_metadata=storage,
-                     flat_mapping={k: (k,) for k in tensors})
-        (root / "0.metadata").write_bytes(pickle.dumps(meta, protocol=4))
-    finally:
-        for m, v in saved.items():
-            if v is None:
-                sys.modules.pop(m, None)
-            else:
-                sys.modules[m] = v
-    if data_format == "distcp":
-        (root / fname).write_bytes(pickle.dumps({**tensors, "StructuredToParameterName@@": {}}, protocol=4))
-    else:
-        save_file({k: torch.from_numpy(v) for k, v in tensors.items()}, root / fname)
-
-
 @pytest.mark.parametrize("data_format", ["distcp", "safetensors"])
 def test_paddle_layout(tmp_path, data_format):
     import numpy as np
@@ -187,8 +130,7 @@ def test_malicious_paddle_pickle_does_not_run(tmp_path, target):
         with open_checkpoint(tmp_path) as r:
             t = r.metadata.tensors["w"]
             r.read("w", t.shards[0])
-    r = subprocess.run([sys.executable, "-m", "oarlock.cli", "inspect", str(tmp_path)], capture_output=True,
-                       text=True, cwd=tmp_path)
+    r = run_cli("inspect", tmp_path, cwd=tmp_path)
     assert not (tmp_path / "PWNED").exists()
     assert tree_digest(tmp_path) == before
     if target == "0.metadata":

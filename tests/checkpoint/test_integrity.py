@@ -231,7 +231,7 @@ def test_threaded_reads_equal_sequential_reads(tmp_path, monkeypatch):
 def test_verify_paddle_structure(tmp_path, data_format, capsys):
     import numpy as np
 
-    from test_inspect import write_paddle_checkpoint
+    from testkit import write_paddle_checkpoint
 
     tensors = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.arange(5, dtype=np.int64)}
     write_paddle_checkpoint(tmp_path, tensors, data_format)

@@ -7,6 +7,7 @@ row-parallel columns, vocabulary rows.
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -124,3 +125,107 @@ def test_megatron_broken(written, tmp_path):
     f.write_bytes(f.read_bytes()[:1000])
     with pytest.raises(CheckpointFormatError, match=r"__1_1\.distcp: truncated"):
         open_checkpoint(d)
+
+
+# ---------------------------------------------------------------- the megatron_gpt preset (Megatron -> HF Llama)
+
+HF_VOCAB = 128  # the writer's GPTModel has a vocabulary of 130 rows: 2 rows of padding to trim
+
+
+def hf_config(tmp_path: Path) -> Path:
+    """The HF LlamaConfig of the writer's TransformerConfig (RMSNorm eps 1e-5, RoPE base 10000, SwiGLU)."""
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=HF_VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=L,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5,
+                      rope_theta=10000.0, tie_word_embeddings=False, attention_bias=False, mlp_bias=False)
+    d = tmp_path / "hf_config"
+    cfg.save_pretrained(d)
+    return d / "config.json"
+
+
+def hf_reference(exp: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF Llama tensors re-arranged from the Megatron tensors with plain torch, independently of AOA: layer axis
+    indexed, linear_qkv regrouped from [q heads of group g, k_g, v_g] per group, fc1 halves, vocab trimmed."""
+    h, g, d = 4, 2, 16
+    out = {"model.embed_tokens.weight": exp["embedding.word_embeddings.weight"][:HF_VOCAB],
+           "lm_head.weight": exp["output_layer.weight"][:HF_VOCAB],
+           "model.norm.weight": exp["decoder.final_layernorm.weight"]}
+    for i in range(L):
+        p, m = f"model.layers.{i}.", "decoder.layers."
+        groups = exp[m + "self_attention.linear_qkv.weight"][i].view(g, h // g + 2, d, 64)
+        out[p + "self_attn.q_proj.weight"] = groups[:, : h // g].reshape(h * d, 64)
+        out[p + "self_attn.k_proj.weight"] = groups[:, h // g].reshape(g * d, 64)
+        out[p + "self_attn.v_proj.weight"] = groups[:, h // g + 1].reshape(g * d, 64)
+        out[p + "self_attn.o_proj.weight"] = exp[m + "self_attention.linear_proj.weight"][i]
+        gate, up = exp[m + "mlp.linear_fc1.weight"][i].chunk(2)
+        out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = gate, up
+        out[p + "mlp.down_proj.weight"] = exp[m + "mlp.linear_fc2.weight"][i]
+        out[p + "input_layernorm.weight"] = exp[m + "self_attention.linear_qkv.layer_norm_weight"][i]
+        out[p + "post_attention_layernorm.weight"] = exp[m + "mlp.linear_fc1.layer_norm_weight"][i]
+    return out
+
+
+def test_megatron_gpt_preset_to_hf_logits(written, tmp_path, capsys):
+    """``oarlock convert MEGATRON OUT --to hf --preset megatron_gpt``: every HF tensor equals the Megatron tensors
+    re-arranged by plain torch (:func:`hf_reference`), and transformers' LlamaForCausalLM on the result gives
+    the logits Megatron's own GPTModel forward computed in the writer process (TP=2, CPU, gloo) for the same
+    tokens (first 128 logits: the rest are padding rows)."""
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    from oarlock.checkpoint.presets import preset
+
+    cfg = hf_config(tmp_path)
+    ref = hf_reference(expected(written))
+    out = tmp_path / "hf"
+    assert main(["convert", str(written / "ckpt"), str(out), "--to", "hf", "--preset", "megatron_gpt",
+                 "--model-config", str(cfg)]) == 0
+    got = {}
+    for f in out.glob("*.safetensors"):
+        got.update(load_file(str(f)))
+    assert set(got) == set(ref)
+    for k, v in ref.items():
+        assert torch.equal(got[k], v), k
+    model = LlamaForCausalLM.from_pretrained(out).eval()
+    if not (written / "logits.pt").exists():
+        pytest.fail("Megatron's forward did not run in the writer: "
+                    + (written / "logits_error.txt").read_text()[-2000:])
+    meg = torch.load(written / "logits.pt", weights_only=True)
+    with torch.no_grad():
+        logits = model(meg["ids"]).logits
+    assert meg["logits"].shape[-1] == 130
+    # logits have std ~8: fp32 summation order (TP all-reduce, RoPE tables) differs by ~1e-5 between the two
+    torch.testing.assert_close(logits, meg["logits"][..., :HF_VOCAB], rtol=1e-4, atol=1e-4)
+    # the same preset in Python, loading straight into the transformers model (strict: every weight consumed;
+    # Megatron's non-tensor entries, common.pt values and the layers' _extra_state, are not this load's)
+    model2 = LlamaForCausalLM(model.config)
+    sd = model2.state_dict()
+    rep = load_state_dict(sd, written / "ckpt", aoa_config=preset("megatron_gpt", cfg, source=written / "ckpt"),
+                          strict=True, ignore_unexpected=["common.*", "*._extra_state*"])
+    assert rep.missing_keys == []
+    for k, v in ref.items():
+        assert torch.equal(sd[k], v), k
+    # explain shows the layer axis dropped by reshape= and the per-group split
+    capsys.readouterr()
+    assert main(["aoa", "explain", "--preset", "megatron_gpt", "--source", str(written / "ckpt"),
+                 "--model-config", str(cfg), "--only", "model.layers.1.self_attn.k_proj.weight"]) == 0
+    text = capsys.readouterr().out
+    assert "reshape='[-1, 64]'" in text
+    assert ("model.layers.1.self_attn.k_proj.weight  [32, 64] float32\n"
+            "  [0:16, 0:64] <- decoder.layers.self_attention.linear_qkv.weight[1:2, 32:48, 0:64]\n"
+            "  [16:32, 0:64] <- decoder.layers.self_attention.linear_qkv.weight[1:2, 96:112, 0:64]") in text
+
+
+def test_megatron_gpt_preset_errors(written, tmp_path):
+    from oarlock.checkpoint.presets import PresetError, preset
+
+    cfg = json.loads(hf_config(tmp_path).read_text())
+    with pytest.raises(PresetError, match="num_hidden_layers=3 but the checkpoint's stacked"):
+        preset("megatron_gpt", {**cfg, "num_hidden_layers": 3}, source=written / "ckpt")
+    with pytest.raises(PresetError, match="vocabulary has 130 rows, fewer than config.json's vocab_size=200"):
+        preset("megatron_gpt", {**cfg, "vocab_size": 200}, source=written / "ckpt")
+    with pytest.raises(PresetError, match="model_type=.gpt2."):
+        preset("megatron_gpt", {**cfg, "model_type": "gpt2"})
+    with pytest.raises(PresetError, match="needs the target HF model's config.json"):
+        preset("megatron_gpt")

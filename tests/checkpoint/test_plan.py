@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from oarlock.checkpoint import (CheckpointMismatchError, CheckpointTilingError, ShardDesc, SliceMapping,
-                                TensorSpec, plan_load)
+from oarlock.checkpoint import CheckpointMismatchError, CheckpointTilingError, ShardDesc, plan_load
 from oarlock.checkpoint.executor import destination_view, execute_items
 from oarlock.checkpoint.mapping import box_slices, execute_on_full_tensors, full_box
 from oarlock.checkpoint.metadata import CheckpointMetadata, ShardMeta, TensorMeta
 from oarlock.checkpoint.reader import CheckpointReader
 from oarlock.checkpoint.sharded import flat_range_boxes
 from oarlock.utils import torch_dtype
+from testkit import TransposeSplit
 
 
 def split_points(n, k, rng):
@@ -129,22 +129,6 @@ def test_flat_range_boxes_cover_the_range_in_order():
         assert torch.equal(got, torch.arange(a, b)), (shape, a, b)
         assert [fs for _, _, fs in pieces] == [int(x) for x in torch.tensor(
             [0] + [int(torch.tensor(e).prod()) for _, e, _ in pieces[:-1]]).cumsum(0)] if pieces else True
-
-
-class TransposeSplit:
-    """Hand-built program: ``w`` (4, 6) fp32 -> ``a`` = w[:, :3]^T (3, 4) and ``b`` = w[:, 3:] cast to fp64."""
-
-    def destination_keys(self):
-        return ["a", "b"]
-
-    def destination_spec(self, key):
-        return {"a": TensorSpec((3, 4), "float32"), "b": TensorSpec((4, 3), "float64")}[key]
-
-    def mappings_for(self, key):
-        if key == "a":
-            return [SliceMapping("a", ((0, 3), (0, 4)), "w", ((0, 4), (0, 3)), permute=(1, 0))]
-        return [SliceMapping("b", ((0, 2), (0, 3)), "w", ((0, 2), (3, 6)), dtype="float64"),
-                SliceMapping("b", ((2, 4), (0, 3)), "w", ((2, 4), (3, 6)), dtype="float64")]
 
 
 def test_program_with_transpose_split_and_cast():

@@ -228,3 +228,51 @@ def test_aoa_statements_equal_the_table_run_in_plain_torch(arch, tmp_path):
             with safe_open(str(tmp_path / "tp2" / s.file), "pt") as fh:
                 full[tuple(slice(o, o + n) for o, n in zip(s.global_offset, s.local_shape))] = fh.get_tensor(k)
         assert torch.equal(full, want[k]), k
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_stacked_experts_round_trip_tp2(arch, tmp_path):
+    """``stacked_experts=True``: each layer's experts become ``layers.N.mlp.experts.gate_up_proj.weight``
+    ``[E, 2I, hidden]`` (expert e's [gate_e; up_e], built here with torch.stack) and ``...experts.down_proj.weight``
+    ``[E, hidden, I]``, split over 2 ranks on the expert axis; exporting back (reverse mode: the reshape's
+    ``src_shape`` restores HF's 2-D shapes) is bit-identical and transformers' logits are unchanged."""
+    from oarlock.checkpoint.presets import ARCHITECTURES, params_from_config, reference_convert
+
+    hf = tmp_path / "hf"
+    model = make(arch, 2, hf)
+    sd = files(hf)
+    cfg = preset(hf, stacked_experts=True)
+    meta = convert_checkpoint(hf, tmp_path / "tp2", aoa_config=cfg, tp=2, tp_rules=cfg["tp_rules"],
+                              show_progress=False)
+    E = 4
+    if arch == "mixtral":
+        x = "model.layers.{}.block_sparse_moe.experts.{}.w{}.weight"
+        gate, up, down = (lambda i, e, n=n: sd[x.format(i, e, n)] for n in (1, 3, 2))
+    else:
+        x = "model.layers.{}.mlp.experts.{}.{}_proj.weight"
+        gate, up, down = (lambda i, e, n=n: sd[x.format(i, e, n)] for n in ("gate", "up", "down"))
+    for i in range(2):
+        gu_key, d_key = f"layers.{i}.mlp.experts.gate_up_proj.weight", f"layers.{i}.mlp.experts.down_proj.weight"
+        want_gu = torch.stack([torch.cat([gate(i, e), up(i, e)]) for e in range(E)])
+        want_d = torch.stack([down(i, e) for e in range(E)])
+        assert tuple(meta.tensors[gu_key].global_shape) == tuple(want_gu.shape)
+        assert sorted(s.global_offset for s in meta.tensors[gu_key].shards) == [(0, 0, 0), (2, 0, 0)]
+        assert torch.equal(full_tensor(tmp_path / "tp2", gu_key, want_gu.shape), want_gu)
+        assert torch.equal(full_tensor(tmp_path / "tp2", d_key, want_d.shape), want_d)
+    assert not [k for k in meta.tensors if ".experts.0." in k]
+    # the table's plain-torch oracle agrees on every tensor
+    table = ARCHITECTURES[cfg["preset"]]
+    want = reference_convert(table, params_from_config(table, json.loads((hf / "config.json").read_text()), True),
+                             sd, tp=2)
+    assert set(meta.tensors) == set(want)
+    export_hf(tmp_path / "tp2", tmp_path / "back", aoa_config=preset(hf, reverse=True, stacked_experts=True))
+    got = files(tmp_path / "back")
+    assert set(got) == set(sd)
+    for k in sd:
+        assert torch.equal(got[k], sd[k]), k
+    back = type(model).from_pretrained(str(tmp_path / "back"), dtype=torch.float32).eval()
+    ids = torch.tensor([[1, 5, 9, 33, 2, 60, 7, 11]])
+    assert torch.equal(logits(back, ids), logits(model, ids))
+    with pytest.raises(PresetError, match="preset 'llama' has no experts to stack"):
+        make("llama", 2, tmp_path / "llama")
+        preset(tmp_path / "llama", stacked_experts=True)

@@ -1,6 +1,5 @@
 """save_state_dict / load_state_dict in one process: formats, sources, AOA hook, validation, crash safety."""
 
-import hashlib
 import json
 import os
 import signal
@@ -16,15 +15,10 @@ from safetensors.torch import load_file, save_file
 
 import oarlock.checkpoint.save as api
 from oarlock.checkpoint import (CheckpointError, CheckpointFormatError, CheckpointMismatchError,
-                                CheckpointTilingError, ShardedWeight, SliceMapping, TensorSpec, load_state_dict,
+                                CheckpointTilingError, ShardedWeight, TensorSpec, load_state_dict,
                                 open_checkpoint, save_state_dict, sharded_state_dict)
 from oarlock.checkpoint.mapping import execute_on_full_tensors
-from test_inspect import write_paddle_checkpoint
-
-
-def digest(root: Path) -> dict:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+from testkit import TransposeSplit, tree_digest, write_paddle_checkpoint
 
 
 def sample(seed=0):
@@ -125,21 +119,6 @@ def test_paddle_directory_source(tmp_path, data_format):
 
 
 # ---------------------------------------------------------------- mapping programs and the AOA hook
-
-class TransposeSplit:
-    """w (4, 6) -> a = w[:, :3]^T (3, 4), b = w[:, 3:] as float64 (4, 3)."""
-
-    def destination_keys(self):
-        return ["a", "b"]
-
-    def destination_spec(self, key):
-        return {"a": TensorSpec((3, 4), "float32"), "b": TensorSpec((4, 3), "float64")}[key]
-
-    def mappings_for(self, key):
-        if key == "a":
-            return [SliceMapping("a", ((0, 3), (0, 4)), "w", ((0, 4), (0, 3)), permute=(1, 0))]
-        return [SliceMapping("b", ((0, 4), (0, 3)), "w", ((0, 4), (3, 6)), dtype="float64")]
-
 
 def test_hand_built_program_through_files(tmp_path):
     full = torch.randn(4, 6)
@@ -243,7 +222,7 @@ def test_bad_inputs(tmp_path):
 
 def test_injected_failure_leaves_nothing_and_keeps_the_earlier_checkpoint(tmp_path, monkeypatch):
     save_state_dict(sample(0), tmp_path / "step1")
-    before = digest(tmp_path / "step1")
+    before = tree_digest(tmp_path / "step1")
 
     def boom(path, tensors, **kw):
         Path(path).write_bytes(b"half a file")
@@ -255,7 +234,7 @@ def test_injected_failure_leaves_nothing_and_keeps_the_earlier_checkpoint(tmp_pa
     with pytest.raises(CheckpointError, match="Input/output error"):
         save_state_dict(sample(1), tmp_path / "step1")  # re-saving over it fails too: the old one survives
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step1"]
-    assert digest(tmp_path / "step1") == before
+    assert tree_digest(tmp_path / "step1") == before
     monkeypatch.undo()
     save_state_dict(sample(2), tmp_path / "step1")  # a successful overwrite replaces it whole
     got = zeros_like_sd(sample())
@@ -280,7 +259,7 @@ save_state_dict({"w": torch.randn(256, 256), "step": 5}, sys.argv[1])
 
 def test_killed_save_does_not_load_and_spares_the_parent(tmp_path):
     save_state_dict(sample(0), tmp_path / "step1")
-    before = digest(tmp_path / "step1")
+    before = tree_digest(tmp_path / "step1")
     r = subprocess.run([sys.executable, "-c", KILL_SCRIPT, str(tmp_path / "step2")], capture_output=True, text=True)
     assert r.returncode == -signal.SIGKILL, r.stderr
     assert not (tmp_path / "step2").exists()
@@ -290,7 +269,7 @@ def test_killed_save_does_not_load_and_spares_the_parent(tmp_path):
         load_state_dict({"w": torch.zeros(256, 256)}, leftover)
     with pytest.raises(CheckpointFormatError, match="no such file"):
         load_state_dict({"w": torch.zeros(256, 256)}, tmp_path / "step2")
-    assert digest(tmp_path / "step1") == before
+    assert tree_digest(tmp_path / "step1") == before
     got = zeros_like_sd(sample())
     load_state_dict(got, tmp_path / "step1")
     assert torch.equal(got["model"]["e"], sample(0)["model"]["e"])

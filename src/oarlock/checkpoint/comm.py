@@ -46,7 +46,7 @@ import torch
 from oarlock.checkpoint.balance import assign_readers
 from oarlock.checkpoint.dist import DistWrapper
 from oarlock.checkpoint.errors import CheckpointError
-from oarlock.checkpoint.executor import LoadReport, destination_view, place
+from oarlock.checkpoint.executor import LoadReport, place, source_shaped_view
 from oarlock.checkpoint.formats import load_formats
 from oarlock.checkpoint.integrity import verify_own_file
 from oarlock.checkpoint.metadata import METADATA_FILE, SAVE_ID_HEADER
@@ -95,7 +95,7 @@ def _direct_view(entries: list | None, device: torch.device) -> torch.Tensor | N
     it, target = entries[0]
     if it.permute is not None or it.dtype is not None or target.device != device:
         return None
-    v = destination_view(it, target)
+    v = source_shaped_view(it, target)
     return v if v.is_contiguous() else None
 
 

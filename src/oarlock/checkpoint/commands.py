@@ -16,41 +16,45 @@ def _fmt_bytes(n: int) -> str:
     raise AssertionError
 
 
+def _inspect_json(path: str, meta: object) -> dict:
+    from oarlock.utils import dtype_itemsize
+
+    return {"path": str(path), "format": meta.format, "num_tensors": len(meta.tensors),
+            "total_bytes": meta.total_bytes, "files": meta.files, "objects": meta.objects,
+            "tensors": [{"key": t.key, "shape": list(t.global_shape), "dtype": t.dtype, "nbytes": t.nbytes,
+                         "shards": [s.to_json() | {"nbytes": s.numel * dtype_itemsize(t.dtype)} for s in t.shards]}
+                        for t in meta.tensors.values()]}
+
+
+def _inspect_text(path: str, meta: object) -> str:
+    sharded = any(len(t.shards) > 1 or t.shards[0].local_shape != t.global_shape
+                  or t.shards[0].flattened_range is not None for t in meta.tensors.values())
+    w = max([len(k) for k in meta.tensors] + [3])
+    lines = [f"{path}: {meta.format} checkpoint, {len(meta.tensors)} tensors, "
+             f"{_fmt_bytes(meta.total_bytes)} in {len(meta.files)} file(s)",
+             f"{'key':<{w}}  {'shape':<20} {'dtype':<10} {'bytes':>12}"]
+    for t in meta.tensors.values():
+        lines.append(f"{t.key:<{w}}  {str(list(t.global_shape)):<20} {t.dtype:<10} {t.nbytes:>12}")
+        if sharded:
+            for s in t.shards:
+                extra = f" flat={list(s.flattened_range)}" if s.flattened_range is not None else ""
+                extra += f" replica={s.replica_id}" if s.replica_id else ""
+                lines.append(f"{'':<{w}}    shard offset={list(s.global_offset)} local_shape={list(s.local_shape)} "
+                             f"file={s.file}{extra}")
+    for k, v in meta.objects.items():
+        lines.append(f"{k:<{w}}  (object) {json.dumps(v)[:60]}")
+    return "\n".join(lines)
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from oarlock.checkpoint.storage import open_checkpoint
-    from oarlock.utils import dtype_itemsize
+    from oarlock.utils import print_report
 
     with open_checkpoint(args.path) as reader:
         meta = reader.metadata
     if args.include or args.exclude:
         meta = meta.filtered(args.include, args.exclude)
-    sharded = any(len(t.shards) > 1 or t.shards[0].local_shape != t.global_shape
-                  or t.shards[0].flattened_range is not None for t in meta.tensors.values())
-    if args.json:
-        out = {"path": str(args.path), "format": meta.format, "num_tensors": len(meta.tensors),
-               "total_bytes": meta.total_bytes, "files": meta.files, "objects": meta.objects,
-               "tensors": [{"key": t.key, "shape": list(t.global_shape), "dtype": t.dtype, "nbytes": t.nbytes,
-                            "shards": [s.to_json() | {"nbytes": s.numel * dtype_itemsize(t.dtype)}
-                                       for s in t.shards]}
-                           for t in meta.tensors.values()]}
-        json.dump(out, sys.stdout, indent=1)
-        sys.stdout.write("\n")
-        return 0
-    w = max([len(k) for k in meta.tensors] + [3])
-    print(f"{args.path}: {meta.format} checkpoint, {len(meta.tensors)} tensors, "
-          f"{_fmt_bytes(meta.total_bytes)} in {len(meta.files)} file(s)")
-    print(f"{'key':<{w}}  {'shape':<20} {'dtype':<10} {'bytes':>12}")
-    for t in meta.tensors.values():
-        print(f"{t.key:<{w}}  {str(list(t.global_shape)):<20} {t.dtype:<10} {t.nbytes:>12}")
-        if sharded:
-            for s in t.shards:
-                extra = f" flat={list(s.flattened_range)}" if s.flattened_range is not None else ""
-                extra += f" replica={s.replica_id}" if s.replica_id else ""
-                print(f"{'':<{w}}    shard offset={list(s.global_offset)} local_shape={list(s.local_shape)} "
-                      f"file={s.file}{extra}")
-    for k, v in meta.objects.items():
-        print(f"{k:<{w}}  (object) {json.dumps(v)[:60]}")
-    return 0
+    return print_report(args.json, lambda: _inspect_json(args.path, meta), lambda: _inspect_text(args.path, meta))
 
 
 def read_aoa_config(path: str) -> object:
@@ -102,7 +106,8 @@ def _explain_config(args: argparse.Namespace, source_dir: str) -> object:
     if args.preset is not None:
         from oarlock.checkpoint.presets import preset
 
-        return preset(args.preset, args.model_config or source_dir, reverse=args.reverse)
+        return preset(args.preset, args.model_config or source_dir, reverse=args.reverse, source=source_dir,
+                      stacked_experts=getattr(args, "stacked_experts", False))
     config = read_aoa_config(args.config)
     if args.reverse:
         config = {"aoa_statements": config} if isinstance(config, list) else dict(config)
@@ -195,7 +200,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
         # an oarlock checkpoint going to HF is in the training layout: the preset runs backwards
         reverse = args.reverse or (to == "hf" and detect_format(args.src) == "oarlock")
-        config = preset(args.preset, args.model_config or args.src, reverse=reverse)
+        config = preset(args.preset, args.model_config or args.src, reverse=reverse, source=args.src,
+                        stacked_experts=getattr(args, "stacked_experts", False))
         tp_rules = tp_rules or config["tp_rules"]
     layout = ConversionLayout(args.tp, args.pp, args.dp, tuple(resolve_tp_rules(tp_rules)))
     keep_opt = args.keep_optimizer_state or to == "oarlock"
@@ -213,6 +219,13 @@ def cmd_convert(args: argparse.Namespace) -> int:
         out = export_hf(args.src, args.dst, aoa_config=config, max_shard_size=args.max_shard_size,
                         copy_side_files=not args.no_side_files, include=args.include, exclude=args.exclude,
                         optimizer_state=keep_opt, verify_checksums=not args.no_verify)
+        if args.preset and args.model_config and not (out / "config.json").exists():
+            # a foreign source (Megatron) carries no HF config: the one the preset was built from goes along
+            import shutil
+            from pathlib import Path
+
+            cfg_file = Path(args.model_config)
+            shutil.copyfile(cfg_file / "config.json" if cfg_file.is_dir() else cfg_file, out / "config.json")
         files = sorted(p.name for p in out.iterdir() if p.suffix == ".safetensors")
         print(f"{args.dst}: HuggingFace checkpoint, {len(plan.keys)} tensors in {len(files)} safetensors file(s)")
         if plan.dropped_optimizer_keys:
@@ -235,30 +248,22 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def cmd_diff(args: argparse.Namespace) -> int:
     from oarlock.checkpoint.diff import diff_checkpoints
+    from oarlock.utils import print_report
 
     if args.rtol < 0 or args.atol < 0:
         print("oarlock: error: --rtol and --atol must be >= 0", file=sys.stderr)
         return 2
     rep = diff_checkpoints(args.a, args.b, rtol=args.rtol, atol=args.atol, include=args.include,
                            exclude=args.exclude)
-    if args.json:
-        json.dump(rep.to_json(), sys.stdout, indent=1)
-        sys.stdout.write("\n")
-    else:
-        print(rep.render())
-    return 0 if rep.equal else 1
+    return print_report(args.json, rep.to_json, rep.render, rep.equal)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from oarlock.checkpoint.integrity import verify_checkpoint
+    from oarlock.utils import print_report
 
     rep = verify_checkpoint(args.path)
-    if args.json:
-        json.dump(rep.to_json(), sys.stdout, indent=1)
-        sys.stdout.write("\n")
-    else:
-        print(rep.render())
-    return 0 if rep.intact else 1
+    return print_report(args.json, rep.to_json, rep.render, rep.intact)
 
 
 def _add_filters(p: argparse.ArgumentParser) -> None:
@@ -319,9 +324,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                          "{\"aoa_statements\": [...], \"aoa_config_reverse\": false}; or use --preset")
     ex.add_argument("--preset", metavar="NAME", help="a ready-made config for an HF architecture (llama, mistral, "
                                                      "smollm2, qwen2, qwen2_moe, mixtral, deepseek_v3, gemma, gemma2, "
-                                                     "phi3, gpt2, bert, or auto), built from the source's config.json")
+                                                     "phi3, gpt2, bert, or auto), built from the source's config.json; "
+                                                     "megatron_gpt: Megatron-Core GPT/Llama -> HF Llama keys")
     ex.add_argument("--model-config", metavar="CONFIG.json", help="the model's config.json for --preset (default: "
                                                                   "the one in --source)")
+    ex.add_argument("--stacked-experts", action="store_true",
+                    help="with --preset mixtral/qwen2_moe: stack each layer's experts into one [E, out, in] tensor")
     ex.add_argument("--tp", type=int, default=1, metavar="N",
                     help="show the TP-blocked layout and per-rank ranges that convert --tp N writes")
     ex.add_argument("--tp-rules", metavar="NAME|FILE.json", help="split axes for --tp (default: the preset's, "
@@ -361,9 +369,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="a ready-made AOA config and TP rules for an HF architecture (llama, mistral, smollm2, qwen2, "
                          "qwen2_moe, mixtral, deepseek_v3, gemma, gemma2, phi3, gpt2, bert, or auto = config.json's "
                          "model_type): HF -> fused training layout, or back when SRC is an oarlock checkpoint and "
-                         "--to hf")
+                         "--to hf; megatron_gpt: a Megatron-Core GPT/Llama checkpoint -> HF Llama keys (give the "
+                         "HF config.json with --model-config; it is copied into DST)")
     cv.add_argument("--model-config", metavar="CONFIG.json",
                     help="the model's config.json for --preset (default: the one in SRC)")
+    cv.add_argument("--stacked-experts", action="store_true",
+                    help="with --preset mixtral/qwen2_moe: stack each layer's experts into one [E, out, in] tensor "
+                         "(layers.N.mlp.experts.gate_up_proj.weight / down_proj.weight), split on the expert axis")
     cv.add_argument("--reverse", action="store_true", help="invert the AOA statements (export model -> HF)")
     cv.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel degree of the output (oarlock)")
     cv.add_argument("--pp", type=int, default=1, metavar="N", help="pipeline stages of the output (oarlock): "

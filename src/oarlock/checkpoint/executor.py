@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from oarlock.checkpoint.mapping import box_slices, cast_tensor
+from oarlock.checkpoint.mapping import box_extent, box_slices, cast_tensor
 from oarlock.checkpoint.reader import CheckpointReader
 from oarlock.utils import dtype_itemsize, numel
 
@@ -64,13 +64,24 @@ def destination_view(it: Any, target: torch.Tensor) -> torch.Tensor:
     return view[box_slices(it.dst_box)]
 
 
+def source_shaped_view(it: Any, target: torch.Tensor) -> torch.Tensor:
+    """:func:`destination_view` seen with the extent of the item's source box, for reads and receives straight into
+    the target when nothing needs permuting or casting (an AOA ``reshape=`` may add or remove unit axes between
+    the two boxes; viewing through unit axes never copies)."""
+    view = destination_view(it, target)
+    ext = box_extent(it.src_box)
+    return view if tuple(view.shape) == ext else view.view(ext)
+
+
 def place(buf: torch.Tensor, it: Any, target: torch.Tensor) -> None:
     """Copy ``buf`` (the item's source box, as read or received) into its place in ``target``, permuting and
     casting on the way; nothing to do when ``buf`` already is that place."""
     view = destination_view(it, target)
+    t = buf.permute(*it.permute) if it.permute is not None else buf
+    if t.shape != view.shape:  # unit axes added or removed by a reshape
+        view = view.view(t.shape)
     if view.data_ptr() == buf.data_ptr() and view.shape == buf.shape:
         return
-    t = buf.permute(*it.permute) if it.permute is not None else buf
     view.copy_(cast_tensor(t, it.dtype))
 
 
@@ -78,8 +89,8 @@ def execute_items(reader: CheckpointReader, target: torch.Tensor, items: list[An
     """Run one target's read items (in file order); returns the bytes read."""
     nbytes = 0
     for it in sorted(items, key=read_order):
-        dst = destination_view(it, target)
         if it.permute is None and it.dtype is None:
+            dst = source_shaped_view(it, target)
             reader.read_box(it.src_key, it.file, it.name, it.src_flat_start, it.src_shape, it.src_box, out=dst)
         else:
             place(reader.read_box(it.src_key, it.file, it.name, it.src_flat_start, it.src_shape, it.src_box), it,

@@ -24,6 +24,11 @@ def full_box(shape: Sequence[int]) -> Box:
     return tuple((0, int(n)) for n in shape)
 
 
+def box_extent(box: Box) -> tuple[int, ...]:
+    """The shape of a box."""
+    return tuple(b - a for a, b in box)
+
+
 def box_slices(box: Box) -> tuple[slice, ...]:
     """``box`` as a tuple of slices, for indexing a tensor whose origin is the box's coordinate origin."""
     return tuple(slice(a, b) for a, b in box)
@@ -42,7 +47,9 @@ class SliceMapping:
     """``dst[dst_box] = cast(permute(src[src_box], permute), dtype)``.
 
     ``permute`` is a dimension order in ``torch.permute`` semantics applied to the source slice (``None`` =
-    identity); after it, the slice's shape equals the extent of ``dst_box``. ``dtype`` is the cast target
+    identity); after it, the slice's shape equals the extent of ``dst_box`` up to axes of extent 1 (an AOA
+    ``reshape=`` may add or remove unit axes, so the two boxes may differ in rank: the slice is then viewed with
+    ``dst_box``'s extent, its non-unit axes corresponding in order). ``dtype`` is the cast target
     (``None`` = keep the source dtype), or a chain ``"bfloat16>float32"`` of casts applied in order (so that an
     AOA ``fp32 -> bf16 -> fp32`` chain rounds through bfloat16, as Paddle does; see :func:`cast_tensor`).
     """
@@ -104,8 +111,12 @@ def cast_tensor(t: torch.Tensor, dtype: str | None) -> torch.Tensor:
 
 
 def apply_mapping(m: SliceMapping, src_slice: torch.Tensor) -> torch.Tensor:
-    """Apply a mapping's permute and cast to the source slice ``src[m.src_box]``."""
+    """Apply a mapping's permute and cast to the source slice ``src[m.src_box]``; the result has the extent of
+    ``m.dst_box``."""
     t = src_slice.permute(*m.permute) if m.permute is not None else src_slice
+    ext = box_extent(m.dst_box)
+    if tuple(t.shape) != ext:  # unit axes added or removed by a reshape
+        t = t.reshape(ext)
     return cast_tensor(t, m.dtype)
 
 

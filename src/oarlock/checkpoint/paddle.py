@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from oarlock.checkpoint.errors import CheckpointFormatError, UnsafePickleError
-from oarlock.utils import AllowlistUnpickler
+from oarlock.utils import AllowlistUnpickler, load_allowlisted
 
 
 class _Record:
@@ -101,13 +101,4 @@ class RestrictedUnpickler(AllowlistUnpickler):
 def restricted_load(path: str | Path) -> Any:
     """Unpickle ``path`` with :class:`RestrictedUnpickler`. Raises :class:`CheckpointFormatError` (or its
     subclass :class:`UnsafePickleError`) naming the file when it is unreadable, truncated or unsafe."""
-    path = Path(path)
-    try:
-        with open(path, "rb") as f:
-            return RestrictedUnpickler(f, str(path)).load()
-    except UnsafePickleError:
-        raise
-    except OSError as e:
-        raise CheckpointFormatError(f"{path}: cannot read: {e.strerror or e}") from None
-    except Exception as e:  # truncated or corrupt pickle streams raise many types
-        raise CheckpointFormatError(f"{path}: not a readable pickle ({type(e).__name__}: {e})") from None
+    return load_allowlisted(Path(path), RestrictedUnpickler, UnsafePickleError, CheckpointFormatError)

@@ -326,7 +326,11 @@ class Planner:
                 self._plan_grid(out, key, inter, torigin, tflat, tshape, m, idx)
                 return
         nd = len(inter)
-        perm = m.permute if m.permute is not None else tuple(range(nd))
+        perm = m.permute if m.permute is not None else tuple(range(len(m.src_box)))
+        if len(m.src_box) != nd or any(m.dst_box[i][1] - m.dst_box[i][0] != m.src_box[perm[i]][1] - m.src_box[perm[i]][0]
+                                       for i in range(nd) if i < len(perm) and 0 <= perm[i] < len(m.src_box)):
+            self._plan_reshaped(out, key, inter, torigin, tflat, tshape, m, perm)
+            return
         if len(perm) != nd or len(m.src_box) != nd:
             raise CheckpointError(f"mapping for {key!r} from {m.src_key!r}: permute {m.permute} does not fit "
                                   f"boxes of rank {nd} and {len(m.src_box)}")
@@ -354,6 +358,42 @@ class Planner:
                                 piece.shape, tuple((a - o, b - o) for (a, b), o in zip(ov, piece.origin)),
                                 permute, m.dtype))
 
+
+    def _plan_reshaped(self, out: list[ReadItem], key: str, inter: Box, torigin: list[int], tflat: int,
+                       tshape: tuple[int, ...], m: SliceMapping, perm: tuple[int, ...]) -> None:
+        """A mapping whose boxes differ by unit axes (an AOA ``reshape=``): the non-unit axes of the destination
+        box correspond, in order, to the non-unit axes of the permuted source box (equal extents); a unit axis
+        on either side is fixed."""
+        def ext(b: tuple[int, int]) -> int:
+            return b[1] - b[0]
+
+        if sorted(perm) != list(range(len(m.src_box))):
+            raise CheckpointError(f"mapping for {key!r} from {m.src_key!r}: permute {m.permute} is not a "
+                                  f"permutation of the {len(m.src_box)} source axes")
+        src_axes = [j for j in perm if ext(m.src_box[j]) != 1]
+        dst_axes = [i for i in range(len(m.dst_box)) if ext(m.dst_box[i]) != 1]
+        if [ext(m.src_box[j]) for j in src_axes] != [ext(m.dst_box[i]) for i in dst_axes]:
+            raise CheckpointError(f"mapping for {key!r} from {m.src_key!r}: destination box {_fmt_box(m.dst_box)} "
+                                  f"is not source box {_fmt_box(m.src_box)} (permuted by {m.permute}) up to unit "
+                                  "axes")
+        pairs = list(zip(dst_axes, src_axes))
+        sub = list(m.src_box)
+        for i, j in pairs:
+            a = m.src_box[j][0] - m.dst_box[i][0]
+            sub[j] = (inter[i][0] + a, inter[i][1] + a)
+        base = [(a - o, b - o) for (a, b), o in zip(inter, torigin)]
+        permute = m.permute if m.permute is not None and tuple(m.permute) != tuple(range(len(perm))) else None
+        for piece in self.index(m.src_key).query(tuple(sub)):
+            ov = box_intersection(piece.box, tuple(sub))
+            if ov is None:
+                continue
+            dst = list(base)
+            for i, j in pairs:
+                a = m.dst_box[i][0] - m.src_box[j][0] - torigin[i]
+                dst[i] = (ov[j][0] + a, ov[j][1] + a)
+            out.append(ReadItem(key, tflat, tshape, tuple(dst), m.src_key, piece.file, piece.name, piece.flat_start,
+                                piece.shape, tuple((a - o, b - o) for (a, b), o in zip(ov, piece.origin)),
+                                permute, m.dtype))
 
     def _plan_grid(self, out: list[ReadItem], key: str, sub: Box, torigin: list[int], tflat: int,
                    tshape: tuple[int, ...], m: SliceMapping, idx: KeyIndex) -> None:

@@ -47,9 +47,12 @@ class Row:
     ``op``: ``"rename"`` (one HF key -> one key), ``"T"`` (HF stores ``[in, out]``: transposed), ``"qkv"``
     (separate q, k, v -> ``fused_qkv``), ``"ffn"`` (separate gate, up -> ``fused_ffn``), ``"ffn_fused"`` (an
     HF ``[gate; up]`` tensor -> the TP-blocked ``fused_ffn`` layout), ``"qkv_cat"`` / ``"qkv_cat_T"`` (an HF
-    ``[Q; K; V]`` tensor, optionally ``[in, out]`` -> ``fused_qkv`` order). ``when``: a feature of
+    ``[Q; K; V]`` tensor, optionally ``[in, out]`` -> ``fused_qkv`` order), ``"experts_ffn"`` (every expert's
+    gate and up -> one ``[E, 2 * I, hidden]`` tensor, expert e's ``[gate_e; up_e]`` at index e) and ``"experts"``
+    (every expert's ``[hidden, I]`` tensor -> one ``[E, hidden, I]`` tensor); the two stacking ops add the expert
+    axis with ``reshape=`` and concatenate on it, one statement set per layer. ``when``: a feature of
     :class:`Params` that must hold (``"qkv_bias"``, ``"o_bias"``, ``"mlp_bias"``, ``"untied"``, ``"gemma2"``,
-    ...), ``None`` = always.
+    ``"stacked_experts"``, ...), ``"!feature"`` one that must not, ``None`` = always.
     """
 
     op: str
@@ -60,11 +63,16 @@ class Row:
 
 @dataclass(frozen=True)
 class Params:
-    """What a table needs from ``config.json``: query heads ``h``, KV heads ``g``, and feature flags."""
+    """What a table needs from ``config.json``: query heads ``h``, KV heads ``g``, feature flags, and for stacked
+    experts the layer count, expert count, expert intermediate size and hidden size."""
 
     h: int
     g: int
     features: frozenset[str]
+    layers: int = 0       # the sizes below are needed by the stacked-experts rows only
+    experts: int = 0
+    expert_ffn: int = 0
+    hidden: int = 0
 
 
 @dataclass(frozen=True)
@@ -111,10 +119,14 @@ DENSE_MLP = (
     _r("rename", _M + "down_proj.bias", _M + "down_proj.bias", "mlp_bias"),
 )
 _X = _M + "experts.{E}."
+_XS = _M + "experts."  # stacked experts: layers.N.mlp.experts.gate_up_proj.weight [E, 2I, hidden], down_proj
 QWEN_MOE = (
     _r("rename", _M + "gate.weight", _M + "gate.weight"),
-    _r("ffn", (_X + "gate_proj.weight", _X + "up_proj.weight"), _X + "gate_up_proj.weight"),
-    _r("rename", _X + "down_proj.weight", _X + "down_proj.weight"),
+    _r("ffn", (_X + "gate_proj.weight", _X + "up_proj.weight"), _X + "gate_up_proj.weight", "!stacked_experts"),
+    _r("rename", _X + "down_proj.weight", _X + "down_proj.weight", "!stacked_experts"),
+    _r("experts_ffn", (_X + "gate_proj.weight", _X + "up_proj.weight"), _XS + "gate_up_proj.weight",
+       "stacked_experts"),
+    _r("experts", _X + "down_proj.weight", _XS + "down_proj.weight", "stacked_experts"),
 )
 _S = _M + "shared_expert."
 QWEN_SHARED = (
@@ -125,8 +137,12 @@ QWEN_SHARED = (
 _B = "layers.{L}.block_sparse_moe."
 MIXTRAL_MOE = (
     _r("rename", _B + "gate.weight", _M + "gate.weight"),
-    _r("ffn", (_B + "experts.{E}.w1.weight", _B + "experts.{E}.w3.weight"), _X + "gate_up_proj.weight"),
-    _r("rename", _B + "experts.{E}.w2.weight", _X + "down_proj.weight"),
+    _r("ffn", (_B + "experts.{E}.w1.weight", _B + "experts.{E}.w3.weight"), _X + "gate_up_proj.weight",
+       "!stacked_experts"),
+    _r("rename", _B + "experts.{E}.w2.weight", _X + "down_proj.weight", "!stacked_experts"),
+    _r("experts_ffn", (_B + "experts.{E}.w1.weight", _B + "experts.{E}.w3.weight"), _XS + "gate_up_proj.weight",
+       "stacked_experts"),
+    _r("experts", _B + "experts.{E}.w2.weight", _XS + "down_proj.weight", "stacked_experts"),
 )
 PHI3 = (
     _r("qkv_cat", _A + "qkv_proj.weight", _A + "qkv_proj.weight"),
@@ -166,7 +182,9 @@ _COLUMN = ["*qkv_proj.weight", "*qkv_proj.bias", "*gate_up_proj.weight", "*gate_
            "*intermediate.dense.bias"]
 _ROW = ["*o_proj.weight", "*down_proj.weight", "*attention.output.dense.weight", "*layer.*.output.dense.weight"]
 _VOCAB = ["*embed_tokens.weight", "lm_head.weight", "*.wte.weight", "*word_embeddings.weight"]
-TP_RULES = tuple([(p, 0) for p in _VOCAB] + [(p, 0) for p in _COLUMN] + [(p, 1) for p in _ROW])
+# stacked experts [E, out, in] split on the expert axis (expert parallel), before the per-expert rules match
+_STACKED = ["*experts.gate_up_proj.weight", "*experts.down_proj.weight"]
+TP_RULES = tuple([(p, 0) for p in _STACKED + _VOCAB + _COLUMN] + [(p, 1) for p in _ROW])
 
 _LLAMA_LIKE = DECODER_BASE + ATTENTION + DENSE_MLP
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
@@ -201,18 +219,33 @@ def _features(arch: Architecture, cfg: Mapping[str, Any]) -> frozenset[str]:
     return frozenset(f)
 
 
-def params_from_config(arch: Architecture, cfg: Mapping[str, Any]) -> Params:
-    """Head counts and features of an HF ``config.json`` dict for ``arch``.
+def params_from_config(arch: Architecture, cfg: Mapping[str, Any], stacked_experts: bool = False) -> Params:
+    """Head counts and features of an HF ``config.json`` dict for ``arch``; with ``stacked_experts`` also the
+    sizes the stacked-experts rows need (``num_hidden_layers``, ``num_local_experts`` or ``num_experts``,
+    ``moe_intermediate_size`` or ``intermediate_size``, ``hidden_size``).
 
     Raises:
-        PresetError: head counts missing or inconsistent (naming the fields).
+        PresetError: head counts missing or inconsistent (naming the fields); stacked experts asked of an
+            architecture without experts, or sizes missing.
     """
     h = cfg.get("num_attention_heads", cfg.get("n_head"))
     g = cfg.get("num_key_value_heads") or h
     if not isinstance(h, int) or not isinstance(g, int) or h <= 0 or g <= 0 or h % g:
         raise PresetError(f"preset {arch.name!r}: config.json needs positive num_attention_heads (or n_head) "
                           f"divisible by num_key_value_heads; got {h!r} and {g!r}")
-    return Params(h, g, _features(arch, cfg))
+    features = _features(arch, cfg)
+    if not stacked_experts:
+        return Params(h, g, features)
+    if not any(r.op.startswith("experts") for r in arch.rows):
+        raise PresetError(f"preset {arch.name!r} has no experts to stack (stacked_experts applies to "
+                          f"{', '.join(a.name for a in ARCHITECTURES.values() if any(r.op.startswith('experts') for r in a.rows))})")
+    sizes = [cfg.get("num_hidden_layers"), cfg.get("num_local_experts", cfg.get("num_experts")),
+             cfg.get("moe_intermediate_size") or cfg.get("intermediate_size"), cfg.get("hidden_size")]
+    if not all(isinstance(x, int) and x > 0 for x in sizes):
+        raise PresetError(f"preset {arch.name!r} with stacked experts: config.json needs num_hidden_layers, "
+                          f"num_local_experts (or num_experts), moe_intermediate_size (or intermediate_size) and "
+                          f"hidden_size; got {sizes}")
+    return Params(h, g, features | {"stacked_experts"}, *sizes)
 
 
 def _expand(template: str, prefix: str) -> str:
@@ -253,7 +286,32 @@ def row_statements(row: Row, prefix: str, p: Params) -> list[str]:
         natural, order = _gqa_pieces(m, p)
         t = "^T" if row.op == "qkv_cat_T" else ""
         return [f"{hf[0]}{t} -> {', '.join(natural)}, axis=0", f"{', '.join(order)} -> {m}, axis=0"]
+    if row.op in ("experts_ffn", "experts"):
+        return _stacked_statements(row, prefix, p)
     raise AssertionError(row.op)
+
+
+def _stacked_statements(row: Row, prefix: str, p: Params) -> list[str]:
+    """Stacked experts: per layer and expert, ``[gate; up]`` (or the one tensor) gets a leading expert axis
+    (``reshape=`` with ``src_shape=``, so reverse mode restores HF's shape), then the experts are concatenated on
+    it. Layers and experts are enumerated from the config (the temporaries carry no placeholders)."""
+    out = []
+    ffn = row.op == "experts_ffn"
+    shape = [2 * p.expert_ffn, p.hidden] if ffn else [p.hidden, p.expert_ffn]
+    for layer in range(p.layers):
+        m = row.model.replace("{L}", str(layer))
+        parts = []
+        for e in range(p.experts):
+            hf = [_expand(n.replace("{L}", str(layer)).replace("{E}", str(e)), prefix) for n in row.hf]
+            t = f"{m}.expert_{e}"
+            if ffn:
+                out.append(f"{', '.join(hf)} -> {t}, axis=0")
+                out.append(f"{t} -> {t}, reshape=[1, {shape[0]}, {shape[1]}], src_shape={shape}")
+            else:
+                out.append(f"{hf[0]} -> {t}, reshape=[1, {shape[0]}, {shape[1]}], src_shape={shape}")
+            parts.append(t)
+        out.append(f"{', '.join(parts)} -> {m}, axis=0" if len(parts) > 1 else f"{parts[0]} -> {m}")
+    return out
 
 
 def row_export_statements(row: Row, prefix: str, p: Params) -> list[str]:
@@ -272,11 +330,27 @@ def row_export_statements(row: Row, prefix: str, p: Params) -> list[str]:
         return [f"{m} -> {', '.join(hf)}, fused_ffn, axis=0"]
     if row.op == "ffn_fused":
         return [f"{m} -> {hf[0]}, fused_ffn, axis=0"]
+    if row.op in ("experts_ffn", "experts"):  # the inverse statements, in reverse order
+        out = []
+        ffn = row.op == "experts_ffn"
+        shape = [2 * p.expert_ffn, p.hidden] if ffn else [p.hidden, p.expert_ffn]
+        for layer in range(p.layers):
+            ml = row.model.replace("{L}", str(layer))
+            parts = [f"{ml}.expert_{e}" for e in range(p.experts)]
+            out.append(f"{ml} -> {', '.join(parts)}, axis=0" if len(parts) > 1 else f"{ml} -> {parts[0]}")
+            for e, t in enumerate(parts):
+                hfs = [_expand(n.replace("{L}", str(layer)).replace("{E}", str(e)), prefix) for n in row.hf]
+                if ffn:
+                    out += [f"{t} -> {t}, reshape={shape}", f"{t} -> {', '.join(hfs)}, axis=0"]
+                else:
+                    out.append(f"{t} -> {hfs[0]}, reshape={shape}")
+        return out
     raise PresetError(f"row {row.op} of {row.hf[0]!r} has no single-statement inverse: use aoa_config_reverse")
 
 
 def _rows(arch: Architecture, p: Params) -> list[Row]:
-    return [r for r in arch.rows if r.when is None or r.when in p.features]
+    return [r for r in arch.rows if r.when is None or (r.when[1:] not in p.features if r.when.startswith("!")
+                                                          else r.when in p.features)]
 
 
 def statements(arch: Architecture, p: Params) -> list[str]:
@@ -319,19 +393,29 @@ def architecture(name: str) -> Architecture:
     """
     key = ALIASES.get(name.lower(), name.lower())
     if key not in ARCHITECTURES:
-        raise PresetError(f"unknown preset {name!r}; known presets: {', '.join(sorted(ARCHITECTURES))} "
+        raise PresetError(f"unknown preset {name!r}; known presets: "
+                          f"{', '.join(sorted(ARCHITECTURES) + list(MEGATRON_PRESETS))} "
                           f"(aliases: {', '.join(sorted(ALIASES))}), or 'auto' to use config.json's model_type")
     return ARCHITECTURES[key]
 
 
-def preset(name: str | os.PathLike, config: Any = None, *, reverse: bool = False) -> dict[str, Any]:
+def preset(name: str | os.PathLike, config: Any = None, *, reverse: bool = False,
+           source: Any = None, stacked_experts: bool = False) -> dict[str, Any]:
     """An AOA config for an HF architecture, built from the model's ``config.json``.
 
     Args:
         name: a preset name (see :data:`ARCHITECTURES`; ``"auto"`` = from ``config["model_type"]``), or a
             checkpoint directory holding ``config.json`` (then ``config`` may be omitted: ``"auto"`` with it).
+            ``"megatron_gpt"`` (aliases ``megatron``, ``megatron_llama``) maps a Megatron-Core GPT/Llama
+            ``torch_dist`` checkpoint to HF Llama keys (:data:`MEGATRON_GPT`; ``config`` is then the target HF
+            model's ``config.json``).
         config: ``config.json`` as a path (file or its directory), a dict, or a transformers config.
         reverse: the export direction (training layout -> HF): ``aoa_config_reverse`` set.
+        source: the checkpoint the config will read (path or metadata); used by ``megatron_gpt`` for the
+            padded vocabulary and the stacked layer count, ignored by the HF presets.
+        stacked_experts: ``qwen2_moe``, ``mixtral``: stack each layer's experts into
+            ``layers.N.mlp.experts.gate_up_proj.weight`` ``[E, 2 * I, hidden]`` (expert e's ``[gate; up]``) and
+            ``layers.N.mlp.experts.down_proj.weight`` ``[E, hidden, I]``, split on the expert axis by the TP rules.
 
     Returns:
         ``{"aoa_statements": [...], "aoa_config_reverse": reverse, "tp_rules": [[glob, axis], ...],
@@ -341,6 +425,12 @@ def preset(name: str | os.PathLike, config: Any = None, *, reverse: bool = False
         PresetError: unknown preset, unreadable config, or a config whose ``model_type`` this preset does not
             cover (the message names both and the preset that fits, if any).
     """
+    mname = MEGATRON_ALIASES.get(str(name).lower(), str(name).lower())
+    if mname in MEGATRON_PRESETS:
+        if config is None:
+            raise PresetError(f"preset {str(name)!r} needs the target HF model's config.json (config=PATH, dict or "
+                              "transformers config; on the command line --model-config)")
+        return megatron_preset(mname, config, source=source, reverse=reverse)
     if config is None and Path(name).is_dir():
         config, name = name, "auto"
     if config is None:
@@ -360,9 +450,155 @@ def preset(name: str | os.PathLike, config: Any = None, *, reverse: bool = False
             fits = [a.name for a in ARCHITECTURES.values() if model_type in a.model_types]
             raise PresetError(f"preset {arch.name!r} is for model_type {', '.join(arch.model_types)}, but the config "
                               f"says model_type={model_type!r}" + (f": use preset {fits[0]!r}" if fits else ""))
-    p = params_from_config(arch, cfg)
+    p = params_from_config(arch, cfg, stacked_experts)
     return {"aoa_statements": statements(arch, p), "aoa_config_reverse": bool(reverse),
             "tp_rules": [list(r) for r in arch.tp_rules], "preset": arch.name}
+
+
+# ---------------------------------------------------------------- Megatron-Core GPT/Llama -> HF
+
+
+@dataclass(frozen=True)
+class MegatronRow:
+    """One mapping of the Megatron-Core -> HF table (:data:`MEGATRON_GPT`).
+
+    ``op``: ``"vocab"`` (a vocabulary-padded ``[V_padded, hidden]`` tensor -> its first ``vocab_size`` rows),
+    ``"rename"``, ``"layer"`` (a tensor stacked on a leading layer axis -> one HF tensor per layer, the layer axis
+    removed with ``reshape=``), ``"layer_qkv"`` (stacked ``linear_qkv`` in Megatron's per-query-group order
+    ``[q heads of group g, k_g, v_g]``, which is AOA's ``fused_qkv`` -> q, k, v per layer) and ``"layer_split"``
+    (stacked ``[gate; up]`` ``linear_fc1`` -> gate, up per layer). ``shape``: the per-layer shape as a template
+    over ``{hidden}`` (one size may be -1). ``when``: a feature (``"untied"``, ``"qkv_bias"``) or None.
+    """
+
+    op: str
+    megatron: str
+    hf: tuple[str, ...]
+    shape: str = "[-1]"
+    when: str | None = None
+
+
+def _m(op: str, megatron: str, hf: str | tuple[str, ...], shape: str = "[-1]", when: str | None = None) -> MegatronRow:
+    return MegatronRow(op, megatron, (hf,) if isinstance(hf, str) else tuple(hf), shape, when)
+
+
+_ML, _HL = "decoder.layers.", "model.layers.{L}."
+MEGATRON_GPT = (
+    _m("vocab", "embedding.word_embeddings.weight", "model.embed_tokens.weight"),
+    _m("vocab", "output_layer.weight", "lm_head.weight", when="untied"),
+    _m("rename", "decoder.final_layernorm.weight", "model.norm.weight"),
+    # Transformer Engine fuses the pre-attention / pre-MLP norms into linear_qkv / linear_fc1 (Megatron's local
+    # layer spec saves them under the same names in torch_dist checkpoints)
+    _m("layer", _ML + "self_attention.linear_qkv.layer_norm_weight", _HL + "input_layernorm.weight"),
+    _m("layer_qkv", _ML + "self_attention.linear_qkv.weight",
+       tuple(_HL + f"self_attn.{x}_proj.weight" for x in "qkv"), "[-1, {hidden}]"),
+    _m("layer_qkv", _ML + "self_attention.linear_qkv.bias", tuple(_HL + f"self_attn.{x}_proj.bias" for x in "qkv"),
+       when="qkv_bias"),
+    _m("layer", _ML + "self_attention.linear_proj.weight", _HL + "self_attn.o_proj.weight", "[{hidden}, -1]"),
+    _m("layer", _ML + "mlp.linear_fc1.layer_norm_weight", _HL + "post_attention_layernorm.weight"),
+    _m("layer_split", _ML + "mlp.linear_fc1.weight", (_HL + "mlp.gate_proj.weight", _HL + "mlp.up_proj.weight"),
+       "[-1, {hidden}]"),
+    _m("layer", _ML + "mlp.linear_fc2.weight", _HL + "mlp.down_proj.weight", "[{hidden}, -1]"),
+)
+MEGATRON_PRESETS = ("megatron_gpt",)
+MEGATRON_ALIASES = {"megatron": "megatron_gpt", "megatron_llama": "megatron_gpt", "megatron-gpt": "megatron_gpt"}
+MEGATRON_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+def _source_shapes(source: Any) -> dict[str, tuple[int, ...]]:
+    """Global shapes of a checkpoint (a path, or metadata with ``tensors``); ``{}`` for None."""
+    if source is None:
+        return {}
+    meta = getattr(source, "metadata", source)
+    if not hasattr(meta, "tensors"):
+        from oarlock.checkpoint.storage import open_checkpoint
+
+        with open_checkpoint(source) as reader:
+            meta = reader.metadata
+    return {k: tuple(t.global_shape) for k, t in meta.tensors.items()}
+
+
+def megatron_statements(cfg: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]] | None = None) -> list[str]:
+    """The AOA statements of :data:`MEGATRON_GPT` (Megatron-Core GPT/Llama ``torch_dist`` keys -> HF Llama keys).
+
+    Args:
+        cfg: the HF ``config.json`` of the target model (``num_hidden_layers``, ``hidden_size``,
+            ``num_attention_heads``, ``num_key_value_heads``, ``vocab_size``, ``tie_word_embeddings``,
+            ``attention_bias``); an optional ``padded_vocab_size`` when ``shapes`` is not given.
+        shapes: global shapes of the Megatron checkpoint: its padded vocabulary (``embedding.word_embeddings``
+            rows) and layer count (the stacked axis) win over ``cfg``.
+
+    Raises:
+        PresetError: sizes missing from ``cfg``, a layer count that disagrees with the checkpoint's stacked axis,
+            or a padded vocabulary smaller than ``vocab_size``.
+    """
+    import math
+
+    shapes = shapes or {}
+    try:
+        hidden, vocab = int(cfg["hidden_size"]), int(cfg["vocab_size"])
+        layers = int(cfg["num_hidden_layers"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise PresetError(f"preset 'megatron_gpt': the HF config.json needs hidden_size, vocab_size and "
+                          f"num_hidden_layers ({e})") from None
+    arch = Architecture("megatron_gpt", MEGATRON_MODEL_TYPES, "", (), ())
+    p = params_from_config(arch, cfg)
+    features = set(p.features)
+    if cfg.get("tie_word_embeddings", False):
+        features.discard("untied")
+    else:
+        features.add("untied")
+    if cfg.get("model_type") == "qwen2":
+        features.add("qkv_bias")
+    stacked = shapes.get(_ML + "self_attention.linear_qkv.weight")
+    if stacked is not None and stacked[0] != layers:
+        raise PresetError(f"preset 'megatron_gpt': config.json says num_hidden_layers={layers} but the checkpoint's "
+                          f"stacked {_ML}self_attention.linear_qkv.weight has {stacked[0]} layers")
+    emb = shapes.get("embedding.word_embeddings.weight")
+    padded = emb[0] if emb is not None else int(cfg.get("padded_vocab_size") or vocab)
+    if padded < vocab:
+        raise PresetError(f"preset 'megatron_gpt': the checkpoint's vocabulary has {padded} rows, fewer than "
+                          f"config.json's vocab_size={vocab}")
+    qkv = f"fused_qkv, num_heads={p.h}, num_key_value_groups={p.g}, axis=0"
+    out: list[str] = []
+    for row in MEGATRON_GPT:
+        if row.when is not None and row.when not in features:
+            continue
+        src = row.megatron
+        if row.op == "rename":
+            out.append(f"{src} -> {row.hf[0]}")
+        elif row.op == "vocab":
+            if padded == vocab:
+                out.append(f"{src} -> {row.hf[0]}")
+                continue
+            step = math.gcd(vocab, padded)  # AOA splits are equal: cut into gcd-sized blocks, keep the first ones
+            blocks = [f"{src}.vocab_{i}" for i in range(padded // step)]
+            keep = vocab // step
+            out += [f"{src} -> {', '.join(blocks)}, axis=0", f"{', '.join(blocks[:keep])} -> {row.hf[0]}, axis=0",
+                    f"{', '.join(blocks[keep:])} -> _"]
+        else:
+            per_layer = [f"{src}.layer_{i}" for i in range(layers)]
+            out.append(f"{src} -> {', '.join(per_layer)}, axis=0" if layers > 1 else f"{src} -> {per_layer[0]}")
+            shape = row.shape.format(hidden=hidden)
+            for i, t in enumerate(per_layer):
+                hf = [h.replace("{L}", str(i)) for h in row.hf]
+                if row.op == "layer":
+                    out.append(f"{t} -> {hf[0]}, reshape='{shape}'")
+                elif row.op == "layer_qkv":
+                    out += [f"{t} -> {t}, reshape='{shape}'", f"{t} -> {', '.join(hf)}, {qkv}"]
+                else:  # layer_split: [gate; up]
+                    out += [f"{t} -> {t}, reshape='{shape}'", f"{t} -> {', '.join(hf)}, axis=0"]
+    return out
+
+
+def megatron_preset(name: str, config: Any, *, source: Any = None, reverse: bool = False) -> dict[str, Any]:
+    """The Megatron-Core -> HF preset (see :func:`preset`); ``config`` is the target HF model's ``config.json``."""
+    cfg = _read_config(config)
+    if cfg.get("model_type") not in MEGATRON_MODEL_TYPES:
+        raise PresetError(f"preset {name!r} converts Megatron-Core GPT/Llama checkpoints to an HF model of "
+                          f"model_type {', '.join(MEGATRON_MODEL_TYPES)}; the config says "
+                          f"model_type={cfg.get('model_type')!r}")
+    return {"aoa_statements": megatron_statements(cfg, _source_shapes(source)), "aoa_config_reverse": bool(reverse),
+            "tp_rules": [list(r) for r in TP_RULES], "preset": "megatron_gpt"}
 
 
 def rotary_permutation_statements(source: str, destination: str, num_heads: int, head_dim: int, *,
@@ -427,6 +663,7 @@ def reference_convert(arch: Architecture, p: Params, hf_state_dict: Mapping[str,
 
     out: dict[str, Any] = {}
     used: set[str] = set()
+    stacks: dict[str, dict[int, Any]] = {}
     for row in _rows(arch, p):
         rx = regex(row.hf[0])
         matches = [m for k in hf_state_dict if (m := rx.fullmatch(k))]
@@ -447,11 +684,17 @@ def reference_convert(arch: Architecture, p: Params, hf_state_dict: Mapping[str,
                 val = blocked(*src)
             elif row.op == "ffn_fused":
                 val = blocked(*src[0].chunk(2))
+            elif row.op in ("experts_ffn", "experts"):  # collected per layer, stacked below
+                stacks.setdefault(fill(row.model, ids), {})[int(ids["E"])] = \
+                    torch.cat(src) if row.op == "experts_ffn" else src[0]
+                continue
             else:  # qkv_cat, qkv_cat_T: HF [Q; K; V] rows
                 w = src[0].T if row.op == "qkv_cat_T" else src[0]
                 d = w.shape[0] // (p.h + 2 * p.g)
                 val = gqa(w[:p.h * d], w[p.h * d:(p.h + p.g) * d], w[(p.h + p.g) * d:])
             out[fill(row.model, ids)] = val
+    for k, per_expert in stacks.items():
+        out[k] = torch.stack([per_expert[e] for e in sorted(per_expert)])
     for k, v in hf_state_dict.items():
         if k not in used:
             out.setdefault(k, v)

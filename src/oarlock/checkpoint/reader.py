@@ -65,7 +65,7 @@ import torch
 from oarlock.checkpoint.errors import CheckpointFormatError
 from oarlock.checkpoint.metadata import SAVE_ID_HEADER, CheckpointMetadata, ShardMeta
 from oarlock.checkpoint.safetensors_io import SafetensorsFile, contiguous_run, np_prod
-from oarlock.utils import torch_dtype
+from oarlock.utils import error_reason, torch_dtype
 
 _REGISTRY: dict[str, type["CheckpointReader"]] = {}
 
@@ -122,6 +122,43 @@ def checkpoint_file(root: str | os.PathLike, name: Any, entry: str) -> Path:
         if _within(real, os.path.realpath(root.parent.parent / "blobs")):
             return path
     raise refuse(f"resolves to {real}, outside the checkpoint directory {real_root} (a symlink)")
+
+
+def load_weights_only(source: Any, where: Any, what: str = "weights-only torch.save archive", *,
+                      safe_globals: Any = (), map_location: str = "cpu", mmap: bool = False) -> Any:
+    """``torch.load(source, weights_only=True)``: torch's weights-only unpickler, which builds tensors and plain
+    data and refuses every other global before it runs, with ``safe_globals`` (``[(stand-in, "module.Name")]``:
+    inert local classes for a format's own records) admitted as well.
+
+    ``source``: a path or a seekable binary stream; ``where`` names it in the error.
+
+    Raises:
+        CheckpointFormatError: ``"{where}: not a {what}: {reason}"`` (the first line of torch's reason) for a
+            missing, truncated or refused file.
+    """
+    try:
+        with torch.serialization.safe_globals(list(safe_globals)):
+            return torch.load(source, map_location=map_location, weights_only=True, mmap=mmap)
+    except Exception as e:  # truncated zips, refused globals, ...
+        raise CheckpointFormatError(f"{where}: not a {what}: {error_reason(e)}") from None
+
+
+def box_of_stored(stored: torch.Tensor, flat_start: int, shape: tuple[int, ...], box: tuple[tuple[int, int], ...],
+                  out: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """:meth:`CheckpointReader.read_box` for a format that holds the stored tensor in memory: ``array[box]``
+    where ``array`` is the C-contiguous ``shape`` array starting ``flat_start`` elements into ``stored``
+    (flattened row-major, any shape), cast to ``dtype`` when given, written into ``out`` when given, else
+    returned as a new tensor (never a view of ``stored``). The caller checks that ``stored`` holds the array."""
+    n = np_prod(shape)
+    part = stored.reshape(-1)[flat_start:flat_start + n].reshape(shape)[tuple(slice(a, b) for a, b in box)]
+    if dtype is not None and part.dtype != dtype:
+        part = part.to(dtype)  # a new tensor
+    elif out is None:
+        part = part.clone()
+    if out is None:
+        return part
+    out.copy_(part)
+    return out
 
 
 class CheckpointReader:

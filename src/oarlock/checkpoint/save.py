@@ -35,6 +35,10 @@ from oarlock.checkpoint.storage import check_destination as storage_check_destin
 from oarlock.checkpoint.traversal import Leaves, collect_leaves
 from oarlock.utils import dtype_itemsize
 
+# CheckpointMetadata.extra entry of the TP-degree-dependent layouts (the AOA engine's TP_LAYOUTS_KEY; save does not
+# import the AOA package)
+TP_LAYOUTS_KEY = "tp_layouts"
+
 SHARDS_HEADER = "oarlock.shards"  # safetensors __metadata__ entry: {name: [offset, local shape, global shape, ...]}
 WORLD_HEADER = "oarlock.world_size"  # ... and the size of the group that saved
 
@@ -174,6 +178,7 @@ class SavePlan:
     writes: dict[int, list[tuple]]
     leaves: Leaves
     save_id: str | None = None
+    tp_layouts: dict[str, dict] | None = None  # key -> TP-dependent layout record (metadata extra["tp_layouts"])
 
 
 def prepare_save(state_dict: Mapping[str, Any], path: str | os.PathLike, process_group: Any,
@@ -204,7 +209,8 @@ def prepare_save(state_dict: Mapping[str, Any], path: str | os.PathLike, process
             check_destination(path)
         return {"descs": descs, "tmp": staging_path(path) if dist.is_coordinator else None,
                 "save_id": new_save_id() if dist.is_coordinator else None,
-                "objects": leaves.objects, "nested": leaves.nested}
+                "objects": leaves.objects, "nested": leaves.nested,
+                "tp_layouts": {sw.key: sw.tp_layout for sw in leaves.shards if sw.tp_layout}}
 
     gathered = dist.gather(describe)
     # computed from all-gathered data only: every rank reaches the same result or the same error
@@ -212,7 +218,30 @@ def prepare_save(state_dict: Mapping[str, Any], path: str | os.PathLike, process
     for t in tensors.values():
         KeyIndex(t)  # validates that the shards tile the global box
     return SavePlan(path, dist.rank, dist.size, gathered[0]["tmp"], gathered, tensors, writes, leaves,
-                    gathered[0]["save_id"])
+                    gathered[0]["save_id"], merge_tp_layouts([g["tp_layouts"] for g in gathered]))
+
+
+def merge_tp_layouts(per_rank: Sequence[Mapping[str, dict]]) -> dict[str, dict]:
+    """The ``extra["tp_layouts"]`` record of a save: the union of the ranks' ``ShardedWeight.tp_layout`` s by key
+    (the same record the AOA engine writes for ``convert --tp``; read back by
+    :func:`oarlock.checkpoint.aoa.layout.recorded_layouts`).
+
+    Raises:
+        CheckpointError: two ranks give one key different records, or a record is not
+            ``{"statement": "fused_ffn" | "fused_qkv_old", "tp": int >= 1, ...}`` (naming the key).
+    """
+    out: dict[str, dict] = {}
+    for rank, layouts in enumerate(per_rank):
+        for key, rec in layouts.items():
+            if not isinstance(rec, Mapping) or rec.get("statement") not in ("fused_ffn", "fused_qkv_old") \
+                    or type(rec.get("tp")) is not int or rec["tp"] < 1:
+                raise CheckpointError(f"key {key!r}: tp_layout {rec!r} (rank {rank}) is not a record "
+                                      "{'statement': 'fused_ffn' or 'fused_qkv_old', 'tp': degree, 'axis': axis}")
+            if key in out and out[key] != dict(rec):
+                raise CheckpointError(f"key {key!r}: ranks disagree on its TP layout: {out[key]} and {dict(rec)} "
+                                      f"(rank {rank})")
+            out[key] = dict(rec)
+    return out
 
 
 def _desc_tuple(sw: ShardedWeight) -> tuple:
@@ -253,9 +282,12 @@ def write_and_commit(plan: SavePlan, local: dict[Any, torch.Tensor], process_gro
                 objects.update(g["objects"])
                 nested.update(g["nested"])
             files = {f: r for rec in records for f, r in rec.items()}
+            extra: dict[str, Any] = {CHECKSUMS_KEY: make_record(files)}
+            if plan.tp_layouts:  # a load at another TP degree re-lays these keys out
+                extra[TP_LAYOUTS_KEY] = plan.tp_layouts
             publish_directory(tmp, plan.path, CheckpointMetadata("oarlock", tensors=plan.tensors, objects=objects,
                                                                  nested=nested, save_id=plan.save_id,
-                                                                 extra={CHECKSUMS_KEY: make_record(files)}),
+                                                                 extra=extra),
                               fsync_files=False)
 
     try:

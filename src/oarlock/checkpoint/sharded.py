@@ -21,6 +21,9 @@ from oarlock.checkpoint.errors import CheckpointError
 from oarlock.checkpoint.mapping import Box
 from oarlock.utils import dtype_name, numel
 
+# Attribute of a parameter (or any tensor) naming its TP-degree-dependent stored layout; see ShardedWeight.tp_layout.
+TP_LAYOUT_ATTR = "tp_layout"
+
 
 # ---------------------------------------------------------------- boxes
 
@@ -129,6 +132,13 @@ class ShardedWeight:
     ``local_tensor`` has shape ``local_shape`` (regular shard) or is 1-D with ``stop - start`` elements holding
     ``flattened_range`` of the box's row-major flattening (flattened shard). Loading writes into it in place.
 
+    ``tp_layout``: set when the global tensor is stored in a tensor-parallel-degree-dependent layout (the rows of a
+    fused gate/up weight as TP-rank blocks): ``{"statement": "fused_ffn", "tp": degree, "axis": 0}``, the record
+    ``oarlock convert --tp`` writes for such keys. A save records it in the checkpoint metadata
+    (``extra["tp_layouts"]``) so that a load at another degree re-lays the tensor out (``docs/aoa.md``,
+    "TP-dependent layouts"). :func:`to_sharded_weight` takes it from a tensor's ``tp_layout`` attribute
+    (:data:`TP_LAYOUT_ATTR`).
+
     Raises:
         CheckpointError: naming the key when shapes, offsets and the tensor disagree, or the box leaves the
             global shape.
@@ -140,6 +150,7 @@ class ShardedWeight:
     global_shape: tuple[int, ...]
     global_offset: tuple[int, ...]
     flattened_range: slice | tuple[int, int] | None = None
+    tp_layout: dict | None = None
 
     def __post_init__(self) -> None:
         self.local_shape = tuple(int(x) for x in self.local_shape)
@@ -291,17 +302,24 @@ def to_sharded_weight(key: str, leaf: Any) -> ShardedWeight | None:
     """``leaf`` as this rank's :class:`ShardedWeight` under ``key`` (the one place a state-dict leaf becomes a
     shard): a ShardedWeight as is (its own key), a DTensor as its local shard (None on ranks outside its mesh), a
     tensor as a whole replicated box (detached).
+    A tensor's ``tp_layout`` attribute (:data:`TP_LAYOUT_ATTR`, set by
+    :func:`oarlock.models.parallel.parallelize_llama` on fused gate/up weights) becomes the shard's ``tp_layout``.
 
     Raises:
         TypeError: ``leaf`` is not a tensor (callers turn it into their own error).
     """
     if isinstance(leaf, ShardedWeight):
         return leaf
+    layout = getattr(leaf, TP_LAYOUT_ATTR, None)
     if is_dtensor(leaf):
-        return ShardedWeight.from_dtensor(key, leaf)
-    if isinstance(leaf, torch.Tensor):
-        return ShardedWeight.replicated(key, leaf.detach())
-    raise TypeError(f"{key!r}: a {type(leaf).__name__} is not a tensor")
+        sw = ShardedWeight.from_dtensor(key, leaf)
+    elif isinstance(leaf, torch.Tensor):
+        sw = ShardedWeight.replicated(key, leaf.detach())
+    else:
+        raise TypeError(f"{key!r}: a {type(leaf).__name__} is not a tensor")
+    if sw is not None and isinstance(layout, dict):
+        sw.tp_layout = dict(layout)
+    return sw
 
 
 def sharded_state_dict(module: torch.nn.Module, prefix: str = "") -> dict[str, ShardedWeight]:

@@ -3,21 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from pathlib import Path
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
     from oarlock.debug.diff import diff
+    from oarlock.utils import print_report
 
     rep = diff(args.run_a, args.run_b)
-    if args.json:
-        json.dump(rep.to_json(), sys.stdout, indent=1)
-        sys.stdout.write("\n")
-    else:
-        print(rep.format(max_frames=args.frames))
-    return 1 if rep.diverged else 0
+    return print_report(args.json, rep.to_json, lambda: rep.format(max_frames=args.frames), not rep.diverged)
 
 
 def cmd_render(args: argparse.Namespace) -> int:

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import json
 import re
-import sys
 
 from oarlock.memory.errors import MemoryToolError
 
@@ -24,19 +22,15 @@ def parse_bytes(text: str) -> int:
 def cmd_simulate(args: argparse.Namespace) -> int:
     from oarlock.memory.simulate import compare_allocators, format_table
     from oarlock.memory.trace import load_trace
+    from oarlock.utils import print_report
 
     trace = load_trace(args.trace, args.device)
     names = [n.strip() for n in args.allocators.split(",") if n.strip()]
     cap = parse_bytes(args.capacity) if args.capacity else None
     rows = compare_allocators(trace, names, cap, min_capacity=not args.no_min_capacity, progress=True)
-    if args.json:
-        json.dump(rows, sys.stdout, indent=1)
-        sys.stdout.write("\n")
-    else:
-        print(f"{args.trace}: {len(trace)} events, {len(trace.ops())} replayed ops"
-              + (f", capacity {args.capacity}" if cap else ""))
-        print(format_table(rows))
-    return 0
+    return print_report(args.json, lambda: rows,
+                        lambda: f"{args.trace}: {len(trace)} events, {len(trace.ops())} replayed ops"
+                        + (f", capacity {args.capacity}" if cap else "") + "\n" + format_table(rows))
 
 
 def cmd_view(args: argparse.Namespace) -> int:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Iterable, NamedTuple
 
 from oarlock.memory.errors import TraceFormatError, UnsafeTraceError
-from oarlock.utils import AllowlistUnpickler
+from oarlock.utils import AllowlistUnpickler, load_allowlisted
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -217,6 +217,9 @@ def trace_from_snapshot(snap: Any, device: int | None = None, source: str = "<sn
     if not isinstance(segs, list):
         raise TraceFormatError(f"{source}: 'segments' is {type(segs).__name__}, expected a list")
     segs = [s for s in segs if isinstance(s, dict) and s.get("device", device) == device]
+    if not events and not segs:
+        raise TraceFormatError(f"{source}: an empty memory snapshot (no allocation events and no segments for "
+                               f"device {device}): record with torch.cuda.memory._record_memory_history() first")
     marks = snap.get("oarlock_marks", {})
     if not isinstance(marks, dict) or not all(isinstance(v, int) for v in marks.values()):
         raise TraceFormatError(f"{source}: 'oarlock_marks' must map names to event indices")
@@ -341,14 +344,8 @@ def load_trace(path: str | Path, device: int | None = None) -> Trace:
         if isinstance(data, dict) and "traceEvents" in data:
             return trace_from_chrome(data, str(path))
         return trace_from_snapshot(data, device, str(path))
-    import io
-
-    try:
-        snap = AllowlistUnpickler(io.BytesIO(raw), _admit_plain, _refuse, str(path)).load()
-    except UnsafeTraceError:
-        raise
-    except Exception as e:
-        raise TraceFormatError(f"{path}: not a snapshot pickle or JSON trace ({type(e).__name__}: {e})") from None
+    snap = load_allowlisted(path, lambda f, source: AllowlistUnpickler(f, _admit_plain, _refuse, source),
+                            UnsafeTraceError, TraceFormatError, data=raw, what="snapshot pickle or JSON trace")
     return trace_from_snapshot(snap, device, str(path))
 
 

@@ -9,7 +9,10 @@ a mesh lists only the dimensions whose degree exceeds 1):
   become DTensors sharded on the ``tp`` mesh dimension; norms and routers stay replicated. ``tp`` must divide the
   KV-head count (each rank holds whole KV groups of the fused ``qkv_proj``) and the MLP widths. The vocabulary
   need not be divisible (DTensor's uneven ``torch.chunk`` shards). The fused gate/up weight is re-laid out to
-  the degree-``tp`` ``fused_ffn`` layout (see :mod:`oarlock.models.llama`).
+  the degree-``tp`` ``fused_ffn`` layout (see :mod:`oarlock.models.llama`), and the weight carries that record as
+  its ``tp_layout`` attribute, so that a checkpoint saved from the model (``sharded_state_dict``) records it in
+  ``extra["tp_layouts"]`` like ``oarlock convert --tp``, and a load at another degree re-lays it out. The fused
+  ``qkv_proj`` rows are grouped per KV head, a layout every degree dividing the KV heads cuts alike.
 * **pp** (pipeline parallel): stage ``s`` keeps a contiguous range of layers (:func:`stage_layer_range`), the first
   stage the embedding, the last the final norm and ``lm_head``; keys keep their single-device names
   (``layers.17.mlp...``). :func:`forward_backward` runs one micro-batch through the stages (send/recv).
@@ -264,6 +267,8 @@ def _apply_tensor_parallel(model: Llama, tp_mesh: Any) -> None:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+    from oarlock.checkpoint.sharded import TP_LAYOUT_ATTR
+
     tp = tp_mesh.size()
     with torch.no_grad():  # degree-tp fused_ffn layout so each rank's contiguous shard is [gate_r | up_r]
         for _, mlp in _mlps(model):
@@ -281,6 +286,8 @@ def _apply_tensor_parallel(model: Llama, tp_mesh: Any) -> None:
         plan[f"{name}.gate_up_proj"] = ColwiseParallel()
         plan[f"{name}.down_proj"] = RowwiseParallel()
     parallelize_module(model, tp_mesh, plan)
+    for _, mlp in _mlps(model):  # saves record it (metadata extra["tp_layouts"]): a load at another TP re-lays out
+        setattr(mlp.gate_up_proj.weight, TP_LAYOUT_ATTR, {"statement": "fused_ffn", "tp": tp, "axis": 0})
     if model.config.tie_word_embeddings and model.embed_tokens is not None and model.lm_head is not None:
         model.lm_head.weight = model.embed_tokens.weight  # both Shard(0) over the vocabulary: re-tie
 

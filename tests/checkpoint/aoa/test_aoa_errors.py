@@ -82,6 +82,10 @@ def test_use_before_assignment_names_close_keys():
     e = err(AOAError, ["model.layer.0.weight -> w"], {"model.layers.0.weight": S(2)})
     assert "`model.layer.0.weight` should be assigned before!" in str(e)
     assert "model.layers.0.weight" in str(e) and e.column == 1
+    # the temporaries macros create (``X^T`` -> ``X_transpose_tmp``) are never offered as names to use
+    e = err(AOAError, ["model.0.weight^T -> w", "model.0.weigth -> v"], {"model.0.weight": S(2, 2)})
+    assert "`model.0.weigth` should be assigned before!" in str(e)
+    assert "model.0.weight" in str(e) and "_tmp" not in str(e)
 
 
 def test_transpose_on_the_right():

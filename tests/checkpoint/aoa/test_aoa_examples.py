@@ -247,9 +247,14 @@ def test_reverse_full_yields_original_hf_weight():
     assert back["huggingface.weight"].dtype == torch.float16 and torch.equal(back["huggingface.weight"], hf)
 
 
-def test_reshape_attribute_is_rejected_clearly():
-    with pytest.raises(AOAError, match="Unsupported attribute 'reshape'"):
-        compile_aoa(["s0 -> d, reshape = '[2, 3, 2, 2]'"], {"s0": TensorSpec((6, 4), "float32")})
+def test_example_18_reshape_flattened_to_canonical():
+    """Example 18 (post-3.3): ``s0 -> d, reshape = '[2, 3, 2, 2]'``, flattened [6, 4] <-> canonical [2, 3, 2, 2]
+    (more cases in test_aoa_reshape.py)."""
+    s0 = rand(6, 4)
+    _, out = run(["s0 -> d, reshape = '[2, 3, 2, 2]'"], {"s0": s0})
+    assert torch.equal(out["d"], s0.reshape(2, 3, 2, 2))
+    _, back = run(["d -> s0, reshape = '[6, 4]'"], out)
+    assert torch.equal(back["s0"], s0)
 
 
 # ---- section 6.11: Paddle unit-test scenarios -------------------------------------------------------------

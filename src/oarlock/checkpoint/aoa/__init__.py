@@ -15,6 +15,8 @@ Primitive statements (after macro expansion):
 * ``a -> b, permute='[2, 0, 1]'`` permute axes (``'[]'`` reverses all axes)
 * ``a -> b, dtype='float32'``     cast; ``src_dtype='float16', dst_dtype='float32'`` a cast reversible in
   reverse mode
+* ``a -> b, reshape=[2, -1]``     row-major reshape (``src_shape=`` names the input shape for reverse-mode
+  exports); may be combined with ``permute=``/``dtype=`` in one statement, applied in the written order
 * ``a -> _``  drop a source;  ``_ -> b``  destination without source (keeps its initial value)
 
 Macros, expanded in this order: ``$LAYER_ID_OFFSET`` (layer L -> L-1), ``$LAYER_ID``/``$EXPERT_ID`` (one

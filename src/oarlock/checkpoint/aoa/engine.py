@@ -23,10 +23,13 @@ from oarlock.checkpoint.aoa.macros import (SCALAR_SUFFIXES, KeySet, MacroContext
                                            optimizer_splitter, split_optimizer_suffix)
 from oarlock.checkpoint.aoa.parser import VOID, Expr, parse_statements
 from oarlock.checkpoint.mapping import CAST_CHAIN, Box, SliceMapping, TensorSpec, full_box
-from oarlock.utils import dtype_name
+from oarlock.checkpoint.sharded import flat_range_boxes
+from oarlock.utils import dtype_name, numel
 
 TP_LAYOUTS_KEY = "tp_layouts"  # CheckpointMetadata.extra entry: AOAProgram.tp_layouts of the writer
-_ATTRS = ("axis", "dtype", "permute", "src_dtype", "dst_dtype")
+_ATTRS = ("axis", "dtype", "permute", "src_dtype", "dst_dtype", "reshape", "src_shape")
+#: The most slice mappings one ``reshape=`` statement may produce (see :meth:`TensorDesc.reshape`).
+MAX_RESHAPE_REFS = 1 << 20
 
 
 _BOXES: dict[tuple[int, ...], Box] = {}  # full boxes by shape: most keys of a model share a few shapes
@@ -34,7 +37,11 @@ _BOXES: dict[tuple[int, ...], Box] = {}  # full boxes by shape: most keys of a m
 
 class Ref:
     """``tensor[dst_box] = cast(permute(source[src_key][src_box], perm), cast)``; ``src_box`` in the source's
-    native axis order, ``perm`` maps this tensor's axis i to source axis ``perm[i]`` (None = identity)."""
+    native axis order, ``perm`` maps this tensor's axis i to source axis ``perm[i]`` (None = identity).
+
+    After a ``reshape=`` the ranks may differ: an entry ``perm[i] is None`` is an axis of extent 1 with no source
+    axis, and a source axis absent from ``perm`` has extent 1 in ``src_box``. Mapped axes always have equal
+    extents on both sides, so the box is the source box up to inserted or removed unit axes."""
 
     __slots__ = ("src_key", "src_box", "dst_box", "perm", "cast")
 
@@ -69,8 +76,9 @@ class TensorDesc:
                 continue
             nax = r.perm[axis] if r.perm is not None else axis
             sb = list(r.src_box)
-            so = sb[nax][0] + (s - lo)
-            sb[nax] = (so, so + t - s)
+            if nax is not None:  # None: a unit axis of this tensor only (after a reshape)
+                so = sb[nax][0] + (s - lo)
+                sb[nax] = (so, so + t - s)
             db = list(r.dst_box)
             db[axis] = (s - a, t - a)
             refs.append(Ref(r.src_key, tuple(sb), tuple(db), r.perm, r.cast))
@@ -100,9 +108,54 @@ class TensorDesc:
             p = r.perm
             perm = q if p is None else tuple([p[i] for i in q])
             db = r.dst_box
-            refs.append(Ref(r.src_key, r.src_box, tuple([db[i] for i in q]), None if perm == ident else perm, r.cast))
+            same = perm == ident and len(r.src_box) == len(perm)
+            refs.append(Ref(r.src_key, r.src_box, tuple([db[i] for i in q]), None if same else perm, r.cast))
         shape = self.shape
         return TensorDesc(tuple([shape[i] for i in q]), self.dtype, refs, expr)
+
+    def reshape(self, shape: Sequence[int], expr: Expr | None = None, name: str = "",
+                limit: int | None = None) -> "TensorDesc":
+        """Row-major reshape (``torch.reshape`` semantics) to ``shape`` (same element count, checked by the
+        caller), still as box-to-box refs: every ref's box is cut into pieces that are boxes in both shapes and
+        hold the same elements up to unit axes (:func:`_common_pieces`). Splitting or merging leading axes of
+        whole rows keeps one ref per block (``[L * n, m] <-> [L, n, m]``: L refs); a merge that interleaves
+        (rows of a transposed tensor, a rotary permutation) needs one ref per contiguous run. No data is touched.
+
+        Raises:
+            AOAError: more than ``limit`` (default :data:`MAX_RESHAPE_REFS`) refs would be needed (a reshape that
+                scatters single elements), naming the statement and both shapes.
+        """
+        limit = MAX_RESHAPE_REFS if limit is None else limit
+        old, new = self.shape, tuple(int(n) for n in shape)
+        if old == new:
+            return TensorDesc(new, self.dtype, list(self.refs), expr)
+        refs: list[Ref] = []
+        for r in self.refs:
+            for a, b in _box_runs(old, r.dst_box):
+                for f, g in _common_pieces(old, new, a, b):
+                    ob, nb = _range_box(old, f, g), _range_box(new, f, g)
+                    sb = list(r.src_box)
+                    src_axes = []
+                    for i, ((x0, x1), (d0, _)) in enumerate(zip(ob, r.dst_box)):
+                        j = r.perm[i] if r.perm is not None else i
+                        if j is None:
+                            continue
+                        so = r.src_box[j][0] + x0 - d0
+                        sb[j] = (so, so + x1 - x0)
+                        if x1 - x0 != 1:
+                            src_axes.append(j)
+                    it = iter(src_axes)
+                    amap = tuple(next(it) if y1 - y0 != 1 else None for y0, y1 in nb)
+                    if amap == tuple(range(len(sb))):
+                        amap = None
+                    refs.append(Ref(r.src_key, tuple(sb), nb, amap, r.cast))
+                    if len(refs) > limit:
+                        raise AOAError(f"reshape of {name!r} from {list(old)} to {list(new)} does not map to boxes: "
+                                       f"it would need more than {limit} slice mappings (the new shape scatters "
+                                       "single elements of the source, e.g. a transposed tensor merged into one "
+                                       "axis); reshape before transposing, or split/concat instead", expr,
+                                       name="reshape")
+        return TensorDesc(new, self.dtype, refs, expr)
 
     def cast(self, dtype: str, expr: Expr | None = None) -> "TensorDesc":
         """Cast to ``dtype``; after an earlier cast the steps chain (``"bfloat16>float32"``), so every narrowing
@@ -115,13 +168,93 @@ class TensorDesc:
                           [Ref(r.src_key, r.src_box, r.dst_box, r.perm, chained(r.cast)) for r in self.refs], expr)
 
 
+def _box_runs(shape: tuple[int, ...], box: Box) -> list[tuple[int, int]]:
+    """The row-major element ranges ``[a, b)`` of ``shape`` that make up ``box`` (one per index of the axes
+    before the last partial one; whole trailing axes merge into each run)."""
+    nd = len(shape)
+    if nd == 0:
+        return [(0, 1)]
+    if any(b <= a for a, b in box):
+        return []
+    strides = [numel(shape[d + 1:]) for d in range(nd)]
+    k = nd - 1
+    while k > 0 and box[k] == (0, shape[k]):
+        k -= 1
+    length = (box[k][1] - box[k][0]) * strides[k]
+    starts = [box[k][0] * strides[k]]
+    for d in range(k - 1, -1, -1):
+        starts = [i * strides[d] + s for i in range(*box[d]) for s in starts]
+    return [(s, s + length) for s in starts]
+
+
+def _range_box(shape: tuple[int, ...], a: int, b: int) -> Box:
+    """The box of ``shape`` whose elements are exactly the row-major range ``[a, b)`` (which must be one)."""
+    (off, ext, _), = flat_range_boxes(shape, a, b)
+    return tuple((o, o + e) for o, e in zip(off, ext))
+
+
+def _common_pieces(old: tuple[int, ...], new: tuple[int, ...], a: int, b: int) -> list[tuple[int, int]]:
+    """Cut the row-major range ``[a, b)`` into ranges that are boxes in both ``old`` and ``new`` with the same
+    extents once unit axes are dropped (so one is the other viewed with unit axes added or removed). A range that
+    is a box in both but with other extents (``[b, a]`` vs ``[b * a]``) is cut along the first non-unit axis of
+    the side that gives fewer pieces; single elements always qualify, so this terminates."""
+    out, stack = [], [(a, b)]
+    while stack:
+        f, g = stack.pop()
+        cut = False
+        boxes = None
+        for shape in (old, new):
+            pieces = flat_range_boxes(shape, f, g)
+            if len(pieces) > 1:
+                stack.extend((f + fs, f + fs + numel(ext)) for _, ext, fs in reversed(pieces))
+                cut = True
+                break
+            boxes = (boxes or []) + [[e for e in pieces[0][1] if e != 1]]
+        if cut:
+            continue
+        eo, en = boxes
+        if eo == en:
+            out.append((f, g))
+            continue
+        m = min(eo[0], en[0])
+        step = (g - f) // m
+        stack.extend((f + i * step, f + (i + 1) * step) for i in range(m - 1, -1, -1))
+    return out
+
+
+def _parse_shape(e: Expr, value: object, attr: str = "reshape") -> tuple[int, ...]:
+    """``reshape='[2, 3, -1]'`` (or unquoted ``reshape=[2, 3, -1]``) -> ``(2, 3, -1)``.
+
+    Raises:
+        AOASyntaxError: not a list of integers, a size below -1, or more than one -1.
+    """
+    text = str(value).strip()
+    body = text[1:-1].strip() if text.startswith("[") and text.endswith("]") else None
+    try:
+        shape = tuple(int(x) for x in body.split(",")) if body else None
+    except ValueError:
+        shape = None
+    if shape is None:
+        raise AOASyntaxError(f"{attr}={value!r}: expected a non-empty list of integers such as '[2, 3, -1]'", e,
+                             name=attr)
+    if any(n < -1 for n in shape):
+        raise AOASyntaxError(f"{attr}={value!r}: sizes must be >= 0, or -1 for the one inferred size", e,
+                             name=attr)
+    if shape.count(-1) > 1:
+        raise AOASyntaxError(f"{attr}={value!r}: more than one -1 (only one size can be inferred)", e,
+                             name=attr)
+    return shape
+
+
 @dataclass(slots=True)
 class Primitive:
-    """A primitive statement: ``kind`` in rename, split, concat, permute, cast, delete, create.
+    """A primitive statement: ``kind`` in rename, split, concat, permute, cast, reshape, delete, create.
 
     ``perm`` None with kind permute = reverse all axes (``^T``, ``permute='[]'``); ``dtype`` None with kind cast
     = the inverse of a plain cast in reverse mode (the destination's dtype decides); ``src_dtype`` is checked
-    against the tensor before a reversible cast."""
+    against the tensor before a reversible cast. ``shape``: the target shape of a reshape (one size may be -1);
+    None in an inverted reshape whose input shape the statements do not determine (the destination's shape
+    decides). ``src_shape``: the input shape a reshape checks (and its inverse restores)."""
 
     kind: str
     lhs: tuple[str, ...]
@@ -132,6 +265,8 @@ class Primitive:
     dtype: str | None = None
     src_dtype: str | None = None
     inverted: bool = False
+    shape: tuple[int, ...] | None = None
+    src_shape: tuple[int, ...] | None = None
 
     def render(self) -> str:
         if not self.inverted:
@@ -144,6 +279,9 @@ class Primitive:
         elif self.kind == "cast":
             attrs.append(f"src_dtype='{self.src_dtype}', dst_dtype='{self.dtype}'" if self.src_dtype
                          else f"dtype='{self.dtype}'" if self.dtype else "dtype=<destination dtype>")
+        elif self.kind == "reshape":
+            attrs.append(f"reshape='{list(self.shape)}'" if self.shape is not None
+                         else "reshape=<destination shape>")
         return f"{', '.join(self.lhs)} -> {', '.join(list(self.rhs) + attrs)}"
 
 
@@ -182,9 +320,9 @@ def classify(e: Expr, memo: dict | None = None) -> Primitive:
         hit = memo.get(key)
         if hit is None:
             p = classify(e)
-            memo[key] = (p.kind, p.axis, p.perm, p.dtype, p.src_dtype)
+            memo[key] = (p.kind, p.axis, p.perm, p.dtype, p.src_dtype, p.shape, p.src_shape)
             return p
-        return Primitive(hit[0], lhs, rhs, e, hit[1], hit[2], hit[3], hit[4])
+        return Primitive(hit[0], lhs, rhs, e, hit[1], hit[2], hit[3], hit[4], shape=hit[5], src_shape=hit[6])
     names = [k for k, _ in e.attrs]
     for k in names:
         if k not in _ATTRS:
@@ -210,6 +348,9 @@ def classify(e: Expr, memo: dict | None = None) -> Primitive:
         return Primitive("split" if nr >= 2 else "concat", e.lhs, e.rhs, e, axis=e.attrs[0][1])
     if not names:
         return Primitive("rename", e.lhs, e.rhs, e)
+    if sorted(names) == ["reshape", "src_shape"]:
+        return Primitive("reshape", e.lhs, e.rhs, e, shape=_parse_shape(e, e.attr("reshape")),
+                         src_shape=_parse_shape(e, e.attr("src_shape"), "src_shape"))
     if sorted(names) == ["dst_dtype", "src_dtype"]:
         return Primitive("cast", e.lhs, e.rhs, e, dtype=_dtype_attr(e, "dst_dtype", e.attr("dst_dtype")),
                          src_dtype=_dtype_attr(e, "src_dtype", e.attr("src_dtype")))
@@ -225,13 +366,51 @@ def classify(e: Expr, memo: dict | None = None) -> Primitive:
         return Primitive("cast", e.lhs, e.rhs, e, dtype=_dtype_attr(e, k, v))
     if k == "permute":
         return Primitive("permute", e.lhs, e.rhs, e, perm=_parse_perm(e, v))
+    if k == "reshape":
+        return Primitive("reshape", e.lhs, e.rhs, e, shape=_parse_shape(e, v))
+    if k == "src_shape":
+        raise AOAError("src_shape goes with reshape= (the input shape a reshape checks and its inverse restores)",
+                       e, name=k)
     raise AOAError(f"{k} needs its partner ({'dst_dtype' if k == 'src_dtype' else 'src_dtype'})", e, name=k)
+
+
+def _reshape_inputs(prims: list[Primitive]) -> dict[int, tuple[int, ...] | None]:
+    """For each reshape of a forward program, the shape its input has as far as the statements alone determine it
+    (an earlier ``reshape=`` and the permutations, splits, concatenations and renames after it; at most one size
+    unknown, as -1, which the element count fixes): what its inverse reshapes back to. None when not determined
+    (the input is a checkpoint key, or two sizes are unknown)."""
+    shapes: dict[str, tuple[int, ...] | None] = {}
+    out: dict[int, tuple[int, ...] | None] = {}
+    for p in prims:
+        ins = [shapes.get(n) for n in p.lhs]
+        t = ins[0] if ins else None
+        res: tuple[int, ...] | None = None
+        if p.kind == "reshape":
+            out[id(p)] = p.src_shape if p.src_shape is not None else t
+            res = p.shape
+        elif p.kind in ("rename", "cast"):
+            res = t
+        elif p.kind == "permute" and t is not None:
+            q = tuple(range(len(t)))[::-1] if p.perm is None else tuple(a % len(t) for a in p.perm)
+            res = tuple(t[i] for i in q) if sorted(q) == list(range(len(t))) else None
+        elif p.kind == "split" and t is not None and -len(t) <= p.axis < len(t):
+            ax, n = p.axis % len(t), len(p.rhs)
+            if t[ax] == -1 or t[ax] % n == 0:
+                res = t[:ax] + (t[ax] // n if t[ax] != -1 else -1,) + t[ax + 1:]
+        elif p.kind == "concat" and all(x is not None and -1 not in x for x in ins) and ins:
+            ax = p.axis % len(ins[0]) if -len(ins[0]) <= p.axis < len(ins[0]) else None
+            if ax is not None and all(len(x) == len(ins[0]) for x in ins):  # type: ignore[arg-type]
+                res = ins[0][:ax] + (sum(x[ax] for x in ins),) + ins[0][ax + 1:]  # type: ignore[index]
+        for r in p.rhs:
+            shapes[r] = res
+    return out
 
 
 def invert(prims: list[Primitive]) -> list[Primitive]:
     """The inverse program (docs/aoa.md, "Reverse mode"): reversed order, split <-> concat, renames and permutations
     inverted, ``X -> _`` <-> ``_ -> X``, ``src_dtype``/``dst_dtype`` swapped; a plain ``dtype=`` cast becomes
-    a cast to the destination's dtype."""
+    a cast to the destination's dtype; a reshape goes back to its input's shape (see :func:`_reshape_inputs`)."""
+    inputs = _reshape_inputs(prims) if any(p.kind == "reshape" for p in prims) else {}
     out = []
     for p in reversed(prims):
         kind = {"split": "concat", "concat": "split", "delete": "create", "create": "delete"}.get(p.kind, p.kind)
@@ -243,7 +422,8 @@ def invert(prims: list[Primitive]) -> list[Primitive]:
                     inv[a] = i
             perm = tuple(inv) if sorted(perm) == list(range(len(perm))) else perm
         dtype, src = (p.src_dtype, p.dtype) if p.src_dtype else (None, None)
-        out.append(Primitive(kind, p.rhs, p.lhs, p.expr, p.axis, perm, dtype, src, inverted=True))
+        out.append(Primitive(kind, p.rhs, p.lhs, p.expr, p.axis, perm, dtype, src, inverted=True,
+                             shape=inputs.get(id(p)), src_shape=p.shape if p.kind == "reshape" else None))
     return out
 
 
@@ -431,7 +611,7 @@ class AOAProgram:
                     src, cast = r.src_key, r.cast
                     if ent.cast_all is not None and (cast or "").rsplit(CAST_CHAIN, 1)[-1] != ent.cast_all:
                         cast = ent.cast_all if cast is None else cast + CAST_CHAIN + ent.cast_all
-                out.append(SliceMapping(key, r.dst_box, src, r.src_box, r.perm, cast))
+                out.append(SliceMapping(key, r.dst_box, src, r.src_box, _mapping_perm(r), cast))
         self._cache[key] = out
         return out
 
@@ -496,6 +676,55 @@ class AOAProgram:
         return "\n".join(lines)
 
 
+def _mapping_perm(r: Ref) -> tuple[int, ...] | None:
+    """The ``SliceMapping.permute`` of a ref: its own permutation when it keeps the source's rank; after a reshape,
+    the source axes in this tensor's order followed by the unmapped (unit) ones, or None when the non-unit axes
+    keep their order (then the source box's row-major elements are the destination box's, unit axes aside)."""
+    p = r.perm
+    if p is None or (len(p) == len(r.src_box) and None not in p):
+        return p
+    mapped = [j for j in p if j is not None]
+    full = mapped + [j for j in range(len(r.src_box)) if j not in mapped]
+    moving = [j for j in full if r.src_box[j][1] - r.src_box[j][0] != 1]
+    return None if moving == sorted(moving) else tuple(full)
+
+
+def split_compound(exprs: list[Expr]) -> list[Expr]:
+    """A 1 -> 1 statement with ``reshape=`` and other operators (``permute=``, ``dtype=``, the
+    ``src_dtype``/``dst_dtype`` pair) becomes a chain of one-operator statements in the written order, through
+    temporaries ``<destination>@<step>``; every other statement is left as it is."""
+    out = []
+    for e in exprs:
+        names = [k for k, _ in e.attrs]
+        if "reshape" not in names or len(names) < 2 or len(e.lhs) != 1 or len(e.rhs) != 1:
+            out.append(e)
+            continue
+        ops: list[list[tuple[str, object]]] = []
+        pair: list[tuple[str, object]] | None = None
+        extra = [(k, v) for k, v in e.attrs if k == "src_shape"]
+        for k, v in e.attrs:
+            if k == "src_shape":
+                continue
+            if k == "reshape" and extra:  # the input shape belongs to the first reshape
+                ops.append([(k, v)] + extra)
+                extra = []
+                continue
+            if k in ("src_dtype", "dst_dtype"):
+                if pair is None:
+                    pair = []
+                    ops.append(pair)
+                pair.append((k, v))
+            else:
+                ops.append([(k, v)])
+        if len(ops) < 2:
+            out.append(e)
+            continue
+        names_chain = [e.lhs[0]] + [f"{e.rhs[0]}@{i}" for i in range(1, len(ops))] + [e.rhs[0]]
+        for i, op in enumerate(ops):
+            out.append(e.derive("reshape chain", [names_chain[i]], [names_chain[i + 1]], op))
+    return out
+
+
 _FUSED_STAGES = ("fused_qkv", "fused_qkv_old", "fused_ffn")
 
 
@@ -517,9 +746,11 @@ def _fmt_box(box: Box) -> str:
 
 
 class _Executor:
-    def __init__(self, model_src: dict[str, TensorSpec], keys: KeySet, states: Mapping[str, TensorSpec] = {}):
+    def __init__(self, model_src: dict[str, TensorSpec], keys: KeySet, states: Mapping[str, TensorSpec] = {},
+                 dst_specs: Mapping[str, TensorSpec] | None = None):
         self.model_src = model_src
         self.states = states  # optimizer-state source keys, readable when a statement names one explicitly
+        self.dst_specs = dst_specs or {}  # model-level destination specs: the shape an inverted reshape goes back to
         self.keys = keys
         self.env: dict[str, object] = {}
         self.fresh: dict[str, None] = {}
@@ -542,7 +773,9 @@ class _Executor:
                 self.read_sources.add(name)
                 return TensorDesc.source(name, self.states[name])
             if name not in self.model_src:
-                near = difflib.get_close_matches(name, list(self.env) + self.keys.with_prefix(name.split(".")[0]),
+                # temporaries the macros made (``X_transpose_tmp``, ``dst@1``...) are not names a user wrote
+                user_env = [n for n in self.env if not (n.endswith("_tmp") or "@" in n)]
+                near = difflib.get_close_matches(name, user_env + self.keys.with_prefix(name.split(".")[0]),
                                                  n=3, cutoff=0.5)
                 raise AOAError(f"`{name}` should be assigned before! It is neither a source key nor the result of an "
                                "earlier statement" + (f"; closest names: {', '.join(near)}" if near else ""),
@@ -576,6 +809,34 @@ class _Executor:
         raise AOAError(f"{p.expr.stage}: {what} sizes disagree: {desc(name0, size0, count0, shape0)}, but "
                        f"{desc(name, size, count, tuple(shape))} along the fused axis"
                        + _fused_hint(p.expr), root, name=name)
+
+    def _reshape_target(self, p: Primitive, d: TensorDesc) -> tuple[int, ...]:
+        """The concrete target shape of reshape ``p`` applied to ``d`` (-1 inferred from the element count).
+
+        Raises:
+            AOAError: element counts differ, or (reverse mode) the shape to go back to is unknown.
+        """
+        shape = p.shape
+        if shape is None:  # an inverted reshape whose input the statements do not determine
+            spec = self.dst_specs.get(p.rhs[0])
+            if spec is None:
+                raise AOAError(f"reverse mode: the inverse of this reshape must give {p.rhs[0]!r} back the shape it "
+                               f"had before, but no statement determines that shape and {p.rhs[0]!r} is not a "
+                               f"destination key; write it on the statement: \"..., reshape='{list(p.src_shape or ())}"
+                               f"', src_shape='[...]'\"", p.expr, name="reshape")
+            shape = tuple(spec.shape)
+        total = numel(d.shape)
+        if -1 in shape:
+            rest = numel([n for n in shape if n != -1])
+            if rest == 0 or total % rest:
+                raise AOAError(f"cannot reshape {p.lhs[0]!r} of shape {list(d.shape)} ({total} elements) to "
+                               f"{list(shape)}: {total} is not a multiple of {rest}", p.expr, name="reshape")
+            shape = tuple(total // rest if n == -1 else n for n in shape)
+        if numel(shape) != total:
+            raise AOAError(f"cannot reshape {p.lhs[0]!r} of shape {list(d.shape)} ({total} elements) to "
+                           f"{list(shape)} ({numel(shape)} elements): element counts differ", p.expr,
+                           name="reshape")
+        return shape
 
     def bind(self, name: str, desc: object) -> None:
         self.env[name] = desc
@@ -647,6 +908,12 @@ class _Executor:
                 raise AOAError(f"permute={list(p.perm or ())} is not a permutation of the {nd} axes of "
                                f"{p.lhs[0]!r} (shape {list(d.shape)})", e, name="permute")
             self.bind(p.rhs[0], d.permute(q, e))
+        elif p.kind == "reshape":
+            want = p.src_shape
+            if want is not None and (len(want) != len(d.shape) or any(w not in (-1, n) for w, n in zip(want, d.shape))):
+                raise AOAError(f"{p.lhs[0]!r} has shape {list(d.shape)}, but the statement says src_shape="
+                               f"'{list(want)}'", e, name=p.lhs[0])
+            self.bind(p.rhs[0], d.reshape(self._reshape_target(p, d), e, p.lhs[0]))
         elif p.kind == "cast":
             if p.src_dtype is not None and d.dtype != p.src_dtype:
                 raise AOAError(f"{p.lhs[0]!r} is {d.dtype}, but the statement says src_dtype='{p.src_dtype}'", e,
@@ -763,11 +1030,12 @@ def _compile(aoa_config: object, source: Mapping[str, TensorSpec], destination: 
     exprs = expand_statements(aoa_config, list(source), dst_model, source_shards=source_shards,
                               destination_shards=destination_shards, layouts=layouts)
     memo: dict = {}
-    prims = [classify(e, memo) for e in exprs]
+    prims = [classify(e, memo) for e in split_compound(exprs)]
     if reverse:
         prims = invert(prims)
     prog = AOAProgram(source, reverse, prims)
-    ex = _Executor(model_src, KeySet(model_src), {k: v for k, v in source.items() if k not in model_src})
+    ex = _Executor(model_src, KeySet(model_src), {k: v for k, v in source.items() if k not in model_src},
+                   {k: v for k, v in (destination or {}).items() if not split_dst(k)[1]})
     for p in prims:
         ex.run(p)
     # a dropped model key takes its optimizer states along

@@ -8,7 +8,7 @@ Grammar (names may still hold macro syntax at this stage: ``$LAYER_ID``, ``*``, 
                                          # fused_qkv / fused_qkv_old / fused_ffn are keywords there
     var        := IDENT [ "[" NUMBER ":" NUMBER "]" ] | STRING
     attr_list  := attr { "," attr }
-    attr       := IDENT "=" ( NUMBER | STRING )
+    attr       := IDENT "=" ( NUMBER | STRING | "[" [ NUMBER { "," NUMBER } ] "]" )   # unquoted list: extension
 
 A NEWLINE between statements is optional after an attribute value (Paddle's greedy parser accepts
 ``"a -> b, axis=1" "c -> d"`` concatenated by accident in real configs); such a join is accepted with a warning.
@@ -144,6 +144,17 @@ class _Parser:
         cols.setdefault(name, tok.pos - start + 1)
         return name
 
+    def int_list(self) -> str:
+        """``[ NUMBER { , NUMBER } ]`` (or ``[]``) as the text ``'[a, b]'``, the form of a quoted list value."""
+        self.expect("LBRACKET", "'['")
+        nums: list[str] = []
+        while (t := self.peek()) is not None and t.kind != "RBRACKET":
+            if nums:
+                self.expect("COMMA", "',' or ']' in a list")
+            nums.append(str(self.expect("NUMBER", "a number in a list").value))
+        self.expect("RBRACKET", "']' closing the list")
+        return "[" + ", ".join(nums) + "]"
+
     def statements(self) -> Iterator[Expr]:
         while True:
             while (t := self.peek()) is not None and t.kind == "NEWLINE":
@@ -189,12 +200,15 @@ class _Parser:
                 name_tok = self.expect("IDENT", "an attribute name")
                 self.expect("EQUAL", "'='")
                 val = self.peek()
-                if val is None or val.kind not in ("NUMBER", "STRING"):
-                    raise self.error(f"unexpected value for attribute {name_tok.value!r}: expected a number or a "
-                                     "quoted string", val)
-                self.i += 1
                 cols.setdefault(str(name_tok.value), name_tok.pos - start + 1)
-                attrs.append((str(name_tok.value), val.value))
+                if val is not None and val.kind == "LBRACKET":  # an unquoted list: reshape=[2, -1], permute=[1, 0]
+                    attrs.append((str(name_tok.value), self.int_list()))
+                else:
+                    if val is None or val.kind not in ("NUMBER", "STRING"):
+                        raise self.error(f"unexpected value for attribute {name_tok.value!r}: expected a number, a "
+                                         "quoted string or a list of numbers", val)
+                    self.i += 1
+                    attrs.append((str(name_tok.value), val.value))
                 t = self.peek()
                 if t is None or t.kind != "COMMA":
                     break

@@ -39,9 +39,10 @@ import torch
 
 from oarlock.checkpoint.errors import CheckpointFormatError, UnsafePickleError
 from oarlock.checkpoint.metadata import CheckpointMetadata, ShardMeta, TensorMeta
-from oarlock.checkpoint.reader import CheckpointReader, checkpoint_file, register_format
+from oarlock.checkpoint.reader import (CheckpointReader, box_of_stored, checkpoint_file, load_weights_only,
+                                       register_format)
 from oarlock.checkpoint.safetensors_io import MAX_HEADER_BYTES, SafetensorsFile, contiguous_run, np_prod
-from oarlock.utils import AllowlistUnpickler, dtype_name, torch_dtype
+from oarlock.utils import AllowlistUnpickler, dtype_name, load_allowlisted, torch_dtype
 
 DCP_METADATA = ".metadata"
 DCP_SUFFIX = ".distcp"
@@ -221,20 +222,8 @@ def load_dcp_pickle(path: str | Path, data: bytes | None = None) -> Any:
         UnsafePickleError: the pickle names anything outside the admitted set.
         CheckpointFormatError: the file is missing, unreadable, truncated or not a pickle (naming it).
     """
-    path = Path(path)
-    try:
-        if data is not None:
-            return DcpUnpickler(io.BytesIO(data), str(path)).load()
-        with open(path, "rb") as f:
-            if os.fstat(f.fileno()).st_size > _MAX_METADATA_BYTES:
-                raise CheckpointFormatError(f"{path}: DCP metadata larger than 1 GiB; refusing to unpickle it")
-            return DcpUnpickler(f, str(path)).load()
-    except CheckpointFormatError:
-        raise
-    except OSError as e:
-        raise CheckpointFormatError(f"{path}: cannot read: {e.strerror or e}") from None
-    except Exception as e:  # truncated or corrupt pickle streams raise many types
-        raise CheckpointFormatError(f"{path}: not a readable DCP metadata pickle ({type(e).__name__}: {e})") from None
+    return load_allowlisted(path, DcpUnpickler, UnsafePickleError, CheckpointFormatError, data=data,
+                            max_bytes=_MAX_METADATA_BYTES, what="readable DCP metadata pickle")
 
 
 # ---------------------------------------------------------------- metadata -> CheckpointMetadata
@@ -258,12 +247,13 @@ def is_dcp_dir(names: set[str] | list[str]) -> bool:
 
 
 def _metadata_files(root: Path, shipped: dict[str, bytes] | None = None) -> list[Path]:
+    """The metadata pickles of ``root`` (checked to stay inside it before anything opens them)."""
     if (root / DCP_METADATA).is_file() or (shipped and DCP_METADATA in shipped):
-        return [root / DCP_METADATA]
+        return [checkpoint_file(root, DCP_METADATA, f"{root}: DCP metadata")]
     ranks = sorted(int(m.group(1)) for n in os.listdir(root) if (m := RANK_METADATA.match(n)))
     if not ranks:
         raise CheckpointFormatError(f"{root}: no DCP metadata ({DCP_METADATA} or __<rank>{DCP_METADATA})")
-    return [root / f"__{r}{DCP_METADATA}" for r in ranks]
+    return [checkpoint_file(root, f"__{r}{DCP_METADATA}", f"{root}: DCP metadata") for r in ranks]
 
 
 def _ints(v: Any, what: str, source: Path) -> tuple[int, ...]:
@@ -335,8 +325,7 @@ def parse_dcp_metadata(root: str | Path, *, shipped: dict[str, bytes] | None = N
         if (not isinstance(fqn, str) or not isinstance(rel, str) or type(off) is not int or type(length) is not int
                 or off < 0 or length < 0):
             raise CheckpointFormatError(f"{msrc}: malformed storage entry for {fqn!r}: {info!r}")
-        if os.path.isabs(rel) or ".." in Path(rel).parts or not rel:
-            raise CheckpointFormatError(f"{msrc}: key {fqn!r} is stored in {rel!r}, outside the checkpoint directory")
+        checkpoint_file(root, rel, f"{msrc}: key {fqn!r}")  # no absolute path, no "..", no symlink out
         td = info.get("transform_descriptors") or ()
         if not isinstance(td, (list, tuple)) or not all(isinstance(t, str) for t in td):
             raise CheckpointFormatError(f"{msrc}: key {fqn!r} has malformed transform_descriptors {td!r}")
@@ -524,11 +513,7 @@ def load_archive(path: Path, fd: int, entry: DcpEntry, what: str) -> Any:
     """
     where = f"{path} [{entry.offset}, {entry.offset + entry.length}) ({what!r})"
     stream = _undo_transforms(_RangeFile(fd, entry.offset, entry.length), entry.transforms, where)
-    try:
-        return torch.load(stream, map_location="cpu", weights_only=True)
-    except Exception as e:  # truncated zips, refused globals, ...
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointFormatError(f"{where}: not a weights-only torch.save archive: {msg}") from None
+    return load_weights_only(stream, where)
 
 
 class _EmbeddedSafetensors(SafetensorsFile):
@@ -608,11 +593,7 @@ def archive_tensor_view(path: Path, fd: int, entry: DcpEntry, name: str, dtype: 
     if entry.transforms:
         return None
     where = f"{path} [{entry.offset}, {entry.offset + entry.length}) ({name!r})"
-    try:
-        t = torch.load(_RangeFile(fd, entry.offset, entry.length), map_location="meta", weights_only=True)
-    except Exception as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointFormatError(f"{where}: not a weights-only torch.save archive: {msg}") from None
+    t = load_weights_only(_RangeFile(fd, entry.offset, entry.length), where, map_location="meta")
     if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(shape) or t.dtype != torch_dtype(dtype):
         got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
         raise CheckpointFormatError(f"{where}: holds {got}, metadata says {dtype} {list(shape)}")
@@ -782,13 +763,7 @@ class DcpReader(CheckpointReader):
         view = self._view(key, file, name)
         if view is not None:
             return view[0].read_box(view[1], flat_start, shape, box, self.metadata.tensors[key].dtype, out)
-        t = self.chunk(key, file, name)
-        arr = t.reshape(-1)[flat_start:flat_start + np_prod(shape)].reshape(shape)
-        part = arr[tuple(slice(a, b) for a, b in box)]
-        if out is None:
-            return part.clone()
-        out.copy_(part)
-        return out
+        return box_of_stored(self.chunk(key, file, name), flat_start, shape, box, out)
 
     def byte_run(self, key: str, file: str, name: str, flat_start: int, shape: tuple[int, ...],
                  box: tuple[tuple[int, int], ...]) -> tuple[int, int, int] | None:

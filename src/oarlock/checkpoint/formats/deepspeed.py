@@ -41,7 +41,8 @@ import torch
 
 from oarlock.checkpoint.errors import CheckpointFormatError
 from oarlock.checkpoint.metadata import CheckpointMetadata, ShardMeta, TensorMeta
-from oarlock.checkpoint.reader import CheckpointReader, checkpoint_file, register_format
+from oarlock.checkpoint.reader import (CheckpointReader, box_of_stored, checkpoint_file, load_weights_only,
+                                       register_format)
 from oarlock.utils import dtype_name
 
 OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -90,17 +91,17 @@ def load_pt(path: Path) -> Any:
     """
     if not path.is_file():
         raise CheckpointFormatError(f"{path}: DeepSpeed checkpoint file is missing")
-    try:
-        with torch.serialization.safe_globals(_SAFE):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointFormatError(f"{path}: not a weights-only loadable DeepSpeed file: {msg}") from None
+    return load_weights_only(path, path, "weights-only loadable DeepSpeed file", safe_globals=_SAFE, mmap=True)
 
 
 def tag_directory(path: Path) -> Path | None:
     """The directory holding the ``*_states.pt`` files: ``path`` itself, or ``path/<tag>`` with the tag read from
-    ``path/latest``; None when neither holds DeepSpeed files."""
+    ``path/latest``; None when neither holds DeepSpeed files.
+
+    Raises:
+        CheckpointFormatError: ``latest`` names a tag directory outside ``path`` (an absolute path, a ``..``
+            component or a symlink out): nothing in it is listed or opened.
+    """
     def has_files(d: Path) -> bool:
         try:
             return any(OPTIM_FILE.match(n) or MODEL_FILE.match(n) for n in os.listdir(d))
@@ -115,9 +116,18 @@ def tag_directory(path: Path) -> Path | None:
             tag = checkpoint_file(path, "latest", "latest").read_text().strip()
         except (OSError, UnicodeDecodeError, CheckpointFormatError):
             return None
-        if tag and "/" not in tag and tag not in (".", "..") and has_files(path / tag):
-            return path / tag
+        if tag:  # an absolute path, ".." or a symlink out is refused naming the file
+            d = checkpoint_file(path, tag, f"{latest}: tag directory")
+            if has_files(d):
+                return d
     return None
+
+
+def _shape(s: Any, where: str) -> tuple[int, ...]:
+    """A parameter shape from ``param_shapes``: a sequence of non-negative ints (``torch.Size``), else an error."""
+    if not isinstance(s, (tuple, list)) or not all(type(x) is int and x >= 0 for x in s):
+        raise CheckpointFormatError(f"{where} has shape {s!r}; expected a list of non-negative integers")
+    return tuple(s)
 
 
 def _plain(v: Any) -> Any:
@@ -155,8 +165,11 @@ def read_deepspeed_metadata(path: Path) -> tuple[CheckpointMetadata, str]:
     model_name = next((n for n in names if (m := MODEL_FILE.match(n)) and m.group(1) in (None, "0")), None)
     if model_name is None:
         raise CheckpointFormatError(f"{tag}: no model states file (mp_rank_00_model_states.pt)")
-    model = load_pt(tag / model_name)
-    osd0 = load_pt(tag / optim[0])
+    def pt(name: str) -> Any:  # every file checked to stay inside the checkpoint before it is opened
+        return load_pt(checkpoint_file(path, rel + name, f"{tag}: DeepSpeed state file"))
+
+    model = pt(model_name)
+    osd0 = pt(optim[0])
     if not isinstance(model, dict) or not isinstance(osd0, dict) or "optimizer_state_dict" not in osd0:
         raise CheckpointFormatError(f"{tag}: model/optimizer state files lack the DeepSpeed layout")
     o0 = osd0["optimizer_state_dict"]
@@ -164,7 +177,7 @@ def read_deepspeed_metadata(path: Path) -> tuple[CheckpointMetadata, str]:
     shapes = model.get("param_shapes")
     if not isinstance(shapes, list) or not all(isinstance(g, dict) for g in shapes):
         raise CheckpointFormatError(f"{tag / model_name}: param_shapes is not a list of {{name: shape}} groups")
-    groups = [[(str(n), tuple(int(x) for x in s)) for n, s in g.items()] for g in shapes]
+    groups = [[(str(n), _shape(s, f"{tag / model_name}: parameter {n!r}")) for n, s in g.items()] for g in shapes]
     pc = o0.get("partition_count")
     counts = pc if isinstance(pc, list) else [pc] * len(groups)
     if not counts or any(type(c) is not int or c != counts[0] for c in counts):
@@ -180,7 +193,7 @@ def read_deepspeed_metadata(path: Path) -> tuple[CheckpointMetadata, str]:
     files = {r: rel + optim[r] for r in range(world)}
     lengths: dict[tuple[int, int], int] = {}
     for r in range(world):
-        od = o0 if r == 0 else load_pt(tag / optim[r])["optimizer_state_dict"]
+        od = o0 if r == 0 else pt(optim[r])["optimizer_state_dict"]
         flat = od.get("single_partition_of_fp32_groups" if stage < 3 else "fp32_flat_groups")
         if not isinstance(flat, list) or len(flat) != len(groups):
             raise CheckpointFormatError(f"{tag / optim[r]}: expected {len(groups)} flat fp32 groups")
@@ -247,8 +260,9 @@ def _add_param(meta: CheckpointMetadata, name: str, shape: tuple[int, ...], g: i
     ``shards``: ``(rank, start, stop, element offset in the rank's flat group tensor)``."""
     zero = (0,) * len(shape)
     if sum(b - a for _, a, b, _ in shards) != n:
-        raise CheckpointFormatError(f"{name}: the rank partitions cover {sum(b - a for _, a, b, _ in shards)} of "
-                                    f"its {n} elements")
+        raise CheckpointFormatError(f"parameter {name!r} (group {g}): the rank partitions "
+                                    f"({', '.join(files[r] for r in sorted(files))}) cover "
+                                    f"{sum(b - a for _, a, b, _ in shards)} of its {n} elements: truncated?")
     for key, stored in ((name, "fp32"), *((f"optim.state.{name}.{m}", m) for m in MOMENTS)):
         meta.tensors[key] = TensorMeta(key, shape, "float32", [
             ShardMeta(zero, shape, files[r], f"{stored}:{g}:{base}", (a, b)) for r, a, b, base in shards])
@@ -277,7 +291,12 @@ class DeepSpeedReader(CheckpointReader):
             return 0
         if any(OPTIM_FILE.match(n) for n in names):
             return 2
-        return 2 if "latest" in names and tag_directory(path) is not None else 0
+        if "latest" not in names:
+            return 0
+        try:
+            return 2 if tag_directory(path) is not None else 0
+        except CheckpointFormatError:
+            return 2  # a tag directory linked from outside: open() names it
 
     @classmethod
     def open(cls, path: Path, *, shipped: dict[str, bytes] | None = None, partial: bool = False
@@ -323,22 +342,16 @@ class DeepSpeedReader(CheckpointReader):
                  box: tuple[tuple[int, int], ...], out: torch.Tensor | None = None) -> torch.Tensor:
         t, base = self._stored(file, name)
         n = math.prod(shape)
-        if t.dim() == 0:
-            arr = t.to(torch.float32).reshape(shape) if n == 1 else None
-        else:
-            if base + flat_start + n > t.numel():
-                raise CheckpointFormatError(f"{self.path_of(file)}: {key!r} needs elements [{base + flat_start}, "
-                                            f"{base + flat_start + n}) of a partition of {t.numel()}: truncated?")
-            arr = t.reshape(-1)[base + flat_start:base + flat_start + n].reshape(shape)
-        if arr is None:
-            raise CheckpointFormatError(f"{self.path_of(file)}: {key!r}: stored scalar read as shape {list(shape)}")
-        part = arr[tuple(slice(a, b) for a, b in box)]
-        if part.dtype != torch.float32 and key in self.metadata.tensors and self.metadata.tensors[key].dtype == "float32":
-            part = part.to(torch.float32)
-        if out is None:
-            return part.clone()
-        out.copy_(part)
-        return out
+        if t.dim() == 0:  # the step: one value, whatever the offset says
+            if n != 1:
+                raise CheckpointFormatError(f"{self.path_of(file)}: {key!r}: stored scalar read as shape {list(shape)}")
+            t, base, flat_start = t.to(torch.float32), 0, 0
+        elif base + flat_start + n > t.numel():
+            raise CheckpointFormatError(f"{self.path_of(file)}: {key!r} needs elements [{base + flat_start}, "
+                                        f"{base + flat_start + n}) of a partition of {t.numel()}: truncated?")
+        tm = self.metadata.tensors.get(key)
+        return box_of_stored(t, base + flat_start, shape, box, out,
+                             torch.float32 if tm is not None and tm.dtype == "float32" else None)
 
     def byte_run(self, key: str, file: str, name: str, flat_start: int, shape: tuple[int, ...],
                  box: tuple[tuple[int, int], ...]) -> tuple[int, int, int] | None:

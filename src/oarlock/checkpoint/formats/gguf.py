@@ -25,7 +25,7 @@ import torch
 
 from oarlock.checkpoint.errors import CheckpointFormatError
 from oarlock.checkpoint.metadata import CheckpointMetadata, ShardMeta, TensorMeta
-from oarlock.checkpoint.reader import CheckpointReader, register_format
+from oarlock.checkpoint.reader import CheckpointReader, box_of_stored, register_format
 
 GGUF_MAGIC = b"GGUF"
 
@@ -265,15 +265,7 @@ class GgufReader(CheckpointReader):
             self._last = (name, self.gguf.read(name))
             if file not in self.files_opened:
                 self.files_opened.append(file)
-        t = self._last[1]
-        n = 1
-        for d in shape:
-            n *= d
-        part = t.reshape(-1)[flat_start:flat_start + n].reshape(shape)[tuple(slice(a, b) for a, b in box)]
-        if out is None:
-            return part.clone()
-        out.copy_(part)
-        return out
+        return box_of_stored(self._last[1], flat_start, shape, box, out)
 
     def byte_run(self, key: str, file: str, name: str, flat_start: int, shape: tuple[int, ...],
                  box: tuple[tuple[int, int], ...]) -> tuple[int, int, int] | None:

@@ -28,7 +28,7 @@ import torch
 
 from oarlock.checkpoint.errors import CheckpointFormatError
 from oarlock.checkpoint.formats.dcp import MEGATRON_METADATA, DcpReader, is_dcp_dir
-from oarlock.checkpoint.reader import checkpoint_file, register_format
+from oarlock.checkpoint.reader import checkpoint_file, load_weights_only, register_format
 
 COMMON_FILE = "common.pt"
 
@@ -61,11 +61,10 @@ def read_common(path: Path) -> tuple[dict[str, Any], str | None]:
     if not path.is_file():
         return {}, None
     try:
-        with torch.serialization.safe_globals([(MegatronNamespace, "argparse.Namespace")]):
-            raw = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        return {}, f"{path}: not loadable weights-only: {msg}"
+        raw = load_weights_only(path, path, "weights-only loadable common.pt",
+                                safe_globals=[(MegatronNamespace, "argparse.Namespace")])
+    except CheckpointFormatError as e:
+        return {}, str(e)
     if not isinstance(raw, dict):
         return {}, f"{path}: holds a {type(raw).__name__}, expected a dict"
     out = {}
@@ -113,7 +112,7 @@ class MegatronReader(DcpReader):
         if not (shipped and ".metadata" in shipped) and not is_dcp_dir(_listing(path)):
             raise CheckpointFormatError(f"{path}: Megatron-Core torch_dist checkpoint without its DCP .metadata file")
         reader = cls.open_as(path, shipped=shipped, partial=partial, fmt=cls.format)
-        common, err = read_common(path / COMMON_FILE)
+        common, err = read_common(checkpoint_file(path, COMMON_FILE, f"{path}: Megatron-Core common values"))
         for k, v in common.items():
             reader.metadata.objects[f"common.{k}"] = v
         reader.metadata.extra["megatron"] = {"backend": backend, "common_error": err}

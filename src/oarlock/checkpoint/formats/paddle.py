@@ -14,7 +14,7 @@ import torch
 from oarlock.checkpoint import paddle as paddle_pickle
 from oarlock.checkpoint.errors import CheckpointFormatError
 from oarlock.checkpoint.metadata import CheckpointMetadata, ShardMeta, TensorMeta
-from oarlock.checkpoint.reader import CheckpointReader, checkpoint_file, register_format
+from oarlock.checkpoint.reader import CheckpointReader, box_of_stored, checkpoint_file, register_format
 from oarlock.checkpoint.safetensors_io import np_prod
 from oarlock.utils import dtype_name, torch_dtype
 
@@ -144,17 +144,12 @@ class PaddleReader(CheckpointReader):
             return super().read_box(key, file, name, flat_start, shape, box, out)
         dtype = self.metadata.tensors[key].dtype
         self.check_read(key, file, name, flat_start, shape)
-        h = self._pickle(file)
-        arr = h[name].reshape(-1)[flat_start:flat_start + np_prod(shape)].reshape(shape)
-        t = torch.from_numpy(arr[tuple(slice(a, b) for a, b in box)].copy())
+        t = torch.from_numpy(self._pickle(file)[name].reshape(-1))
         if dtype == "bfloat16" and t.dtype in (torch.int16, torch.uint16):  # numpy has no bf16
             t = t.view(torch.bfloat16)
         if t.dtype != torch_dtype(dtype):
             raise CheckpointFormatError(f"{self.path_of(file)}: tensor {name!r} is {t.dtype}, metadata says {dtype}")
-        if out is None:
-            return t
-        out.copy_(t)
-        return out
+        return box_of_stored(t, flat_start, shape, box, out)
 
     def byte_run(self, key: str, file: str, name: str, flat_start: int, shape: tuple[int, ...],
                  box: tuple[tuple[int, int], ...]) -> tuple[int, int, int] | None:
