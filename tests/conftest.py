@@ -59,13 +59,16 @@ def headless_chromium():
 
 @pytest.fixture
 def multirank(tmp_path):
-    """``multirank(module, world, names=None)``: run the named scenarios of ``module`` on ``world`` gloo ranks and
-    return the :class:`multirank.Outcome` (``.check()`` names every failed scenario and rank with its traceback)."""
+    """``multirank(module, world, names=None, **kw)``: run the named scenarios of ``module`` on ``world`` gloo ranks
+    in ``multirank.root`` (``tmp_path / "ranks"``, where a test may prepare inputs first) and return the
+    :class:`multirank.Outcome` (``.check()`` names every failed scenario and rank with its traceback); ``kw``:
+    :func:`multirank.run_scenarios`'s ``timeout_s``, ``threads``, ``env``."""
     from multirank import run_scenarios
 
-    def run(module: str, world: int, names: list[str] | None = None):
-        return run_scenarios(module, world, tmp_path / "ranks", names)
+    def run(module: str, world: int, names: list[str] | None = None, **kw):
+        return run_scenarios(module, world, run.root, names, **kw)
 
+    run.root = tmp_path / "ranks"
     return run
 
 

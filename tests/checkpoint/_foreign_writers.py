@@ -1,9 +1,11 @@
-"""Write real DeepSpeed ZeRO and Megatron-Core torch_dist checkpoints on CPU (run with .foreign-venv's python,
-made by scripts/foreign_env.sh), with the writers' own full tensors as references.
+"""Write real DeepSpeed ZeRO and Megatron-Core torch_dist checkpoints on CPU, with the writers' own full tensors as
+references: multirank scenarios run on 2 gloo ranks with .foreign-venv's python (made by scripts/foreign_env.sh),
+through the harness's command line, so a failing writer is reported by scenario and rank::
 
-    python _foreign_writers.py megatron OUT      # GPTModel, TP=2, 2 gloo ranks -> OUT/ckpt, OUT/ref_rank{r}.pt,
-                                                 # OUT/logits.pt (Megatron's own forward)
-    python _foreign_writers.py deepspeed OUT 1,2,3  # tiny HF Llama, ZeRO stages, 2 gloo ranks -> OUT/z{S}/ckpt, ref.pt
+    PY tests/multirank.py tests/checkpoint/_foreign_writers.py 2 OUT megatron_gpt_tp2
+        # GPTModel, TP=2 -> OUT/ckpt, OUT/ref_rank{r}.pt, OUT/logits.pt (Megatron's own forward)
+    PY tests/multirank.py tests/checkpoint/_foreign_writers.py 2 OUT deepspeed_zero1 deepspeed_zero2 deepspeed_zero3
+        # tiny HF Llama, one ZeRO stage each -> OUT/z{S}/ckpt, OUT/z{S}/ref.pt
 
 Megatron-Core's async file writer calls ``torch.cuda.synchronize()`` and ``torch.cuda.current_device()`` even
 for CPU tensors; both are replaced by CPU no-ops in these writer processes only, and for Megatron's own forward
@@ -14,12 +16,9 @@ context too (nothing else is patched).
 from __future__ import annotations
 
 import os
-import socket
-import sys
 import warnings
 
 import torch
-import torch.multiprocessing as mp
 
 warnings.filterwarnings("ignore")
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -33,18 +32,21 @@ def tiny_llama_config():
                        tie_word_embeddings=False)
 
 
-def _env(rank: int, world: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_SIZE=str(world), DS_ACCELERATOR="cpu")
+def _env(rank: int, world: int) -> None:
+    """What DeepSpeed and Megatron read of a launcher's environment (the harness set MASTER_ADDR/PORT)."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_SIZE=str(world),
+                      DS_ACCELERATOR="cpu")
 
 
-def megatron(rank: int, world: int, port: int, out: str) -> None:
-    _env(rank, world, port)
+def scenario_megatron_gpt_tp2(ctx) -> None:
+    """GPTModel with tensor parallelism ``world``, distinct values per tensor and TP shard, saved by
+    ``dist_checkpointing.save`` into ``ctx.shared/ckpt``; each rank's own parameters in ``ref_rank{r}.pt``."""
+    rank, world, out = ctx.rank, ctx.world, str(ctx.shared)
+    _env(rank, world)
     import argparse
 
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -76,8 +78,8 @@ def megatron(rank: int, world: int, port: int, out: str) -> None:
     os.makedirs(os.path.join(out, "ckpt"), exist_ok=True)
     dist_checkpointing.save(sd, os.path.join(out, "ckpt"))
     dist.barrier()
+    assert os.path.isfile(os.path.join(out, "ckpt", "metadata.json")), os.listdir(os.path.join(out, "ckpt"))
     megatron_logits(model, out, rank, world)  # after the save: the CPU stand-ins above are in place
-    dist.destroy_process_group()
 
 
 def megatron_logits(model, out: str, rank: int, world: int) -> None:
@@ -112,53 +114,47 @@ def megatron_logits(model, out: str, rank: int, world: int) -> None:
                 f.write(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
 
 
-def deepspeed_zero(rank: int, world: int, port: int, out: str, stages: list[int]) -> None:
-    """One rank: for each ZeRO stage a fresh engine on the same tiny Llama, two steps, save, references."""
-    _env(rank, world, port)
+def _deepspeed_zero(ctx, stage: int) -> None:
+    """A fresh engine for ZeRO ``stage`` on the same tiny Llama, two steps, save into ``z{stage}/ckpt``; rank 0
+    saves DeepSpeed's own full fp32 weights and Adam moments as ``z{stage}/ref.pt``."""
+    rank, world, out = ctx.rank, ctx.world, str(ctx.shared)
+    _env(rank, world)
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
     from transformers import LlamaForCausalLM
 
-    deepspeed.init_distributed(dist_backend="gloo")
-    for stage in stages:
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(tiny_llama_config())
-        cfg = {"train_batch_size": world, "train_micro_batch_size_per_gpu": 1,
-               "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
-               "zero_optimization": {"stage": stage}}
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-        ids = torch.randint(0, 96, (1, 8), generator=torch.Generator().manual_seed(rank))
-        for _ in range(2):
-            loss = engine(input_ids=ids, labels=ids).loss
-            engine.backward(loss)
-            engine.step()
-        d = os.path.join(out, f"z{stage}")
-        engine.save_checkpoint(os.path.join(d, "ckpt"), tag="global_step2")
-        ref = {}
-        for name, p in engine.module.named_parameters():  # collectives: every rank calls them
-            ref[name] = safe_get_full_fp32_param(p).detach().clone()
-            for m in ("exp_avg", "exp_avg_sq"):
-                ref[f"optim.state.{name}.{m}"] = safe_get_full_optimizer_state(p, m).detach().clone()
-        if rank == 0:
-            torch.save(ref, os.path.join(d, "ref.pt"))
-        torch.distributed.barrier()
-        engine.destroy() if hasattr(engine, "destroy") else None
+    deepspeed.init_distributed(dist_backend="gloo")  # uses the harness's process group
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_llama_config())
+    cfg = {"train_batch_size": world, "train_micro_batch_size_per_gpu": 1,
+           "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
+           "zero_optimization": {"stage": stage}}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    ids = torch.randint(0, 96, (1, 8), generator=torch.Generator().manual_seed(rank))
+    for _ in range(2):
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+    d = os.path.join(out, f"z{stage}")
+    engine.save_checkpoint(os.path.join(d, "ckpt"), tag="global_step2")
+    ref = {}
+    for name, p in engine.module.named_parameters():  # collectives: every rank calls them
+        ref[name] = safe_get_full_fp32_param(p).detach().clone()
+        for m in ("exp_avg", "exp_avg_sq"):
+            ref[f"optim.state.{name}.{m}"] = safe_get_full_optimizer_state(p, m).detach().clone()
+    if rank == 0:
+        torch.save(ref, os.path.join(d, "ref.pt"))
+    torch.distributed.barrier()
+    engine.destroy() if hasattr(engine, "destroy") else None
 
 
-def main() -> None:
-    kind, out = sys.argv[1], sys.argv[2]
-    os.makedirs(out, exist_ok=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    if kind == "megatron":
-        mp.start_processes(megatron, args=(2, port, out), nprocs=2, start_method="spawn", join=True)
-    elif kind == "deepspeed":
-        stages = [int(x) for x in sys.argv[3].split(",")]
-        mp.start_processes(deepspeed_zero, args=(2, port, out, stages), nprocs=2, start_method="spawn", join=True)
-    else:
-        raise SystemExit(f"unknown writer {kind!r}")
+def scenario_deepspeed_zero1(ctx) -> None:
+    _deepspeed_zero(ctx, 1)
 
 
-if __name__ == "__main__":
-    main()
+def scenario_deepspeed_zero2(ctx) -> None:
+    _deepspeed_zero(ctx, 2)
+
+
+def scenario_deepspeed_zero3(ctx) -> None:
+    _deepspeed_zero(ctx, 3)

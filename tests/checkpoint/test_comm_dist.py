@@ -1,29 +1,22 @@
 """Distributed data movement on 4 gloo ranks (one launch): node-local files read once and shipped by grouped
 send/recv or broadcast, a rank that sees no file, warm restart from replicas with no communication, async save.
-The rank body lives in _comm_worker.py; the checks that need no processes are here."""
-
-import socket
+The scenarios live in _comm_scenarios.py (one pytest test each, named after the scenario); the checks that need
+no processes are here."""
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-import _comm_worker as W
+from multirank import each_scenario, launch_fixture
 from oarlock.checkpoint import CheckpointError, load_state_dict, save_state_dict
 from oarlock.checkpoint.async_save import AsyncSaveHandle
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+launched = launch_fixture("_comm_scenarios", worlds=(4,), timeout_s=300)
 
 
 @pytest.mark.multiproc
-def test_four_ranks_node_local_warm_async(tmp_path):
-    """Every scenario of _comm_worker.py; reaching here means every rank passed its assertions."""
-    mp.start_processes(W.run, args=(4, _free_port(), str(tmp_path)), nprocs=4, start_method="spawn", join=True)
-    assert (tmp_path / "async2" / "metadata.json").is_file()
+@each_scenario("_comm_scenarios", worlds=(4,))
+def test_four_ranks_node_local_warm_async(launched, world, scenario):
+    launched.check(scenario, world)
 
 
 def test_unknown_comm_method(tmp_path):

@@ -1,8 +1,9 @@
 """torch.distributed.checkpoint (DCP) directories written by the real ``dcp.save`` on 4 gloo ranks, read by oarlock.
 
-The fixtures (see _dcp_worker.py) are an FSDP2 HF-Llama model + AdamW state from ``get_state_dict`` in the three
-serialisations torch 2.13 writes (torch.save archives, embedded safetensors, zstd-compressed archives), DTensors
-on a 2x2 mesh, a ShardedTensor with two chunks of one key per rank, and a checkpoint saved by a 2-rank subgroup.
+The fixtures (written by the ``write_*`` scenarios of _dcp_scenarios.py, one launch of 4 ranks) are an FSDP2
+HF-Llama model + AdamW state from ``get_state_dict`` in the three serialisations torch 2.13 writes (torch.save
+archives, embedded safetensors, zstd-compressed archives), DTensors on a 2x2 mesh, a ShardedTensor with two chunks
+of one key per rank, and a checkpoint saved by a 2-rank subgroup.
 Values are compared bit for bit with the writer's own full tensors.
 """
 
@@ -13,15 +14,14 @@ import json
 import os
 import pickle
 import shutil
-import socket
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-import _dcp_worker as W
+import _dcp_scenarios as W
+from multirank import each_scenario, launch_fixture, scenario_names
 from oarlock.checkpoint import load_state_dict, open_checkpoint
 from oarlock.checkpoint.errors import CheckpointFormatError, UnsafePickleError
 from oarlock.checkpoint.formats.dcp import load_dcp_pickle, parse_dcp_metadata
@@ -31,22 +31,23 @@ from testkit import PickledCall
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def written(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("dcp")
+def _single(root: Path, world: int) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         import torch.distributed.checkpoint as dcp
 
         dcp.save(W.single_state(), checkpoint_id=str(root / "single"))  # one process, no process group
-        mp.start_processes(W.run, args=(4, _free_port(), str(root)), nprocs=4, start_method="spawn", join=True)
-    return root
+
+
+launched = launch_fixture("_dcp_scenarios", worlds=(4,), prepare=_single, timeout_s=300)
+WRITERS = [n for n in scenario_names("_dcp_scenarios") if n.startswith("scenario_write_")]
+
+
+@pytest.fixture(scope="module")
+def written(launched) -> Path:
+    for name in WRITERS:
+        launched.check(name)
+    return launched.root(4)
 
 
 def _flat(d, p=()):
@@ -212,14 +213,11 @@ def test_truncated_metadata(written, tmp_path):
 
 # ---------------------------------------------------------------- entry points: load_state_dict, inspect, convert
 
-def test_rank_scenarios(written):
-    """Named scenarios every rank ran with oarlock's load_state_dict (see _dcp_worker.py)."""
-    failed = []
-    for r in range(4):
-        res = json.loads((written / f"results_{r}.json").read_text())
-        assert len(res) >= 4, res
-        failed += [f"rank {r}: {name}: {msg}" for name, msg in res.items() if msg != "ok"]
-    assert not failed, "\n".join(failed)
+@each_scenario("_dcp_scenarios", worlds=(4,))
+def test_rank_scenarios(launched, world, scenario):
+    """Every rank's part of each scenario: the torch writers (write_*), then oarlock's load_state_dict of what they
+    wrote into other layouts, compared bit for bit with the writer's own tensors."""
+    launched.check(scenario, world)
 
 
 def test_four_to_one_into_plain_model(written, reference):

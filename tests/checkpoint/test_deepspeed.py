@@ -27,9 +27,12 @@ def written(tmp_path_factory) -> Path:
     if not PY.exists():
         pytest.skip("no .foreign-venv (run scripts/foreign_env.sh): DeepSpeed is not installed")
     out = tmp_path_factory.mktemp("deepspeed")
-    r = subprocess.run([str(PY), str(Path(__file__).with_name("_foreign_writers.py")), "deepspeed", str(out),
-                        "1,2,3"], capture_output=True, text=True, timeout=1500)
-    assert r.returncode == 0, r.stderr[-3000:]
+    # the writers run as multirank scenarios on 2 ranks: a failure names the scenario and the rank
+    writers = Path(__file__).with_name("_foreign_writers.py")
+    r = subprocess.run([str(PY), str(REPO / "tests" / "multirank.py"), str(writers), "2", str(out),
+                        "deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3"],
+                       capture_output=True, text=True, timeout=1500)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
     return out
 
 

@@ -7,15 +7,13 @@ import json
 import os
 import re
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import save_file
 
-import _integrity_worker as W
+import _integrity_scenarios as W
 from oarlock.checkpoint import ShardedWeight, convert_checkpoint, export_hf, load_state_dict, save_state_dict
 from oarlock.checkpoint.diff import diff_checkpoints
 from oarlock.checkpoint.integrity import BLOCK_SIZE, ChecksumError, file_checksums, verify_checkpoint
@@ -163,17 +161,13 @@ def test_diff_fast_path_uses_checksums(ck, tmp_path):
     assert rep.equal and rep.equal_by_checksum == 0 and rep.equal_keys == 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.multiproc
-def test_four_ranks_one_reads_the_corrupt_block_all_fail_alike(tmp_path):
+def test_four_ranks_one_reads_the_corrupt_block_all_fail_alike(multirank):
+    root = multirank.root
+    root.mkdir(parents=True)
     g = torch.Generator().manual_seed(1)
-    save_state_dict({"w": torch.randn(W.ROWS, W.COLS, generator=g)}, tmp_path / "ck")
-    data = tmp_path / "ck" / DATA
+    save_state_dict({"w": torch.randn(W.ROWS, W.COLS, generator=g)}, root / "ck")
+    data = root / "ck" / DATA
     start = read_header(data).data_start
     per_rank = W.ROWS // 4 * W.COLS * 4
     off = start + 2 * per_rank + per_rank // 2  # the middle of rank 2's rows
@@ -181,14 +175,11 @@ def test_four_ranks_one_reads_the_corrupt_block_all_fail_alike(tmp_path):
     touch = [set(range(lo // BLOCK_SIZE, (hi - 1) // BLOCK_SIZE + 1)) for lo, hi in ranges]
     assert [r for r in range(4) if off // BLOCK_SIZE in touch[r]] == [2]  # only rank 2 reads that block
     _flip(data, off)
-    mp.start_processes(W.run, args=(4, _free_port(), str(tmp_path)), nprocs=4, start_method="spawn", join=True)
-    out = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
-    assert all(o["untouched"] for o in out)
-    assert all(o["error"] is not None and o["error"][0] == "ChecksumError" for o in out), out
-    core = [re.sub(r"^rank 2: ", "", o["error"][1]) for o in out]
-    assert len(set(core)) == 1, core
-    assert out[2]["error"][1] == core[0]  # the rank that read it names it; the others prefix "rank 2: "
-    assert str(data) in core[0] and "key 'w'" in core[0] and f"(block {off // BLOCK_SIZE})" in core[0]
+    (root / "corrupt.json").write_text(json.dumps({"file": str(data), "block": off // BLOCK_SIZE}))
+    outcome = multirank("_integrity_scenarios", 4)
+    outcome.check()  # names the scenario and the rank whose assertion failed
+    msgs = outcome.values("one_rank_reads_the_corrupt_block_all_fail_alike")
+    assert msgs[0] == f"rank 2: {msgs[2]}" and str(data) in msgs[2]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned staging of device tensors)")

@@ -194,23 +194,11 @@ def test_scheduler_and_rng_resume_reproduces_losses(tmp_path):
 
 
 @pytest.mark.multiproc
-def test_two_ranks_sharded_state_and_per_rank_rng(tmp_path):
-    import json
-    import socket
-
-    import torch.multiprocessing as mp
-
-    import _integrity_worker as W
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(W.manager_run, args=(2, port, str(tmp_path)), nprocs=2, start_method="spawn", join=True)
-    out = [json.loads((tmp_path / f"mgr{r}.json").read_text()) for r in range(2)]
-    assert all("error" not in o for o in out), out
-    assert [o["step"] for o in out] == [3, 3] and [o["loaded_step"] for o in out] == [3, 3]
-    assert all(o["rows_ok"] for o in out)
-    for o in out:  # each rank continues its own random streams from the save
-        assert o["torch"] == o["expect_torch"] and o["py"] == o["expect_py"]
-    assert out[0]["torch"] != out[1]["torch"]
-    assert CheckpointManager(tmp_path / "ck").steps() == [2, 3]
+def test_two_ranks_sharded_state_and_per_rank_rng(multirank):
+    """2 ranks: sharded rows + a per-rank RNG through CheckpointManager (sync and async saves, keep_last=2); a fresh
+    manager resumes each rank's own rows and RNG stream (scenario in _integrity_scenarios.py)."""
+    outcome = multirank("_integrity_scenarios", 2)
+    assert outcome.names == ["scenario_manager_sharded_rows_and_per_rank_rng"]
+    outcome.check()
+    ck = multirank.root / "scenario_manager_sharded_rows_and_per_rank_rng" / "ck"
+    assert CheckpointManager(ck).steps() == [2, 3]

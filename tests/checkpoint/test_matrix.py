@@ -1,10 +1,11 @@
 """The FlexCheckpoint strategy-conversion matrix (spec 6.11, issue 12) on a real model, end to end.
 
-One launch of 4 gloo ranks runs all 23 pairs of ``_matrix_worker.PAIRS`` (dense Llama, or Qwen2-MoE-style MoE
-when either side is expert parallel): train 2 steps in layout A, export to HF, save model + optimizer, import
-a transformers-written HF checkpoint into layout B, load A's checkpoint into B, and train 2 more steps. The
+One launch of 4 gloo ranks runs all 23 pairs of ``_matrix_scenarios.PAIRS``, one test per pair named after it
+(dense Llama, or Qwen2-MoE-style MoE when either side is expert parallel): train 2 steps in layout A, export to
+HF, save model + optimizer, import a transformers-written HF checkpoint into layout B, load A's checkpoint into B,
+and train 2 more steps. The
 independent references are a single-process ``Llama`` + ``torch.optim.AdamW`` run and the HF files written by
-``transformers`` (read back with plain safetensors + ``convert_hf_state_dict``). See ``_matrix_worker`` for the
+``transformers`` (read back with plain safetensors + ``convert_hf_state_dict``). See ``_matrix_scenarios`` for the
 exact checks.
 
 Uneven layouts are part of the matrix: vocabulary 101 on TP 2 and 4 (uneven DTensor shards of the embedding and
@@ -12,14 +13,11 @@ lm_head), 5 experts on EP 2 and 4 (3/2 and 2/1/1/1 experts per rank). Degrees th
 listing the ones that do (last tests).
 """
 
-import json
-import socket
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-import _matrix_worker as W
+import _matrix_scenarios as W
+from multirank import each_scenario, launch_fixture, scenario_names
 from oarlock.errors import OarlockError
 from oarlock.models.llama import Llama, LlamaConfig
 from oarlock.models.parallel import ParallelLayout, check_layout, expert_range, parallelize_llama
@@ -27,13 +25,7 @@ from oarlock.models.parallel import ParallelLayout, check_layout, expert_range, 
 pytestmark = pytest.mark.multiproc
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _write_hf(tmp_path) -> dict[str, str]:
+def _write_hf(tmp_path, world: int = 4) -> dict[str, str]:
     """HF checkpoints of the matrix's two configs written by transformers itself (random weights, std 0.1 so
     biases and norms are not trivially zeros/ones)."""
     transformers = pytest.importorskip("transformers")
@@ -57,25 +49,25 @@ def _write_hf(tmp_path) -> dict[str, str]:
     return out
 
 
+launched = launch_fixture("_matrix_scenarios", worlds=(4,), prepare=_write_hf, timeout_s=300,
+                          threads=1)
+
+
 @pytest.mark.slow
-def test_strategy_conversion_matrix(tmp_path):
+@each_scenario("_matrix_scenarios", worlds=(4,))
+def test_strategy_conversion_matrix(launched, world, scenario):
     """Every pair: A's losses and weights equal the single-process reference; A's HF export equals
     to_hf_state_dict of its gathered weights; the transformers HF checkpoint imports exactly into B; B loads A's
-    weights bit for bit; B's next 2 steps give the reference's losses and weights (optimizer state carried over).
-    Then pipeline stage 0 loading alone shows that strictness is judged over the whole load group."""
-    hf_dirs = _write_hf(tmp_path)
-    mp.start_processes(W.run, args=(4, _free_port(), str(tmp_path), hf_dirs), nprocs=4, start_method="spawn",
-                       join=True)
-    results = [json.loads((tmp_path / f"result.{r}.json").read_text()) for r in range(4)]
-    failures = [f"{pair} rank {r}:\n{res[pair]}" for pair in W.selected_pairs() + ["strictness"]
-                for r, res in enumerate(results) if res.get(pair) != "ok"]
-    assert not failures, "\n".join(failures)
-    # Every rank of B read something of the checkpoint and of the HF files (no rank left without its keys).
-    for pair in W.selected_pairs():
-        n = ParallelLayout.parse(pair.split("->")[1]).world_size
-        for r in range(n):
-            got = results[r]["bytes"][pair]
-            assert got["ckpt_bytes_read"] > 0 and got["hf_bytes_read"] > 0, (pair, r, got)
+    weights bit for bit; B's next 2 steps give the reference's losses and weights (optimizer state carried over);
+    every rank of B read part of the checkpoint and of the HF files. Then pipeline stage 0 loading alone shows
+    that strictness is judged over the whole load group."""
+    launched.check(scenario, world)
+
+
+def test_every_pair_has_a_scenario():
+    assert scenario_names("_matrix_scenarios") == [f"scenario_{W.pair_name(p)}" for p in W.PAIRS] + [
+        "scenario_strictness_is_judged_over_the_load_group"]
+    assert len(W.PAIRS) == 23
 
 
 def test_uneven_expert_and_vocab_degrees_work_or_name_the_ones_that_do():

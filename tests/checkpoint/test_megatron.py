@@ -31,9 +31,11 @@ def written(tmp_path_factory) -> Path:
     if not PY.exists():
         pytest.skip("no .foreign-venv (run scripts/foreign_env.sh): Megatron-Core is not installed")
     out = tmp_path_factory.mktemp("megatron")
-    r = subprocess.run([str(PY), str(Path(__file__).with_name("_foreign_writers.py")), "megatron", str(out)],
+    # the writers run as multirank scenarios on 2 ranks: a failure names the scenario and the rank
+    writers = Path(__file__).with_name("_foreign_writers.py")
+    r = subprocess.run([str(PY), str(REPO / "tests" / "multirank.py"), str(writers), "2", str(out), "megatron_gpt_tp2"],
                        capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
     return out
 
 

@@ -1,37 +1,34 @@
 """Parallel layouts (tp, pp, ep, dp with ZeRO-1) against single-process references."""
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
+import _parallel_scenarios as S
+from multirank import each_scenario, launch_fixture, scenario_names
 from oarlock.errors import OarlockError
 from oarlock.models.llama import Llama, LlamaConfig, causal_lm_loss
 from oarlock.models.parallel import (ParallelLayout, check_layout, expert_range, stage_layer_range,
                                      valid_tp_degrees)
 from oarlock.models.zero import ZeroRedundancyAdamW
 
-WORKER = Path(__file__).with_name("_parallel_worker.py")
+launched = launch_fixture("_parallel_scenarios", worlds=(2, 4), timeout_s=300, threads=1)
 
 
 @pytest.mark.multiproc
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])
-def test_layouts_train_like_a_single_process(world, tmp_path):
-    """One launch per world size runs every layout of that size (see _parallel_worker.CHECKS): 3 steps of
+@each_scenario("_parallel_scenarios", worlds=(2, 4))
+def test_layouts_train_like_a_single_process(launched, world, scenario):
+    """One launch per world size runs every layout of that size (see _parallel_scenarios.CHECKS): 3 steps of
     ZeRO-1 AdamW give the single-process torch.optim.AdamW losses and parameters, and the ZeRO flattened ranges
     tile every parameter and hold AdamW's first moments."""
-    out = tmp_path / "results.json"
-    proc = subprocess.run([sys.executable, str(WORKER), str(world), str(out)], capture_output=True, text=True,
-                          timeout=500)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = json.loads(out.read_text())
-    failed = {f"{spec} rank {r}": msg for spec, ranks in results.items() for r, msg in ranks.items() if msg != "ok"}
-    assert not failed, "\n".join(f"{k}: {v}" for k, v in failed.items())
-    assert len(results) == {2: 8, 4: 12}[world] and all(len(r) == world for r in results.values())
+    launched.check(scenario, world)
+
+
+def test_every_layout_has_a_scenario():
+    for world, n in ((2, 8), (4, 12)):
+        assert scenario_names("_parallel_scenarios", world) == [f"scenario_{S._name(spec)}"
+                                                                 for spec, _ in S.CHECKS[world]]
+        assert len(S.CHECKS[world]) == n
 
 
 def test_layout_notation_round_trips():

@@ -1,7 +1,8 @@
-"""Rank body of tests/checkpoint/test_matrix.py: the FlexCheckpoint strategy-conversion matrix on 4 gloo ranks.
+"""Scenarios of tests/checkpoint/test_matrix.py: the FlexCheckpoint strategy-conversion matrix on 4 gloo ranks, one
+scenario per pair (``scenario_<A>_to_<B>``), all in one launch of the multirank harness.
 
-For every pair ``A->B`` of :data:`PAIRS` (``shared/design/flexcheckpoint.md`` 6.11; d/t/p/e = data, tensor,
-pipeline, expert, context parallel degrees) one launch does, on the first ``world_size`` ranks each layout needs:
+For every pair ``A->B`` of :data:`PAIRS` (docs/flexcheckpoint.md's strategy matrix; d/t/p/e/c = data, tensor,
+pipeline, expert, context parallel degrees) the scenario does, on the first ``world_size`` ranks each layout needs:
 
 1. layout A: a Llama (:data:`DENSE`, or :data:`MOE` when either side uses EP) from the reference's initial
    weights trains :data:`K` steps (ZeRO-1 AdamW over DP when ``d > 1``, else ``torch.optim.AdamW``); its losses
@@ -19,16 +20,13 @@ pipeline, expert, context parallel degrees) one launch does, on the first ``worl
 The reference is a plain single-process ``Llama`` + ``torch.optim.AdamW`` on the same global batches. Every layout
 sees the same global batch of :data:`SEQS` sequences per step, split over its DP ranks.
 
-``run`` writes ``{pair: "ok" | traceback}`` (plus ``"bytes": {pair: [checkpoint bytes read by this rank, HF
-bytes read]}``) to ``<root>/result.<rank>.json``. ``MATRIX_ONLY=pair,pair`` restricts the run (debugging).
+Every rank of B must have read part of the checkpoint and of the HF files (no rank left without its keys). The
+parent writes the HF directories (``hf_dense``, ``hf_moe``, by ``transformers``) into ``ctx.shared`` before the
+launch; ``pytest -k d2_to_d4`` runs one pair.
 """
 
 from __future__ import annotations
 
-import datetime
-import json
-import os
-import traceback
 import warnings
 from pathlib import Path
 from typing import Any
@@ -36,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from multirank import needs
 from oarlock.checkpoint import (CheckpointMismatchError, full_state_dict, load_sharded_optimizer_state_dict,
                                 load_state_dict, save_state_dict, sharded_optimizer_state_dict, sharded_state_dict)
 from oarlock.models.llama import (Llama, LlamaConfig, causal_lm_loss, convert_hf_state_dict, hf_aoa_config,
@@ -63,12 +62,6 @@ MOE = LlamaConfig(**{**DENSE.to_dict(), "qkv_bias": True, "num_experts": 5, "num
 LR, WD, EPS = 1e-2, 0.1, 1e-4
 K, M, SEQS, LEN = 2, 2, 4, 12  # steps before the save, steps after the load, global batch, sequence length
 RTOL_LOSS, RTOL_W, ATOL_W = 1e-5, 1e-5, 1e-5  # parallel vs single-process fp32: reduction order only
-
-
-def selected_pairs() -> list[str]:
-    """:data:`PAIRS`, or the comma-separated subset in ``MATRIX_ONLY`` (debugging)."""
-    only = [p for p in os.environ.get("MATRIX_ONLY", "").split(",") if p]
-    return [p for p in PAIRS if not only or p in only]
 
 
 def config_for(pair: str) -> tuple[str, LlamaConfig]:
@@ -269,6 +262,8 @@ def convert(pair: str, root: Path, cluster: Cluster, refs: dict, hf: dict) -> di
             close(b.step(s), ref.losses[s], f"{sb} (resumed from {sa}) loss at step {s}")
         local = single_device_state_dict(b.model)
         out = {"ckpt_bytes_read": rep_ckpt.bytes_read, "hf_bytes_read": rep.bytes_read}
+        if not (rep_ckpt.bytes_read > 0 and rep.bytes_read > 0):
+            FAILED.append(f"{sb} rank {dist.get_rank()} read nothing of the checkpoint or the HF files: {out}")
     else:
         local = {}
     assert_close(gather_weights(local), ref.weights[K + M], f"{sb} weights after {K + M} steps vs reference")
@@ -282,8 +277,9 @@ def strictness(root: Path, cluster: Cluster) -> None:
     other stage's keys as unexpected; strict=False loads its own keys and reports the rest. Strictness is
     judged over the union of the group's requests, so the same load succeeds when both stages load together."""
     ckpt = root / "p2->p4".replace("->", "_to_")
-    if dist.get_rank() != 0 or not (ckpt / "metadata.json").exists():
+    if dist.get_rank() != 0:
         return
+    assert (ckpt / "metadata.json").is_file(), f"{ckpt}: the p2->p4 scenario saved no checkpoint"
     model = Llama(DENSE)
     # stage 0's keys without a pipeline mesh: drop what stage 1 holds, as parallelize_llama would
     for key in ("2", "3"):
@@ -318,28 +314,40 @@ def hf_reference(hf_dirs: dict[str, str]) -> dict:
     return out
 
 
-def run(rank: int, world: int, port: int, root: str, hf_dirs: dict[str, str]) -> None:
-    torch.set_num_threads(1)  # 4 ranks share 2 cores
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=180))
-    root_p = Path(root)
-    cluster = Cluster()
-    refs = {"dense": Reference(DENSE), "moe": Reference(MOE)}
-    hf = hf_reference(hf_dirs)
-    results: dict[str, Any] = {"bytes": {}}
-    for pair in selected_pairs():
+_SETUP: dict = {}
+
+
+def _setup(shared: Path) -> tuple[Cluster, dict, dict]:
+    """Groups (collective: every rank builds them in the same scenario), the single-process references and the HF
+    files' tensors, once per rank process."""
+    if not _SETUP:
+        _SETUP["cluster"] = Cluster()
+        _SETUP["refs"] = {"dense": Reference(DENSE), "moe": Reference(MOE)}
+        _SETUP["hf"] = hf_reference({n: str(shared / f"hf_{n}") for n in ("dense", "moe")})
+    return _SETUP["cluster"], _SETUP["refs"], _SETUP["hf"]
+
+
+def pair_name(pair: str) -> str:
+    """``d2t2->p4`` -> ``d2t2_to_p4`` (the scenario name without ``scenario_``)."""
+    return pair.replace("->", "_to_")
+
+
+def _make(pair: str):
+    def run(ctx) -> dict:
+        cluster, refs, hf = _setup(ctx.shared)
         FAILED.clear()
-        try:
-            results["bytes"][pair] = convert(pair, root_p, cluster, refs, hf)
-            results[pair] = "ok"
-        except Exception:
-            results[pair] = traceback.format_exc()
-        dist.barrier()
-    try:
-        strictness(root_p, cluster)
-        results["strictness"] = "ok"
-    except Exception:
-        results["strictness"] = traceback.format_exc()
-    dist.barrier()
-    (root_p / f"result.{rank}.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
+        return convert(pair, ctx.shared, cluster, refs, hf)
+
+    run.__doc__ = f"{pair}: train, export to HF, save, import HF, load, train on; against the references."
+    return run
+
+
+for _pair in PAIRS:
+    globals()[f"scenario_{pair_name(_pair)}"] = _make(_pair)
+
+
+@needs("p2_to_p4")
+def scenario_strictness_is_judged_over_the_load_group(ctx):
+    """Pipeline stage 0 of the p2 checkpoint loading alone: see :func:`strictness`."""
+    cluster, _, _ = _setup(ctx.shared)
+    strictness(ctx.shared, cluster)

@@ -1,19 +1,17 @@
-"""Rank body of tests/checkpoint/test_optim_dist.py: exact training resume across layouts on 4 gloo ranks.
+"""Scenarios of tests/checkpoint/test_optim_dist.py: exact training resume across layouts on 4 gloo ranks, one
+scenario per layout pair (``scenario_<A>_to_<B>``), run in one launch by the multirank harness.
 
 Each scenario trains a small Llama (oarlock.models) for K steps in layout A, saves model + optimizer, trains M
 more steps in A (the uninterrupted reference), then builds layout B from other weights, loads the checkpoint and
 trains the same M steps. B's losses must equal A's step by step (1e-6 relative, fp32). Every layout sees the
 same global batch of 4 sequences per step, split over its data-parallel ranks, so the runs are the same
-computation up to float reduction order. ``run`` writes ``{scenario: {"ok": bool, "error": str, "a": [...],
-"b": [...]}}`` to ``<root>/result.<rank>.json``.
+computation up to float reduction order. Each scenario returns ``{"a": A's losses, "b": B's losses}`` (or
+``{"idle": True}`` on a rank outside B).
 """
 
 from __future__ import annotations
 
-import datetime
-import json
-import os
-import traceback
+import math
 import warnings
 from pathlib import Path
 
@@ -130,7 +128,8 @@ SCENARIOS = [  # (layout A, layout B, AOA statements for the load, model config)
 ]
 
 
-def scenario(a_kind: str, b_kind: str, aoa, cfg: LlamaConfig, root: Path, meshes: dict, groups: dict) -> dict:
+def train_save_resume(a_kind: str, b_kind: str, aoa, cfg: LlamaConfig, root: Path, meshes: dict,
+                      groups: dict) -> dict:
     rank = dist.get_rank()
     a = Layout(a_kind, 0, meshes, groups, cfg)
     losses_a = [a.step(s) for s in range(K)]
@@ -153,27 +152,40 @@ def scenario(a_kind: str, b_kind: str, aoa, cfg: LlamaConfig, root: Path, meshes
     return {"a": losses_a[K:], "b": losses_b}
 
 
-def run(rank: int, world: int, port: int, root: str) -> None:
-    torch.set_num_threads(1)  # 4 ranks share 2 cores
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=180))
-    root_p = Path(root)
-    meshes = {"dp_tp": init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")),
-              "tp": init_device_mesh("cpu", (4,), mesh_dim_names=("tp",)),
-              "dp": init_device_mesh("cpu", (4,), mesh_dim_names=("dp",)),
-              "tp3": DeviceMesh("cpu", [0, 1, 2], mesh_dim_names=("tp",))}
-    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    groups = {"pair": pairs[rank // 2], "first3": dist.new_group([0, 1, 2])}
-    results = {}
-    only = os.environ.get("OPTIM_ONLY")
-    for a_kind, b_kind, aoa, cfg in SCENARIOS:
-        name = f"{a_kind}-{b_kind}"
-        if only and name != only:
-            continue
-        try:
-            results[name] = {"ok": True, **scenario(a_kind, b_kind, aoa, cfg, root_p, meshes, groups)}
-        except Exception:
-            results[name] = {"ok": False, "error": traceback.format_exc()}
-        dist.barrier()
-    (root_p / f"result.{rank}.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
+_SETUP: dict = {}
+
+
+def _meshes_and_groups() -> tuple[dict, dict]:
+    """Meshes and groups shared by the scenarios, created once per rank process (creation is collective: every
+    rank reaches this in the same scenario)."""
+    if not _SETUP:
+        rank = dist.get_rank()
+        _SETUP["meshes"] = {"dp_tp": init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")),
+                            "tp": init_device_mesh("cpu", (4,), mesh_dim_names=("tp",)),
+                            "dp": init_device_mesh("cpu", (4,), mesh_dim_names=("dp",)),
+                            "tp3": DeviceMesh("cpu", [0, 1, 2], mesh_dim_names=("tp",))}
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        _SETUP["groups"] = {"pair": pairs[rank // 2], "first3": dist.new_group([0, 1, 2])}
+    return _SETUP["meshes"], _SETUP["groups"]
+
+
+def _make(a_kind: str, b_kind: str, aoa, cfg: LlamaConfig):
+    def run(ctx) -> dict:
+        meshes, groups = _meshes_and_groups()
+        out = train_save_resume(a_kind, b_kind, aoa, cfg, ctx.root, meshes, groups)
+        if out.get("idle"):
+            return out
+        assert len(out["a"]) == len(out["b"]) == M, out
+        bad = [f"step {s}: resumed {b!r}, uninterrupted {a!r} (relative {abs(b - a) / abs(a):.2e})"
+               for s, (a, b) in enumerate(zip(out["a"], out["b"]), start=K)
+               if not math.isclose(b, a, rel_tol=1e-6, abs_tol=0.0)]
+        assert not bad, f"{a_kind} -> {b_kind}: B's losses differ from the uninterrupted run in A (rel 1e-6): " \
+                        + "; ".join(bad)
+        return out
+
+    run.__doc__ = f"{a_kind} trains {K} steps, saves, trains {M} more; {b_kind} loads and trains the same {M}."
+    return run
+
+
+for _a, _b, _aoa, _cfg in SCENARIOS:  # one scenario per layout pair, in this order
+    globals()[f"scenario_{_a}_to_{_b}"] = _make(_a, _b, _aoa, _cfg)

@@ -1,18 +1,12 @@
-"""Worker for tests/models/test_parallel.py: ``python _parallel_worker.py WORLD OUT.json``.
-
-Spawns WORLD gloo ranks; each runs every layout of that world size against a single-process reference computed
-in the same rank (plain ``Llama`` + ``torch.optim.AdamW``) and writes ``{check name: "ok" | error}`` to OUT.json.
+"""Scenarios of tests/models/test_parallel.py, one per layout of :data:`CHECKS` (``scenario_<layout>``, run by the
+multirank harness on the world size the layout belongs to, one launch per world size): every rank trains the
+layout against a single-process reference computed in the same rank (plain ``Llama`` + ``torch.optim.AdamW``).
 """
-
-import json
-import os
-import socket
-import sys
-import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from multirank import worlds
 
 from oarlock.models.llama import Llama, LlamaConfig, causal_lm_loss
 from oarlock.models.parallel import (ParallelLayout, build_mesh, forward_backward, single_device_grads,
@@ -121,41 +115,19 @@ def check_layout(spec, cfg):
                                    msg=lambda m, n=name: f"exp_avg of {n}: {m}")
 
 
-def worker(rank, world, port, out):
-    torch.set_num_threads(1)  # ranks share 2 cores: spinning intra-op threads slow every collective down
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    results = {}
-    only = os.environ.get("ONLY")
-    for spec, cfg in CHECKS[world]:
-        if only and spec not in only.split(","):
-            continue
-        try:
-            check_layout(spec, cfg)
-            results[spec] = "ok"
-        except Exception:  # report every failing layout, not just the first
-            results[spec] = traceback.format_exc(limit=1)
-            print(rank, spec, results[spec], file=sys.stderr, flush=True)
-        dist.barrier()
-    with open(f"{out}.{rank}", "w") as f:
-        json.dump(results, f)
-    dist.destroy_process_group()
+def _name(spec: str) -> str:
+    """``t2-tied`` -> ``t2_tied``, ``p2@1,3`` -> ``p2_on_ranks_1_3``: a scenario name (and pytest id)."""
+    return spec.replace("-", "_").replace("@", "_on_ranks_").replace(",", "_")
 
 
-def main():
-    world, out = int(sys.argv[1]), sys.argv[2]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(worker, args=(world, port, out), nprocs=world)
-    merged = {}
-    for r in range(world):
-        with open(f"{out}.{r}") as f:
-            for k, v in json.load(f).items():
-                merged.setdefault(k, {})[r] = v
-    with open(out, "w") as f:
-        json.dump(merged, f, indent=1)
+def _make(spec, cfg):
+    def run(ctx):
+        check_layout(spec, cfg)
+
+    run.__doc__ = f"Layout {spec}: {STEPS} steps of ZeRO-1 AdamW equal single-process AdamW."
+    return run
 
 
-if __name__ == "__main__":
-    main()
+for _world, _checks in CHECKS.items():
+    for _spec, _cfg in _checks:
+        globals()[f"scenario_{_name(_spec)}"] = worlds(_world)(_make(_spec, _cfg))
