@@ -86,32 +86,37 @@ def best(fn, reps: int) -> float:
     return min(out)
 
 
-def balance(args) -> list[dict]:
-    rows = []
-    for s in args.seqlens:
+def sparse_cases(seqlens):
+    """``(S, q, k, v, dout, mask name, idx, causal)`` for every sequence length and sparse mask (seeded inputs)."""
+    for s in seqlens:
         g = torch.Generator().manual_seed(0)
         q, k, v, dout = (torch.randn(1, s, H, D, generator=g) for _ in range(4))
         for name, (idx, causal) in masks(s).items():
-            if name == "causal":
-                continue
-            for pname, plan in plans(idx, causal, s, args.world, args.chunks_per_rank).items():
-                perm = plan.token_permutation()
-                kp, vp = k[:, perm].contiguous(), v[:, perm].contiguous()
-                times = []
-                for r in range(args.world):
-                    canon = local_mask(plan, idx, r, causal=causal)
-                    qr, dr = shard_sequence(plan, q, r), shard_sequence(plan, dout, r)
+            if name != "causal":
+                yield s, q, k, v, dout, name, idx, causal
 
-                    def step(qr=qr, dr=dr, canon=canon):
-                        out, lse = kernel_forward(qr, kp, vp, canon, causal=False, scale=D ** -0.5)
-                        kernel_backward(dr, None, qr, kp, vp, out, lse, canon, causal=False, scale=D ** -0.5)
 
-                    times.append(best(step, args.reps))
-                mean = sum(times) / len(times)
-                rows.append(dict(mask=name, S=s, plan=pname, max=max(times), mean=mean, ratio=max(times) / mean,
-                                 est=plan.imbalance if pname == "mask-aware" else float("nan")))
-                print(f"balance {name:16s} S={s:6d} {pname:16s} per-rank ms "
-                      f"{' '.join(f'{t * 1e3:7.1f}' for t in times)}  max/mean {max(times) / mean:.2f}", flush=True)
+def balance(args) -> list[dict]:
+    rows = []
+    for s, q, k, v, dout, name, idx, causal in sparse_cases(args.seqlens):
+        for pname, plan in plans(idx, causal, s, args.world, args.chunks_per_rank).items():
+            perm = plan.token_permutation()
+            kp, vp = k[:, perm].contiguous(), v[:, perm].contiguous()
+            times = []
+            for r in range(args.world):
+                canon = local_mask(plan, idx, r, causal=causal)
+                qr, dr = shard_sequence(plan, q, r), shard_sequence(plan, dout, r)
+
+                def step(qr=qr, dr=dr, canon=canon):
+                    out, lse = kernel_forward(qr, kp, vp, canon, causal=False, scale=D ** -0.5)
+                    kernel_backward(dr, None, qr, kp, vp, out, lse, canon, causal=False, scale=D ** -0.5)
+
+                times.append(best(step, args.reps))
+            mean = sum(times) / len(times)
+            rows.append(dict(mask=name, S=s, plan=pname, max=max(times), mean=mean, ratio=max(times) / mean,
+                             est=plan.imbalance if pname == "mask-aware" else float("nan")))
+            print(f"balance {name:16s} S={s:6d} {pname:16s} per-rank ms "
+                  f"{' '.join(f'{t * 1e3:7.1f}' for t in times)}  max/mean {max(times) / mean:.2f}", flush=True)
     return rows
 
 
@@ -162,50 +167,45 @@ def _kv_buffer_bytes(method: str, world: int, kv_local: int, grad_local: int) ->
 def _methods(rank, world, args, dev, sync, cuda) -> list[dict]:
     """Part 3: the two ways to move K/V, side by side, under the mask-aware plan."""
     rows = []
-    for s in args.seqlens:
-        g = torch.Generator().manual_seed(0)
-        q, k, v, dout = (torch.randn(1, s, H, D, generator=g) for _ in range(4))
-        for name, (idx, causal) in masks(s).items():
-            if name == "causal":
-                continue
-            plan = plans(idx, causal, s, world, args.chunks_per_rank)["mask-aware"]
-            loc = [shard_sequence(plan, x, rank).to(dev) for x in (q, k, v, dout)]
-            idx_d = idx.to(dev) if idx is not None else None
-            kv_local = loc[1].nbytes + loc[2].nbytes
-            grad_local = (loc[1].numel() + loc[2].numel()) * 4
-            for method in ("allgather", "ring"):
-                def fwd(method=method):
-                    xs = [x.detach().requires_grad_(True) for x in loc[:3]]
-                    context_parallel_flashmask_attention(*xs, idx_d, plan=plan, causal=causal, method=method)
-                    sync()
-                    dist.barrier()
+    for s, q, k, v, dout, name, idx, causal in sparse_cases(args.seqlens):
+        plan = plans(idx, causal, s, world, args.chunks_per_rank)["mask-aware"]
+        loc = [shard_sequence(plan, x, rank).to(dev) for x in (q, k, v, dout)]
+        idx_d = idx.to(dev) if idx is not None else None
+        kv_local = loc[1].nbytes + loc[2].nbytes
+        grad_local = (loc[1].numel() + loc[2].numel()) * 4
+        for method in ("allgather", "ring"):
+            def fwd(method=method):
+                xs = [x.detach().requires_grad_(True) for x in loc[:3]]
+                context_parallel_flashmask_attention(*xs, idx_d, plan=plan, causal=causal, method=method)
+                sync()
+                dist.barrier()
 
-                def fwd_bwd(method=method):
-                    xs = [x.detach().requires_grad_(True) for x in loc[:3]]
-                    out = context_parallel_flashmask_attention(*xs, idx_d, plan=plan, causal=causal, method=method)
-                    out.backward(loc[3])
-                    sync()
-                    dist.barrier()
+            def fwd_bwd(method=method):
+                xs = [x.detach().requires_grad_(True) for x in loc[:3]]
+                out = context_parallel_flashmask_attention(*xs, idx_d, plan=plan, causal=causal, method=method)
+                out.backward(loc[3])
+                sync()
+                dist.barrier()
 
-                with _SentBytes(world) as sent_f:
-                    fwd()
-                with _SentBytes(world) as sent_fb:
-                    fwd_bwd()
-                peak = None
-                if cuda:
-                    torch.cuda.synchronize()
-                    base = torch.cuda.memory_allocated()
-                    torch.cuda.reset_peak_memory_stats()
-                    fwd_bwd()
-                    peak = torch.cuda.max_memory_allocated() - base
-                row = dict(mask=name, S=s, method=method, fwd=best(fwd, args.reps), fwd_bwd=best(fwd_bwd, args.reps),
-                           sent_fwd=sent_f.n, sent_step=sent_fb.n,
-                           kv_buffers=_kv_buffer_bytes(method, world, kv_local, grad_local), cuda_peak=peak)
-                # the slowest rank bounds the step: every rank reports, rank 0 keeps the maxima
-                t = torch.tensor([row["fwd"], row["fwd_bwd"]], dtype=torch.float64, device=dev)
-                dist.all_reduce(t, op=dist.ReduceOp.MAX)
-                row["fwd"], row["fwd_bwd"] = float(t[0]), float(t[1])
-                rows.append(row)
+            with _SentBytes(world) as sent_f:
+                fwd()
+            with _SentBytes(world) as sent_fb:
+                fwd_bwd()
+            peak = None
+            if cuda:
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                fwd_bwd()
+                peak = torch.cuda.max_memory_allocated() - base
+            row = dict(mask=name, S=s, method=method, fwd=best(fwd, args.reps), fwd_bwd=best(fwd_bwd, args.reps),
+                       sent_fwd=sent_f.n, sent_step=sent_fb.n,
+                       kv_buffers=_kv_buffer_bytes(method, world, kv_local, grad_local), cuda_peak=peak)
+            # the slowest rank bounds the step: every rank reports, rank 0 keeps the maxima
+            t = torch.tensor([row["fwd"], row["fwd_bwd"]], dtype=torch.float64, device=dev)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            row["fwd"], row["fwd_bwd"] = float(t[0]), float(t[1])
+            rows.append(row)
     return rows
 
 

@@ -72,6 +72,15 @@ def timeout(seconds: float) -> Callable:
     return mark
 
 
+def raised(fn) -> BaseException:
+    """The exception ``fn()`` raises on this rank (for scenarios that check every rank fails the same way)."""
+    try:
+        fn()
+    except BaseException as e:  # noqa: BLE001 - the scenario inspects it
+        return e
+    raise AssertionError("no exception was raised on this rank")
+
+
 def needs(*names: str) -> Callable:
     """Decorator: scenarios (``scenario_`` prefix optional) that must run before this one in the same launch."""
     def mark(fn):

@@ -11,6 +11,7 @@ import shutil
 
 import torch
 import torch.distributed as dist
+from multirank import raised
 
 from oarlock.checkpoint import (CheckpointError, ShardedWeight, load_sharded_optimizer_state_dict, load_state_dict,
                                 save_state_dict, sharded_optimizer_state_dict)
@@ -34,18 +35,10 @@ def _save_rows(ctx, name: str, **kw) -> None:
     save_state_dict({"w": _shard(ctx.rank, local)}, ctx.root / name, **kw)
 
 
-def _raised(fn) -> BaseException:
-    try:
-        fn()
-    except BaseException as e:  # noqa: BLE001 - the scenario inspects it
-        return e
-    raise AssertionError("no exception was raised on this rank")
-
-
 def scenario_malformed_aoa_config_raises_aoa_syntax_error_on_every_rank(ctx):
     _save_rows(ctx, "ck")
     target = torch.zeros(ROWS, 8)
-    e = _raised(lambda: load_state_dict({"w": _shard(ctx.rank, target)}, ctx.root / "ck",
+    e = raised(lambda: load_state_dict({"w": _shard(ctx.rank, target)}, ctx.root / "ck",
                                         aoa_config={"aoa_statements": ["w => v"]}))
     assert isinstance(e, AOASyntaxError), f"{type(e).__name__}: {e}"
     assert "aoa_statements[0]" in str(e) and "w => v" in str(e), str(e)
@@ -54,7 +47,7 @@ def scenario_malformed_aoa_config_raises_aoa_syntax_error_on_every_rank(ctx):
 
 def scenario_unknown_aoa_source_raises_aoa_error_on_every_rank(ctx):
     _save_rows(ctx, "ck")
-    e = _raised(lambda: load_state_dict({"w": _shard(ctx.rank, torch.zeros(ROWS, 8))}, ctx.root / "ck",
+    e = raised(lambda: load_state_dict({"w": _shard(ctx.rank, torch.zeros(ROWS, 8))}, ctx.root / "ck",
                                         aoa_config={"aoa_statements": ["nothere -> w"]}))
     assert isinstance(e, AOAError) and not isinstance(e, AOASyntaxError), f"{type(e).__name__}: {e}"
     assert "nothere" in str(e), str(e)
@@ -72,7 +65,7 @@ def scenario_warm_start_read_error_raises_on_every_rank(ctx):
     if ctx.rank == 1:
         SafetensorsFile.read_box = failing
     try:
-        e = _raised(lambda: load_state_dict({"w": _shard(ctx.rank, torch.zeros(ROWS, 8))}, ctx.root / "ck"))
+        e = raised(lambda: load_state_dict({"w": _shard(ctx.rank, torch.zeros(ROWS, 8))}, ctx.root / "ck"))
     finally:
         SafetensorsFile.read_box = real
     assert isinstance(e, CheckpointError), f"{type(e).__name__}: {e}"
@@ -92,7 +85,7 @@ def scenario_save_error_keeps_its_class_on_every_rank(ctx):
     sw = ShardedWeight("w", torch.zeros(ROWS, shape[1]), (ROWS, shape[1]), shape, (ROWS * ctx.rank, 0))
     from oarlock.checkpoint import CheckpointMismatchError
 
-    e = _raised(lambda: save_state_dict({"w": sw}, ctx.root / "bad"))
+    e = raised(lambda: save_state_dict({"w": sw}, ctx.root / "bad"))
     assert type(e) is CheckpointMismatchError, f"{type(e).__name__}: {e}"
     assert "key 'w'" in str(e) and "rank 2" in str(e), str(e)
     assert not (ctx.root / "bad").exists()

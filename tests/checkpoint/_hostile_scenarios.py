@@ -8,6 +8,7 @@ import os
 
 import torch
 import torch.distributed as dist
+from multirank import raised
 
 from oarlock.checkpoint import CheckpointError, ShardedWeight, load_state_dict, save_state_dict
 from oarlock.checkpoint.safetensors_io import SafetensorsFile
@@ -21,14 +22,6 @@ def _state(rank: int, zeros: bool = False) -> dict:
     return {"w": ShardedWeight("w", local, (ROWS, 8), (8, 8), (ROWS * rank, 0))}
 
 
-def _raised(fn) -> BaseException:
-    try:
-        fn()
-    except BaseException as e:  # noqa: BLE001 - the scenario inspects it
-        return e
-    raise AssertionError("no exception was raised on this rank")
-
-
 def scenario_one_truncated_file_fails_every_rank(ctx):
     save_state_dict(_state(ctx.rank), ctx.root / "ck")
     dist.barrier()
@@ -37,7 +30,7 @@ def scenario_one_truncated_file_fails_every_rank(ctx):
         os.truncate(bad, os.path.getsize(bad) - 8)
     dist.barrier()
     target = _state(ctx.rank, zeros=True)
-    e = _raised(lambda: load_state_dict(target, ctx.root / "ck"))
+    e = raised(lambda: load_state_dict(target, ctx.root / "ck"))
     assert isinstance(e, CheckpointError), f"{type(e).__name__}: {e}"
     assert "rank-00002.safetensors" in str(e), str(e)
     assert torch.equal(target["w"].local_tensor, torch.zeros(ROWS, 8))  # nothing written on any rank
@@ -51,7 +44,7 @@ def scenario_one_rank_read_error_fails_every_rank(ctx):
             raise OSError(5, "Input/output error", str(self.path))
         SafetensorsFile.read_box = failing
     target = _state(ctx.rank, zeros=True)
-    e = _raised(lambda: load_state_dict(target, ctx.root / "ck"))
+    e = raised(lambda: load_state_dict(target, ctx.root / "ck"))
     assert isinstance(e, CheckpointError), f"{type(e).__name__}: {e}"
     assert "Input/output error" in str(e) and (ctx.rank == 2 or str(e).startswith("rank 2: ")), str(e)
     return str(e)
