@@ -12,6 +12,9 @@ DCP's own planning function (``create_read_items_for_chunk_list``) on the same c
 
 Checksum verification (on by default in oarlock loads) is measured in the same run: every oarlock load is also
 timed with ``verify_checksums=False`` ("oarlock-noverify"), and a second table gives verify / no-verify per load.
+Below it, the floor of that overhead on this machine: one thread reading rank 0's data file from a hot page cache
+against hashing all its blocks (a load verifies every block before it writes a byte of a target, so with the CPU
+as the limit verification adds at least hash time / read time).
 The machine's load average is printed beside the tables.
 
 Usage: python benchmarks/checkpoint_reshard.py [--dir DIR] [--reps N] [--quick] [--append-results]
@@ -254,6 +257,35 @@ def planner_benchmark() -> list[tuple[str, float, float, str]]:
     return rows
 
 
+# ---------------------------------------------------------------- verification floor
+
+def verification_floor(ckpt: Path, reps: int = 5) -> tuple[float, float, int]:
+    """One thread, hot page cache, rank 0's data file: the best time to read it whole into memory
+    (``os.preadv``, what a load does) and to hash all its blocks as load verification does
+    (``file_checksums``: XXH3 through mapped blocks). ``hash / read`` is the least any verify-before-write
+    scheme can add per byte in one thread, when the CPU is the limit. Returns (read s, hash s, bytes)."""
+    from oarlock.checkpoint.integrity import file_checksums
+
+    f = sorted(ckpt.glob("*.safetensors"))[0]
+    size = f.stat().st_size
+    buf = torch.empty(size, dtype=torch.uint8)
+    buf.zero_()
+    mv = memoryview(buf.numpy())
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        read_s = hash_s = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            os.preadv(fd, [mv], 0)
+            read_s = min(read_s, time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            file_checksums(f)
+            hash_s = min(hash_s, time.perf_counter() - t0)
+    finally:
+        os.close(fd)
+    return read_s, hash_s, size
+
+
 # ---------------------------------------------------------------- driver
 
 def main(argv=None) -> int:
@@ -277,6 +309,7 @@ def main(argv=None) -> int:
         mp.start_processes(rank_main, args=(4, port, str(scratch), args.reps, args.quick), nprocs=4,
                            start_method="spawn")
         results = [json.loads((scratch / f"result-{r}.json").read_text()) for r in range(4)]
+        floor = verification_floor(scratch / "oarlock_save0")
     finally:
         if not args.dir:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -299,6 +332,11 @@ def main(argv=None) -> int:
             o = min(results[0]["rows"][f"{op}|oarlock"])
             n = min(results[0]["rows"][f"{op}|oarlock-noverify"])
             ver.append(f"| {op} | {o:.3f} | {n:.3f} | {o / n:.2f} |")
+    read_s, hash_s, fbytes = floor
+    ver += ["", f"Floor, one thread, hot cache, rank 0's data file ({fbytes / 2**20:.0f} MiB): read into memory "
+            f"{read_s * 1e3:.1f} ms ({fbytes / read_s / 1e9:.1f} GB/s), hash every block {hash_s * 1e3:.1f} ms "
+            f"({fbytes / hash_s / 1e9:.1f} GB/s): verify-before-write adds at least {hash_s / read_s:.2f} of the "
+            "read time when the CPU is the limit."]
     mem = ["| load | lib | target MiB/rank | peak RSS above targets, max over ranks (MiB) | largest slice (MiB) |",
            "|---|---|---:|---:|---:|"]
     rows_, cols_ = (QUICK_SIZES[1], QUICK_SIZES[2]) if args.quick else (ROWS, COLS)
