@@ -3,7 +3,8 @@ references: multirank scenarios run on 2 gloo ranks with .foreign-venv's python 
 through the harness's command line, so a failing writer is reported by scenario and rank::
 
     PY tests/multirank.py tests/checkpoint/_foreign_writers.py 2 OUT megatron_gpt_tp2
-        # GPTModel, TP=2 -> OUT/ckpt, OUT/ref_rank{r}.pt, OUT/logits.pt (Megatron's own forward)
+        # GPTModel, TP=2 -> OUT/ckpt, OUT/ref_rank{r}.pt, OUT/logits.pt (Megatron's own forward),
+        # OUT/ckpt_train (the same weights with Adam state), OUT/optim_ref_rank{r}.pt
     PY tests/multirank.py tests/checkpoint/_foreign_writers.py 2 OUT deepspeed_zero1 deepspeed_zero2 deepspeed_zero3
         # tiny HF Llama, one ZeRO stage each -> OUT/z{S}/ckpt, OUT/z{S}/ref.pt
 
@@ -122,6 +123,33 @@ def scenario_megatron_gpt_tp2(ctx) -> None:
     dist.barrier()
     assert os.path.isfile(os.path.join(out, "ckpt", "metadata.json")), os.listdir(os.path.join(out, "ckpt"))
     megatron_logits(model, out, rank, world)  # after the save: the CPU stand-ins above are in place
+    megatron_training_checkpoint(model, out, rank)
+
+
+def megatron_training_checkpoint(model, out: str, rank: int) -> None:
+    """A training checkpoint OUT/ckpt_train: the same weights plus the state of torch Adam after one step with
+    lr=0 (weights unchanged; moments from seeded gradients, distinct per tensor and TP shard), sharded under
+    ``optimizer`` the way Megatron-Core's ``FP32Optimizer.sharded_state_dict`` does (its own
+    ``optim_state_to_sharding_state``: keys ``optimizer.state.<exp_avg|exp_avg_sq>.<param key>``; the
+    per-parameter step left out); each rank's moments in OUT/optim_ref_rank{r}.pt ``{name: {state: tensor}}``."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.optimizer import (get_param_id_to_sharded_param_map,
+                                                            optim_state_to_sharding_state)
+
+    named = list(model.named_parameters())
+    adam = torch.optim.Adam([p for _, p in named], lr=0.0)
+    for name, p in named:
+        seed = 100 + sum(map(ord, name)) + (1000 * rank if getattr(p, "tensor_model_parallel", False) else 0)
+        p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(seed))
+    adam.step()
+    torch.save({name: {m: adam.state[p][m].clone() for m in ("exp_avg", "exp_avg_sq")} for name, p in named},
+               os.path.join(out, f"optim_ref_rank{rank}.pt"))
+    msd = model.sharded_state_dict()
+    osd = adam.state_dict()
+    optim_state_to_sharding_state(osd, get_param_id_to_sharded_param_map(msd, [p for _, p in named]),
+                                  exclude_keys="step")
+    os.makedirs(os.path.join(out, "ckpt_train"), exist_ok=True)
+    dist_checkpointing.save({**msd, "optimizer": osd, "iteration": 8}, os.path.join(out, "ckpt_train"))
 
 
 def megatron_logits(model, out: str, rank: int, world: int) -> None:
