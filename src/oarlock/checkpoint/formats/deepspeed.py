@@ -21,10 +21,11 @@ names the tag; ``dir/<tag>/`` holds
 
 Keys: ``<param name>`` (fp32 master weight), ``optim.state.<param name>.exp_avg`` / ``.exp_avg_sq`` (flattened
 shards of the rank partitions) and ``.step``; buffers under their names; ``optim.param_groups`` and the engine's
-scalars (``global_steps``, ``ds_version``, ...) as values. The ``optim.state.*`` keys are marked as optimizer
-state (``metadata.optimizer_keys``: ``oarlock convert --to hf`` leaves them out unless asked to keep them) and
-the values as training-run records (``metadata.non_model_keys``: a ``model_only`` load ignores both). Each data-file shard is a *flattened* shard, so any
-target layout (another data-parallel degree included) reads only the partition bytes it needs.
+scalars (``global_steps``, ``ds_version``, ...) as values. Each data-file shard is a *flattened* shard, so any
+target layout (another data-parallel degree included) reads only the partition bytes it needs. The
+``optim.state.*`` keys are marked as optimizer state (``metadata.optimizer_keys``: ``oarlock convert --to hf``
+leaves them out unless asked to keep them) and the values as training-run records (``metadata.non_model_keys``);
+a ``model_only`` load ignores both.
 
 Safety: the ``.pt`` files are ``torch.save`` archives loaded with ``torch.load(weights_only=True, mmap=True)``;
 DeepSpeed's own classes in them (``LossScaler``, ``ZeroStageEnum``, ``fragment_address``) are admitted as inert
