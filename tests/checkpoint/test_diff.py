@@ -158,3 +158,33 @@ def test_checksum_fast_path_does_not_vouch_for_a_corrupted_copy(tmp_path, capsys
     assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 2
     err = capsys.readouterr().err
     assert f.name in err and "corrupted" in err
+
+
+def test_diff_compares_tp_blocked_layouts_as_logical_tensors(tmp_path):
+    """gate/up fused with ``fused_ffn`` at TP degree 1 and 3 store different bytes for the same logical tensor
+    (blocks ``[gate_r, up_r]`` per rank); diff re-lays out the recorded layouts and finds them equal, and still
+    finds a changed element, counted against an independent reference (torch.cat of the HF tensors)."""
+    g = torch.Generator().manual_seed(3)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    gate, up = torch.randn(12, 5, generator=g), torch.randn(12, 5, generator=g)
+    save_file({"mlp.gate_proj.weight": gate, "mlp.up_proj.weight": up}, str(hf / "model.safetensors"))
+    aoa = {"aoa_statements": ["mlp.gate_proj.weight, mlp.up_proj.weight -> mlp.gate_up.weight, fused_ffn, axis=0"]}
+    convert_checkpoint(hf, tmp_path / "tp1", aoa_config=aoa, tp_rules={"mlp.gate_up.weight": 0})
+    m3 = convert_checkpoint(hf, tmp_path / "tp3", aoa_config=aoa, tp=3, tp_rules={"mlp.gate_up.weight": 0})
+    assert m3.extra["tp_layouts"]["mlp.gate_up.weight"]["tp"] == 3
+    rep = diff_checkpoints(tmp_path / "tp1", tmp_path / "tp3")
+    assert rep.equal and rep.equal_keys == 1, rep.render()
+
+    # the same fusion with one element of up changed: exactly one differing element, of the reference's size
+    up2 = up.clone()
+    up2[7, 2] += 0.5
+    hf2 = tmp_path / "hf2"
+    hf2.mkdir()
+    save_file({"mlp.gate_proj.weight": gate, "mlp.up_proj.weight": up2}, str(hf2 / "model.safetensors"))
+    convert_checkpoint(hf2, tmp_path / "tp3b", aoa_config=aoa, tp=3, tp_rules={"mlp.gate_up.weight": 0})
+    rep = diff_checkpoints(tmp_path / "tp1", tmp_path / "tp3b")
+    ref_a, ref_b = torch.cat([gate, up]), torch.cat([gate, up2])
+    (d,) = rep.changed
+    assert d.num_different == int((ref_a != ref_b).sum()) == 1
+    assert d.max_abs_diff == pytest.approx(float((ref_a - ref_b).abs().max()))

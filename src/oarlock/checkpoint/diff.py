@@ -175,7 +175,8 @@ def diff_checkpoints(a: str | Path, b: str | Path, *, rtol: float = 0.0, atol: f
 
     Args:
         a, b: any source :func:`~oarlock.checkpoint.open_checkpoint` reads (oarlock in any layout, HF, Paddle,
-            a ``.safetensors`` file), possibly of different formats and layouts.
+            a ``.safetensors`` file), possibly of different formats and layouts. Keys recorded in a TP-blocked
+            layout (``extra["tp_layouts"]``, docs/aoa.md) are compared re-laid out to TP degree 1.
         rtol, atol: tolerances (module docstring); 0 means exact equality.
         include, exclude: glob patterns over keys (:func:`~oarlock.checkpoint.metadata.key_selected`).
         use_checksums: keys whose stored bytes have equal checksums on both sides (same layout, same dtype) are
@@ -186,7 +187,8 @@ def diff_checkpoints(a: str | Path, b: str | Path, *, rtol: float = 0.0, atol: f
         CheckpointFormatError: either side unreadable (naming the file); CheckpointTilingError: a key whose
             shards do not tile it; ChecksumError: a file of either side no longer matches its recorded checksums.
     """
-    from oarlock.checkpoint.convert import read_destination
+    from oarlock.checkpoint.aoa.layout import recorded_layouts
+    from oarlock.checkpoint.convert import compile_program, read_destination
     from oarlock.checkpoint.plan import Planner
     from oarlock.checkpoint.storage import open_checkpoint
 
@@ -198,8 +200,12 @@ def diff_checkpoints(a: str | Path, b: str | Path, *, rtol: float = 0.0, atol: f
         sb = set(kb)
         rep.only_in_a = [k for k in ka if k not in sb]
         rep.only_in_b = [k for k in kb if k not in set(ka)]
-        pa, pb = Planner(ma), Planner(mb)
+        # keys saved in a TP-blocked layout (fused_ffn / fused_qkv_old at some TP degree, recorded in the metadata)
+        # are compared in the layout of degree 1, as a conversion to HF writes them: the logical tensor
+        pa, pb = Planner(ma, compile_program(ma)), Planner(mb, compile_program(mb))
+        la, lb = recorded_layouts(ma), recorded_layouts(mb)
         same = _checksum_equal_keys(ma, mb) if use_checksums else set()
+        same = {k for k in same if la.get(k) == lb.get(k)}  # equal bytes mean equal tensors only in one layout
         if same:  # recorded checksums prove equality only of intact files: check the files they cover first
             for reader, meta in ((ra, ma), (rb, mb)):
                 _verify_files(reader, meta, {sh.file for k in same for sh in meta.tensors[k].shards})
