@@ -102,3 +102,18 @@ def test_lazy_packages_list_their_public_names_in_dir():
 
     assert om.render_html is om.render_memory_html and od.render_html is od.render_graph_html
     assert callable(om.trace_region) and callable(od.capture)
+
+
+@pytest.mark.parametrize("argv", [["verify", "{p}", "--json"], ["inspect", "{p}", "--json"],
+                                  ["diff", "{p}", "{p}", "--json"]])
+def test_json_commands_report_bad_input_as_json(tmp_path, capsys, argv):
+    """With --json a failure is also a JSON object on stdout (naming the missing path), exit 2; the one-line
+    error stays on stderr."""
+    import json
+
+    missing = tmp_path / "nope"
+    assert main([a.format(p=missing) for a in argv]) == 2
+    out, err = capsys.readouterr()
+    rec = json.loads(out)
+    assert rec["exit_code"] == 2 and str(missing) in rec["error"], rec
+    assert err.startswith("oarlock: error:") and str(missing) in err

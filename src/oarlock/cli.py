@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import sys
 
 from oarlock import __version__
@@ -30,8 +31,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "inspect": ("oarlock.checkpoint.commands",
                 "list the tensors of a checkpoint (safetensors file, HF, oarlock or Paddle directory)"),
     "aoa": ("oarlock.checkpoint.commands", "AOA weight-transformation language tools"),
-    "convert": ("oarlock.checkpoint.commands", "convert a checkpoint: HF <-> oarlock (TP/PP-sharded), Paddle -> "
-                                               "either, optionally through an AOA config"),
+    "convert": ("oarlock.checkpoint.commands", "convert a checkpoint: HF <-> oarlock (TP/PP-sharded) <-> torch DCP; "
+                                               "Paddle, Megatron, DeepSpeed, GGUF -> any, optionally through an "
+                                               "AOA config or preset"),
     "diff": ("oarlock.checkpoint.commands", "compare the tensors of two checkpoints (any formats and layouts)"),
     "verify": ("oarlock.checkpoint.commands",
                "check a checkpoint's integrity (block checksums, headers, coverage)"),
@@ -95,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         print(f"oarlock: error: {msg}", file=sys.stderr)
+        if getattr(args, "json", False):  # a --json caller parses stdout: the failure is a JSON object there too
+            print(json.dumps({"error": msg, "error_type": type(e).__name__, "exit_code": 2}))
         return 2
     except BrokenPipeError:  # output piped into head & co: not an error
         sys.stderr.close()

@@ -47,6 +47,9 @@ def test_hf_export_holds_only_model_keys(train_ckpt, capsys):
     assert main(["convert", str(tmp / "train"), str(tmp / "hf2"), "--to", "hf"]) == 0
     out = capsys.readouterr().out
     assert f"left out {3 * len(ref)} optimizer state tensor(s)" in out
+    # no --aoa/--preset: the stored (training) names are kept, and the CLI says how to map them
+    assert any(f"keys written under their stored names (e.g. {k!r})" in out for k in ref), out
+    assert "--preset NAME --model-config CONFIG.json" in out
     assert sorted(load_file(tmp / "hf2" / "model.safetensors")) == sorted(ref)
     assert main(["convert", str(tmp / "train"), str(tmp / "hf3"), "--to", "hf", "--keep-optimizer-state"]) == 0
     assert sorted(load_file(tmp / "hf3" / "model.safetensors")) == sorted(stored.tensors)

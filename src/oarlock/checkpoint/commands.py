@@ -231,6 +231,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
         if plan.dropped_optimizer_keys:
             print(f"left out {len(plan.dropped_optimizer_keys)} optimizer state tensor(s) (model weights only; "
                   "--keep-optimizer-state keeps them)")
+        if config is None and detect_format(args.src) in ("oarlock", "dcp", "paddle"):
+            # a training checkpoint's keys are the training model's: without a mapping they are not HF names
+            print(f"note: keys written under their stored names (e.g. {plan.keys[0].key!r}) since no --aoa/--preset "
+                  "was given; a model trained in oarlock.models maps to HF names with --preset NAME "
+                  "--model-config CONFIG.json (see `oarlock convert --help`, docs/aoa.md)" if plan.keys else
+                  "note: no tensors selected")
     elif to == "dcp":
         meta = convert_to_dcp(args.src, args.dst, aoa_config=config, tp=args.tp, pp=args.pp, dp=args.dp,
                               tp_rules=tp_rules, copy_side_files=not args.no_side_files)

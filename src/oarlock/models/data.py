@@ -76,6 +76,7 @@ def pack_documents(documents: Sequence[Sequence[int]], seq_len: int, *, pad_id: 
 # Real English text that needs no download: the docstrings of Python's standard library.
 import importlib  # noqa: E402
 import inspect  # noqa: E402
+import warnings  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from typing import Callable  # noqa: E402
 
@@ -102,20 +103,22 @@ def stdlib_documents(modules: Sequence[str] = STDLIB_MODULES, min_chars: int = 2
             seen.add(d)
             docs.append(d)
 
-    for name in modules:
-        mod = importlib.import_module(name)
-        add(mod)
-        for attr in sorted(vars(mod)):
-            obj = getattr(mod, attr)
-            if attr.startswith("_") or getattr(obj, "__module__", None) != mod.__name__:
-                continue
-            if inspect.isclass(obj):
-                add(obj)
-                for meth in sorted(vars(obj)):
-                    if not meth.startswith("_") and callable(getattr(obj, meth, None)):
-                        add(getattr(obj, meth))
-            elif inspect.isfunction(obj):
-                add(obj)
+    with warnings.catch_warnings():  # deprecated aliases (typing.io) warn when their attributes are read
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for name in modules:
+            mod = importlib.import_module(name)
+            add(mod)
+            for attr in sorted(vars(mod)):
+                obj = getattr(mod, attr)
+                if attr.startswith("_") or getattr(obj, "__module__", None) != mod.__name__:
+                    continue
+                if inspect.isclass(obj):
+                    add(obj)
+                    for meth in sorted(vars(obj)):
+                        if not meth.startswith("_") and callable(getattr(obj, meth, None)):
+                            add(getattr(obj, meth))
+                elif inspect.isfunction(obj):
+                    add(obj)
     return docs
 
 
