@@ -6,7 +6,7 @@ K/V blocks in which this rank's rows see at least one key (counted from the dens
 """
 
 import torch
-from _cp_scenarios import B, D, H, HK, SCENARIOS, run
+from _cp_scenarios import B, D, H, HK, SCENARIOS, run, run_nonfinite_key
 
 import oarlock.attention.context_parallel as CP
 from oarlock.attention import (ContextParallelPlan, context_parallel_flashmask_attention, flashmask_attention,
@@ -24,6 +24,11 @@ def _scenario(name):
 
 for _name in SCENARIOS:
     globals()[f"scenario_ring_{_name}"] = _scenario(_name)
+
+
+def scenario_ring_nonfinite_key(ctx):
+    torch.set_num_threads(1)
+    run_nonfinite_key(ctx.world, ctx.rank, method="ring")
 
 
 def scenario_ring_skips_dead_blocks(ctx):

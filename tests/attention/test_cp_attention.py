@@ -23,10 +23,12 @@ def test_context_parallel_matches_single_process_and_float64(world, multirank):
     boundaries, sliding window, shared question, non-causal prefix LM, GQA with per-KV-head 4-vector masks,
     fully masked rows, a mask per query head, plain causal under DualChunkSwap, MHA causal blockwise): every
     rank's out, lse, dq, dk, dv equal single-process flashmask_attention and float64 dense attention
-    (atol 1e-5), and gather_sequence restores the full output."""
+    (atol 1e-5), rows that see no key give out and dq exactly 0, and gather_sequence restores the full output.
+    Plus a NaN key and an Inf value seen by some rows: those rows NaN, everything else (dk, dv included) equal
+    to the single-process result."""
     outcome = multirank("_cp_scenarios", world)
     outcome.check()
-    assert len(outcome.names) == 9 and len(outcome.ranks) == world
+    assert len(outcome.names) == 10 and len(outcome.ranks) == world
 
 
 @pytest.mark.multiproc
@@ -34,11 +36,12 @@ def test_context_parallel_matches_single_process_and_float64(world, multirank):
 @pytest.mark.parametrize("world", [2, 4])
 def test_ring_context_parallel_matches_single_process_and_float64(world, multirank):
     """method="ring" on every scenario of the all-gather test (same checks: out, lse, dq, dk, dv against
-    single-process flashmask_attention and float64 dense attention, atol 1e-5; fully masked rows exactly 0),
+    single-process flashmask_attention and float64 dense attention, atol 1e-5; fully masked rows exactly 0;
+    a non-finite key poisons only the rows that see it, not the dK/dV of other ranks' keys those rows see),
     plus: the ring runs the kernel only on the K/V blocks a rank's rows see (counted from the dense mask)."""
     outcome = multirank("_cp_ring_scenarios", world)
     outcome.check()
-    assert len(outcome.names) == 10 and len(outcome.ranks) == world
+    assert len(outcome.names) == 11 and len(outcome.ranks) == world
 
 
 def test_unknown_cp_method_is_named():

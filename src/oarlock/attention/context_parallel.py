@@ -347,6 +347,24 @@ def _merge_partial(out, lse, o, l):
     return out * w_old + o * w_new, new
 
 
+def _leave_out_poisoned_rows(q, grad_out, out, lse, grad_lse):
+    """Rows that saw a non-finite key or value (finite query, NaN ``lse``) carry NaN ``out``/``lse``. A single
+    kernel call over all keys leaves them out of its backward (dQ NaN, nothing into dK/dV); each ring block's
+    call only knows about its own keys, so without this the blocks where such a row sees finite keys would spread
+    its NaN into their dK/dV. Zeroing its ``grad_out`` and ``out`` and setting ``lse = -inf`` gives it weight 0
+    in every block; the block holding the non-finite key still marks its dQ NaN, as the single call does."""
+    poisoned = torch.isnan(lse) & torch.isfinite(q).all(-1).transpose(1, 2)  # [B, H, Sq]
+    if not bool(poisoned.any()):
+        return grad_out, out, lse, grad_lse
+    rows = poisoned.transpose(1, 2).unsqueeze(-1)  # [B, Sq, H, 1]
+    grad_out = grad_out.masked_fill(rows, 0.0)
+    out = out.masked_fill(rows, 0.0)
+    lse = lse.masked_fill(poisoned, float("-inf"))
+    if grad_lse is not None:
+        grad_lse = grad_lse.masked_fill(poisoned, 0.0)
+    return grad_out, out, lse, grad_lse
+
+
 class _RingContextParallelAttention(torch.autograd.Function):
     """Ring attention over the plan's rank order (Liu et al., "Ring Attention with Blockwise Transformers",
     arXiv 2310.01889; docs/flashmask.md, "Context parallelism"). Forward, ``W`` steps: at step ``i`` rank ``r``
@@ -394,6 +412,7 @@ class _RingContextParallelAttention(torch.autograd.Function):
         blocks, _ = _ring_blocks(canon, world)
         if grad_out is None:
             grad_out = torch.zeros_like(out)
+        grad_out, out, lse, grad_lse = _leave_out_poisoned_rows(q, grad_out, out, lse, grad_lse)
         shapes = (k.shape, v.shape)
         cur = _pack((k, v))
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
