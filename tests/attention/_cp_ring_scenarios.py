@@ -6,7 +6,7 @@ K/V blocks in which this rank's rows see at least one key (counted from the dens
 """
 
 import torch
-from _cp_scenarios import B, D, H, HK, SCENARIOS, run, run_nonfinite_key
+from _cp_scenarios import B, D, H, HK, SCENARIOS, run, run_dropout, run_low_precision, run_nonfinite_key
 
 import oarlock.attention.context_parallel as CP
 from oarlock.attention import (ContextParallelPlan, context_parallel_flashmask_attention, flashmask_attention,
@@ -29,6 +29,16 @@ for _name in SCENARIOS:
 def scenario_ring_nonfinite_key(ctx):
     torch.set_num_threads(1)
     run_nonfinite_key(ctx.world, ctx.rank, method="ring")
+
+
+def scenario_ring_bfloat16(ctx):
+    torch.set_num_threads(1)
+    run_low_precision(ctx.world, ctx.rank, method="ring")
+
+
+def scenario_ring_dropout(ctx):
+    torch.set_num_threads(1)
+    run_dropout(ctx.world, ctx.rank, method="ring")
 
 
 def scenario_ring_skips_dead_blocks(ctx):

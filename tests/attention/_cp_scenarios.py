@@ -164,6 +164,63 @@ def run_nonfinite_key(world, rank, method="allgather"):
                                    msg=lambda m, n=nm: f"d{n} vs single: {m}")
 
 
+def run_low_precision(world, rank, method="allgather", dtype=torch.bfloat16):
+    """bfloat16 inputs (GQA, causal documents crossing chunk boundaries): out, dq, dk, dv of this rank equal
+    single-process bfloat16 flashmask_attention to bfloat16 rounding (both round each kernel's result to the
+    input dtype, in different places), and lie near float64 dense attention; the dtypes are the inputs'."""
+    idx, causal, h, _ = SCENARIOS["causal_document"]
+    g = torch.Generator().manual_seed(17)
+    q, k, v = (torch.randn(B, S, n, D, generator=g).to(dtype) for n in (h, HK, HK))
+    dout = torch.randn(B, S, h, D, generator=g).to(dtype)
+    plan = plan_context_parallel(idx, causal=causal, world_size=world, chunk_size=CHUNK, block_size=BLOCK)
+    ref = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    out1 = flashmask_attention(*ref, idx, causal=causal)
+    out1.backward(dout)
+    loc = [shard_sequence(plan, x, rank).requires_grad_(True) for x in (q, k, v)]
+    out = context_parallel_flashmask_attention(*loc, idx, plan=plan, causal=causal, method=method)
+    out.backward(shard_sequence(plan, dout, rank))
+    assert out.dtype == dtype and all(x.grad.dtype == dtype for x in loc)
+    shard = lambda t: shard_sequence(plan, t, rank)  # noqa: E731
+    tol = dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out, shard(out1.detach()), **tol, msg=lambda m: f"out vs single process: {m}")
+    for nm, got, want in zip("qkv", loc, ref):
+        torch.testing.assert_close(got.grad, shard(want.grad), **tol, msg=lambda m, n=nm: f"d{n} vs single: {m}")
+    r64 = [x.double().requires_grad_(True) for x in (q, k, v)]
+    torch.testing.assert_close(out.double(), shard(dense64(*r64, idx, causal).detach()), rtol=2e-2, atol=2e-2,
+                               msg=lambda m: f"out vs float64: {m}")
+
+
+def run_dropout(world, rank, method="allgather"):
+    """Dropout 0.3 on CPU: the output is linear in V for fixed dropout masks (the same seed on every rank), so
+    ``sum over ranks <dV, U>`` must equal ``sum over ranks <out(V + U) - out(V), dO>`` (no truncation error): the
+    backward redraws exactly the forward's masks. Dropout must change the output, and the same seed repeat it."""
+    import torch.distributed as dist
+
+    idx, causal, h, _ = SCENARIOS["causal_document"]
+    g = torch.Generator().manual_seed(19)
+    q, k, v = (torch.randn(B, S, n, D, generator=g) for n in (h, HK, HK))
+    u = torch.randn(B, S, HK, D, generator=g)
+    dout = torch.randn(B, S, h, D, generator=g)
+    plan = plan_context_parallel(idx, causal=causal, world_size=world, chunk_size=CHUNK, block_size=BLOCK)
+    shard = lambda t: shard_sequence(plan, t, rank)  # noqa: E731
+    lq, lk, lv, lu, ldo = (shard(x) for x in (q, k, v, u, dout))
+
+    def attend(value, p=0.3):
+        torch.manual_seed(1234)  # the seed the call draws: the same on every rank and in every call
+        return context_parallel_flashmask_attention(lq, lk, value, idx, plan=plan, causal=causal, dropout=p,
+                                                    method=method)
+
+    vv = lv.clone().requires_grad_(True)
+    out = attend(vv)
+    out.backward(ldo)
+    lhs = torch.stack([(vv.grad.double() * lu.double()).sum(),
+                       ((attend(lv + lu) - out.detach()).double() * ldo.double()).sum()])
+    dist.all_reduce(lhs)
+    torch.testing.assert_close(lhs[0], lhs[1], rtol=1e-4, atol=1e-4, msg=lambda m: f"<dV, U> vs finite difference: {m}")
+    assert torch.equal(attend(lv), out.detach()), "the same seed must give the same dropout masks"
+    assert not torch.allclose(attend(lv, 0.0), out.detach(), atol=1e-3), "dropout changed nothing"
+
+
 def _scenario(name):
     def scenario(ctx):
         torch.set_num_threads(1)  # ranks share the machine's cores
@@ -180,3 +237,13 @@ for _name in SCENARIOS:
 def scenario_nonfinite_key(ctx):
     torch.set_num_threads(1)
     run_nonfinite_key(ctx.world, ctx.rank)
+
+
+def scenario_bfloat16(ctx):
+    torch.set_num_threads(1)
+    run_low_precision(ctx.world, ctx.rank)
+
+
+def scenario_dropout(ctx):
+    torch.set_num_threads(1)
+    run_dropout(ctx.world, ctx.rank)
