@@ -227,3 +227,26 @@ def test_flex_block_mask_matches_create_block_mask(kind):
     dense = create_mask(mod, 1, h, sq, sk, device="cpu")
     want = M.to_dense_mask(idx, causal=causal).repeat_interleave(h // hm, 1)
     assert torch.equal(dense, want)
+
+
+@pytest.mark.parametrize("make, flat, rows", [
+    (M.causal_document_mask, [2, 3], [[2, 3], [1, 4]]),
+    (M.document_mask, [2, 3], [[2, 3], [1, 4]]),
+    (M.causal_blockwise_mask, [2, 3], [[2, 3], [1, 4]]),
+    (M.shared_question_mask, [(2, [1, 2])], [[(2, [1, 2])], [(1, [2, 2])]]),
+    (M.prefix_lm_document_mask, [(2, 3)], [[(2, 3)], [(1, 4)]]),
+])
+def test_batch_size_against_per_row_descriptions(make, flat, rows):
+    """A flat description repeats over ``batch_size`` rows; per-row lists set the batch, and an explicit
+    batch_size that disagrees with them (1 included) is an error naming both counts, never silently ignored."""
+    one = make(flat, seqlen=5)
+    assert one.shape[0] == 1
+    three = make(flat, seqlen=5, batch_size=3)
+    assert three.shape[0] == 3 and all(torch.equal(three[i], one[0]) for i in range(3))
+    per = make(rows, seqlen=5)
+    assert per.shape[0] == 2
+    assert torch.equal(per[0], one[0])  # row 0 is the flat description
+    assert torch.equal(make(rows, seqlen=5, batch_size=2), per)
+    for wrong in (1, 3):
+        with pytest.raises(AttentionInputError, match=rf"2 batch rows .*batch_size is {wrong}"):
+            make(rows, seqlen=5, batch_size=wrong)

@@ -229,8 +229,8 @@ def flashmask_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
 
     Returns:
         ``out`` ``[batch, seqlen_q, heads, head_dim_v]`` in the query dtype; with ``return_softmax_lse`` the
-        tuple ``(out, lse)``, lse float32 ``[batch, heads, seqlen_q]`` (not differentiable: gradients flow
-        through ``out`` only). Query rows that see no key give output 0, gradient 0 and lse ``-inf`` (no NaN).
+        tuple ``(out, lse)``, lse float32 ``[batch, heads, seqlen_q]`` (natural log; differentiable: a loss on
+        ``lse`` sends gradients into ``query`` and ``key``). Query rows that see no key give output 0, gradient 0 and lse ``-inf`` (no NaN).
 
     Differentiable in ``query``, ``key`` and ``value``. Back end by device: CPU -> tiled kernel that skips fully
     masked tiles (:mod:`oarlock.attention.cpu`), or SDPA with the dense mask when ``Sq * Sk`` is at most

@@ -393,13 +393,22 @@ def _finish(cols: list[torch.Tensor], batch_size: int) -> torch.Tensor:
     return torch.stack(cols).unsqueeze(1).to(torch.int32).contiguous()
 
 
-def _docs_per_batch(doc_lens, batch_size: int) -> list[list]:
-    if len(doc_lens) and isinstance(doc_lens[0], (list, tuple)):
-        per = [list(d) for d in doc_lens]
-    else:
-        per = [list(doc_lens)] * batch_size
-    if len(per) != batch_size and batch_size != 1:
-        raise AttentionInputError(f"doc_lens has {len(per)} batch rows, batch_size is {batch_size}")
+def _docs_per_batch(doc_lens, batch_size: int | None, per_row: bool | None = None) -> list[list]:
+    """One entry of ``doc_lens`` per batch row: a list of per-row lists as given, or one flat description
+    repeated ``batch_size`` times (default 1). ``per_row``: whether ``doc_lens`` is per row (default: its first
+    element is a list or tuple).
+
+    Raises:
+        AttentionInputError: ``batch_size`` given and different from the number of per-row lists.
+    """
+    if per_row is None:
+        per_row = bool(len(doc_lens)) and isinstance(doc_lens[0], (list, tuple))
+    if not per_row:
+        return [list(doc_lens)] * (1 if batch_size is None else int(batch_size))
+    per = [list(d) for d in doc_lens]
+    if batch_size is not None and len(per) != batch_size:
+        raise AttentionInputError(f"doc_lens has {len(per)} batch rows (one list per row), batch_size is "
+                                  f"{batch_size}: pass one list per row or batch_size={len(per)}")
     return per
 
 
@@ -466,7 +475,7 @@ def bidirectional_sliding_window_mask(seqlen: int, left: int, right: int, *, bat
                    batch_size)
 
 
-def causal_document_mask(doc_lens, *, seqlen: int | None = None, batch_size: int = 1) -> torch.Tensor:
+def causal_document_mask(doc_lens, *, seqlen: int | None = None, batch_size: int | None = None) -> torch.Tensor:
     """Causal attention within each packed document (SFT sequence packing). Use with ``causal=True``;
     ``LTS[j] = end of doc(j)``.
 
@@ -486,7 +495,7 @@ def causal_document_mask(doc_lens, *, seqlen: int | None = None, batch_size: int
     for lens in _docs_per_batch(doc_lens, batch_size):
         _, ends, _, _ = _doc_ids(lens, seqlen)
         cols.append(ends.view(-1, 1))
-    return _finish(cols, batch_size)
+    return _finish(cols, len(cols))
 
 
 def causal_document_mask_from_ids(document_ids: torch.Tensor) -> torch.Tensor:
@@ -514,7 +523,7 @@ def causal_document_mask_from_ids(document_ids: torch.Tensor) -> torch.Tensor:
     return end.to(torch.int32).view(b, 1, s, 1)
 
 
-def document_mask(doc_lens, *, seqlen: int | None = None, batch_size: int = 1) -> torch.Tensor:
+def document_mask(doc_lens, *, seqlen: int | None = None, batch_size: int | None = None) -> torch.Tensor:
     """Bidirectional attention within each packed document (NaViT/BERT packing). Use with ``causal=False``;
     ``LTS[j] = end of doc(j)``, ``UTE[j] = start of doc(j)``. Documents ``[2, 3, 1]``::
 
@@ -529,10 +538,10 @@ def document_mask(doc_lens, *, seqlen: int | None = None, batch_size: int = 1) -
     for lens in _docs_per_batch(doc_lens, batch_size):
         starts, ends, _, _ = _doc_ids(lens, seqlen)
         cols.append(torch.stack([ends, starts], -1))
-    return _finish(cols, batch_size)
+    return _finish(cols, len(cols))
 
 
-def shared_question_mask(docs, *, seqlen: int | None = None, batch_size: int = 1) -> torch.Tensor:
+def shared_question_mask(docs, *, seqlen: int | None = None, batch_size: int | None = None) -> torch.Tensor:
     """Shared question (reward model / DPO): each document is a question followed by answers; every answer sees
     the question and itself, causally, never another answer. Use with ``causal=True``; question columns:
     ``LTS = end of document``, answer columns: ``LTS = end of the answer``.
@@ -550,7 +559,7 @@ def shared_question_mask(docs, *, seqlen: int | None = None, batch_size: int = 1
         ##..#.
         ##..##
     """
-    per = docs if (len(docs) and isinstance(docs[0], list)) else [docs] * batch_size
+    per = _docs_per_batch(docs, batch_size, per_row=bool(len(docs)) and isinstance(docs[0], list))
     cols = []
     for row in per:
         lts, pos = [], 0
@@ -567,7 +576,7 @@ def shared_question_mask(docs, *, seqlen: int | None = None, batch_size: int = 1
             raise AttentionInputError(f"shared-question documents have {pos} tokens > seqlen {s}")
         lts += [s] * (s - pos)
         cols.append(torch.tensor(lts).view(-1, 1))
-    return _finish(cols, batch_size)
+    return _finish(cols, len(cols))
 
 
 def global_sliding_window_mask(seqlen: int, num_global: int, left: int, right: int, *,
@@ -610,7 +619,7 @@ def prefix_lm_causal_mask(seqlen: int, prefix_len: int, *, batch_size: int = 1) 
     return _finish([torch.stack([torch.full_like(j, seqlen), ute], -1)], batch_size)
 
 
-def prefix_lm_document_mask(docs, *, seqlen: int | None = None, batch_size: int = 1) -> torch.Tensor:
+def prefix_lm_document_mask(docs, *, seqlen: int | None = None, batch_size: int | None = None) -> torch.Tensor:
     """Prefix LM per packed document. Use with ``causal=False``; ``LTS[j] = end of doc(j)``, ``UTE[j] = start of
     doc k`` for ``j`` in the prefix of doc k, else ``j``.
 
@@ -626,7 +635,7 @@ def prefix_lm_document_mask(docs, *, seqlen: int | None = None, batch_size: int 
         ...##.
         ...###
     """
-    per = docs if (len(docs) and isinstance(docs[0], list)) else [docs] * batch_size
+    per = _docs_per_batch(docs, batch_size, per_row=bool(len(docs)) and isinstance(docs[0], list))
     cols = []
     for row in per:
         starts, ends, doc, s = _doc_ids([d for _, d in row], seqlen)
@@ -635,7 +644,7 @@ def prefix_lm_document_mask(docs, *, seqlen: int | None = None, batch_size: int 
         in_prefix = (j - starts) < prefix[doc]
         ute = torch.where(in_prefix, starts, j)
         cols.append(torch.stack([ends, ute], -1))
-    return _finish(cols, batch_size)
+    return _finish(cols, len(cols))
 
 
 def qk_sparse_mask(seqlen: int, blocks: Sequence[tuple[int, int]], *, batch_size: int = 1) -> torch.Tensor:
@@ -695,7 +704,7 @@ def random_eviction_mask(seqlen: int, *, start_row: int | None = None, batch_siz
     return out
 
 
-def causal_blockwise_mask(doc_lens, *, seqlen: int | None = None, batch_size: int = 1) -> torch.Tensor:
+def causal_blockwise_mask(doc_lens, *, seqlen: int | None = None, batch_size: int | None = None) -> torch.Tensor:
     """Causal blockwise (in-context learning): each demonstration block sees only itself (causally), the last
     block sees everything before it. Use with ``causal=True`` (n=2): non-last docs ``LTS = end of doc(j)``,
     ``LTE = start of the last doc``; last doc ``LTS = LTE = Sq``. Documents ``[2, 2, 2]``::
@@ -715,4 +724,4 @@ def causal_blockwise_mask(doc_lens, *, seqlen: int | None = None, batch_size: in
         lts = torch.where(last, torch.full_like(ends, s), ends)
         lte = torch.where(last, torch.full_like(ends, s), torch.full_like(ends, last_start))
         cols.append(torch.stack([lts, lte], -1))
-    return _finish(cols, batch_size)
+    return _finish(cols, len(cols))
