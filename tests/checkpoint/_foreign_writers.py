@@ -3,9 +3,14 @@ references: multirank scenarios run on 2 gloo ranks with .foreign-venv's python 
 through the harness's command line, so a failing writer is reported by scenario and rank::
 
     PY tests/multirank.py tests/checkpoint/_foreign_writers.py 2 OUT megatron_gpt_tp2
-        # GPTModel, TP=2 -> OUT/ckpt, OUT/ref_rank{r}.pt, OUT/logits.pt (Megatron's own forward)
+        # GPTModel, TP=2 -> OUT/ckpt, OUT/ref_rank{r}.pt, OUT/logits.pt (Megatron's own forward),
+        # OUT/ckpt_train (the same weights with Adam state), OUT/optim_ref_rank{r}.pt
     PY tests/multirank.py tests/checkpoint/_foreign_writers.py 2 OUT deepspeed_zero1 deepspeed_zero2 deepspeed_zero3
         # tiny HF Llama, one ZeRO stage each -> OUT/z{S}/ckpt, OUT/z{S}/ref.pt
+
+DeepSpeed's C++ op (``deepspeed_shm_comm``) is loaded from ``.foreign-venv/torch_extensions``, where
+``scripts/foreign_env.sh`` prebuilt it; a stale build lock there fails the writer naming the file
+(:func:`deepspeed_op_ready`) instead of hanging.
 
 Megatron-Core's async file writer calls ``torch.cuda.synchronize()`` and ``torch.cuda.current_device()`` even
 for CPU tensors; both are replaced by CPU no-ops in these writer processes only, and for Megatron's own forward
@@ -16,6 +21,8 @@ context too (nothing else is patched).
 from __future__ import annotations
 
 import os
+import sys
+import time
 import warnings
 
 import torch
@@ -30,6 +37,42 @@ def tiny_llama_config():
     return LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
                        tie_word_embeddings=False)
+
+
+SHM_OP = "deepspeed_shm_comm"  # the C++ op DeepSpeed's distributed init loads (torch.utils.cpp_extension)
+LOCK_WAIT_S = 60.0  # a live holder keeps the build lock for milliseconds: the op is prebuilt, nothing compiles
+
+
+def extensions_dir(venv: str | None = None) -> str:
+    """The torch extensions directory of ``.foreign-venv`` (``venv``, default this interpreter's ``sys.prefix``),
+    where ``scripts/foreign_env.sh`` prebuilds DeepSpeed's C++ op: ``<real venv path>/torch_extensions``."""
+    return os.path.join(os.path.realpath(venv or sys.prefix), "torch_extensions")
+
+
+def deepspeed_op_ready(ext: str, wait_s: float = LOCK_WAIT_S) -> None:
+    """Check that DeepSpeed's ``deepspeed_shm_comm`` op is prebuilt in ``ext`` and that no stale build lock stands
+    in the way, before DeepSpeed loads it.
+
+    torch.utils.cpp_extension.load takes ``<ext>/<op>/lock`` (created with O_EXCL) on every load, also of an
+    up-to-date op, and a process that finds it waits until it disappears, with no limit: a process killed while
+    holding it leaves every later DeepSpeed init hanging. A live holder releases it within milliseconds, so a lock
+    still there after ``wait_s`` seconds is reported here instead of waited on forever.
+
+    Raises:
+        RuntimeError: the op is not prebuilt (naming ``scripts/foreign_env.sh``), or the lock file (named) stayed.
+    """
+    so = os.path.join(ext, SHM_OP, f"{SHM_OP}.so")
+    if not os.path.isfile(so):
+        raise RuntimeError(f"DeepSpeed's {SHM_OP} op is not prebuilt ({so} is missing): run scripts/foreign_env.sh "
+                           "(tests never build it)")
+    lock = os.path.join(ext, SHM_OP, "lock")
+    deadline = time.monotonic() + wait_s
+    while os.path.exists(lock):
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"stale torch extension build lock {lock} (still there after {wait_s:g} s): a process "
+                               f"killed while loading DeepSpeed's {SHM_OP} op left it, and DeepSpeed would wait on it "
+                               "forever; delete that file when no scripts/foreign_env.sh is running")
+        time.sleep(0.1)
 
 
 def _env(rank: int, world: int) -> None:
@@ -80,6 +123,33 @@ def scenario_megatron_gpt_tp2(ctx) -> None:
     dist.barrier()
     assert os.path.isfile(os.path.join(out, "ckpt", "metadata.json")), os.listdir(os.path.join(out, "ckpt"))
     megatron_logits(model, out, rank, world)  # after the save: the CPU stand-ins above are in place
+    megatron_training_checkpoint(model, out, rank)
+
+
+def megatron_training_checkpoint(model, out: str, rank: int) -> None:
+    """A training checkpoint OUT/ckpt_train: the same weights plus the state of torch Adam after one step with
+    lr=0 (weights unchanged; moments from seeded gradients, distinct per tensor and TP shard), sharded under
+    ``optimizer`` the way Megatron-Core's ``FP32Optimizer.sharded_state_dict`` does (its own
+    ``optim_state_to_sharding_state``: keys ``optimizer.state.<exp_avg|exp_avg_sq>.<param key>``; the
+    per-parameter step left out); each rank's moments in OUT/optim_ref_rank{r}.pt ``{name: {state: tensor}}``."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.optimizer import (get_param_id_to_sharded_param_map,
+                                                            optim_state_to_sharding_state)
+
+    named = list(model.named_parameters())
+    adam = torch.optim.Adam([p for _, p in named], lr=0.0)
+    for name, p in named:
+        seed = 100 + sum(map(ord, name)) + (1000 * rank if getattr(p, "tensor_model_parallel", False) else 0)
+        p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(seed))
+    adam.step()
+    torch.save({name: {m: adam.state[p][m].clone() for m in ("exp_avg", "exp_avg_sq")} for name, p in named},
+               os.path.join(out, f"optim_ref_rank{rank}.pt"))
+    msd = model.sharded_state_dict()
+    osd = adam.state_dict()
+    optim_state_to_sharding_state(osd, get_param_id_to_sharded_param_map(msd, [p for _, p in named]),
+                                  exclude_keys="step")
+    os.makedirs(os.path.join(out, "ckpt_train"), exist_ok=True)
+    dist_checkpointing.save({**msd, "optimizer": osd, "iteration": 8}, os.path.join(out, "ckpt_train"))
 
 
 def megatron_logits(model, out: str, rank: int, world: int) -> None:
@@ -119,6 +189,10 @@ def _deepspeed_zero(ctx, stage: int) -> None:
     saves DeepSpeed's own full fp32 weights and Adam moments as ``z{stage}/ref.pt``."""
     rank, world, out = ctx.rank, ctx.world, str(ctx.shared)
     _env(rank, world)
+    # DeepSpeed loads its C++ op from .foreign-venv's own extensions directory, prebuilt at set-up time, never from
+    # the shared ~/.cache/torch_extensions
+    os.environ["TORCH_EXTENSIONS_DIR"] = extensions_dir()
+    deepspeed_op_ready(os.environ["TORCH_EXTENSIONS_DIR"])
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
     from transformers import LlamaForCausalLM

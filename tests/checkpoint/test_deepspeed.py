@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,14 +20,23 @@ from oarlock.checkpoint.errors import CheckpointFormatError
 from oarlock.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
-PY = REPO / ".foreign-venv" / "bin" / "python"
+# through the venv's real path, as scripts/foreign_env.sh prebuilt DeepSpeed's C++ op: same build commands, so
+# torch finds the op up to date (a checkout whose .foreign-venv is a symlink would otherwise rebuild it)
+VENV = (REPO / ".foreign-venv").resolve()
+PY = VENV / "bin" / "python"
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
+sys.path.insert(0, str(Path(__file__).parent))
+from _foreign_writers import SHM_OP, deepspeed_op_ready, extensions_dir, tiny_llama_config  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def written(tmp_path_factory) -> Path:
     if not PY.exists():
         pytest.skip("no .foreign-venv (run scripts/foreign_env.sh): DeepSpeed is not installed")
+    so = Path(extensions_dir(str(VENV))) / SHM_OP / f"{SHM_OP}.so"
+    if not so.is_file():
+        pytest.skip(f"DeepSpeed's {SHM_OP} op is not prebuilt ({so}): run scripts/foreign_env.sh")
+    built = so.stat().st_mtime_ns
     out = tmp_path_factory.mktemp("deepspeed")
     # the writers run as multirank scenarios on 2 ranks: a failure names the scenario and the rank
     writers = Path(__file__).with_name("_foreign_writers.py")
@@ -33,7 +44,31 @@ def written(tmp_path_factory) -> Path:
                         "deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3"],
                        capture_output=True, text=True, timeout=1500)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
+    # DeepSpeed loaded the prebuilt op from .foreign-venv/torch_extensions: nothing was rebuilt during the tests
+    assert so.stat().st_mtime_ns == built, f"{so} was rebuilt by a test run"
     return out
+
+
+def test_deepspeed_op_lock_fails_fast(tmp_path):
+    """A build lock left by a killed process (torch.utils.cpp_extension would wait on it forever, taking it even
+    for an up-to-date op) fails the writer within the wait, naming the lock file; a live holder's lock, released
+    during the wait, does not; an op that is not prebuilt is named with the script that builds it."""
+    import threading
+
+    ext = tmp_path / "torch_extensions"
+    with pytest.raises(RuntimeError, match=r"not prebuilt .*deepspeed_shm_comm\.so is missing.*scripts/foreign_env"):
+        deepspeed_op_ready(str(ext), wait_s=0.2)
+    (ext / SHM_OP).mkdir(parents=True)
+    (ext / SHM_OP / f"{SHM_OP}.so").write_bytes(b"")
+    deepspeed_op_ready(str(ext), wait_s=0.2)  # prebuilt, no lock
+    lock = ext / SHM_OP / "lock"
+    lock.touch()
+    with pytest.raises(RuntimeError, match="stale torch extension build lock " + re.escape(str(lock))):
+        deepspeed_op_ready(str(ext), wait_s=0.3)
+    assert lock.exists()  # reported, not deleted
+    threading.Timer(0.2, lock.unlink).start()  # a live holder releasing it
+    deepspeed_op_ready(str(ext), wait_s=30)
+    assert not lock.exists()
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -74,28 +109,56 @@ def test_zero_reshard_to_three_data_parallel_ranks(written, stage):
             assert torch.equal(sw.local_tensor, ref[k].reshape(-1)[a:b]), (r, k)
 
 
-def test_zero_to_hf_loads_in_transformers(written, tmp_path):
-    """`oarlock convert <ds dir> OUT --to hf` with an AOA config dropping the optimizer state; config.json put
-    next to the checkpoint travels along; transformers loads OUT with the fp32 master weights."""
-    import sys
-
+def test_zero_to_hf_model_weights_only(written, tmp_path, capsys):
+    """`oarlock convert <ds dir> OUT --to hf`, no AOA: the export holds exactly the model weights, each equal to
+    DeepSpeed's own full fp32 parameter, and the CLI says the optimizer state was left out; config.json put next
+    to the checkpoint travels along and transformers loads OUT. --keep-optimizer-state keeps the Adam moments."""
+    from safetensors.torch import load_file
     from transformers import LlamaForCausalLM
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from _foreign_writers import tiny_llama_config
 
     src = tmp_path / "src"
     shutil.copytree(written / "z3" / "ckpt", src)
     tiny_llama_config().save_pretrained(src)
     ref = torch.load(written / "z3" / "ref.pt", weights_only=True)
-    with open_checkpoint(src) as r:
-        drops = sorted({k.rsplit(".", 1)[0] for k in r.metadata.tensors if k.startswith("optim.")})
-    # statements name the parameter; its optimizer states (.exp_avg, .exp_avg_sq, .step) follow it
-    aoa = tmp_path / "drop.aoa"
-    aoa.write_text("\n".join(f"{k} -> _" for k in drops) + "\n")
-    assert main(["convert", str(src), str(tmp_path / "hf"), "--to", "hf", "--aoa", str(aoa)]) == 0
+    params = {k: v for k, v in ref.items() if not k.startswith("optim.")}
+    capsys.readouterr()
+    assert main(["convert", str(src), str(tmp_path / "hf"), "--to", "hf"]) == 0
+    text = capsys.readouterr().out
+    # per parameter: exp_avg, exp_avg_sq and step
+    assert f"left out {3 * len(params)} optimizer state tensor(s) (model weights only; --keep-optimizer-state" in text
+    got = {}
+    for f in (tmp_path / "hf").glob("*.safetensors"):
+        got.update(load_file(str(f)))
+    assert sorted(got) == sorted(params)
+    for k, v in params.items():
+        assert torch.equal(got[k], v), k
     model = LlamaForCausalLM.from_pretrained(tmp_path / "hf")
     for k, v in model.state_dict().items():
+        assert torch.equal(v, ref[k]), k
+    # the explicit way to include them
+    assert main(["convert", str(src), str(tmp_path / "hf_opt"), "--to", "hf", "--keep-optimizer-state"]) == 0
+    assert "left out" not in capsys.readouterr().out
+    got = {}
+    for f in (tmp_path / "hf_opt").glob("*.safetensors"):
+        got.update(load_file(str(f)))
+    assert len(got) == 4 * len(params)
+    for k, v in ref.items():
+        assert torch.equal(got[k], v), k
+
+
+def test_zero_model_only_strict_load(written):
+    """A strict load of the model from the training checkpoint: the optimizer state and the engine's records
+    (global_steps, ds_config, optim.param_groups) are unexpected unless model_only=True, and the hint says so."""
+    from oarlock.checkpoint.errors import CheckpointMismatchError
+
+    ref = torch.load(written / "z2" / "ref.pt", weights_only=True)
+    target = {k: torch.zeros_like(v) for k, v in ref.items() if not k.startswith("optim.")}
+    with pytest.raises(CheckpointMismatchError, match=r"unexpected keys .*'global_steps'.*'optim\.state\..*"
+                       r"none of them are model weights: this deepspeed checkpoint.*pass model_only=True"):
+        load_state_dict(target, written / "z2" / "ckpt")
+    report = load_state_dict(target, written / "z2" / "ckpt", model_only=True)
+    assert report.missing_keys == [] and "global_steps" in report.unexpected_keys
+    for k, v in target.items():
         assert torch.equal(v, ref[k]), k
 
 

@@ -229,3 +229,68 @@ def test_megatron_gpt_preset_errors(written, tmp_path):
         preset("megatron_gpt", {**cfg, "model_type": "gpt2"})
     with pytest.raises(PresetError, match="needs the target HF model's config.json"):
         preset("megatron_gpt")
+
+
+# ---------------------------------------------------------------- a training checkpoint (weights + Adam state)
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def test_megatron_training_checkpoint_to_hf_model_weights_only(written, tmp_path, capsys):
+    """ckpt_train (the same weights plus Adam moments, sharded by Megatron-Core's own optim_state_to_sharding_state
+    as ``optimizer.state.<state>.<param key>``): the reader marks the moments as optimizer state, and
+    ``oarlock convert --to hf`` with no AOA writes exactly the model tensors, each equal to the writer's own
+    parameters, saying the optimizer state was left out."""
+    from safetensors.torch import load_file
+
+    exp = expected(written)
+    moments = {f"optimizer.state.{m}.{k}" for m in MOMENTS for k in exp}
+    with open_checkpoint(written / "ckpt_train") as r:
+        assert set(r.metadata.optimizer_state_keys()) == moments
+        assert set(r.metadata.tensors) == set(exp) | moments
+    # the moments are read right: output layer (vocab rows per TP rank) and final norm (replicated)
+    refs = [torch.load(written / f"optim_ref_rank{r}.pt", weights_only=True) for r in range(TP)]
+    got = {"optimizer.state.exp_avg.output_layer.weight": torch.zeros(130, 64),
+           "optimizer.state.exp_avg_sq.decoder.final_layernorm.weight": torch.zeros(64)}
+    load_state_dict(got, written / "ckpt_train", strict=False)
+    assert torch.equal(got["optimizer.state.exp_avg.output_layer.weight"],
+                       torch.cat([refs[r]["output_layer.weight"]["exp_avg"] for r in range(TP)]))
+    assert torch.equal(got["optimizer.state.exp_avg_sq.decoder.final_layernorm.weight"],
+                       refs[0]["decoder.final_layernorm.weight"]["exp_avg_sq"])
+    capsys.readouterr()
+    out = tmp_path / "hf"
+    assert main(["convert", str(written / "ckpt_train"), str(out), "--to", "hf"]) == 0
+    assert f"left out {len(moments)} optimizer state tensor(s) (model weights only" in capsys.readouterr().out
+    tensors = {}
+    for f in out.glob("*.safetensors"):
+        tensors.update(load_file(str(f)))
+    assert sorted(tensors) == sorted(exp)
+    for k, v in exp.items():
+        assert torch.equal(tensors[k], v), k
+
+
+@pytest.mark.parametrize("ckpt", ["ckpt", "ckpt_train"])
+def test_megatron_strict_model_load_hint(written, tmp_path, ckpt):
+    """A strict load of a transformers Llama through the megatron_gpt preset: Megatron's common.* values and the
+    layers' *._extra_state* objects (and ckpt_train's optimizer state) are not model weights, so the error names
+    model_only=True (not an AOA statement for 'modules this load reads'), and model_only=True loads every weight
+    strictly."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from oarlock.checkpoint.errors import CheckpointMismatchError
+    from oarlock.checkpoint.presets import preset
+
+    cfg = hf_config(tmp_path)
+    ref = hf_reference(expected(written))
+    sd = LlamaForCausalLM(LlamaConfig.from_json_file(cfg)).state_dict()
+    aoa = preset("megatron_gpt", cfg, source=written / ckpt)
+    with pytest.raises(CheckpointMismatchError) as e:
+        load_state_dict(sd, written / ckpt, aoa_config=aoa, strict=True)
+    msg = str(e.value)
+    assert "unexpected keys" in msg and "'common.iteration'" in msg and "_extra_state/shard_0_2'" in msg
+    assert "none of them are model weights" in msg and "pass model_only=True" in msg
+    assert "belong to modules this load reads" not in msg
+    rep = load_state_dict(sd, written / ckpt, aoa_config=aoa, strict=True, model_only=True)
+    assert rep.missing_keys == [] and "common.iteration" in rep.unexpected_keys
+    for k, v in ref.items():
+        assert torch.equal(sd[k], v), k

@@ -79,8 +79,10 @@ def load_state_dict(state_dict: Mapping[str, Any], path: str | os.PathLike, *, p
         strict: raise on missing or unexpected keys; else report them in the returned :class:`LoadReport`.
         model_only: the checkpoint's optimizer state (keys of
             :meth:`~oarlock.checkpoint.metadata.CheckpointMetadata.optimizer_state_keys` and the ``optimizer.*``
-            objects) is not this load's: under ``strict`` it is not "unexpected". The way to load a model strictly
-            from a model+optimizer checkpoint.
+            objects) and the training-run records its reader marks
+            (:attr:`~oarlock.checkpoint.metadata.CheckpointMetadata.non_model_keys`: Megatron-Core's ``common.*``
+            values and ``*._extra_state*`` entries, DeepSpeed's engine counters) are not this load's: under
+            ``strict`` they are not "unexpected". The way to load a model strictly from a training checkpoint.
         ignore_unexpected: the general form of "the rest of the checkpoint is not mine": True (every stored key
             no rank requested), glob patterns (a string or a list, ``fnmatch`` syntax) or a predicate over stored
             keys. Matching keys do not fail ``strict`` (they are still listed in ``LoadReport.unexpected_keys``);

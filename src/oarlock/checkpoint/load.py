@@ -61,13 +61,21 @@ def fmt_keys(keys: list[str], limit: int = 20) -> str:
     return s + (f" ... ({len(keys) - limit} more)" if len(keys) > limit else "")
 
 
+def not_model_weights(meta: CheckpointMetadata) -> set[str]:
+    """Stored keys a ``model_only`` load ignores: optimizer state tensors
+    (:meth:`~oarlock.checkpoint.metadata.CheckpointMetadata.optimizer_state_keys`), the ``optimizer.*`` objects and
+    the entries the format's reader marked as records of the training run
+    (:attr:`~oarlock.checkpoint.metadata.CheckpointMetadata.non_model_keys`)."""
+    return (set(meta.optimizer_state_keys()) | ({ALGORITHM_KEY, PARAM_GROUPS_KEY} & set(meta.objects))
+            | set(meta.non_model_keys))
+
+
 def not_mine(meta: CheckpointMetadata, model_only: bool, ignore: Any) -> Callable[[str], bool]:
     """Predicate over stored keys the caller declared not to be this load's (``model_only`` and
     ``ignore_unexpected`` of :func:`oarlock.checkpoint.load_state_dict`)."""
     import fnmatch
 
-    opt = set(meta.optimizer_state_keys()) | ({ALGORITHM_KEY, PARAM_GROUPS_KEY} & set(meta.objects)) \
-        if model_only else set()
+    opt = not_model_weights(meta) if model_only else set()
     if callable(ignore):
         return lambda k: k in opt or bool(ignore(k))
     if ignore is True:
@@ -170,11 +178,18 @@ def run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process_
             parts.append(f"missing keys (requested, not in the checkpoint): {fmt_keys(all_missing)}")
         if unexpected_strict:
             parts.append(f"unexpected keys (in the checkpoint, not requested): {fmt_keys(unexpected_strict)}")
-        dropped = dropped_data(unexpected_strict, used)
+        # optimizer state and training-run records (Megatron's common.* and *._extra_state*): model_only=True
+        # is the fix for those, never an AOA statement
+        run_records = not_model_weights(reader.metadata) if not model_only else set()
+        weights = [k for k in unexpected_strict if k not in run_records]
+        dropped = dropped_data(weights, used)
         if dropped:  # strict=False would silently lose these tensors: never suggest it
             hint = (f" ({fmt_keys(dropped, 5)} belong to modules this load reads, e.g. biases: loading without them "
                     "gives wrong numbers. Map them with an AOA statement (a preset built from the model's "
                     "config.json maps biases, see docs/aoa.md), or drop them deliberately with 'KEY -> _')")
+        elif not weights:
+            hint = (f" (none of them are model weights: this {reader.metadata.format} checkpoint's optimizer state and "
+                    "training-run records; pass model_only=True to load the model strictly without them)")
         else:
             hint = (" (pass strict=False to load the rest and get them in the returned LoadReport, or "
                     "model_only=True / ignore_unexpected=GLOBS when the rest of the checkpoint is not this load's)")

@@ -126,6 +126,14 @@ class CheckpointMetadata:
         save_id: the unique id of the save that wrote the checkpoint (oarlock format; None for other formats
             and older checkpoints); every data file's header carries it (:data:`SAVE_ID_HEADER`) and readers
             refuse a data file of another save.
+        optimizer_keys: tensor keys the reader of a foreign format knows hold optimizer state although they are
+            not named ``<model key><suffix>`` (DeepSpeed's ``optim.state.<param>.exp_avg``, Megatron-Core's
+            ``optimizer.state.<state>.<param>``); :meth:`optimizer_state_keys` includes them. Not written to
+            ``metadata.json`` (oarlock's own keys follow the suffix rule).
+        non_model_keys: keys of entries (tensors or objects) the reader knows are neither model weights nor
+            optimizer state, but records of the training run (Megatron-Core's ``common.*`` values and layers'
+            ``*._extra_state*``, DeepSpeed's engine counters and ``optim.param_groups``). A ``model_only`` load
+            does not count them as unexpected. Not written to ``metadata.json``.
     """
 
     format: str
@@ -134,6 +142,8 @@ class CheckpointMetadata:
     nested: dict[str, list] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
     save_id: str | None = None
+    optimizer_keys: list[str] = field(default_factory=list)
+    non_model_keys: list[str] = field(default_factory=list)
 
     @property
     def files(self) -> list[str]:
@@ -154,8 +164,10 @@ class CheckpointMetadata:
     def optimizer_state_keys(self) -> list[str]:
         """Tensor keys holding optimizer state rather than model weights, in stored order: ``<model key><suffix>``
         for a suffix of :data:`STATE_SUFFIXES` where ``<model key>`` is itself a stored tensor or a parameter listed
-        in the saved ``optimizer.param_groups``. A model key that merely ends like a suffix is not included (its
-        base key is neither stored nor a listed parameter)."""
+        in the saved ``optimizer.param_groups``, and the keys a foreign format's reader marked
+        (:attr:`optimizer_keys`). A model key that merely ends like a suffix is not included (its base key is
+        neither stored nor a listed parameter)."""
+        marked = set(self.optimizer_keys)
         params: set[str] = set(self.tensors)
         groups = self.objects.get(PARAM_GROUPS_KEY)
         if isinstance(groups, list):
@@ -164,7 +176,7 @@ class CheckpointMetadata:
                     params.update(str(p) for p in g["params"])
         out = []
         for k in self.tensors:
-            if any(k.endswith(suf) and k[:-len(suf)] in params for suf in STATE_SUFFIXES):
+            if k in marked or any(k.endswith(suf) and k[:-len(suf)] in params for suf in STATE_SUFFIXES):
                 out.append(k)
         return out
 
@@ -172,9 +184,10 @@ class CheckpointMetadata:
                  ) -> "CheckpointMetadata":
         """A copy holding only the tensors and objects whose keys :func:`key_selected` keeps."""
         keep = {k: t for k, t in self.tensors.items() if key_selected(k, include, exclude)}
-        return CheckpointMetadata(self.format, keep,
-                                  {k: v for k, v in self.objects.items() if key_selected(k, include, exclude)},
-                                  dict(self.nested), dict(self.extra))
+        objects = {k: v for k, v in self.objects.items() if key_selected(k, include, exclude)}
+        return CheckpointMetadata(self.format, keep, objects, dict(self.nested), dict(self.extra),
+                                  optimizer_keys=[k for k in self.optimizer_keys if k in keep],
+                                  non_model_keys=[k for k in self.non_model_keys if k in keep or k in objects])
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=1, sort_keys=False)

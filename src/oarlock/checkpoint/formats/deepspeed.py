@@ -22,7 +22,10 @@ names the tag; ``dir/<tag>/`` holds
 Keys: ``<param name>`` (fp32 master weight), ``optim.state.<param name>.exp_avg`` / ``.exp_avg_sq`` (flattened
 shards of the rank partitions) and ``.step``; buffers under their names; ``optim.param_groups`` and the engine's
 scalars (``global_steps``, ``ds_version``, ...) as values. Each data-file shard is a *flattened* shard, so any
-target layout (another data-parallel degree included) reads only the partition bytes it needs.
+target layout (another data-parallel degree included) reads only the partition bytes it needs. The
+``optim.state.*`` keys are marked as optimizer state (``metadata.optimizer_keys``: ``oarlock convert --to hf``
+leaves them out unless asked to keep them) and the values as training-run records (``metadata.non_model_keys``);
+a ``model_only`` load ignores both.
 
 Safety: the ``.pt`` files are ``torch.save`` archives loaded with ``torch.load(weights_only=True, mmap=True)``;
 DeepSpeed's own classes in them (``LossScaler``, ``ZeroStageEnum``, ``fragment_address``) are admitted as inert
@@ -249,6 +252,8 @@ def read_deepspeed_metadata(path: Path) -> tuple[CheckpointMetadata, str]:
     for k in ("global_steps", "global_samples", "skipped_steps", "ds_version", "ds_config", "iteration"):
         if k in model and isinstance(model[k], (int, float, str, dict, list)):
             meta.objects[k] = _plain(model[k])
+    # the engine's counters, config and param groups are records of the training run, not model weights
+    meta.non_model_keys = list(meta.objects)
     meta.extra["deepspeed"] = {"zero_stage": stage, "world_size": world, "tag": tag.name,
                                "groups": [len(g) for g in groups]}
     return meta, rel
@@ -268,6 +273,8 @@ def _add_param(meta: CheckpointMetadata, name: str, shape: tuple[int, ...], g: i
             ShardMeta(zero, shape, files[r], f"{stored}:{g}:{base}", (a, b)) for r, a, b, base in shards])
     meta.tensors[f"optim.state.{name}.step"] = TensorMeta(f"optim.state.{name}.step", (), "float32",
                                                           [ShardMeta((), (), files[0], f"step:{g}:0")])
+    # marked, so that an HF export leaves them out by default and a model_only load ignores them
+    meta.optimizer_keys.extend(f"optim.state.{name}.{m}" for m in (*MOMENTS, "step"))
 
 
 @register_format

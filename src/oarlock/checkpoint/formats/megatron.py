@@ -16,10 +16,16 @@ On disk (Megatron-Core 0.x, see ``docs/foreign-formats.md``):
   ``argparse.Namespace`` is admitted as plain data (its attribute dict). Its top-level values become
   ``metadata.objects`` under ``common.<name>``; a ``common.pt`` a weights-only load refuses is reported in
   ``metadata.extra["megatron"]["common_error"]`` and nothing in it runs.
+
+A training checkpoint also holds the optimizer state (``optimizer.state.<state>.<param key>`` tensors) and
+records of the run (``common.*`` values, the layers' ``*._extra_state*`` objects): the reader marks them
+(``metadata.optimizer_keys`` / ``metadata.non_model_keys``, see :func:`mark_entries`), so an HF export holds the
+model weights only by default and a strict ``model_only=True`` load needs no ``ignore_unexpected`` globs.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import json
 from pathlib import Path
 from typing import Any
@@ -28,6 +34,7 @@ import torch
 
 from oarlock.checkpoint.errors import CheckpointFormatError
 from oarlock.checkpoint.formats.dcp import MEGATRON_METADATA, DcpReader, is_dcp_dir
+from oarlock.checkpoint.metadata import CheckpointMetadata
 from oarlock.checkpoint.reader import checkpoint_file, load_weights_only, register_format
 
 COMMON_FILE = "common.pt"
@@ -116,7 +123,28 @@ class MegatronReader(DcpReader):
         for k, v in common.items():
             reader.metadata.objects[f"common.{k}"] = v
         reader.metadata.extra["megatron"] = {"backend": backend, "common_error": err}
+        mark_entries(reader.metadata)
         return reader
+
+
+#: Key prefix of Megatron-Core's optimizer tensors: ``optimizer.state.<state>.<param key>`` (``exp_avg``,
+#: ``exp_avg_sq``, ``fp32_param``, ...) and the distributed optimizer's ``optimizer.distributed.*`` buffers.
+OPTIMIZER_PREFIX = "optimizer."
+#: Entries that are records of the training run, not model weights: the ``common.pt`` values, the layers'
+#: ``_extra_state`` objects (``<module>._extra_state/shard_<i>_<n>``, e.g. FP8 scaling records) and RNG states.
+NON_MODEL_GLOBS = ("common.*", "*._extra_state*", "rng_state*")
+
+
+def mark_entries(meta: CheckpointMetadata) -> None:
+    """Mark ``meta``'s optimizer tensors (``meta.optimizer_keys``, :data:`OPTIMIZER_PREFIX`) and training-run
+    records (``meta.non_model_keys``, :data:`NON_MODEL_GLOBS`), so that ``oarlock convert --to hf`` exports model
+    weights only by default and ``load_state_dict(..., strict=True, model_only=True)`` loads a model from the
+    checkpoint without listing them."""
+    meta.optimizer_keys = [k for k in meta.tensors if k.startswith(OPTIMIZER_PREFIX)]
+    opt = set(meta.optimizer_keys)
+    meta.non_model_keys = [k for k in (*meta.tensors, *meta.objects)
+                           if k not in opt and (k.startswith(OPTIMIZER_PREFIX)
+                                                or any(fnmatch.fnmatchcase(k, g) for g in NON_MODEL_GLOBS))]
 
 
 def _listing(path: Path) -> set[str]:
