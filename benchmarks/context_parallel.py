@@ -11,7 +11,7 @@ at each S, every rank's local attention (the kernel forward + backward of its ro
 The slowest rank bounds a step, so the table gives max and mean per-rank time and max/mean (1.00 = balanced).
 
 Part 2, end to end (``--world`` gloo ranks, or NCCL with ``--device cuda``): forward + backward of
-``context_parallel_flashmask_attention`` timed between barriers (slowest rank), per mask and plan; and on the
+``context_parallel_flashmask_attention(method="allgather")`` timed between barriers (slowest rank), per mask and plan; and on the
 plain causal mask the same against ``torch.distributed.tensor.experimental.context_parallel`` (ring attention
 with its load balancer) around ``scaled_dot_product_attention(is_causal=True)``. On CPU torch's experimental CP
 has no sharding strategy for the CPU SDPA kernel (NotImplementedError): that row then says so.
@@ -239,7 +239,8 @@ def _plans_e2e(rank, world, args, dev, sync) -> list[dict]:
 
                 def step():
                     xs = [x.detach().requires_grad_(True) for x in loc[:3]]
-                    out = context_parallel_flashmask_attention(*xs, idx_d, plan=plan, causal=causal)
+                    out = context_parallel_flashmask_attention(*xs, idx_d, plan=plan, causal=causal,
+                                                               method="allgather")  # as recorded in RESULTS.md
                     out.backward(loc[3])
                     sync()
                     dist.barrier()

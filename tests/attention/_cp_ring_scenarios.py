@@ -6,7 +6,7 @@ K/V blocks in which this rank's rows see at least one key (counted from the dens
 """
 
 import torch
-from _cp_scenarios import B, D, H, HK, SCENARIOS, run
+from _cp_scenarios import B, D, H, HK, SCENARIOS, run, run_dropout, run_low_precision, run_nonfinite_key
 
 import oarlock.attention.context_parallel as CP
 from oarlock.attention import (ContextParallelPlan, context_parallel_flashmask_attention, flashmask_attention,
@@ -26,10 +26,26 @@ for _name in SCENARIOS:
     globals()[f"scenario_ring_{_name}"] = _scenario(_name)
 
 
+def scenario_ring_nonfinite_key(ctx):
+    torch.set_num_threads(1)
+    run_nonfinite_key(ctx.world, ctx.rank, method="ring")
+
+
+def scenario_ring_bfloat16(ctx):
+    torch.set_num_threads(1)
+    run_low_precision(ctx.world, ctx.rank, method="ring")
+
+
+def scenario_ring_dropout(ctx):
+    torch.set_num_threads(1)
+    run_dropout(ctx.world, ctx.rank, method="ring")
+
+
 def scenario_ring_skips_dead_blocks(ctx):
     """Sliding window of 40 under a contiguous split (blocks of 128 or 64 keys): rank r's rows see keys of
     blocks r - 1 and r only, so the ring runs the kernel (forward and backward) on those blocks alone, still
-    forwarding the others, and the result equals the single-process one."""
+    forwarding the others, and the result equals the single-process one. The call names no method: the ring is
+    the default (the all-gather would call the kernel once per pass on every rank)."""
     torch.set_num_threads(1)
     s, world, rank = 256, ctx.world, ctx.rank
     n = s // world
@@ -57,7 +73,7 @@ def scenario_ring_skips_dead_blocks(ctx):
     CP.kernel_forward, CP.kernel_backward = fwd, bwd
     try:
         loc = [shard_sequence(plan, x, rank).requires_grad_(True) for x in (q, k, v)]
-        out = context_parallel_flashmask_attention(*loc, idx, plan=plan, causal=True, method="ring")
+        out = context_parallel_flashmask_attention(*loc, idx, plan=plan, causal=True)
         out.backward(shard_sequence(plan, dout, rank))
     finally:
         CP.kernel_forward, CP.kernel_backward = real_fwd, real_bwd

@@ -50,14 +50,19 @@ SCENARIOS = {
 }
 
 
-def dense64(q, k, v, idx, causal):
-    """float64 softmax(QK^T/sqrt(D) + mask) V from the dense mask; fully masked rows give 0."""
-    h, hk = q.shape[2], k.shape[2]
+def dense_keep(idx, causal, h):
+    """bool ``[B or 1, H or 1, S, S]``: which keys each query row sees (mask heads spread over query heads)."""
     if idx is None:
         keep = torch.ones(1, 1, S, S, dtype=torch.bool).tril()
     else:
         keep = M.to_dense_mask(idx, causal=causal, seqlen_q=S)
-    keep = keep.repeat_interleave(h // keep.shape[1], 1) if keep.shape[1] > 1 else keep
+    return keep.repeat_interleave(h // keep.shape[1], 1) if keep.shape[1] > 1 else keep
+
+
+def dense64(q, k, v, idx, causal):
+    """float64 softmax(QK^T/sqrt(D) + mask) V from the dense mask; fully masked rows give 0."""
+    h, hk = q.shape[2], k.shape[2]
+    keep = dense_keep(idx, causal, h)
     qq, kk, vv = (x.double().transpose(1, 2) for x in (q, k, v))
     kk, vv = kk.repeat_interleave(h // hk, 1), vv.repeat_interleave(h // hk, 1)
     s = (qq @ kk.transpose(-1, -2)) / D ** 0.5
@@ -114,6 +119,106 @@ def run(name, world, rank, method="allgather"):
                                    msg=lambda m, n=nm: f"d{n} vs float64 dense: {m}")
     full = gather_sequence(plan, out.detach())
     torch.testing.assert_close(full, out1.detach(), **tol, msg=lambda m: f"gathered output: {m}")
+    # rows that see no key at all: output and dq exactly 0 (not merely close), as in the single-process call
+    dead = ~dense_keep(idx, causal, h).any(-1).expand(B, h, S)  # [B, H, S]
+    assert dead.any() == (name == "fully_masked_rows"), "only fully_masked_rows has rows that see nothing"
+    dead = shard(dead.transpose(1, 2))  # [B, S / W, H]
+    assert torch.count_nonzero(out.detach()[dead]) == 0, "fully masked rows must give exactly 0"
+    assert torch.count_nonzero(loc2[0].grad[dead]) == 0, "fully masked rows must get dq exactly 0"
+
+
+def run_nonfinite_key(world, rank, method="allgather"):
+    """A NaN in one key and an Inf in one value, each visible to some rows (sliding window of 40, GQA): the rows
+    that see them are NaN, every other row equals the single-process result, and the gradients of a loss over
+    the clean rows equal the single-process ones (dq NaN on the poisoned rows, dk and dv finite): a non-finite
+    key poisons only the rows that see it, also when those rows see finite keys of other ranks' blocks."""
+    idx = M.sliding_window_mask(S, 40, batch_size=B)
+    g = torch.Generator().manual_seed(13)
+    q = torch.randn(B, S, H, D, generator=g)
+    k = torch.randn(B, S, HK, D, generator=g)
+    v = torch.randn(B, S, HK, D, generator=g)
+    dout = torch.randn(B, S, H, D, generator=g)
+    k[0, 150, 0, 3] = float("nan")  # seen by rows 150..190 of batch 0
+    v[1, 30, 1, 5] = float("inf")  # seen by rows 30..70 of batch 1
+    keep = dense_keep(idx, True, H)  # [B, 1, S, S]
+    # the kernels mark a row NaN in every head when it sees a key position holding a non-finite value in any head
+    sees = torch.stack([keep[0, 0, :, 150], keep[1, 0, :, 30]]).unsqueeze(-1).expand(B, S, H)  # [B, S, H]
+    plan = plan_context_parallel(idx, causal=True, world_size=world, chunk_size=CHUNK, block_size=BLOCK)
+    ref = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    out1 = flashmask_attention(*ref, idx, causal=True)
+    torch.where(sees.unsqueeze(-1), 0.0, out1 * dout).sum().backward()
+    loc = [shard_sequence(plan, x, rank).requires_grad_(True) for x in (q, k, v)]
+    out = context_parallel_flashmask_attention(*loc, idx, plan=plan, causal=True, method=method)
+    shard = lambda t: shard_sequence(plan, t, rank)  # noqa: E731
+    lsees = shard(sees)
+    torch.where(lsees.unsqueeze(-1), 0.0, out * shard(dout)).sum().backward()
+    assert torch.isnan(out[lsees]).all(), "rows that see a non-finite key must be NaN"
+    tol = dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[~lsees], shard(out1.detach())[~lsees], **tol,
+                               msg=lambda m: f"clean rows vs single process: {m}")
+    # single process: dq is NaN exactly on the rows that see a non-finite key, dk and dv are finite
+    assert torch.equal(torch.isnan(ref[0].grad).any(-1), sees)
+    assert torch.isfinite(ref[1].grad).all() and torch.isfinite(ref[2].grad).all()
+    for nm, got, want in zip("qkv", loc, ref):
+        torch.testing.assert_close(got.grad, shard(want.grad), **tol, equal_nan=True,
+                                   msg=lambda m, n=nm: f"d{n} vs single: {m}")
+
+
+def run_low_precision(world, rank, method="allgather", dtype=torch.bfloat16):
+    """bfloat16 inputs (GQA, causal documents crossing chunk boundaries): out, dq, dk, dv of this rank equal
+    single-process bfloat16 flashmask_attention to bfloat16 rounding (both round each kernel's result to the
+    input dtype, in different places), and lie near float64 dense attention; the dtypes are the inputs'."""
+    idx, causal, h, _ = SCENARIOS["causal_document"]
+    g = torch.Generator().manual_seed(17)
+    q, k, v = (torch.randn(B, S, n, D, generator=g).to(dtype) for n in (h, HK, HK))
+    dout = torch.randn(B, S, h, D, generator=g).to(dtype)
+    plan = plan_context_parallel(idx, causal=causal, world_size=world, chunk_size=CHUNK, block_size=BLOCK)
+    ref = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    out1 = flashmask_attention(*ref, idx, causal=causal)
+    out1.backward(dout)
+    loc = [shard_sequence(plan, x, rank).requires_grad_(True) for x in (q, k, v)]
+    out = context_parallel_flashmask_attention(*loc, idx, plan=plan, causal=causal, method=method)
+    out.backward(shard_sequence(plan, dout, rank))
+    assert out.dtype == dtype and all(x.grad.dtype == dtype for x in loc)
+    shard = lambda t: shard_sequence(plan, t, rank)  # noqa: E731
+    tol = dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out, shard(out1.detach()), **tol, msg=lambda m: f"out vs single process: {m}")
+    for nm, got, want in zip("qkv", loc, ref):
+        torch.testing.assert_close(got.grad, shard(want.grad), **tol, msg=lambda m, n=nm: f"d{n} vs single: {m}")
+    r64 = [x.double().requires_grad_(True) for x in (q, k, v)]
+    torch.testing.assert_close(out.double(), shard(dense64(*r64, idx, causal).detach()), rtol=2e-2, atol=2e-2,
+                               msg=lambda m: f"out vs float64: {m}")
+
+
+def run_dropout(world, rank, method="allgather"):
+    """Dropout 0.3 on CPU: the output is linear in V for fixed dropout masks (the same seed on every rank), so
+    ``sum over ranks <dV, U>`` must equal ``sum over ranks <out(V + U) - out(V), dO>`` (no truncation error): the
+    backward redraws exactly the forward's masks. Dropout must change the output, and the same seed repeat it."""
+    import torch.distributed as dist
+
+    idx, causal, h, _ = SCENARIOS["causal_document"]
+    g = torch.Generator().manual_seed(19)
+    q, k, v = (torch.randn(B, S, n, D, generator=g) for n in (h, HK, HK))
+    u = torch.randn(B, S, HK, D, generator=g)
+    dout = torch.randn(B, S, h, D, generator=g)
+    plan = plan_context_parallel(idx, causal=causal, world_size=world, chunk_size=CHUNK, block_size=BLOCK)
+    shard = lambda t: shard_sequence(plan, t, rank)  # noqa: E731
+    lq, lk, lv, lu, ldo = (shard(x) for x in (q, k, v, u, dout))
+
+    def attend(value, p=0.3):
+        torch.manual_seed(1234)  # the seed the call draws: the same on every rank and in every call
+        return context_parallel_flashmask_attention(lq, lk, value, idx, plan=plan, causal=causal, dropout=p,
+                                                    method=method)
+
+    vv = lv.clone().requires_grad_(True)
+    out = attend(vv)
+    out.backward(ldo)
+    lhs = torch.stack([(vv.grad.double() * lu.double()).sum(),
+                       ((attend(lv + lu) - out.detach()).double() * ldo.double()).sum()])
+    dist.all_reduce(lhs)
+    torch.testing.assert_close(lhs[0], lhs[1], rtol=1e-4, atol=1e-4, msg=lambda m: f"<dV, U> vs finite difference: {m}")
+    assert torch.equal(attend(lv), out.detach()), "the same seed must give the same dropout masks"
+    assert not torch.allclose(attend(lv, 0.0), out.detach(), atol=1e-3), "dropout changed nothing"
 
 
 def _scenario(name):
@@ -127,3 +232,18 @@ def _scenario(name):
 
 for _name in SCENARIOS:
     globals()[f"scenario_{_name}"] = _scenario(_name)
+
+
+def scenario_nonfinite_key(ctx):
+    torch.set_num_threads(1)
+    run_nonfinite_key(ctx.world, ctx.rank)
+
+
+def scenario_bfloat16(ctx):
+    torch.set_num_threads(1)
+    run_low_precision(ctx.world, ctx.rank)
+
+
+def scenario_dropout(ctx):
+    torch.set_num_threads(1)
+    run_dropout(ctx.world, ctx.rank)

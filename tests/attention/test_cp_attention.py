@@ -23,10 +23,13 @@ def test_context_parallel_matches_single_process_and_float64(world, multirank):
     boundaries, sliding window, shared question, non-causal prefix LM, GQA with per-KV-head 4-vector masks,
     fully masked rows, a mask per query head, plain causal under DualChunkSwap, MHA causal blockwise): every
     rank's out, lse, dq, dk, dv equal single-process flashmask_attention and float64 dense attention
-    (atol 1e-5), and gather_sequence restores the full output."""
+    (atol 1e-5), rows that see no key give out and dq exactly 0, and gather_sequence restores the full output.
+    Plus a NaN key and an Inf value seen by some rows: those rows NaN, everything else (dk, dv included) equal
+    to the single-process result; bfloat16 inputs near the single-process bfloat16 result; dropout whose dV is
+    the exact derivative of the forward (output linear in V)."""
     outcome = multirank("_cp_scenarios", world)
     outcome.check()
-    assert len(outcome.names) == 9 and len(outcome.ranks) == world
+    assert len(outcome.names) == 12 and len(outcome.ranks) == world
 
 
 @pytest.mark.multiproc
@@ -34,11 +37,36 @@ def test_context_parallel_matches_single_process_and_float64(world, multirank):
 @pytest.mark.parametrize("world", [2, 4])
 def test_ring_context_parallel_matches_single_process_and_float64(world, multirank):
     """method="ring" on every scenario of the all-gather test (same checks: out, lse, dq, dk, dv against
-    single-process flashmask_attention and float64 dense attention, atol 1e-5; fully masked rows exactly 0),
-    plus: the ring runs the kernel only on the K/V blocks a rank's rows see (counted from the dense mask)."""
+    single-process flashmask_attention and float64 dense attention, atol 1e-5; fully masked rows exactly 0;
+    a non-finite key poisons only the rows that see it, not the dK/dV of other ranks' keys those rows see;
+    bfloat16; dropout), plus: the ring, the default method, runs the kernel only on the K/V blocks a rank's rows
+    see (counted from the dense mask)."""
     outcome = multirank("_cp_ring_scenarios", world)
     outcome.check()
-    assert len(outcome.names) == 10 and len(outcome.ranks) == world
+    assert len(outcome.names) == 13 and len(outcome.ranks) == world
+
+
+@pytest.mark.parametrize("method", ["ring", "allgather"])
+def test_group_of_one_is_flashmask_attention(method):
+    """world_size 1 (no process group): either method returns exactly flashmask_attention's out, lse and
+    gradients (GQA, causal documents, return_softmax_lse)."""
+    g = torch.Generator().manual_seed(8)
+    s = 384
+    idx = causal_document_mask([100, 200, 84])
+    plan = plan_context_parallel(idx, causal=True, world_size=1, chunk_size=128)
+    q = torch.randn(1, s, 4, 16, generator=g)
+    k, v = torch.randn(1, s, 2, 16, generator=g), torch.randn(1, s, 2, 16, generator=g)
+    dout, dlse = torch.randn(1, s, 4, 16, generator=g), torch.randn(1, 4, s, generator=g)
+    results = []
+    for fn in (lambda *x: flashmask_attention(*x, idx, causal=True, return_softmax_lse=True),
+               lambda *x: context_parallel_flashmask_attention(*x, idx, plan=plan, causal=True,
+                                                               return_softmax_lse=True, method=method)):
+        xs = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out, lse = fn(*xs)
+        ((out * dout).sum() + (lse * dlse).sum()).backward()
+        results.append((out.detach(), lse.detach(), *(x.grad for x in xs)))
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), *results):
+        assert torch.equal(a, b), name
 
 
 def test_unknown_cp_method_is_named():

@@ -49,14 +49,32 @@ def test_tiny_demo_end_to_end(tmp_path, cache_dir):
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_tiny_demo_resumes_in_context_parallel(tmp_path, cache_dir):
+@pytest.mark.parametrize("cp_method", [None, "allgather"])
+def test_tiny_demo_resumes_in_context_parallel(tmp_path, cache_dir, cp_method):
     """Layout B = context parallel 2 (sequence split by the mask-aware plan, weights replicated): the DP2
-    checkpoint loads into it and its first loss equals layout A's next loss."""
+    checkpoint loads into it and its first loss equals layout A's next loss, with the default method (the ring)
+    and with the all-gather; the report names the method layout B ran with."""
+    kw = {} if cp_method is None else {"cp_method": cp_method}
     s = DemoSettings(out_dir=str(tmp_path / "out"), cache_dir=str(cache_dir), tiny=True, steps_a=2, steps_b=2,
-                     seq_len=32, max_new_tokens=8, layout_b="c2")
+                     seq_len=32, max_new_tokens=8, layout_b="c2", **kw)
     r = run_demo(s)
     _check_report(r, s)
     assert r["phase_b"]["world_size"] == 2
+    want = cp_method or "ring"
+    assert r["phase_a"]["cp_method"] is None and r["phase_b"]["cp_method"] == want
+    assert f"layout B c2 (context-parallel attention: {want}): losses" in \
+        (tmp_path / "out" / "report.txt").read_text()
+
+
+@pytest.mark.parametrize("args,want", [([], "ring"), (["--cp-method", "allgather"], "allgather"),
+                                       (["--cp-method", "ring"], "ring")])
+def test_cp_method_flag_reaches_the_settings(tmp_path, monkeypatch, args, want):
+    import oarlock.models.demo as demo
+
+    seen = []
+    monkeypatch.setattr(demo, "run_demo", lambda settings: seen.append(settings))
+    assert main(["demo", "--tiny", "--out", str(tmp_path), "--layout-b", "c2", *args]) == 0
+    assert [x.cp_method for x in seen] == [want]
 
 
 @pytest.mark.slow
@@ -75,6 +93,7 @@ def test_real_smollm2_demo_reduced(tmp_path, cache_dir):
     (["--layout-b", "tp2"], "tp=2 is impossible"),
     (["--layout-a", "zz9"], "unknown layout 'zz9'"),
     (["--global-batch", "3"], "not divisible by the data-parallel degree 2"),
+    (["--cp-method", "tree"], "--cp-method must be one of allgather, ring, got 'tree'"),
 ])
 def test_bad_layouts_are_one_line_errors(tmp_path, cache_dir, capsys, args, needle):
     rc = main(["demo", "--tiny", "--out", str(tmp_path), "--cache", str(cache_dir), *args])

@@ -7,8 +7,8 @@ import _parallel_scenarios as S
 from multirank import each_scenario, launch_fixture, scenario_names
 from oarlock.errors import OarlockError
 from oarlock.models.llama import Llama, LlamaConfig, causal_lm_loss
-from oarlock.models.parallel import (ParallelLayout, check_layout, expert_range, stage_layer_range,
-                                     valid_tp_degrees)
+from oarlock.models.parallel import (ParallelLayout, check_layout, expert_range, parallelize_llama,
+                                     stage_layer_range, valid_tp_degrees)
 from oarlock.models.zero import ZeroRedundancyAdamW
 
 launched = launch_fixture("_parallel_scenarios", worlds=(2, 4), timeout_s=300, threads=1)
@@ -25,9 +25,10 @@ def test_layouts_train_like_a_single_process(launched, world, scenario):
 
 
 def test_every_layout_has_a_scenario():
-    for world, n in ((2, 8), (4, 12)):
+    extra = {2: ["scenario_c2_cp_methods_one_step"], 4: ["scenario_t2c2_cp_methods_one_step"]}
+    for world, n in ((2, 9), (4, 13)):
         assert scenario_names("_parallel_scenarios", world) == [f"scenario_{S._name(spec)}"
-                                                                 for spec, _ in S.CHECKS[world]]
+                                                                 for spec, _ in S.CHECKS[world]] + extra[world]
         assert len(S.CHECKS[world]) == n
 
 
@@ -63,6 +64,15 @@ def test_impossible_degrees_say_which_work():
     check_layout(moe, ParallelLayout(ep=2))  # 5 experts over 2 ranks: 3 + 2
     with pytest.raises(OarlockError, match="ep=6 exceeds the 5 experts.*1..5"):
         check_layout(moe, ParallelLayout(ep=6))
+
+
+def test_unknown_cp_method_is_named():
+    cfg = LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1)
+    with pytest.raises(OarlockError, match=r"cp_method='tree' is unknown; use one of allgather, ring"):
+        parallelize_llama(Llama(cfg), cp_method="tree")
+    assert parallelize_llama(Llama(cfg)).parallel_state.cp_method == "ring"  # the attention's default
+    assert parallelize_llama(Llama(cfg), cp_method="allgather").parallel_state.cp_method == "allgather"
 
 
 def test_stage_and_expert_ranges_partition():

@@ -9,9 +9,9 @@ FlashMask into transformers models (``attn_implementation=register_transformers_
 ``docs/flashmask.md``.
 """
 
-from oarlock.attention.context_parallel import (ContextParallelPlan, context_parallel_flashmask_attention,
-                                               gather_sequence, local_positions, plan_context_parallel,
-                                               shard_sequence)
+from oarlock.attention.context_parallel import (CP_METHODS, DEFAULT_CP_METHOD, ContextParallelPlan,
+                                               context_parallel_flashmask_attention, gather_sequence, local_positions,
+                                               plan_context_parallel, shard_sequence)
 from oarlock.attention.errors import AttentionError, AttentionInputError, MaskNotRepresentableError
 from oarlock.attention.flashmask import flashmask_attention
 from oarlock.attention.hf import register as register_transformers_attention
@@ -31,5 +31,5 @@ __all__ = [
     "prefix_lm_document_mask", "qk_sparse_mask", "random_eviction_mask", "causal_blockwise_mask",
     "to_dense_mask", "from_dense_mask", "to_mask_mod", "to_flex_block_mask", "mask_picture",
     "plan_context_parallel", "ContextParallelPlan", "context_parallel_flashmask_attention", "shard_sequence",
-    "gather_sequence", "local_positions", "register_transformers_attention",
+    "gather_sequence", "local_positions", "register_transformers_attention", "CP_METHODS", "DEFAULT_CP_METHOD",
 ]

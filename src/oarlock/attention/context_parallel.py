@@ -32,7 +32,8 @@ from oarlock.attention.flashmask import (expand_kv_for_mask_heads, flashmask_att
 from oarlock.attention.masks import TILE_SKIP, canonicalize, classify_tiles
 
 __all__ = ["ContextParallelPlan", "plan_context_parallel", "chunk_workloads", "dual_chunk_swap",
-           "context_parallel_flashmask_attention", "local_positions", "shard_sequence", "gather_sequence", "local_mask"]
+           "context_parallel_flashmask_attention", "local_positions", "shard_sequence", "gather_sequence", "local_mask",
+           "CP_METHODS", "DEFAULT_CP_METHOD"]
 
 
 @dataclass(frozen=True)
@@ -291,6 +292,9 @@ _RING_TILE = 64
 _TAG_KV, _TAG_GRAD = 7, 8  # gloo matches messages per tag; NCCL ignores tags (every rank posts the same order)
 
 CP_METHODS = ("allgather", "ring")
+#: ``method`` of :func:`context_parallel_flashmask_attention` when none is given (and of the models' ``cp``
+#: degree): the ring, measured faster and never holding all ``S`` keys (docs/flashmask.md, "Context parallelism").
+DEFAULT_CP_METHOD = "ring"
 
 
 def _ring_exchange(send: torch.Tensor, recv: torch.Tensor, group, rank: int, world: int, tag: int) -> list:
@@ -347,6 +351,24 @@ def _merge_partial(out, lse, o, l):
     return out * w_old + o * w_new, new
 
 
+def _leave_out_poisoned_rows(q, grad_out, out, lse, grad_lse):
+    """Rows that saw a non-finite key or value (finite query, NaN ``lse``) carry NaN ``out``/``lse``. A single
+    kernel call over all keys leaves them out of its backward (dQ NaN, nothing into dK/dV); each ring block's
+    call only knows about its own keys, so without this the blocks where such a row sees finite keys would spread
+    its NaN into their dK/dV. Zeroing its ``grad_out`` and ``out`` and setting ``lse = -inf`` gives it weight 0
+    in every block; the block holding the non-finite key still marks its dQ NaN, as the single call does."""
+    poisoned = torch.isnan(lse) & torch.isfinite(q).all(-1).transpose(1, 2)  # [B, H, Sq]
+    if not bool(poisoned.any()):
+        return grad_out, out, lse, grad_lse
+    rows = poisoned.transpose(1, 2).unsqueeze(-1)  # [B, Sq, H, 1]
+    grad_out = grad_out.masked_fill(rows, 0.0)
+    out = out.masked_fill(rows, 0.0)
+    lse = lse.masked_fill(poisoned, float("-inf"))
+    if grad_lse is not None:
+        grad_lse = grad_lse.masked_fill(poisoned, 0.0)
+    return grad_out, out, lse, grad_lse
+
+
 class _RingContextParallelAttention(torch.autograd.Function):
     """Ring attention over the plan's rank order (Liu et al., "Ring Attention with Blockwise Transformers",
     arXiv 2310.01889; docs/flashmask.md, "Context parallelism"). Forward, ``W`` steps: at step ``i`` rank ``r``
@@ -394,6 +416,7 @@ class _RingContextParallelAttention(torch.autograd.Function):
         blocks, _ = _ring_blocks(canon, world)
         if grad_out is None:
             grad_out = torch.zeros_like(out)
+        grad_out, out, lse, grad_lse = _leave_out_poisoned_rows(q, grad_out, out, lse, grad_lse)
         shapes = (k.shape, v.shape)
         cur = _pack((k, v))
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -453,7 +476,7 @@ def context_parallel_flashmask_attention(query: torch.Tensor, key: torch.Tensor,
                                          startend_row_indices: torch.Tensor | None, *, plan: ContextParallelPlan,
                                          group=None, causal: bool = False, softmax_scale: float | None = None,
                                          dropout: float = 0.0, return_softmax_lse: bool = False,
-                                         method: str = "allgather"):
+                                         method: str = DEFAULT_CP_METHOD):
     """FlashMask attention with the sequence split over the ranks of ``group`` (context parallelism).
 
     Rank ``r`` owns the ``r``-th equal slice of ``plan.token_permutation()`` (:func:`shard_sequence` cuts it
@@ -462,14 +485,19 @@ def context_parallel_flashmask_attention(query: torch.Tensor, key: torch.Tensor,
     :func:`~oarlock.attention.flashmask_attention`; the backward returns dQ for the local rows and dK/dV summed
     onto the ranks that own those keys. Two ways to move K/V (``method``):
 
-    * ``"allgather"`` (default): one all-gather of K/V per pass, one kernel call against all ``S`` keys, dK/dV
+    * ``"ring"`` (default): ``W`` steps; at each the rank computes against the K/V block it holds while that
+      block moves on to the next rank (``batch_isend_irecv``), partial results merge by log-sum-exp; blocks whose
+      tiles the mask kills entirely cost no kernel call. Backward: the same ring, fp32 dK/dV accumulators
+      travelling with their blocks. Holds two ``S / W`` blocks at a time; costs ``W`` kernel calls per pass and
+      one more hop of gradients.
+    * ``"allgather"``: one all-gather of K/V per pass, one kernel call against all ``S`` keys, dK/dV
       reduce-scattered in fp32. Holds ``S`` keys (and their fp32 gradients in the backward) at once.
-    * ``"ring"``: ``W`` steps; at each the rank computes against the K/V block it holds while that block moves
-      on to the next rank (``batch_isend_irecv``), partial results merge by log-sum-exp; blocks whose tiles the
-      mask kills entirely cost no kernel call. Backward: the same ring, fp32 dK/dV accumulators travelling with
-      their blocks. Holds two ``S / W`` blocks at a time; costs ``W`` kernel calls per pass and one more hop
-      of gradients. Which is faster depends on the link and the kernel (docs/flashmask.md,
-      "Context parallelism"; ``benchmarks/context_parallel.py`` times both).
+
+    The ring is the default because it gives the same results for every input the all-gather takes (the same
+    tests run both) and was measured faster: 0.77x-1.00x the all-gather's forward+backward time on 4 gloo
+    ranks at S = 8k-16k (``benchmarks/context_parallel.py --methods-only``, benchmarks/RESULTS.md), with half
+    the K/V communication buffers. Neither has been timed on NCCL yet; on a fast GPU link with very sparse masks
+    the all-gather's single kernel call may win (docs/flashmask.md, "Context parallelism").
 
     Works with GQA, masks per KV head or per query head, causal 1/2-vector and non-causal 2/4-vector indices;
     rows that see no key give exactly 0 (no NaN). Algorithm: FlashMask V3 context parallelism, the ring after
@@ -486,8 +514,10 @@ def context_parallel_flashmask_attention(query: torch.Tensor, key: torch.Tensor,
         softmax_scale: default ``1 / sqrt(D)``.
         dropout: CPU only (the masks differ from a single-process run).
         return_softmax_lse: also return this rank's float32 ``[B, H, S / W]`` log-sum-exp (differentiable).
-        method: ``"allgather"`` or ``"ring"`` (same results up to float32 rounding; with float16/bfloat16
-            inputs the ring merges partial outputs rounded to the input dtype).
+        method: ``"ring"`` (default, :data:`DEFAULT_CP_METHOD`) or ``"allgather"`` (same results up to float32
+            rounding; with float16/bfloat16 inputs the ring merges partial outputs rounded to the input dtype;
+            with dropout the two draw different masks). A group of one rank runs ``flashmask_attention``
+            either way.
 
     Returns:
         ``out`` ``[B, S / W, H, Dv]`` for this rank's rows (and ``lse`` when asked).

@@ -11,7 +11,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     s = DemoSettings(out_dir=args.out, cache_dir=args.cache or "", tiny=args.tiny, layout_a=args.layout_a,
                      layout_b=args.layout_b, steps_a=args.steps_a, steps_b=args.steps_b, seq_len=args.seq_len,
                      global_batch=args.global_batch, lr=args.lr, prompt=args.prompt,
-                     max_new_tokens=args.max_new_tokens, seed=args.seed, max_docs=args.max_docs)
+                     max_new_tokens=args.max_new_tokens, seed=args.seed, max_docs=args.max_docs,
+                     cp_method=args.cp_method)
     run_demo(s)
     return 0
 
@@ -35,6 +36,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--layout-b", default=d["layout_b"].default,
                    help="resumed layout (default: tp3); c2 / t3c2 = context parallel, the sequence split over "
                         "ranks with FlashMask context-parallel attention")
+    p.add_argument("--cp-method", default=d["cp_method"].default,
+                   help="how context-parallel layouts (c2, t3c2, ...) move keys/values between ranks: ring "
+                        "(K/V blocks passed round while computing) or allgather (default: "
+                        f"{d['cp_method'].default}; see docs/flashmask.md)")
     p.add_argument("--steps-a", type=int, default=d["steps_a"].default, help="training steps in layout A")
     p.add_argument("--steps-b", type=int, default=d["steps_b"].default, help="training steps in layout B")
     p.add_argument("--seq-len", type=int, default=d["seq_len"].default, help="tokens per packed sequence")

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from oarlock.attention import CP_METHODS, DEFAULT_CP_METHOD
 from oarlock.models.errors import ModelError
 from oarlock.models.llama import LlamaConfig
 
@@ -58,10 +59,13 @@ class DemoSettings:
     max_new_tokens: int = 24
     seed: int = 0
     max_docs: int | None = None
+    cp_method: str = DEFAULT_CP_METHOD  # K/V exchange of context-parallel layouts: "ring" or "allgather"
 
     def __post_init__(self) -> None:
         if not self.cache_dir:
             self.cache_dir = os.environ.get("OARLOCK_CACHE", str(Path.home() / ".cache" / "oarlock"))
+        if self.cp_method not in CP_METHODS:
+            raise ModelError(f"demo: --cp-method must be one of {', '.join(CP_METHODS)}, got {self.cp_method!r}")
         for name in ("steps_a", "steps_b", "seq_len", "global_batch"):
             if getattr(self, name) < 1:
                 raise ModelError(f"demo: --{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -231,7 +235,7 @@ def parse_layout(text: str):
     return ParallelLayout.parse(re.sub(r"(dp|tp|pp|ep|cp)(?=\d)", lambda m: m.group(1)[0], text.strip().lower()))
 
 
-def _build_model(hf_cfg: dict, layout_text: str, device: torch.device):
+def _build_model(hf_cfg: dict, layout_text: str, device: torch.device, cp_method: str = DEFAULT_CP_METHOD):
     from oarlock.models.llama import Llama
     from oarlock.models.parallel import build_mesh, parallelize_llama
 
@@ -243,8 +247,14 @@ def _build_model(hf_cfg: dict, layout_text: str, device: torch.device):
     with torch.device(device):
         model = Llama(cfg)
     mesh = build_mesh(layout, device.type)
-    model = parallelize_llama(model, mesh, tp=layout.tp, dp=layout.dp, cp=layout.cp)
+    model = parallelize_llama(model, mesh, tp=layout.tp, dp=layout.dp, cp=layout.cp, cp_method=cp_method)
     return cfg, layout, model
+
+
+def _cp_method_used(model: Any) -> str | None:
+    """The context-parallel attention method the model ran with (None: no ``cp`` degree)."""
+    state = model.parallel_state
+    return state.cp_method if state.layout.cp > 1 else None
 
 
 def _make_optimizer(model: Any, layout: Any, lr: float):
@@ -311,7 +321,7 @@ def _phase_a(rank: int, world: int, port: int, s: DemoSettings, hf_dir: str, out
         from oarlock.checkpoint.optim import sharded_optimizer_state_dict
         device = _init(rank, world, port)
         hf_cfg = json.loads((Path(hf_dir) / "config.json").read_text())
-        cfg, layout, model = _build_model(hf_cfg, s.layout_a, device)
+        cfg, layout, model = _build_model(hf_cfg, s.layout_a, device, s.cp_method)
         t0 = time.perf_counter()
         msd = sharded_state_dict(model)
         load_state_dict(msd, hf_dir, aoa_config={"aoa_statements": hf_import_statements(cfg, hf_dir)})
@@ -336,7 +346,7 @@ def _phase_a(rank: int, world: int, port: int, s: DemoSettings, hf_dir: str, out
         if rank == 0:
             q.put(("A", {"losses": losses, "reference_next_loss": ref[0], "ppl_before": ppl_before,
                          "time_load_s": t_load, "time_train_s": t_train, "time_save_s": t_save,
-                         "world_size": world}))
+                         "world_size": world, "cp_method": _cp_method_used(model)}))
         dist.barrier()
         dist.destroy_process_group()
     except BaseException as e:  # report instead of hanging the parent
@@ -356,7 +366,7 @@ def _phase_b(rank: int, world: int, port: int, s: DemoSettings, hf_dir: str, out
 
         device = _init(rank, world, port)
         hf_cfg = json.loads((Path(hf_dir) / "config.json").read_text())
-        cfg, layout, model = _build_model(hf_cfg, s.layout_b, device)
+        cfg, layout, model = _build_model(hf_cfg, s.layout_b, device, s.cp_method)
         msd = sharded_state_dict(model)
         opt = _make_optimizer(model, layout, s.lr)
         t0 = time.perf_counter()
@@ -389,7 +399,7 @@ def _phase_b(rank: int, world: int, port: int, s: DemoSettings, hf_dir: str, out
         log(f"exported to HuggingFace format in {t_export:.1f} s: {export_dir}")
         if rank == 0:
             q.put(("B", {"losses": losses, "ppl_after": ppl_after, "time_load_s": t_load, "time_train_s": t_train,
-                         "time_export_s": t_export, "world_size": world}))
+                         "time_export_s": t_export, "world_size": world, "cp_method": _cp_method_used(model)}))
         dist.barrier()
         dist.destroy_process_group()
     except BaseException as e:
@@ -551,14 +561,20 @@ def run_demo(settings: DemoSettings) -> dict:
     return report
 
 
+def _cp_note(phase: dict) -> str:
+    return f" (context-parallel attention: {phase['cp_method']})" if phase.get("cp_method") else ""
+
+
 def format_report(r: dict) -> str:
     s = r["settings"]
     lines = [f"oarlock demo: {r['model']}",
              f"  data: standard-library docstrings, {r['data']['train_sequences']} train / "
              f"{r['data']['heldout_sequences']} held-out sequences of {s['seq_len']} tokens (FlashMask causal "
              "document mask)",
-             f"  layout A {s['layout_a']}: losses " + " ".join(f"{x:.4f}" for x in r["phase_a"]["losses"]),
-             f"  layout B {s['layout_b']}: losses " + " ".join(f"{x:.4f}" for x in r["phase_b"]["losses"]),
+             f"  layout A {s['layout_a']}{_cp_note(r['phase_a'])}: losses "
+             + " ".join(f"{x:.4f}" for x in r["phase_a"]["losses"]),
+             f"  layout B {s['layout_b']}{_cp_note(r['phase_b'])}: losses "
+             + " ".join(f"{x:.4f}" for x in r["phase_b"]["losses"]),
              f"  resume check: layout A's next loss {r['resume_check']['reference_loss']:.6f}, layout B's first "
              f"{r['resume_check']['resumed_loss']:.6f} (|diff| {r['resume_check']['abs_diff']:.2e})",
              f"  held-out perplexity: {r['phase_a']['ppl_before']:.2f} before -> {r['phase_b']['ppl_after']:.2f} after",

@@ -41,7 +41,7 @@ from oarlock.models.errors import ModelError
 
 # --------------------------------------------------------------------------------------------------------------
 # Attention: FlashMask (CPU tiled kernel, Triton on CUDA) with a column-wise start-row mask.
-from oarlock.attention import (ContextParallelPlan, causal_document_mask_from_ids,  # noqa: E402
+from oarlock.attention import (DEFAULT_CP_METHOD, ContextParallelPlan, causal_document_mask_from_ids,  # noqa: E402
                                context_parallel_flashmask_attention, flashmask_attention, shard_sequence)
 
 
@@ -265,9 +265,9 @@ class Attention(nn.Module):
         q = qkv[:, :, :, :r].reshape(b, s, -1, d)
         k, v = qkv[:, :, :, r], qkv[:, :, :, r + 1]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if cp is not None:  # (plan, group): this rank's rows of a context-parallel sequence
+        if cp is not None:  # (plan, group, method): this rank's rows of a context-parallel sequence
             out = context_parallel_flashmask_attention(q, k, v, startend_row_indices, plan=cp[0], group=cp[1],
-                                                       causal=True)
+                                                       causal=True, method=cp[2])
         else:
             out = flashmask_attention(q, k, v, startend_row_indices, causal=True)
         return self.o_proj(out.reshape(b, s, -1))
@@ -411,6 +411,8 @@ class Llama(nn.Module):
     * ``cp_plan`` / ``cp_group``: context parallelism. ``x`` then holds only this rank's tokens (``plan.shard``),
       while ``document_ids``, ``startend_row_indices`` and ``position_ids`` stay **global** ``[B, S]`` (the mask
       and the RoPE positions of the local tokens are derived from them); the output covers the local tokens.
+      ``cp_method``: ``"ring"`` or ``"allgather"`` (:func:`oarlock.attention.context_parallel_flashmask_attention`);
+      None takes ``parallel_state.cp_method`` (set by ``parallelize_llama``), else the attention's default.
     * Returns logits ``[B, S, vocab]`` (dtype of the weights) on the last stage (``lm_head``/``norm`` present),
       else hidden states ``[B, S, hidden]``.
 
@@ -446,7 +448,7 @@ class Llama(nn.Module):
     def forward(self, x: torch.Tensor, *, position_ids: torch.Tensor | None = None,
                 document_ids: torch.Tensor | None = None,
                 startend_row_indices: torch.Tensor | None = None, cp_plan: ContextParallelPlan | None = None,
-                cp_group: Any = None) -> torch.Tensor:
+                cp_group: Any = None, cp_method: str | None = None) -> torch.Tensor:
         h = self.embed_tokens(x) if self.embed_tokens is not None else x
         b, s = h.shape[:2]
         if cp_plan is not None:
@@ -462,7 +464,9 @@ class Llama(nn.Module):
         if cp_plan is not None:
             rank = torch.distributed.get_rank(cp_group) if torch.distributed.is_initialized() else 0
             position_ids = shard_sequence(cp_plan, position_ids, rank)
-            cp = (cp_plan, cp_group)
+            if cp_method is None:
+                cp_method = getattr(getattr(self, "parallel_state", None), "cp_method", DEFAULT_CP_METHOD)
+            cp = (cp_plan, cp_group, cp_method)
         cos, sin = self.rotary(position_ids)
         for layer in self.layers.values():
             h = layer(h, cos, sin, startend_row_indices, cp)

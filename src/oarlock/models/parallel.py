@@ -23,7 +23,10 @@ a mesh lists only the dimensions whose degree exceeds 1):
   :func:`oarlock.attention.plan_context_parallel` and attention runs with
   :func:`oarlock.attention.context_parallel_flashmask_attention`; parameters are replicated (CP shards no weight,
   so checkpoints move between CP and any other layout like DP ones). :func:`forward_backward` shards the batch,
-  weights each rank's loss by its share of the label tokens and sums the gradients over the ``cp`` group.
+  weights each rank's loss by its share of the label tokens and sums the gradients over the ``cp`` group. How
+  K/V move between the ``cp`` ranks (``"ring"``, the default, or ``"allgather"``) is ``parallelize_llama``'s
+  ``cp_method``, kept in ``model.parallel_state.cp_method``; it is not part of the layout notation (it changes
+  no placement, and both give the same results).
 * **dp** (data parallel): parameters replicated; pass ``model.parallel_state.dp_group`` to
   :class:`oarlock.models.zero.ZeroRedundancyAdamW` (ZeRO-1), which averages gradients over it.
 """
@@ -41,7 +44,7 @@ from torch import nn
 
 from oarlock.models.errors import ParallelLayoutError
 from oarlock.utils import balanced_range
-from oarlock.attention import causal_document_mask_from_ids
+from oarlock.attention import CP_METHODS, DEFAULT_CP_METHOD, causal_document_mask_from_ids
 from oarlock.models.llama import MLP, Llama, LlamaConfig, MoE, causal_lm_loss, ffn_fused_permutation
 
 MESH_DIMS = ("pp", "dp", "cp", "ep", "tp")
@@ -161,6 +164,7 @@ class ParallelState:
     layers: range = field(default_factory=lambda: range(0))
     experts: range | None = None
     groups: dict[str, Any] = field(default_factory=dict)  # process group per mesh dimension with degree > 1
+    cp_method: str = DEFAULT_CP_METHOD  # "ring" or "allgather": context-parallel attention's K/V exchange
 
     @property
     def dp_group(self) -> Any:
@@ -204,19 +208,25 @@ def _mlps(model: Llama) -> list[tuple[str, MLP]]:
 
 
 def parallelize_llama(model: Llama, mesh: Any = None, *, tp: int = 1, dp: int = 1, pp: int = 1,
-                      ep: int = 1, cp: int = 1) -> Llama:
+                      ep: int = 1, cp: int = 1, cp_method: str | None = None) -> Llama:
     """Apply a parallel layout to ``model`` in place and return it (with ``model.parallel_state`` set).
 
     ``mesh``: a ``DeviceMesh`` whose dimension names include every degree > 1 (``"pp"``, ``"dp"``, ``"cp"``,
     ``"ep"``, ``"tp"``; :func:`build_mesh`), each of that size. ``cp`` changes no parameter (it records the
-    context-parallel group that :func:`forward_backward` splits the sequence over). Every rank must start from the
+    context-parallel group that :func:`forward_backward` splits the sequence over). ``cp_method``: how
+    context-parallel attention moves K/V, ``"ring"`` or ``"allgather"`` (None: the attention's default,
+    :data:`oarlock.attention.DEFAULT_CP_METHOD`, the ring; see ``docs/flashmask.md``, "Context parallelism");
+    kept in ``model.parallel_state.cp_method``, which :meth:`Llama.forward` uses. Every rank must start from the
     same single-device weights (same seed or the same loaded state dict); they are then pruned (pp, ep) and sharded
-    (tp). Create the optimizer afterwards. Raises :class:`ParallelLayoutError` for impossible degrees (listing those that work)
-    or a mesh that does not match them.
+    (tp). Create the optimizer afterwards. Raises :class:`ParallelLayoutError` for impossible degrees (listing those
+    that work), an unknown ``cp_method``, or a mesh that does not match them.
     """
     layout = ParallelLayout(dp=dp, tp=tp, pp=pp, ep=ep, cp=cp)
     cfg = model.config
     check_layout(cfg, layout)
+    cp_method = DEFAULT_CP_METHOD if cp_method is None else cp_method
+    if cp_method not in CP_METHODS:
+        raise ParallelLayoutError(f"cp_method={cp_method!r} is unknown; use one of {', '.join(CP_METHODS)}")
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
     if mesh is not None and mesh.get_coordinate() is None:
         raise ParallelLayoutError(f"rank {dist.get_rank()} is not in the mesh {mesh.mesh.tolist()} given to "
@@ -259,7 +269,7 @@ def parallelize_llama(model: Llama, mesh: Any = None, *, tp: int = 1, dp: int = 
     if tp > 1:
         _apply_tensor_parallel(model, sub["tp"])
     model.parallel_state = ParallelState(layout=layout, mesh=mesh, pp_stage=stage, layers=layers, experts=experts,
-                                         groups=groups)
+                                         groups=groups, cp_method=cp_method)
     return model
 
 
@@ -406,7 +416,7 @@ def forward_backward(model: Llama, input_ids: torch.Tensor, labels: torch.Tensor
     send/recv (one micro-batch, no interleaving: a correctness schedule, not a fast one). With ``cp > 1`` each
     rank runs its tokens of the plan (:func:`context_parallel_plan`), its loss is weighted by its share of the
     label tokens (``labels != -100``; ``loss_fn`` must be a mean over those) and gradients and loss are summed
-    over the ``cp`` group, so the result equals the single-process step.
+    over the ``cp`` group, so the result equals the single-process step (with either ``cp_method``).
     """
     state: ParallelState | None = getattr(model, "parallel_state", None)
     plan = context_parallel_plan(model, input_ids, document_ids=document_ids)
@@ -415,7 +425,7 @@ def forward_backward(model: Llama, input_ids: torch.Tensor, labels: torch.Tensor
     if plan is not None:
         cp_group = state.cp_group
         rank = dist.get_rank(cp_group)
-        kwargs.update(cp_plan=plan, cp_group=cp_group)
+        kwargs.update(cp_plan=plan, cp_group=cp_group, cp_method=state.cp_method)
         total = int((labels != -100).sum())
         input_ids = plan.shard(input_ids, rank)
         labels = plan.shard(labels, rank)
