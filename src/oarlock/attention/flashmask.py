@@ -135,9 +135,11 @@ def kernel_backward(grad_out: torch.Tensor, grad_lse: torch.Tensor | None, query
                               scale, float(dropout), seed)
 
 
-def _check(cond: bool, msg: str) -> None:
+def _check(cond: bool, msg) -> None:
+    """Raise :class:`AttentionInputError` with ``msg`` (a string, or a callable building it: messages are formatted
+    only on failure, since every call validates its inputs) unless ``cond``."""
     if not cond:
-        raise AttentionInputError(msg)
+        raise AttentionInputError(msg() if callable(msg) else msg)
 
 
 #: More heads than any attention model has: a "heads" dimension this large is a sequence dimension.
@@ -160,43 +162,46 @@ def _check_layout(query, key, idx) -> None:
 
 def _validate(query, key, value, startend_row_indices, causal, window_size, dropout, block_mask):
     for name, t in (("query", query), ("key", key), ("value", value)):
-        _check(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        _check(t.dim() == 4, f"{name} must be 4-D [batch, seqlen, heads, head_dim], got shape {tuple(t.shape)}")
-        _check(t.dtype in _FLOATS, f"{name} dtype must be float32, float16 or bfloat16, got {t.dtype}")
+        _check(isinstance(t, torch.Tensor), lambda: f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        _check(t.dim() == 4, lambda: f"{name} must be 4-D [batch, seqlen, heads, head_dim], got shape {tuple(t.shape)}")
+        _check(t.dtype in _FLOATS, lambda: f"{name} dtype must be float32, float16 or bfloat16, got {t.dtype}")
     b, sq, h, d = query.shape
     _check_layout(query, key, startend_row_indices)
     _check(key.dtype == query.dtype and value.dtype == query.dtype,
-           f"query, key, value must share a dtype, got {query.dtype}, {key.dtype}, {value.dtype}")
+           lambda: f"query, key, value must share a dtype, got {query.dtype}, {key.dtype}, {value.dtype}")
     _check(key.device == query.device and value.device == query.device,
-           f"query, key, value must be on one device, got {query.device}, {key.device}, {value.device}")
+           lambda: f"query, key, value must be on one device, got {query.device}, {key.device}, {value.device}")
     _check(key.shape[0] == b and key.shape[3] == d,
-           f"key must be [batch={b}, seqlen_k, kv_heads, head_dim={d}], got shape {tuple(key.shape)}")
+           lambda: f"key must be [batch={b}, seqlen_k, kv_heads, head_dim={d}], got shape {tuple(key.shape)}")
     sk, hk = key.shape[1], key.shape[2]
     _check(value.shape[:3] == key.shape[:3],
-           f"value must be [batch={b}, seqlen_k={sk}, kv_heads={hk}, head_dim_v], got shape {tuple(value.shape)}")
-    _check(hk > 0 and h % hk == 0, f"query heads ({h}) must be a multiple of key/value heads ({hk})")
-    _check(0.0 <= dropout < 1.0, f"dropout must be in [0, 1), got {dropout}")
+           lambda: f"value must be [batch={b}, seqlen_k={sk}, kv_heads={hk}, head_dim_v], got shape "
+           f"{tuple(value.shape)}")
+    _check(hk > 0 and h % hk == 0, lambda: f"query heads ({h}) must be a multiple of key/value heads ({hk})")
+    _check(0.0 <= dropout < 1.0, lambda: f"dropout must be in [0, 1), got {dropout}")
     if startend_row_indices is not None:
         idx = startend_row_indices
-        _check(isinstance(idx, torch.Tensor), f"startend_row_indices must be a torch.Tensor, got {type(idx).__name__}")
-        _check(idx.dtype == torch.int32, f"startend_row_indices dtype must be int32, got {idx.dtype}")
+        _check(isinstance(idx, torch.Tensor),
+               lambda: f"startend_row_indices must be a torch.Tensor, got {type(idx).__name__}")
+        _check(idx.dtype == torch.int32, lambda: f"startend_row_indices dtype must be int32, got {idx.dtype}")
         allowed = (1, 2) if causal else (2, 4)
         heads = tuple(sorted({1, hk, h}))
         _check(idx.dim() == 4 and idx.shape[0] == b and idx.shape[1] in heads and idx.shape[2] == sk
                and idx.shape[3] in allowed,
-               f"startend_row_indices must be [batch={b}, mask_heads in {heads}, seqlen_k={sk}, n in {allowed}] "
-               f"for causal={causal}, got shape {tuple(idx.shape)}")
+               lambda: f"startend_row_indices must be [batch={b}, mask_heads in {heads}, seqlen_k={sk}, "
+               f"n in {allowed}] for causal={causal}, got shape {tuple(idx.shape)}")
         _check(idx.device == query.device,
-               f"startend_row_indices must be on {query.device}, got {idx.device}")
+               lambda: f"startend_row_indices must be on {query.device}, got {idx.device}")
         _check(window_size is None, "window_size cannot be combined with startend_row_indices")
     if block_mask is not None:
         _check(startend_row_indices is not None, "block_mask must be given together with startend_row_indices")
         hm = startend_row_indices.shape[1]
-        _check(hm in (1, hk), f"block_mask needs startend_row_indices with 1 or kv_heads={hk} mask heads, got {hm}")
+        _check(hm in (1, hk),
+               lambda: f"block_mask needs startend_row_indices with 1 or kv_heads={hk} mask heads, got {hm}")
         want = (b, hm, -(-sq // 128), -(-sk // 128))
         _check(isinstance(block_mask, torch.Tensor) and tuple(block_mask.shape) == want
                and block_mask.dtype == torch.int32,
-               f"block_mask must be int32 of shape {want} (128x128 tiles), got "
+               lambda: f"block_mask must be int32 of shape {want} (128x128 tiles), got "
                f"{getattr(block_mask, 'dtype', type(block_mask))} {tuple(getattr(block_mask, 'shape', ()))}")
 
 
@@ -230,7 +235,8 @@ def flashmask_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     Returns:
         ``out`` ``[batch, seqlen_q, heads, head_dim_v]`` in the query dtype; with ``return_softmax_lse`` the
         tuple ``(out, lse)``, lse float32 ``[batch, heads, seqlen_q]`` (natural log; differentiable: a loss on
-        ``lse`` sends gradients into ``query`` and ``key``). Query rows that see no key give output 0, gradient 0 and lse ``-inf`` (no NaN).
+        ``lse`` sends gradients into ``query`` and ``key``). Query rows that see no key give output 0, gradient 0
+        and lse ``-inf`` (no NaN).
 
     Differentiable in ``query``, ``key`` and ``value``. Back end by device: CPU -> tiled kernel that skips fully
     masked tiles (:mod:`oarlock.attention.cpu`), or SDPA with the dense mask when ``Sq * Sk`` is at most
@@ -298,6 +304,10 @@ def expand_kv_for_mask_heads(key: torch.Tensor, value: torch.Tensor, canon: torc
 DENSE_DISPATCH_MAX_SCORES = 768 * 768
 
 
+#: Largest dense mask (bytes as float32) kept in SDPA's additive form; larger ones stay bool (4x smaller).
+ADDITIVE_MASK_MAX_BYTES = 64 * 1024 * 1024
+
+
 def _use_dense(query, key, value, return_softmax_lse: bool, dropout: float) -> bool:
     if (query.device.type != "cpu" or return_softmax_lse or dropout > 0.0
             or query.shape[1] * key.shape[1] > DENSE_DISPATCH_MAX_SCORES or torch.compiler.is_compiling()):
@@ -355,9 +365,10 @@ _DENSE_MASKS = _DenseMaskCache()
 
 def dense_sdpa_mask(canon: torch.Tensor | None, sq: int, sk: int, heads: int, *, causal: bool,
                     block_mask: torch.Tensor | None, device: torch.device) -> tuple:
-    """``(keep, seen)`` for SDPA: ``keep`` bool ``[B or 1, heads or 1, Sq, Sk]`` (True = attend; rows that see no
-    key may attend everything, as SDPA would give NaN there), ``seen`` bool ``[B, H, Sq, 1]`` (rows that see a
-    key) or None when every row sees one."""
+    """``(keep, seen)`` for SDPA: ``keep`` ``[B or 1, heads or 1, Sq, Sk]``, float32 additive (0 = attend,
+    ``-inf`` = masked) when it takes at most :data:`ADDITIVE_MASK_MAX_BYTES`, else bool (True = attend); rows that
+    see no key may attend everything, as SDPA would give NaN there. ``seen`` bool ``[B, H, Sq, 1]`` (rows that
+    see a key) or None when every row sees one. Used with float32 queries (the dense path computes in fp32)."""
     from oarlock.attention.reference import expand_block_mask
 
     rows = torch.arange(sq, device=device)
@@ -372,9 +383,15 @@ def dense_sdpa_mask(canon: torch.Tensor | None, sq: int, sk: int, heads: int, *,
     if keep.shape[1] > 1:
         keep = keep.repeat_interleave(heads // keep.shape[1], dim=1)
     seen = keep.any(-1, keepdim=True)  # rows that see at least one key
-    if bool(seen.all()):
-        return keep, None
-    return keep | ~seen, seen
+    if not bool(seen.all()):
+        keep = keep | ~seen
+    else:
+        seen = None
+    if keep.numel() * 4 <= ADDITIVE_MASK_MAX_BYTES:
+        # SDPA turns a bool mask into this additive one on every call (two `where` passes over S^2): a mask built
+        # once and cached is cheaper to hand over ready
+        keep = torch.zeros(keep.shape, dtype=torch.float32, device=device).masked_fill_(~keep, float("-inf"))
+    return keep, seen
 
 
 def _sdpa_with_mask(query, key, value, mask: tuple, scale: float) -> torch.Tensor:
