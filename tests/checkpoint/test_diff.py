@@ -188,3 +188,41 @@ def test_diff_compares_tp_blocked_layouts_as_logical_tensors(tmp_path):
     (d,) = rep.changed
     assert d.num_different == int((ref_a != ref_b).sum()) == 1
     assert d.max_abs_diff == pytest.approx(float((ref_a - ref_b).abs().max()))
+
+
+def test_diff_preset_compares_a_training_checkpoint_with_hf(tmp_path, capsys):
+    """oarlock's Llama (fused QKV, fused gate/up) saved as an oarlock checkpoint against the HF directory of the
+    same weights: `diff --preset llama` reads the oarlock side through the reverse preset and finds every key
+    equal; one changed element of the HF side is found and counted; without the preset the key names differ."""
+    transformers = pytest.importorskip("transformers")
+    from oarlock.models.llama import Llama, LlamaConfig, convert_hf_state_dict
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=48, num_hidden_layers=2,
+                                   num_attention_heads=6, num_key_value_heads=3, tie_word_embeddings=False)
+    torch.manual_seed(5)
+    hf_model = transformers.LlamaForCausalLM(cfg)
+    hf_model.save_pretrained(tmp_path / "hf")
+    config = LlamaConfig.from_hf(json.loads((tmp_path / "hf" / "config.json").read_text()))
+    ours = Llama(config)
+    ours.load_state_dict(convert_hf_state_dict(hf_model.state_dict(), config))  # the independent converter
+    save_state_dict(ours.state_dict(), tmp_path / "ours")
+
+    assert main(["diff", str(tmp_path / "ours"), str(tmp_path / "hf"), "--preset", "llama", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["equal"] and rep["equal_keys"] == len(hf_model.state_dict()), rep
+
+    sd = {k: v.detach().clone() for k, v in hf_model.state_dict().items()}
+    key = "model.layers.1.self_attn.k_proj.weight"
+    sd[key][3, 7] += 1.0
+    (tmp_path / "hf2").mkdir()
+    save_file(sd, str(tmp_path / "hf2" / "model.safetensors"))
+    assert main(["diff", str(tmp_path / "ours"), str(tmp_path / "hf2"), "--preset", "llama",
+                 "--model-config", str(tmp_path / "hf" / "config.json"), "--json"]) == 1
+    rep = json.loads(capsys.readouterr().out)
+    (changed,) = rep["changed"]
+    assert changed["key"] == key and changed["num_different"] == 1, changed
+
+    assert main(["diff", str(tmp_path / "ours"), str(tmp_path / "hf")]) == 1  # stored names: qkv_proj vs q_proj
+    assert "only in" in capsys.readouterr().out
+    assert main(["diff", str(tmp_path / "hf"), str(tmp_path / "hf2"), "--preset", "llama"]) == 2
+    assert "neither A nor B is an oarlock checkpoint" in capsys.readouterr().err

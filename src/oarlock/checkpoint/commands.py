@@ -259,8 +259,29 @@ def cmd_diff(args: argparse.Namespace) -> int:
     if args.rtol < 0 or args.atol < 0:
         print("oarlock: error: --rtol and --atol must be >= 0", file=sys.stderr)
         return 2
+    aoa = [read_aoa_config(args.aoa_a) if args.aoa_a else None, read_aoa_config(args.aoa_b) if args.aoa_b else None]
+    if args.preset:
+        from pathlib import Path
+
+        from oarlock.checkpoint.presets import preset
+        from oarlock.checkpoint.storage import detect_format
+
+        sides = [args.a, args.b]
+        oarlock_sides = [i for i, p in enumerate(sides) if detect_format(p) == "oarlock"]
+        if not oarlock_sides:
+            print("oarlock: error: --preset maps an oarlock training checkpoint's keys to HF names, and neither A "
+                  "nor B is an oarlock checkpoint", file=sys.stderr)
+            return 2
+        for i in oarlock_sides:
+            if aoa[i] is not None:
+                print(f"oarlock: error: give either --aoa-{'ab'[i]} or --preset for {'AB'[i]}, not both",
+                      file=sys.stderr)
+                return 2
+            other = sides[1 - i]
+            cfg = args.model_config or (other if (Path(other) / "config.json").is_file() else sides[i])
+            aoa[i] = preset(args.preset, cfg, reverse=True, source=sides[i])
     rep = diff_checkpoints(args.a, args.b, rtol=args.rtol, atol=args.atol, include=args.include,
-                           exclude=args.exclude)
+                           exclude=args.exclude, aoa_a=aoa[0], aoa_b=aoa[1])
     return print_report(args.json, rep.to_json, rep.render, rep.equal)
 
 
@@ -302,6 +323,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--json", action="store_true", help="machine-readable output")
     d.add_argument("--rtol", type=float, default=0.0, metavar="R", help="relative tolerance (default 0: exact)")
     d.add_argument("--atol", type=float, default=0.0, metavar="A", help="absolute tolerance (default 0: exact)")
+    d.add_argument("--aoa-a", metavar="CONFIG", help="read A through this AOA config (JSON or one statement per "
+                                                     "line): keys are its destination keys")
+    d.add_argument("--aoa-b", metavar="CONFIG", help="read B through this AOA config")
+    d.add_argument("--preset", metavar="NAME",
+                   help="map each side that is an oarlock training checkpoint to HF names with this preset run "
+                        "backwards, as `convert --to hf --preset NAME` does (e.g. compare a demo checkpoint with "
+                        "its HF export)")
+    d.add_argument("--model-config", metavar="CONFIG.json",
+                   help="the model's config.json for --preset (default: the other side's, else the side's own)")
     _add_filters(d)
     d.set_defaults(func=cmd_diff)
 

@@ -170,7 +170,7 @@ def compare_tensors(key: str, a: torch.Tensor, b: torch.Tensor, *, rtol: float =
 
 def diff_checkpoints(a: str | Path, b: str | Path, *, rtol: float = 0.0, atol: float = 0.0,
                      include: Sequence[str] | None = None, exclude: Sequence[str] | None = None,
-                     use_checksums: bool = True) -> DiffReport:
+                     use_checksums: bool = True, aoa_a: Any = None, aoa_b: Any = None) -> DiffReport:
     """Compare the logical tensors (and JSON objects) of checkpoints ``a`` and ``b``, streaming one key at a time.
 
     Args:
@@ -182,6 +182,9 @@ def diff_checkpoints(a: str | Path, b: str | Path, *, rtol: float = 0.0, atol: f
         use_checksums: keys whose stored bytes have equal checksums on both sides (same layout, same dtype) are
             equal without being compared element by element; the files holding them are first hashed against
             their recorded checksums (a corrupted copy with an intact ``metadata.json`` is not "equal").
+        aoa_a, aoa_b: AOA configs (docs/aoa.md) through which side A / B is read, as a conversion would read it:
+            keys are then that config's destination keys (e.g. a reverse preset compares a training checkpoint
+            with fused QKV against an HF directory). ``include``/``exclude`` select those keys.
 
     Raises:
         CheckpointFormatError: either side unreadable (naming the file); CheckpointTilingError: a key whose
@@ -195,16 +198,18 @@ def diff_checkpoints(a: str | Path, b: str | Path, *, rtol: float = 0.0, atol: f
     rep = DiffReport(str(a), str(b), float(rtol), float(atol))
     with open_checkpoint(a) as ra, open_checkpoint(b) as rb:
         ma, mb = ra.metadata, rb.metadata
-        ka = [k for k in ma.tensors if key_selected(k, include, exclude)]
-        kb = [k for k in mb.tensors if key_selected(k, include, exclude)]
+        # keys saved in a TP-blocked layout (fused_ffn / fused_qkv_old at some TP degree, recorded in the metadata)
+        # are compared in the layout of degree 1, as a conversion to HF writes them: the logical tensor
+        pa, pb = Planner(ma, compile_program(ma, aoa_a)), Planner(mb, compile_program(mb, aoa_b))
+        spec_a = {k: pa.program.destination_spec(k) for k in pa.program.destination_keys()}
+        spec_b = {k: pb.program.destination_spec(k) for k in pb.program.destination_keys()}
+        ka = [k for k in spec_a if key_selected(k, include, exclude)]
+        kb = [k for k in spec_b if key_selected(k, include, exclude)]
         sb = set(kb)
         rep.only_in_a = [k for k in ka if k not in sb]
         rep.only_in_b = [k for k in kb if k not in set(ka)]
-        # keys saved in a TP-blocked layout (fused_ffn / fused_qkv_old at some TP degree, recorded in the metadata)
-        # are compared in the layout of degree 1, as a conversion to HF writes them: the logical tensor
-        pa, pb = Planner(ma, compile_program(ma)), Planner(mb, compile_program(mb))
         la, lb = recorded_layouts(ma), recorded_layouts(mb)
-        same = _checksum_equal_keys(ma, mb) if use_checksums else set()
+        same = _checksum_equal_keys(ma, mb) if use_checksums and aoa_a is None and aoa_b is None else set()
         same = {k for k in same if la.get(k) == lb.get(k)}  # equal bytes mean equal tensors only in one layout
         if same:  # recorded checksums prove equality only of intact files: check the files they cover first
             for reader, meta in ((ra, ma), (rb, mb)):
@@ -212,9 +217,10 @@ def diff_checkpoints(a: str | Path, b: str | Path, *, rtol: float = 0.0, atol: f
         for k in ka:
             if k not in sb:
                 continue
-            ta, tb = ma.tensors[k], mb.tensors[k]
-            if tuple(ta.global_shape) != tuple(tb.global_shape):
-                rep.changed.append(KeyDiff(k, list(ta.global_shape), list(tb.global_shape), ta.dtype, tb.dtype))
+            ta, tb = spec_a[k], spec_b[k]
+            if tuple(ta.shape) != tuple(tb.shape):
+                rep.changed.append(KeyDiff(k, list(ta.shape), list(tb.shape), dtype_name(ta.dtype),
+                                           dtype_name(tb.dtype)))
                 continue
             if k in same:
                 rep.equal_keys += 1
