@@ -236,3 +236,22 @@ def test_directory_without_checkpoint(tmp_path):
     (tmp_path / "notes.txt").write_text("hi")
     r = run_cli("inspect", tmp_path)
     assert r.returncode == 2 and "no checkpoint found" in r.stderr
+
+
+def test_truncated_data_section_is_named_with_byte_counts(tmp_path, capsys):
+    """A safetensors file cut inside its data section: `verify` (exit 1) and `inspect` (exit 2) say the header's
+    offsets run past the end, with both byte counts (from the header and the file size, computed here)."""
+    d = tmp_path / "hf"
+    d.mkdir()
+    p = d / "model.safetensors"
+    save_file({"a": torch.randn(64, 64), "b": torch.randn(10)}, p)
+    raw = p.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    end = 8 + n + max(e["data_offsets"][1] for k, e in json.loads(raw[8:8 + n]).items() if k != "__metadata__")
+    assert end == len(raw)
+    p.write_bytes(raw[: len(raw) // 2])
+    want = f"data offsets run to byte {end}, the file has only {len(raw) // 2} bytes (truncated"
+    assert main(["verify", str(d)]) == 1
+    assert want in capsys.readouterr().out
+    assert main(["inspect", str(d)]) == 2
+    assert want in capsys.readouterr().err

@@ -119,6 +119,14 @@ def read_header(path: str | Path, fd: int | None = None) -> SafetensorsHeader:
             except ValueError:
                 raise CheckpointFormatError(f"{path}: tensor {name!r} has dtype {e.get('dtype')!r}, which oarlock "
                                             f"does not support (safetensors codes: {SUPPORTED_CODES})") from None
+    if isinstance(raw, dict):  # the most common damage, named as such (the library says "not fully covered")
+        ends = [e["data_offsets"][1] for k, e in raw.items() if k != "__metadata__" and isinstance(e, dict)
+                and isinstance(e.get("data_offsets"), list) and len(e["data_offsets"]) == 2
+                and isinstance(e["data_offsets"][1], int)]
+        if ends and 8 + n + max(ends) > size:
+            raise CheckpointFormatError(f"{path}: invalid safetensors file: the header's data offsets run to byte "
+                                        f"{8 + n + max(ends)}, the file has only {size} bytes (truncated, or a "
+                                        "corrupt header)")
     _library_check(path)
     if not isinstance(raw, dict):
         raise CheckpointFormatError(f"{path}: invalid safetensors file: unreadable header")
