@@ -4,6 +4,7 @@ References: DeepSpeed's own ``safe_get_full_fp32_param`` / ``safe_get_full_optim
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -143,6 +144,28 @@ def test_zero_to_hf_model_weights_only(written, tmp_path, capsys):
         got.update(load_file(str(f)))
     assert len(got) == 4 * len(params)
     for k, v in ref.items():
+        assert torch.equal(got[k], v), k
+
+
+def test_zero_to_oarlock_to_hf_keeps_optimizer_marking(written, tmp_path, capsys):
+    """DeepSpeed -> oarlock (TP=2, everything kept) -> HF: the oarlock checkpoint records which tensors the
+    DeepSpeed reader marked as optimizer state, so the HF export still holds exactly the model weights (each equal
+    to DeepSpeed's own fp32 parameter)."""
+    from safetensors.torch import load_file
+
+    ref = torch.load(written / "z3" / "ref.pt", weights_only=True)
+    params = {k: v for k, v in ref.items() if not k.startswith("optim.")}
+    assert main(["convert", str(written / "z3" / "ckpt"), str(tmp_path / "oar"), "--to", "oarlock"]) == 0
+    meta = json.loads((tmp_path / "oar" / "metadata.json").read_text())
+    assert len(meta["extra"]["optimizer_keys"]) == 3 * len(params)
+    capsys.readouterr()
+    assert main(["convert", str(tmp_path / "oar"), str(tmp_path / "hf"), "--to", "hf"]) == 0
+    assert f"left out {3 * len(params)} optimizer state tensor(s)" in capsys.readouterr().out
+    got = {}
+    for f in (tmp_path / "hf").glob("*.safetensors"):
+        got.update(load_file(str(f)))
+    assert sorted(got) == sorted(params)
+    for k, v in params.items():
         assert torch.equal(got[k], v), k
 
 

@@ -46,7 +46,8 @@ from oarlock.checkpoint.full import full_state_dict
 from oarlock.checkpoint.integrity import CHECKSUMS_KEY, BlockHasher, make_record, verify_all_blocks
 from oarlock.checkpoint.hf import HF_INDEX, hf_shard_names, parse_size, save_hf_checkpoint, write_hf_index
 from oarlock.checkpoint.mapping import IdentityProgram, MappingProgram, TensorSpec
-from oarlock.checkpoint.metadata import METADATA_FILE, CheckpointMetadata, key_selected, parse_json
+from oarlock.checkpoint.metadata import (METADATA_FILE, OPTIMIZER_KEYS_EXTRA, CheckpointMetadata, key_selected,
+                                         parse_json)
 from oarlock.checkpoint.plan import KeyIndex, Planner, source_specs
 from oarlock.checkpoint.reader import CheckpointReader, checkpoint_file
 from oarlock.checkpoint.safetensors_io import SafetensorsWriter, contiguous_run
@@ -647,6 +648,9 @@ def convert_checkpoint(source: str | os.PathLike, out_dir: str | os.PathLike, *,
         meta = CheckpointMetadata("oarlock", tensors=tensors, save_id=new_save_id())
         if getattr(program, "tp_layouts", None):  # fused_ffn/fused_qkv_old blocks: a load at another TP re-lays out
             meta.extra["tp_layouts"] = program.tp_layouts
+        marked = set(reader.metadata.optimizer_keys)  # a foreign reader's marking survives under the same names
+        if marked & set(tensors):
+            meta.extra[OPTIMIZER_KEYS_EXTRA] = [k for k in tensors if k in marked]
         planner = Planner(reader.metadata, program)
         total = sum(numel(s.local_shape) * dtype_itemsize(t.dtype) for t in tensors.values() for s in t.shards)
         with staged_directory(out_dir, incomplete_marker=True) as tmp:

@@ -218,7 +218,16 @@ class CheckpointMetadata:
             except (KeyError, TypeError, ValueError, AttributeError) as e:
                 raise CheckpointFormatError(f"{source}: malformed entry for key {key!r}: {e}") from None
             meta.tensors[key] = tm
+        marked = meta.extra.get(OPTIMIZER_KEYS_EXTRA)  # written by a conversion from a foreign training checkpoint
+        if isinstance(marked, list):
+            meta.optimizer_keys = [str(k) for k in marked if str(k) in meta.tensors]
         return meta
+
+
+#: ``extra`` entry of an oarlock checkpoint converted from a foreign training checkpoint: the tensor keys its
+#: reader marked as optimizer state (:attr:`CheckpointMetadata.optimizer_keys`), so that a later ``--to hf``
+#: leaves them out too.
+OPTIMIZER_KEYS_EXTRA = "optimizer_keys"
 
 
 def key_selected(key: str, include: Sequence[str] | str | None = None, exclude: Sequence[str] | str | None = None
