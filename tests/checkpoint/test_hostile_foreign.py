@@ -29,6 +29,9 @@ from oarlock.checkpoint.errors import CheckpointError, CheckpointFormatError
 from oarlock.cli import main
 from testkit import PickledCall
 
+# the builders write DCP files with torch's own save in one process, which warns that it assumes so
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
 
 def _w() -> torch.Tensor:
     return torch.arange(12, dtype=torch.float32).reshape(3, 4) / 8
