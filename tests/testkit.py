@@ -26,6 +26,15 @@ def tree_digest(root: Path) -> dict[str, str]:
             for p in sorted(Path(root).rglob("*")) if p.is_file()}
 
 
+def seeded_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """A reproducible test tensor: standard normal values cast to ``dtype``, or for int64 integers in
+    ``[-10**12, 10**12)`` (beyond float precision, so a lossy path shows)."""
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.int64:
+        return torch.randint(-10**12, 10**12, shape, generator=g, dtype=torch.int64)
+    return torch.randn(shape, generator=g).to(dtype)
+
+
 def st_tensors(d: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of the ``*.safetensors`` files of directory ``d``, read with ``safetensors.safe_open`` (the
     independent reader); a key stored in two files fails the test."""

@@ -24,6 +24,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from multirank import link_files, needs
 from oarlock.checkpoint import CheckpointFormatError, load_state_dict, open_checkpoint, save_state_dict
 from oarlock.checkpoint.async_save import async_save
+from testkit import seeded_tensor
 
 warnings.filterwarnings("ignore")
 
@@ -75,11 +76,7 @@ def _install_counters() -> None:
 
 
 def full(name):
-    shape, dtype, seed = TENSORS[name]
-    g = torch.Generator().manual_seed(seed)
-    if dtype == torch.int64:
-        return torch.randint(-10**12, 10**12, shape, generator=g, dtype=torch.int64)
-    return torch.randn(shape, generator=g).to(dtype)
+    return seeded_tensor(*TENSORS[name])
 
 
 def build(lay, zeros):

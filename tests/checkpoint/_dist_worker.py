@@ -20,6 +20,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from oarlock.checkpoint import (CheckpointError, CheckpointTilingError, ShardedWeight, load_state_dict,
                                 open_checkpoint, save_state_dict, sharded_state_dict)
+from testkit import seeded_tensor
 
 warnings.filterwarnings("ignore")
 
@@ -41,11 +42,7 @@ TENSORS = {
 
 
 def full(name: str) -> torch.Tensor:
-    shape, dtype, seed = TENSORS[name]
-    g = torch.Generator().manual_seed(seed)
-    if dtype == torch.int64:
-        return torch.randint(-10**12, 10**12, shape, generator=g, dtype=torch.int64)
-    return torch.randn(shape, generator=g).to(dtype)
+    return seeded_tensor(*TENSORS[name])
 
 
 def layouts(mesh4, mesh22):

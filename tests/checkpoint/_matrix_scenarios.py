@@ -42,6 +42,7 @@ from oarlock.models.llama import (Llama, LlamaConfig, causal_lm_loss, convert_hf
 from oarlock.models.parallel import (ParallelLayout, build_mesh, forward_backward, load_single_device_state_dict,
                                      parallelize_llama, single_device_state_dict)
 from oarlock.models.zero import ZeroRedundancyAdamW
+from testkit import st_tensors
 
 warnings.filterwarnings("ignore")
 
@@ -302,15 +303,10 @@ def strictness(root: Path, cluster: Cluster) -> None:
 
 
 def hf_reference(hf_dirs: dict[str, str]) -> dict:
-    from safetensors.torch import load_file
-
     out = {}
     for name, cfg in (("dense", DENSE), ("moe", MOE)):
         d = Path(hf_dirs[name])
-        tensors: dict[str, torch.Tensor] = {}
-        for f in sorted(d.glob("*.safetensors")):
-            tensors.update(load_file(f))
-        out[name] = {"dir": str(d), "weights": convert_hf_state_dict(tensors, cfg)}
+        out[name] = {"dir": str(d), "weights": convert_hf_state_dict(st_tensors(d), cfg)}
     return out
 
 

@@ -19,6 +19,7 @@ import torch
 from oarlock.checkpoint import ShardedWeight, load_state_dict, open_checkpoint
 from oarlock.checkpoint.errors import CheckpointFormatError
 from oarlock.cli import main
+from testkit import st_tensors
 
 REPO = Path(__file__).resolve().parents[2]
 # through the venv's real path, as scripts/foreign_env.sh prebuilt DeepSpeed's C++ op: same build commands, so
@@ -114,7 +115,6 @@ def test_zero_to_hf_model_weights_only(written, tmp_path, capsys):
     """`oarlock convert <ds dir> OUT --to hf`, no AOA: the export holds exactly the model weights, each equal to
     DeepSpeed's own full fp32 parameter, and the CLI says the optimizer state was left out; config.json put next
     to the checkpoint travels along and transformers loads OUT. --keep-optimizer-state keeps the Adam moments."""
-    from safetensors.torch import load_file
     from transformers import LlamaForCausalLM
 
     src = tmp_path / "src"
@@ -127,9 +127,7 @@ def test_zero_to_hf_model_weights_only(written, tmp_path, capsys):
     text = capsys.readouterr().out
     # per parameter: exp_avg, exp_avg_sq and step
     assert f"left out {3 * len(params)} optimizer state tensor(s) (model weights only; --keep-optimizer-state" in text
-    got = {}
-    for f in (tmp_path / "hf").glob("*.safetensors"):
-        got.update(load_file(str(f)))
+    got = st_tensors(tmp_path / "hf")
     assert sorted(got) == sorted(params)
     for k, v in params.items():
         assert torch.equal(got[k], v), k
@@ -139,9 +137,7 @@ def test_zero_to_hf_model_weights_only(written, tmp_path, capsys):
     # the explicit way to include them
     assert main(["convert", str(src), str(tmp_path / "hf_opt"), "--to", "hf", "--keep-optimizer-state"]) == 0
     assert "left out" not in capsys.readouterr().out
-    got = {}
-    for f in (tmp_path / "hf_opt").glob("*.safetensors"):
-        got.update(load_file(str(f)))
+    got = st_tensors(tmp_path / "hf_opt")
     assert len(got) == 4 * len(params)
     for k, v in ref.items():
         assert torch.equal(got[k], v), k
@@ -151,8 +147,6 @@ def test_zero_to_oarlock_to_hf_keeps_optimizer_marking(written, tmp_path, capsys
     """DeepSpeed -> oarlock (TP=2, everything kept) -> HF: the oarlock checkpoint records which tensors the
     DeepSpeed reader marked as optimizer state, so the HF export still holds exactly the model weights (each equal
     to DeepSpeed's own fp32 parameter)."""
-    from safetensors.torch import load_file
-
     ref = torch.load(written / "z3" / "ref.pt", weights_only=True)
     params = {k: v for k, v in ref.items() if not k.startswith("optim.")}
     assert main(["convert", str(written / "z3" / "ckpt"), str(tmp_path / "oar"), "--to", "oarlock"]) == 0
@@ -161,9 +155,7 @@ def test_zero_to_oarlock_to_hf_keeps_optimizer_marking(written, tmp_path, capsys
     capsys.readouterr()
     assert main(["convert", str(tmp_path / "oar"), str(tmp_path / "hf"), "--to", "hf"]) == 0
     assert f"left out {3 * len(params)} optimizer state tensor(s)" in capsys.readouterr().out
-    got = {}
-    for f in (tmp_path / "hf").glob("*.safetensors"):
-        got.update(load_file(str(f)))
+    got = st_tensors(tmp_path / "hf")
     assert sorted(got) == sorted(params)
     for k, v in params.items():
         assert torch.equal(got[k], v), k

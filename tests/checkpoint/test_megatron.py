@@ -19,6 +19,7 @@ import torch
 from oarlock.checkpoint import load_state_dict, open_checkpoint
 from oarlock.checkpoint.errors import CheckpointFormatError, UnsafePickleError
 from oarlock.cli import main
+from testkit import st_tensors
 
 REPO = Path(__file__).resolve().parents[2]
 PY = REPO / ".foreign-venv" / "bin" / "python"
@@ -171,7 +172,6 @@ def test_megatron_gpt_preset_to_hf_logits(written, tmp_path, capsys):
     re-arranged by plain torch (:func:`hf_reference`), and transformers' LlamaForCausalLM on the result gives
     the logits Megatron's own GPTModel forward computed in the writer process (TP=2, CPU, gloo) for the same
     tokens (first 128 logits: the rest are padding rows)."""
-    from safetensors.torch import load_file
     from transformers import LlamaForCausalLM
 
     from oarlock.checkpoint.presets import preset
@@ -181,9 +181,7 @@ def test_megatron_gpt_preset_to_hf_logits(written, tmp_path, capsys):
     out = tmp_path / "hf"
     assert main(["convert", str(written / "ckpt"), str(out), "--to", "hf", "--preset", "megatron_gpt",
                  "--model-config", str(cfg)]) == 0
-    got = {}
-    for f in out.glob("*.safetensors"):
-        got.update(load_file(str(f)))
+    got = st_tensors(out)
     assert set(got) == set(ref)
     for k, v in ref.items():
         assert torch.equal(got[k], v), k
@@ -241,7 +239,6 @@ def test_megatron_training_checkpoint_to_hf_model_weights_only(written, tmp_path
     as ``optimizer.state.<state>.<param key>``): the reader marks the moments as optimizer state, and
     ``oarlock convert --to hf`` with no AOA writes exactly the model tensors, each equal to the writer's own
     parameters, saying the optimizer state was left out."""
-    from safetensors.torch import load_file
 
     exp = expected(written)
     moments = {f"optimizer.state.{m}.{k}" for m in MOMENTS for k in exp}
@@ -261,9 +258,7 @@ def test_megatron_training_checkpoint_to_hf_model_weights_only(written, tmp_path
     out = tmp_path / "hf"
     assert main(["convert", str(written / "ckpt_train"), str(out), "--to", "hf"]) == 0
     assert f"left out {len(moments)} optimizer state tensor(s) (model weights only" in capsys.readouterr().out
-    tensors = {}
-    for f in out.glob("*.safetensors"):
-        tensors.update(load_file(str(f)))
+    tensors = st_tensors(out)
     assert sorted(tensors) == sorted(exp)
     for k, v in exp.items():
         assert torch.equal(tensors[k], v), k
