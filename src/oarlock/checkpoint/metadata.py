@@ -128,8 +128,9 @@ class CheckpointMetadata:
             refuse a data file of another save.
         optimizer_keys: tensor keys the reader of a foreign format knows hold optimizer state although they are
             not named ``<model key><suffix>`` (DeepSpeed's ``optim.state.<param>.exp_avg``, Megatron-Core's
-            ``optimizer.state.<state>.<param>``); :meth:`optimizer_state_keys` includes them. Not written to
-            ``metadata.json`` (oarlock's own keys follow the suffix rule).
+            ``optimizer.state.<state>.<param>``); :meth:`optimizer_state_keys` includes them. oarlock's own keys
+            follow the suffix rule instead; a conversion of a foreign checkpoint to oarlock keeps the marking in
+            ``metadata.json`` under ``extra.optimizer_keys`` (:data:`OPTIMIZER_KEYS_EXTRA`).
         non_model_keys: keys of entries (tensors or objects) the reader knows are neither model weights nor
             optimizer state, but records of the training run (Megatron-Core's ``common.*`` values and layers'
             ``*._extra_state*``, DeepSpeed's engine counters and ``optim.param_groups``). A ``model_only`` load
