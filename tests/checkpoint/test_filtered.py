@@ -109,3 +109,22 @@ def test_optimizer_load_never_takes_a_smaller_model_silently(train_ckpt):
     same, same_opt = _trained(4)
     load_sharded_optimizer_state_dict(same_opt, sharded_state_dict(same), tmp / "train", load_model=True)
     assert torch.equal(same_opt.state[same[3].bias]["exp_avg"], opt.state[model[3].bias]["exp_avg"])
+
+
+def test_recorded_optimizer_keys_are_filtered_on_read(tmp_path):
+    """A metadata.json whose ``extra.optimizer_keys`` holds junk (numbers, objects, paths, unknown keys) opens
+    without error; only strings naming stored tensors count as marked, and a non-list entry is ignored."""
+    import json
+
+    save_state_dict({"w": torch.ones(2), "w.m": torch.zeros(2)}, tmp_path / "ck")
+    meta_file = tmp_path / "ck" / "metadata.json"
+    rec = json.loads(meta_file.read_text())
+    rec["extra"]["optimizer_keys"] = [5, {"k": 1}, "../../etc/passwd", "nope", "w.m"]
+    meta_file.write_text(json.dumps(rec))
+    with open_checkpoint(tmp_path / "ck") as r:
+        assert r.metadata.optimizer_keys == ["w.m"]
+        assert r.metadata.optimizer_state_keys() == ["w.m"]
+    rec["extra"]["optimizer_keys"] = "w"
+    meta_file.write_text(json.dumps(rec))
+    with open_checkpoint(tmp_path / "ck") as r:
+        assert r.metadata.optimizer_keys == [] and r.metadata.optimizer_state_keys() == []
