@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, NamedTuple, Sequence
 
 from oarlock.checkpoint.errors import CheckpointError, CheckpointMismatchError, CheckpointTilingError
+from oarlock.checkpoint.grid import GridIndex
 from oarlock.checkpoint.mapping import Box, IdentityProgram, MappingProgram, SliceMapping, TensorSpec, final_dtype
 from oarlock.checkpoint.metadata import CheckpointMetadata, TensorMeta
 from oarlock.checkpoint.sharded import (ShardDesc, box_intersection, box_volume, flat_range_boxes,
@@ -196,6 +197,14 @@ class KeyIndex:
         return [p for p in self.pieces[lo:hi] if box_intersection(p.box, box) is not None]
 
 
+def index_of(meta: TensorMeta) -> "KeyIndex | GridIndex":
+    """The stored-shard index of one key: arithmetic over its grid rule for grid-recorded tensors (no object per
+    shard), else a :class:`KeyIndex` over its listed shards (validated to tile the global box)."""
+    if meta.grid is not None and meta._shards is None:
+        return GridIndex(meta.key, meta.global_shape, meta.grid, _piece)
+    return KeyIndex(meta)
+
+
 def _find_gap(boxes: list[Box], region: Box) -> Box:
     """A box inside ``region`` covered by none of ``boxes`` (recursive sweep over dim 0; error path only)."""
     if not region:
@@ -260,7 +269,7 @@ class Planner:
             if key not in self.metadata.tensors:
                 raise CheckpointMismatchError(f"the mapping program reads key {key!r}, which the checkpoint does "
                                               "not hold")
-            idx = self._index[key] = KeyIndex(self.metadata.tensors[key])
+            idx = self._index[key] = index_of(self.metadata.tensors[key])
         return idx
 
     def mappings(self, key: str) -> list[SliceMapping]:
