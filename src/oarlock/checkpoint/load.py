@@ -214,7 +214,8 @@ def run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process_
                             + [k for k in meta.objects if k not in wanted_objects and k not in dest_all])
         # every item this rank reads itself is checked (file opens, same save, tensor holds the array) before
         # the first target byte is written; the files stay open, so the reads see what was checked
-        reader.check_items(it for items in plans for it in items if reader.path_of(it.file).is_file())
+        visible = reader.visible_files()
+        reader.check_items(it for items in plans for it in items if it.file in visible)
         if verify_checksums:  # before any target is written; a mismatch fails every rank in this gather
             verify_read_items(reader, (it for items in plans for it in items))
         return {"missing": sorted(missing), "skipped": sorted(skipped)}

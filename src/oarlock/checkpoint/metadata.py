@@ -262,8 +262,35 @@ class CheckpointMetadata:
                                   non_model_keys=[k for k in self.non_model_keys if k in keep or k in objects])
 
     def dumps(self, compact: bool = True) -> str:
-        """``metadata.json`` text (see :meth:`to_json`)."""
-        return json.dumps(self.to_json(compact), indent=1, sort_keys=False)
+        """``metadata.json`` text (see :meth:`to_json`): one line per tensor record and per data file's checksums,
+        so the file stays readable and its size follows the number of tensors and files, not indentation."""
+        d = self.to_json(compact)
+
+        def one(v: Any) -> str:
+            return json.dumps(v, separators=(",", ":"))
+
+        def lines(mapping: dict, indent: str) -> str:
+            if not mapping:
+                return "{}"
+            body = ",\n".join(f"{indent} {json.dumps(k)}: {one(v)}" for k, v in mapping.items())
+            return "{\n" + body + "\n" + indent + "}"
+
+        parts = []
+        for k, v in d.items():
+            if k == "tensors":
+                text = lines(v, " ")
+            elif k == "extra" and isinstance(v, dict) and isinstance(v.get("checksums"), dict) \
+                    and isinstance(v["checksums"].get("files"), dict):
+                sums = dict(v["checksums"])
+                files = sums.pop("files")
+                rest = {x: y for x, y in v.items() if x != "checksums"}
+                head = ", ".join(f"{json.dumps(x)}: {one(y)}" for x, y in sums.items())
+                text = ("{" + "".join(f"{json.dumps(x)}: {one(y)}, " for x, y in rest.items())
+                        + '"checksums": {' + head + (", " if head else "") + '"files": ' + lines(files, "  ") + "}}")
+            else:
+                text = one(v)
+            parts.append(f" {json.dumps(k)}: {text}")
+        return "{\n" + ",\n".join(parts) + "\n}\n"
 
     @classmethod
     def from_json(cls, d: dict[str, Any], *, source: str = METADATA_FILE) -> "CheckpointMetadata":
