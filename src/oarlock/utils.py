@@ -40,6 +40,8 @@ _DTYPES: dict[str, tuple[torch.dtype, str]] = {
 }
 _BY_TORCH = {v[0]: k for k, v in _DTYPES.items()}
 _BY_ST = {v[1]: k for k, v in _DTYPES.items()}
+_NAME_CACHE: dict = {**{k: k for k in _DTYPES}, **_BY_TORCH}
+_ITEMSIZE: dict = {**{k: v[0].itemsize for k, v in _DTYPES.items()}, **{v[0]: v[0].itemsize for v in _DTYPES.values()}}
 _ALIASES = {"float": "float32", "half": "float16", "double": "float64", "bf16": "bfloat16", "fp16": "float16",
             "fp32": "float32", "long": "int64", "int": "int32"}
 
@@ -47,6 +49,12 @@ _ALIASES = {"float": "float32", "half": "float16", "double": "float64", "bf16": 
 def dtype_name(dtype: torch.dtype | str) -> str:
     """Canonical dtype name (``"float32"``, ``"bfloat16"``, ...) of a torch dtype, a name, an alias or a
     safetensors code (``"F32"``). Raises ``ValueError`` naming the unknown dtype."""
+    try:  # called per shard and per read item: the common answers are one lookup
+        hit = _NAME_CACHE.get(dtype)
+    except TypeError:  # unhashable: not a dtype; the message below names it
+        hit = None
+    if hit is not None:
+        return hit
     if isinstance(dtype, torch.dtype):
         if dtype in _BY_TORCH:
             return _BY_TORCH[dtype]
@@ -74,7 +82,11 @@ def safetensors_code(name: torch.dtype | str) -> str:
 
 def dtype_itemsize(name: torch.dtype | str) -> int:
     """Bytes per element."""
-    return torch_dtype(name).itemsize
+    try:
+        hit = _ITEMSIZE.get(name)
+    except TypeError:
+        hit = None
+    return hit if hit is not None else torch_dtype(name).itemsize
 
 
 def numel(shape: Iterable[int]) -> int:

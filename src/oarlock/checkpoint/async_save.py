@@ -1,7 +1,7 @@
 """Asynchronous checkpoint saves: snapshot, return, write in the background.
 
-:func:`async_save` runs the collective planning of a save (one ``all_gather_object`` of shard descriptions,
-validation, write assignment) on the caller's process group *before it returns*, so it is ordered with the
+:func:`async_save` runs the collective planning of a save (:func:`oarlock.checkpoint.save.prepare_save`: a
+fixed-size fingerprint exchange, one record per class of ranks to rank 0, validation, write assignment) on the caller's process group *before it returns*, so it is ordered with the
 training's own collectives like any synchronous call. It then copies the tensors this rank writes into CPU
 memory (the snapshot: later in-place updates of the training state do not reach the file) and hands the
 writing to a background thread. The thread's own collectives (two small all-gathers of error reports around the

@@ -48,6 +48,7 @@ from oarlock.checkpoint.dist import DistWrapper
 from oarlock.checkpoint.errors import CheckpointError
 from oarlock.checkpoint.executor import LoadReport, place, source_shaped_view
 from oarlock.checkpoint.formats import load_formats
+from oarlock.checkpoint.grid import GridLayout, data_file_name
 from oarlock.checkpoint.integrity import verify_own_file
 from oarlock.checkpoint.metadata import METADATA_FILE, SAVE_ID_HEADER
 from oarlock.checkpoint.reader import CheckpointReader, checkpoint_file
@@ -262,6 +263,14 @@ def _warm_matches(meta: Any, leaves: Any, data_file: str) -> bool:
         if t is None or tuple(t.global_shape) != tuple(d.global_shape) or t.dtype != d.dtype:
             return False
         fr = tuple(d.flattened_range) if d.flattened_range is not None else None
+        if isinstance(t.grid, GridLayout) and t._shards is None:  # a grid record: the rule, not a list, says what the file holds
+            cell = t.grid.cell_of(t.global_shape, d.global_offset) if t.global_shape else ()
+            if fr is not None or cell is None or data_file_name(t.grid.writer(cell)) != data_file:
+                return False
+            bounds = t.grid.bounds(t.global_shape)
+            if tuple(b[e + 1] - b[e] for b, e in zip(bounds, cell)) != tuple(d.local_shape):
+                return False
+            continue
         if not any(s.file == data_file and s.name == d.key and tuple(s.global_offset) == tuple(d.global_offset)
                    and tuple(s.local_shape) == tuple(d.local_shape) and s.flattened_range == fr for s in t.shards):
             return False

@@ -108,21 +108,6 @@ COALESCE_MAX_WASTE = 16
 _INT_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
-def _item_span(f: Any, it: Any, isz: int) -> tuple[int, int, int]:
-    """``(array start, first byte, stop byte)`` in the file of an item's box: the stored array's first byte, and
-    the bytes from the box's first to its last element."""
-    e = f.entries[it.name]
-    shape = it.src_shape
-    nd = len(shape)
-    strides = [1] * nd
-    for d in range(nd - 2, -1, -1):
-        strides[d] = strides[d + 1] * int(shape[d + 1])
-    first = sum(a * st for (a, _), st in zip(it.src_box, strides))
-    last = sum((b - 1) * st for (_, b), st in zip(it.src_box, strides))
-    base = f.data_start + e[2] + int(it.src_flat_start) * isz
-    return base, base + first * isz, base + (last + 1) * isz
-
-
 def _np_target(target: torch.Tensor, cache: dict) -> np.ndarray | None:
     """``target``'s memory as a numpy array of unsigned integers of the same item size (copies move bytes, so the
     dtype only needs the right width: bfloat16 and float8 work too), or None when not possible (not CPU)."""
@@ -170,34 +155,45 @@ def execute_file(reader: CheckpointReader, file: str, work: list[tuple[Any, torc
         return sum(execute_items(reader, t, [it]) for it, t in work)
     f = reader.safetensors_file(file)
     cache = {} if cache is None else cache  # target -> numpy view, shared by the files of one load
-    fast, slow, spans = [], [], []
+    fast, slow = [], []
+    strides_of: dict[tuple, list[int]] = {}
+    checked: set[tuple] = set()
+    lo, hi, need = None, 0, 0
     for it, target in work:
-        isz = dtype_itemsize(tensors[it.src_key].dtype)
+        dtype = tensors[it.src_key].dtype
+        isz = dtype_itemsize(dtype)
         arr = _np_target(target, cache) if it.permute is None and it.dtype is None else None
         dst = _np_destination(it, arr) if arr is not None and arr.itemsize == isz else None
         if dst is None:
             slow.append((it, target))
             continue
-        f.check_array(it.name, it.src_flat_start, it.src_shape, tensors[it.src_key].dtype)
-        base, lo, hi = _item_span(f, it, isz)
-        fast.append((it, dst, base, isz))
-        spans.append((lo, hi))
+        ck = (it.name, it.src_flat_start, it.src_shape)
+        if ck not in checked:
+            f.check_array(it.name, it.src_flat_start, it.src_shape, dtype)
+            checked.add(ck)
+        sk = (it.src_shape, isz)
+        strides = strides_of.get(sk)
+        if strides is None:
+            strides = [isz] * len(it.src_shape)
+            for d in range(len(it.src_shape) - 2, -1, -1):
+                strides[d] = strides[d + 1] * int(it.src_shape[d + 1])
+            strides_of[sk] = strides
+        start = f.data_start + f.entries[it.name][2] + int(it.src_flat_start) * isz \
+            + sum(x * st for (x, _), st in zip(it.src_box, strides))
+        stop = start + sum((y - x - 1) * st for (x, y), st in zip(it.src_box, strides)) + isz
+        fast.append((it, dst, start, strides))
+        lo = start if lo is None else min(lo, start)
+        hi = max(hi, stop)
+        need += stop - start
     if fast:
-        lo = min(a for a, _ in spans)
-        hi = max(b for _, b in spans)
-        need = sum(b - a for a, b in spans)
-        if hi - lo > COALESCE_MAX_BYTES or hi - lo > COALESCE_MAX_WASTE * need:
+        # worth it only for many small reads: large ones go straight into their targets with no extra copy
+        if hi - lo > COALESCE_MAX_BYTES or hi - lo > COALESCE_MAX_WASTE * need or need > len(fast) * (256 << 10):
             return sum(execute_items(reader, t, [it]) for it, t in work)
         buf = np.empty(hi - lo, dtype=np.uint8)
         _pread_into(f.fd, memoryview(buf), lo, f.path)
-        for it, dst, base, isz in fast:
-            shape = it.src_shape
-            strides = [isz] * len(shape)
-            for d in range(len(shape) - 2, -1, -1):
-                strides[d] = strides[d + 1] * int(shape[d + 1])
-            first = base + sum(a * st for (a, _), st in zip(it.src_box, strides)) - lo
+        for it, dst, start, strides in fast:
             # the box as a strided view of the buffer (numpy accepts unaligned items), copied into the target
-            src = np.ndarray(tuple(b - a for a, b in it.src_box), dtype=dst.dtype, buffer=buf, offset=first,
+            src = np.ndarray(tuple(y - x for x, y in it.src_box), dtype=dst.dtype, buffer=buf, offset=start - lo,
                              strides=strides)
             np.copyto(dst, src.reshape(dst.shape) if src.shape != dst.shape else src)
     for it, target in slow:

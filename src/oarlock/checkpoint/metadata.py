@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from oarlock.checkpoint.errors import CheckpointFormatError
-from oarlock.checkpoint.grid import GridLayout, compress_shards, data_file_name
+from oarlock.checkpoint.grid import FlatGrid, GridLayout, compress_flat, compress_shards, data_file_name
 from oarlock.utils import dtype_itemsize, dtype_name, numel
 
 FORMAT_NAME = "oarlock.flexcheckpoint"
@@ -126,8 +126,14 @@ class TensorMeta:
     def shards(self) -> list[ShardMeta]:
         """Every stored shard (a grid's non-empty cells, materialised once)."""
         if self._shards is None:
-            self._shards = [ShardMeta(off, shape, data_file_name(self.grid.writer(cell)), self.key)
-                            for cell, off, shape in self.grid.cells(self.global_shape)]
+            if isinstance(self.grid, FlatGrid):
+                n = numel(self.global_shape)
+                zeros = (0,) * len(self.global_shape)
+                self._shards = [ShardMeta(zeros, self.global_shape, data_file_name(self.grid.writer(i)), self.key,
+                                          self.grid.shard(n, i)) for i in range(self.grid.count(n) if n else 0)]
+            else:
+                self._shards = [ShardMeta(off, shape, data_file_name(self.grid.writer(cell)), self.key)
+                                for cell, off, shape in self.grid.cells(self.global_shape)]
         return self._shards
 
     @shards.setter
@@ -147,7 +153,7 @@ class TensorMeta:
     def shard_count(self) -> int:
         """Number of distinct primary shard boxes (a grid's non-empty cells: counted, not materialised)."""
         if self.grid is not None and self._shards is None:
-            return _grid_cell_count(self.global_shape, self.grid)
+            return 1 if isinstance(self.grid, FlatGrid) else _grid_cell_count(self.global_shape, self.grid)
         return len({s.global_offset for s in self.primary_shards()})
 
     def files(self) -> set[str]:
@@ -161,8 +167,12 @@ class TensorMeta:
         d: dict[str, Any] = {"global_shape": list(self.global_shape), "dtype": self.dtype}
         grid = None
         if compact:
-            grid = self.grid if self._shards is None else compress_shards(self.global_shape, self._shards, self.key)
-        if grid is not None:
+            grid = self.grid if self._shards is None else (
+                compress_shards(self.global_shape, self._shards, self.key)
+                or compress_flat(self.global_shape, self._shards, self.key))
+        if isinstance(grid, FlatGrid):
+            d["flat"] = grid.to_json()
+        elif grid is not None:
             d["grid"] = grid.to_json()
         else:
             d["shards"] = [s.to_json() for s in self.shards]
@@ -316,9 +326,12 @@ class CheckpointMetadata:
                 gshape = tuple(int(x) for x in t["global_shape"])
                 if any(n < 0 for n in gshape):
                     raise ValueError(f"negative global shape {list(gshape)}")
-                if "grid" in t:
-                    if "shards" in t:
-                        raise ValueError("an entry has either \"grid\" or \"shards\", not both")
+                if sum(f in t for f in ("grid", "flat", "shards")) != 1:
+                    raise ValueError("an entry needs exactly one of \"grid\", \"flat\" and \"shards\"")
+                if "flat" in t:
+                    tm = TensorMeta(key, gshape, dtype_name(t["dtype"]),
+                                    grid=FlatGrid.from_json(t["flat"], gshape, f"{source}: key {key!r}"))
+                elif "grid" in t:
                     grid = GridLayout.from_json(t["grid"], len(gshape), f"{source}: key {key!r}")
                     tm = TensorMeta(key, gshape, dtype_name(t["dtype"]), grid=grid)
                 else:

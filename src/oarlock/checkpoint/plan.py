@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, NamedTuple, Sequence
 
 from oarlock.checkpoint.errors import CheckpointError, CheckpointMismatchError, CheckpointTilingError
-from oarlock.checkpoint.grid import GridIndex
+from oarlock.checkpoint.grid import FlatGrid, FlatIndex, GridIndex
 from oarlock.checkpoint.mapping import Box, IdentityProgram, MappingProgram, SliceMapping, TensorSpec, final_dtype
 from oarlock.checkpoint.metadata import CheckpointMetadata, TensorMeta
 from oarlock.checkpoint.sharded import (ShardDesc, box_intersection, box_volume, flat_range_boxes,
@@ -201,6 +201,8 @@ def index_of(meta: TensorMeta) -> "KeyIndex | GridIndex":
     """The stored-shard index of one key: arithmetic over its grid rule for grid-recorded tensors (no object per
     shard), else a :class:`KeyIndex` over its listed shards (validated to tile the global box)."""
     if meta.grid is not None and meta._shards is None:
+        if isinstance(meta.grid, FlatGrid):
+            return FlatIndex(meta.key, meta.global_shape, meta.grid, _piece, flat_range_boxes)
         return GridIndex(meta.key, meta.global_shape, meta.grid, _piece)
     return KeyIndex(meta)
 

@@ -1,0 +1,187 @@
+"""Grid records (issue 26): the same shards described by a grid rule and listed one by one give identical read
+plans, over random meshes, placements, uneven extents, flat ranges and replicas; hostile records are refused.
+
+The listed form is built independently of the grid code: boxes from torch's own DTensor box rule
+(``compute_local_shape_and_global_offset`` on a fake mesh) or ``torch.chunk``, writers by brute force over the
+mesh coordinates."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from oarlock.checkpoint.errors import CheckpointFormatError
+from oarlock.checkpoint.grid import FlatGrid, GridLayout, compress_flat, compress_shards, data_file_name
+from oarlock.checkpoint.metadata import CheckpointMetadata, ShardMeta, TensorMeta
+from oarlock.checkpoint.plan import Planner
+from oarlock.checkpoint.sharded import ShardDesc
+
+
+def chunk_extents(length: int, counts: list[int]) -> list[tuple[int, int]]:
+    """Nested torch.chunk pieces of range(length), from torch itself (empty trailing pieces kept)."""
+    pieces = [torch.arange(length)]
+    out_ranges = [(0, length)]
+    for n in counts:
+        nxt = []
+        for (a, b), t in zip(out_ranges, pieces):
+            parts = list(t.chunk(n)) if t.numel() else []
+            for i in range(n):
+                if i < len(parts):
+                    p = parts[i]
+                    nxt.append(((int(p[0]), int(p[-1]) + 1), p))
+                else:
+                    nxt.append(((b, b), t[:0]))
+        out_ranges = [r for r, _ in nxt]
+        pieces = [p for _, p in nxt]
+    return out_ranges
+
+
+def listed_from_mesh(shape, mesh_shape, placements, rank_of, key):
+    """Every holder's box by brute force over the mesh; the writer of each box is the holder the grid's rule
+    must pick (checked separately): here every holder is returned."""
+    holders: dict[tuple, list[int]] = {}
+    for coord in itertools.product(*(range(n) for n in mesh_shape)):
+        box = []
+        for d, L in enumerate(shape):
+            levels = [(k, mesh_shape[k]) for k, p in enumerate(placements) if p == ("S", d)]
+            ext = chunk_extents(L, [n for _, n in levels])
+            idx = 0
+            for k, n in levels:
+                idx = idx * n + coord[k]
+            box.append(ext[idx])
+        if all(b > a for a, b in box) or not box:
+            holders.setdefault(tuple(box), []).append(rank_of(coord))
+    return holders
+
+
+@st.composite
+def layouts(draw):
+    ndim = draw(st.integers(1, 3))
+    shape = tuple(draw(st.integers(1, 13)) for _ in range(ndim))
+    mdim = draw(st.integers(1, 3))
+    mesh_shape = tuple(draw(st.integers(1, 4)) for _ in range(mdim))
+    placements = tuple(draw(st.one_of(st.just(("R",)), st.tuples(st.just("S"), st.integers(0, ndim - 1))))
+                       for _ in range(mdim))
+    return shape, mesh_shape, placements
+
+
+def _plan_bytes(meta, requests):
+    planner = Planner(meta)
+    items = planner.plan_rank(requests).items
+    return sorted((it.dst_key, it.dst_flat_start, it.dst_box, it.file, it.name, it.src_flat_start, it.src_shape,
+                   it.src_box) for it in items)
+
+
+def _requests(shape, boxes, key="w"):
+    return [ShardDesc(key, tuple(b - a for a, b in box), tuple(shape), tuple(a for a, _ in box), "float32")
+            for box in boxes]
+
+
+@settings(max_examples=150, deadline=None)
+@given(layouts(), layouts(), st.integers(0, 2**31))
+def test_grid_and_listed_give_identical_reads(src, dst, seed):
+    shape, mesh_shape, placements = src
+    strides = [math.prod(mesh_shape[k + 1:]) for k in range(len(mesh_shape))]
+    rank_of = lambda c: sum(a * s for a, s in zip(c, strides))  # noqa: E731
+    grid = GridLayout.from_placements(shape, mesh_shape, placements, key="w")
+    holders = listed_from_mesh(shape, mesh_shape, placements, rank_of, "w")
+    # the grid's cells are exactly the non-empty boxes, each written by one of its holders
+    cells = {tuple((o, o + n) for o, n in zip(off, ext)): grid.writer(c) for c, off, ext in grid.cells(shape)}
+    assert set(cells) == set(holders)
+    for box, w in cells.items():
+        assert w in holders[box], (box, w, holders[box])
+    listed = [ShardMeta(tuple(a for a, _ in box), tuple(b - a for a, b in box), data_file_name(w), "w")
+              for box, w in cells.items()]
+    meta_l = CheckpointMetadata("oarlock", {"w": TensorMeta("w", shape, "float32", listed)})
+    meta_g = CheckpointMetadata("oarlock", {"w": TensorMeta("w", shape, "float32", grid=grid)})
+    # the grid survives the JSON round trip, and the listed form materialised from it is the same list
+    back = CheckpointMetadata.from_json(json.loads(meta_g.dumps()))
+    assert back.tensors["w"].grid == grid
+    assert sorted(back.tensors["w"].shards, key=lambda s: s.global_offset) == sorted(listed, key=lambda s: s.global_offset)
+    # requests of another layout: every target box of the destination mesh
+    dshape_mesh, dpl = dst[1], dst[2]
+    dholders = listed_from_mesh(shape, dshape_mesh, [p if p == ("R",) or p[1] < len(shape) else ("R",) for p in dpl],
+                                lambda c: 0, "w")
+    reqs = _requests(shape, list(dholders))
+    a, b = _plan_bytes(meta_l, reqs), _plan_bytes(meta_g, reqs)
+    assert a == b
+    # every requested element is read exactly once
+    assert sum(math.prod(y - x for x, y in it[7]) for it in b) == sum(math.prod(r.local_shape) for r in reqs)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(1, 9), min_size=1, max_size=3), st.integers(1, 40), st.integers(0, 60),
+       st.integers(1, 8))
+def test_flat_ranges_of_an_even_split_compress_and_plan_alike(shape, part, offset, nranks_hint):
+    """A parameter at ``offset`` in a flat buffer split into ``part``-element partitions (ZeRO): its per-rank
+    flat ranges, listed, compress into one flat record that plans the same reads."""
+    shape = tuple(shape)
+    n = math.prod(shape)
+    listed = []
+    r0 = offset // part
+    r = r0
+    while r * part < offset + n:
+        a, b = max(r * part, offset) - offset, min((r + 1) * part, offset + n) - offset
+        if b > a:
+            listed.append(ShardMeta((0,) * len(shape), shape, data_file_name(r), "w", (a, b)))
+        r += 1
+    g = compress_flat(shape, listed, "w")
+    assert g is not None and g.count(n) == len(listed)
+    meta_l = CheckpointMetadata("oarlock", {"w": TensorMeta("w", shape, "float32", listed)})
+    text = CheckpointMetadata("oarlock", {"w": TensorMeta("w", shape, "float32", listed)}).dumps()
+    assert '"flat"' in text and '"shards"' not in text
+    meta_g = CheckpointMetadata.from_json(json.loads(text))
+    assert meta_g.tensors["w"].shards == listed
+    reqs = _requests(shape, [tuple((0, s) for s in shape)])
+    half = [tuple((0, s) if d else (0, max(1, s // 2)) for d, s in enumerate(shape))]
+    for rq in (reqs, _requests(shape, half)):
+        assert _plan_bytes(meta_l, rq) == _plan_bytes(meta_g, rq)
+
+
+def test_compress_refuses_what_is_not_a_grid():
+    w = lambda off, shape, r, name="w": ShardMeta(off, shape, data_file_name(r), name)  # noqa: E731
+    # rows 0:3, 3:10 is not a torch.chunk split
+    assert compress_shards((10, 4), [w((0, 0), (3, 4), 0), w((3, 0), (7, 4), 1)], "w") is None
+    # another name in the file
+    assert compress_shards((10, 4), [w((0, 0), (5, 4), 0, "w@0"), w((5, 0), (5, 4), 1)], "w") is None
+    # writers 0, 5, 1: not affine
+    sh = [w((0, 0), (4, 4), 0), w((4, 0), (4, 4), 5), w((8, 0), (2, 4), 1)]
+    assert compress_shards((10, 4), sh, "w") is None
+    # a regular one is
+    sh = [w((0, 0), (4, 4), 3), w((4, 0), (4, 4), 5), w((8, 0), (2, 4), 7)]
+    assert compress_shards((10, 4), sh, "w") == GridLayout(((3,), ()), 3, (2,))
+
+
+@pytest.mark.parametrize("record,why", [
+    ({"chunks": [[4]], "writers": {"base": 0, "strides": [1]}}, "entries for a 2-D tensor"),
+    ({"chunks": [[0], []], "writers": {"base": 0, "strides": [1]}}, "positive integers"),
+    ({"chunks": [[4], []], "writers": {"base": -1, "strides": [1]}}, "must be a rank"),
+    ({"chunks": [[4], []], "writers": {"base": 2, "strides": [-1]}}, "outside"),
+    ({"chunks": [[4], []], "writers": {"base": 0, "strides": [1, 2]}}, "one per chunk level"),
+    ({"chunks": [[2 ** 21], []], "writers": {"base": 0, "strides": [1]}}, "cells in one dimension"),
+    ({"chunks": [[2], []], "writers": {"base": 0, "strides": ["1"]}}, "one per chunk level"),
+])
+def test_hostile_grid_records_are_refused_naming_the_key(tmp_path, record, why):
+    meta = {"format": "oarlock.flexcheckpoint", "version": 2,
+            "tensors": {"w": {"global_shape": [8, 3], "dtype": "float32", "grid": record}}}
+    with pytest.raises(CheckpointFormatError) as e:
+        CheckpointMetadata.from_json(meta, source="ck/metadata.json")
+    assert "key 'w'" in str(e.value) and why in str(e.value), str(e.value)
+
+
+def test_hostile_flat_record_and_mixed_entry_are_refused():
+    base = {"format": "oarlock.flexcheckpoint", "version": 2}
+    bad = dict(base, tensors={"w": {"global_shape": [8], "dtype": "float32",
+                                    "flat": {"first": 1, "step": 1, "base": 0, "stride": 0}}})
+    with pytest.raises(CheckpointFormatError, match="key 'w'.*8 shards"):
+        CheckpointMetadata.from_json(bad)
+    both = dict(base, tensors={"w": {"global_shape": [8], "dtype": "float32", "shards": [],
+                                     "grid": {"chunks": [[]], "writers": {"base": 0, "strides": []}}}})
+    with pytest.raises(CheckpointFormatError, match="key 'w'.*exactly one of"):
+        CheckpointMetadata.from_json(both)
