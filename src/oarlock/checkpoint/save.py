@@ -195,9 +195,18 @@ class RankRecord:
 
     def fingerprint(self) -> str:
         """SHA-256 of the record's canonical JSON: equal records, equal fingerprints."""
+        return self.spec_fingerprint() + self.data_fingerprint()
+
+    def spec_fingerprint(self) -> str:
+        """Of the part shared by the ranks of a mesh (tensor specs and grids, TP layouts, nesting)."""
         doc = [[(k, list(g), dt, gr.to_json() if gr is not None else None) for k, g, dt, gr in self.tensors],
-               self.listed, self.objects, self.nested, self.tp_layouts]
-        return hashlib.sha256(json.dumps(doc, sort_keys=True, default=list).encode()).hexdigest()
+               self.nested, self.tp_layouts]
+        return hashlib.sha256(json.dumps(doc, sort_keys=True, default=list).encode()).hexdigest()[:32]
+
+    def data_fingerprint(self) -> str:
+        """Of the rank's listed shards and JSON values (rank-local for per-rank RNG states)."""
+        doc = [self.listed, self.objects]
+        return hashlib.sha256(json.dumps(doc, sort_keys=True, default=list).encode()).hexdigest()[:32]
 
 
 @dataclass
@@ -346,13 +355,19 @@ def build_layout(classes: Sequence[tuple[RankRecord, Sequence[int]]], world: int
         CheckpointTilingError: listed shards of a key do not tile it.
     """
     classes = sorted(((rec, sorted(int(m) for m in members)) for rec, members in classes), key=lambda c: c[1][0])
+    # classes sharing one tensor list (ranks that differ only in listed shards or objects, e.g. per-rank RNG
+    # states) are walked once: the work is O(tensors x distinct tensor lists), not O(tensors x ranks)
+    by_spec: dict[int, tuple[RankRecord, list[int]]] = {}
+    for rec, members in classes:
+        by_spec.setdefault(id(rec.tensors), (rec, []))[1].extend(members)
     spec: dict[str, tuple[tuple, str, int]] = {}
     grids: dict[str, list[tuple[GridLayout, int]]] = {}
     candidates: dict[tuple[str, GridLayout], list[int]] = {}
     order: list[str] = []
     per_rank: list[list[tuple]] = [[] for _ in range(world)]
     listed_keys: dict[str, int] = {}
-    for rec, members in classes:
+    for rec, members in sorted(by_spec.values(), key=lambda c: min(c[1])):
+        members = sorted(members)
         r = members[0]
         for key, gshape, dtype, grid in rec.tensors:
             gshape = tuple(gshape)
@@ -370,6 +385,7 @@ def build_layout(classes: Sequence[tuple[RankRecord, Sequence[int]]], world: int
                 candidates.setdefault((key, grid), []).extend(members)
             else:
                 listed_keys.setdefault(key, r)
+    for rec, members in classes:
         for m in members:
             if not 0 <= m < world:
                 raise CheckpointError(f"class member rank {m} outside a group of {world}")
@@ -430,24 +446,36 @@ def prepare_save(state_dict: Mapping[str, Any], path: str | os.PathLike, process
     path = Path(path)
     dist = DistWrapper(process_group)
     leaves = Leaves()
-    record, grid_writes, err, fp = None, [], None, None
+    record, grid_writes, err, fps = None, [], None, None
     try:
         leaves = collect_leaves(state_dict)
         record, grid_writes = describe_rank(leaves, dist, save_replicas)
-        fp = record.fingerprint()
+        fps = (record.spec_fingerprint(), record.data_fingerprint())
     except Exception as e:  # reported to every rank in the exchange below
         err = e
-    both = dist.all_gather_object((None if err is None else error_report(err, dist.rank), fp))
+    both = dist.all_gather_object((None if err is None else error_report(err, dist.rank), fps))
     dist.raise_reports([b[0] for b in both], err)
-    members: dict[str, list[int]] = {}
-    for r, (_, f) in enumerate(both):
-        members.setdefault(f, []).append(r)
-    representatives = {m[0] for m in members.values()}
-    records = dist.gather_to(record if dist.rank in representatives else None)
+    first_spec: dict[str, int] = {}
+    first_data: dict[str, int] = {}
+    for r, (_, (fs, fd)) in enumerate(both):
+        first_spec.setdefault(fs, r)
+        first_data.setdefault(fd, r)
+    # the first rank of each distinct spec sends its tensor list, the first of each distinct data part its listed
+    # shards and objects: rank 0 receives each distinct part once
+    mine = ((record.tensors, record.nested, record.tp_layouts) if first_spec[fps[0]] == dist.rank else None,
+            (record.listed, record.objects) if first_data[fps[1]] == dist.rank else None)
+    parts = dist.gather_to(mine)
     layout, out, cerr = None, None, None
     if dist.is_coordinator:
         try:
-            layout = build_layout([(records[m[0]], m) for m in members.values()], dist.size, save_replicas)
+            classes: dict[tuple[str, str], tuple[RankRecord, list[int]]] = {}
+            for r, (_, (fs, fd)) in enumerate(both):
+                if (fs, fd) not in classes:
+                    spec_rec, data_rec = parts[first_spec[fs]][0], parts[first_data[fd]][1]
+                    classes[(fs, fd)] = (RankRecord(spec_rec[0], data_rec[0], data_rec[1], spec_rec[1], spec_rec[2]),
+                                         [])
+                classes[(fs, fd)][1].append(r)
+            layout = build_layout(list(classes.values()), dist.size, save_replicas)
             check_destination(path)
             tmp, save_id = staging_path(path), new_save_id()
             out = [(None, tmp, save_id, layout.listed_writes.get(r, []), layout.grid_skip.get(r, []))
