@@ -394,7 +394,9 @@ def block_owners(touched: dict[str, dict[int, int]], checksums: dict[str, FileCh
         for b, n in per.items():
             g = start[f] + b
             length = min(fc.size, (b + 1) * fc.block_size) - b * fc.block_size
-            dither = (g * 40503) & 0xFFFF  # a fixed sequence spread over [0, 1) in 1/65536 (the golden ratio's)
+            # a fixed sequence spread over [0, 1) in 1/65536 (golden-ratio steps), starting at one half: even
+            # splits (a half, a quarter, ...) then sit mid-step, never on the step between two levels
+            dither = (g * 40503 + 0x8000) & 0xFFFF
             level = (min(n, length) * LEVELS * 65536 // length + dither) >> 16
             idx.append(g)
             val.append(((level + 1) << shift) | ((rank + g) % world + 1))
