@@ -145,6 +145,35 @@ def test_error_names_every_key_of_the_damaged_block(tmp_path):
         assert all(bool((sw.local_tensor == 0).all()) for sw in part.values())
 
 
+def test_block_bytes_of_strided_boxes_match_a_byte_mask():
+    """The bytes a box read takes from each block, against a mask of the read elements' bytes built element by
+    element: 2-d and 3-d boxes, a flattened read, a 0-d tensor, blocks that cut elements' rows anywhere."""
+    from types import SimpleNamespace
+
+    from oarlock.checkpoint.integrity import FileChecksums, block_bytes
+
+    g = torch.Generator().manual_seed(9)
+    cases = [((7, 9), ((2, 5), (3, 8)), 0), ((4, 5, 6), ((1, 3), (0, 5), (2, 4)), 0), ((40,), ((5, 33),), 11),
+             ((), (), 0), ((3, 300), ((0, 3), (299, 300)), 0), ((6, 8), ((0, 6), (0, 8)), 5)]
+    for shape, box, flat in cases:
+        isz, start, begin = 4, 200 + int(torch.randint(0, 50, (1,), generator=g)) * 8, 24
+        n = 1
+        for x in shape:
+            n *= x
+        size = start + begin + (flat + n) * isz + 40
+        entry = ("F32", [flat + n], begin, begin + (flat + n) * isz)
+        reader = SimpleNamespace(safetensors_file=lambda f: SimpleNamespace(entries={"t": entry}, data_start=start))
+        for bs in (64, 100, 4096):
+            fc = FileChecksums("x.safetensors", size, bs, ["0"] * -(-size // bs))
+            mask = bytearray(size)
+            idx = torch.arange(n).reshape(shape) if shape else torch.arange(1).reshape(())
+            for e in idx[tuple(slice(a, b) for a, b in box)].flatten().tolist():
+                lo = start + begin + (flat + e) * isz
+                mask[lo:lo + isz] = b"\x01" * isz
+            want = {b: sum(mask[b * bs:(b + 1) * bs]) for b in range(len(fc.blocks)) if any(mask[b * bs:(b + 1) * bs])}
+            assert block_bytes(reader, fc, "t", flat, shape, box) == want, (shape, box, flat, bs)
+
+
 def test_checkpoint_without_checksums_still_loads(ck, capsys):
     meta = json.loads((ck / "metadata.json").read_text())
     del meta["extra"]["checksums"]  # what earlier oarlock versions wrote

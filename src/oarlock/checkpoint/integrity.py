@@ -8,10 +8,12 @@ https://xxhash.com) is stored as 16 hex digits in ``metadata.json`` under ``extr
     {"algorithm": "xxh3_64", "block_size": 4194304,
      "files": {"rank-00000.safetensors": {"size": 123456, "blocks": ["9d4c1e...", ...]}}}
 
-A load verifies, before any destination tensor is written, every block that holds a byte of the ranges it is
-about to read (a partial read checks only the blocks it touches); a mismatch raises :class:`ChecksumError`
-naming the file, byte range, key and shard box, on every rank. Checkpoints without ``extra.checksums``
-(written by earlier oarlock versions, or foreign formats) load without a check. See ``docs/checkpoint-format.md``.
+A load verifies, before any destination tensor is written, every block that holds a byte the group's reads take
+(a partial read checks only the blocks it touches), each block hashed by one rank: :func:`verify_group` (the
+owner of a block is the rank reading most of it, agreed in one ``all_reduce``). A same-layout restart verifies
+each rank's own file (:func:`verify_own_file`). A mismatch raises :class:`ChecksumError` on every rank, naming the
+file, the block's byte range and every key stored in it. Checkpoints without ``extra.checksums`` (written by
+earlier oarlock versions, or foreign formats) load without a check. See ``docs/checkpoint-format.md``.
 """
 
 from __future__ import annotations
@@ -262,19 +264,6 @@ def _read_layout(reader: Any, file: str, name: str, flat_start: int, shape: Sequ
     for d in range(len(shape) - 2, -1, -1):
         strides[d] = strides[d + 1] * int(shape[d + 1])
     return f.data_start + begin + int(flat_start) * isz, isz, strides, box
-
-
-def item_byte_range(reader: Any, file: str, name: str, flat_start: int, shape: Sequence[int],
-                    box: Sequence[tuple[int, int]]) -> tuple[int, int] | None:
-    """File byte range ``[start, stop)`` spanning the box of a read (the first to the last element it reads), for
-    safetensors data files; None when empty or not a safetensors file."""
-    lay = _read_layout(reader, file, name, flat_start, shape, box)
-    if lay is None:
-        return None
-    base, isz, strides, box = lay
-    first = sum(a * s for (a, _), s in zip(box, strides))
-    last = sum((b - 1) * s for (_, b), s in zip(box, strides))
-    return base + first * isz, base + (last + 1) * isz
 
 
 def _elements_before(x: int, strides: list[int], box: list[tuple[int, int]], inner: list[int]) -> int:
