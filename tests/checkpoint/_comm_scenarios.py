@@ -270,8 +270,11 @@ def scenario_save_replicas_gives_a_warm_restart_without_communication(ctx):
         assert e["report"].comm_method == "warm", (r, e["report"].comm_method)
         assert e["opened"] == [f"rank-{r:05d}.safetensors"], (r, e["opened"])
         assert e["report"].bytes_sent == e["report"].bytes_received == e["report"].messages_sent == 0, (r, e)
-        # the same-layout flag, then the agreement that every rank's own read succeeded; no data moved
-        assert e["calls"] == {"all_reduce": 2}, (r, e["calls"])
+        # the same-layout flag, the agreement that every rank's own file matches its checksums (before any
+        # target is written), then that every rank's own read succeeded; no data moved
+        assert e["calls"] == {"all_reduce": 3}, (r, e["calls"])
+        assert e["report"].bytes_hashed == (ctx.shared / "rep" / f"rank-{r:05d}.safetensors").stat().st_size, \
+            (r, e["report"].bytes_hashed)
 
 
 def scenario_same_restart_without_replicas_reads_planned_ranges(ctx):

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 import _integrity_scenarios as W
+from multirank import each_scenario, launch_fixture
 from oarlock.checkpoint import ShardedWeight, convert_checkpoint, export_hf, load_state_dict, save_state_dict
 from oarlock.checkpoint.diff import diff_checkpoints
 from oarlock.checkpoint.integrity import BLOCK_SIZE, ChecksumError, file_checksums, verify_checkpoint
@@ -73,11 +74,15 @@ def test_flipped_byte_caught_by_load_and_verify(ck, where, capsys):
         part = {"a": ShardedWeight("a", torch.zeros(2, 4096), (2, 4096), (896, 4096), (row, 0))}
     else:
         part = {"b": ShardedWeight("b", torch.zeros(10, dtype=torch.float64), (10,), (1000,), (990,))}
+    keys = {"first": ["header", "a"], "middle": ["a"], "last": ["a", "b"]}[where]  # what each block holds
     for target in ({"a": torch.zeros(896, 4096), "b": torch.zeros(1000, dtype=torch.float64)}, part):
         with pytest.raises(ChecksumError) as e:
             load_state_dict(target, ck, strict=False)
         msg = str(e.value)
         assert str(ck / DATA) in msg and f"(block {block})" in msg and repr(key) in msg
+        # every key the block holds, whichever of them this load reads (the warm path and the planned path)
+        assert all(f"key {k!r}" in msg for k in keys if k != "header"), msg
+        assert ("the file header" in msg) == ("header" in keys), msg
         for v in target.values():
             t = v.local_tensor if isinstance(v, ShardedWeight) else v
             assert bool((t == 0).all())  # no destination written
@@ -86,7 +91,6 @@ def test_flipped_byte_caught_by_load_and_verify(ck, where, capsys):
     assert f"{DATA}: checksum mismatch" in out and f"(block {block})" in out and repr(key) in out
     assert main(["verify", str(ck), "--json"]) == 1
     rep = json.loads(capsys.readouterr().out)
-    keys = {"first": ["header", "a"], "middle": ["a"], "last": ["a", "b"]}[where]  # what each block holds
     assert rep["intact"] is False and [(p["file"], p["block"], p["keys"]) for p in rep["problems"]] == \
         [(DATA, block, keys)]
     with pytest.raises(ChecksumError, match=re.escape(f"(block {block})")):
@@ -101,12 +105,73 @@ def test_partial_read_checks_only_its_blocks(ck):
     _flip(ck / DATA, 3 * BLOCK_SIZE + 50)  # inside the last block: rows near the end of "a", and "b"
     ref = _state()["a"]
     top = ShardedWeight("a", torch.zeros(100, 4096), (100, 4096), (896, 4096), (0, 0))
-    load_state_dict({"a": top}, ck, strict=False, comm_method="auto")
+    rep = load_state_dict({"a": top}, ck, strict=False, comm_method="auto")
     assert torch.equal(top.local_tensor, ref[:100])
+    h = read_header(ck / DATA)
+    lo = h.data_start + h.entries["a"][2]  # rows 0-99 of "a": 1.6 MB from here, all inside block 0
+    assert (lo + 100 * 4096 * 4 - 1) // BLOCK_SIZE == 0 and rep.bytes_hashed == BLOCK_SIZE, rep.bytes_hashed
+    assert load_state_dict({"a": top}, ck, strict=False, verify_checksums=False).bytes_hashed == 0
     bottom = ShardedWeight("a", torch.zeros(100, 4096), (100, 4096), (896, 4096), (796, 0))
     with pytest.raises(ChecksumError, match=r"key 'a' shard box offset \[0, 0\] shape \[896, 4096\]"):
         load_state_dict({"a": bottom}, ck, strict=False)
     load_state_dict({"a": bottom}, ck, strict=False, verify_checksums=False)  # the opt-out reads what is there
+
+
+def test_error_names_every_key_of_the_damaged_block(tmp_path):
+    """Two small keys share block 0; a byte flipped in the second one: a load of either key (or both) names the
+    block and both keys with their shard boxes, not just the first key stored there."""
+    sd = {"first": torch.arange(64, dtype=torch.float32), "second": torch.arange(32, dtype=torch.int64)}
+    save_state_dict(sd, tmp_path / "ck")
+    h = read_header(tmp_path / "ck" / DATA)
+    begin = {k: h.entries[k][2] for k in sd}
+    assert begin["first"] < begin["second"]  # "first" is stored first
+    _flip(tmp_path / "ck" / DATA, h.data_start + begin["second"] + 3)
+    size = (tmp_path / "ck" / DATA).stat().st_size
+    for want in (["first", "second"], ["second"], ["first"]):
+        target = {k: torch.zeros_like(sd[k]) for k in want}
+        with pytest.raises(ChecksumError) as e:
+            load_state_dict(target, tmp_path / "ck", strict=False)
+        # both keys whole: the warm path (it hashes the own file whole); one key: the planned path
+        boxes = (" shard box offset [0] shape [64]", " shard box offset [0] shape [32]") if len(want) == 1 else ("", "")
+        assert f"{tmp_path / 'ck' / DATA}: checksum mismatch in bytes [0, {size}) (block 0) holding the file header, " \
+               f"key 'first'{boxes[0]}, key 'second'{boxes[1]}: " in str(e.value), str(e.value)
+        assert all(bool((t == 0).all()) for t in target.values())
+        # a slice of each: the planned path, which also gives each key's stored shard box
+        part = {k: ShardedWeight(k, torch.zeros(4, dtype=sd[k].dtype), (4,), tuple(sd[k].shape), (2,)) for k in want}
+        with pytest.raises(ChecksumError) as e:
+            load_state_dict(part, tmp_path / "ck", strict=False)
+        assert f"bytes [0, {size}) (block 0) holding the file header, key 'first' shard box offset [0] shape [64], " \
+               "key 'second' shard box offset [0] shape [32]: " in str(e.value), str(e.value)
+        assert all(bool((sw.local_tensor == 0).all()) for sw in part.values())
+
+
+def test_block_bytes_of_strided_boxes_match_a_byte_mask():
+    """The bytes a box read takes from each block, against a mask of the read elements' bytes built element by
+    element: 2-d and 3-d boxes, a flattened read, a 0-d tensor, blocks that cut elements' rows anywhere."""
+    from types import SimpleNamespace
+
+    from oarlock.checkpoint.integrity import FileChecksums, block_bytes
+
+    g = torch.Generator().manual_seed(9)
+    cases = [((7, 9), ((2, 5), (3, 8)), 0), ((4, 5, 6), ((1, 3), (0, 5), (2, 4)), 0), ((40,), ((5, 33),), 11),
+             ((), (), 0), ((3, 300), ((0, 3), (299, 300)), 0), ((6, 8), ((0, 6), (0, 8)), 5)]
+    for shape, box, flat in cases:
+        isz, start, begin = 4, 200 + int(torch.randint(0, 50, (1,), generator=g)) * 8, 24
+        n = 1
+        for x in shape:
+            n *= x
+        size = start + begin + (flat + n) * isz + 40
+        entry = ("F32", [flat + n], begin, begin + (flat + n) * isz)
+        reader = SimpleNamespace(safetensors_file=lambda f: SimpleNamespace(entries={"t": entry}, data_start=start))
+        for bs in (64, 100, 4096):
+            fc = FileChecksums("x.safetensors", size, bs, ["0"] * -(-size // bs))
+            mask = bytearray(size)
+            idx = torch.arange(n).reshape(shape) if shape else torch.arange(1).reshape(())
+            for e in idx[tuple(slice(a, b) for a, b in box)].flatten().tolist():
+                lo = start + begin + (flat + e) * isz
+                mask[lo:lo + isz] = b"\x01" * isz
+            want = {b: sum(mask[b * bs:(b + 1) * bs]) for b in range(len(fc.blocks)) if any(mask[b * bs:(b + 1) * bs])}
+            assert block_bytes(reader, fc, "t", flat, shape, box) == want, (shape, box, flat, bs)
 
 
 def test_checkpoint_without_checksums_still_loads(ck, capsys):
@@ -161,10 +226,9 @@ def test_diff_fast_path_uses_checksums(ck, tmp_path):
     assert rep.equal and rep.equal_by_checksum == 0 and rep.equal_keys == 2
 
 
-@pytest.mark.multiproc
-def test_four_ranks_one_reads_the_corrupt_block_all_fail_alike(multirank):
-    root = multirank.root
-    root.mkdir(parents=True)
+def _corrupt_single_file(root: Path, world: int) -> None:
+    """Input of the 4-rank scenario that loads row shards: a single-file checkpoint with a flipped byte in the
+    rows only rank 2 reads (``corrupt.json``: file and block)."""
     g = torch.Generator().manual_seed(1)
     save_state_dict({"w": torch.randn(W.ROWS, W.COLS, generator=g)}, root / "ck")
     data = root / "ck" / DATA
@@ -176,10 +240,32 @@ def test_four_ranks_one_reads_the_corrupt_block_all_fail_alike(multirank):
     assert [r for r in range(4) if off // BLOCK_SIZE in touch[r]] == [2]  # only rank 2 reads that block
     _flip(data, off)
     (root / "corrupt.json").write_text(json.dumps({"file": str(data), "block": off // BLOCK_SIZE}))
-    outcome = multirank("_integrity_scenarios", 4)
-    outcome.check()  # names the scenario and the rank whose assertion failed
-    msgs = outcome.values("one_rank_reads_the_corrupt_block_all_fail_alike")
+
+
+# one launch of 4 ranks for every 4-rank scenario of _integrity_scenarios.py (test_manager.py runs its 2-rank ones)
+launched = launch_fixture("_integrity_scenarios", worlds=(4,), prepare=_corrupt_single_file, timeout_s=300)
+
+
+@pytest.mark.multiproc
+@each_scenario("_integrity_scenarios", worlds=(4,))
+def test_four_ranks(launched, world, scenario):
+    """A corrupt block one rank reads fails every rank alike; row shards loaded as column shards hash each
+    touched block once in the group; a flipped byte there fails every rank alike naming every key of the block;
+    a same-layout restart hashes only its own file; a rank that requests nothing hashes nothing."""
+    launched.check(scenario, world)
+
+
+@pytest.mark.multiproc
+def test_four_ranks_errors_name_the_detecting_rank(launched):
+    """The messages behind the scenarios: ranks that did not hash the bad block prefix the detecting rank's
+    message with "rank R: "; a column load hashes about a quarter of the blocks on each rank."""
+    launched.check("one_rank_reads_the_corrupt_block_all_fail_alike")
+    msgs = launched.values("one_rank_reads_the_corrupt_block_all_fail_alike")
+    data = launched.root(4) / "ck" / DATA
     assert msgs[0] == f"rank 2: {msgs[2]}" and str(data) in msgs[2]
+    launched.check("column_load_of_row_shards_hashes_each_block_once")
+    hashed = launched.values("column_load_of_row_shards_hashes_each_block_once")[0]
+    assert len(hashed) == 4 and all(0 < h < sum(hashed) / 2 for h in hashed), hashed
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned staging of device tensors)")

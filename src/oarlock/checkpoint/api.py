@@ -88,8 +88,9 @@ def load_state_dict(state_dict: Mapping[str, Any], path: str | os.PathLike, *, p
             keys. Matching keys do not fail ``strict`` (they are still listed in ``LoadReport.unexpected_keys``);
             missing keys always do.
         verify_checksums: before writing any target, verify the block checksums recorded at save of every block
-            this rank's reads touch (:mod:`oarlock.checkpoint.integrity`); checkpoints without checksums load
-            unchecked. False skips the check.
+            the group's reads touch, each block hashed by one rank (the one reading most of it; a same-layout
+            restart hashes each rank's own file; see :mod:`oarlock.checkpoint.integrity` and
+            ``LoadReport.bytes_hashed``); checkpoints without checksums load unchecked. False skips the check.
         program: an already-compiled :class:`~oarlock.checkpoint.mapping.MappingProgram` (instead of
             ``aoa_config``). Default: the identity (same keys, global shapes and dtypes).
         comm_method: ``"auto"`` (direct byte-range reads when every rank sees every file it needs, as on a
@@ -107,7 +108,8 @@ def load_state_dict(state_dict: Mapping[str, Any], path: str | os.PathLike, *, p
             the AOA hint), dtype differs without a requested cast, missing/unexpected keys under ``strict``.
         CheckpointTilingError: the stored shards of a key do not tile its global box (names key and box).
         CheckpointFormatError: unreadable source; :class:`~oarlock.checkpoint.integrity.ChecksumError` (a subclass)
-            when stored bytes do not match their checksum (naming file, byte range, key and shard box).
+            when stored bytes do not match their checksum (naming the file, the block and its byte range, and
+            every key stored in that block with its shard box).
         AOAError / AOASyntaxError: a bad ``aoa_config`` (subclasses of CheckpointError).
         Every rank raises alike; no target is written before the whole plan is built and validated.
     """

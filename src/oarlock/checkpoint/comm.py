@@ -288,9 +288,12 @@ def try_warm_start(state_dict: Any, path: str | os.PathLike, dist: DistWrapper, 
     ``metadata.json`` belong to the same save. On a match every rank reads its own
     file straight into its targets and a :class:`~oarlock.checkpoint.executor.LoadReport` with
     ``comm_method="warm"`` is returned; otherwise None (nothing was written) and the normal load runs. With
-    ``verify_checksums`` the own file's block checksums are verified first (:mod:`oarlock.checkpoint.integrity`).
+    ``verify_checksums`` every rank first verifies all blocks of its own file (:mod:`oarlock.checkpoint.integrity`;
+    ``LoadReport.bytes_hashed``) and the ranks agree on the verdict (one more ``all_reduce`` of a flag) before any
+    target is written.
 
     Raises:
+        ChecksumError: on every rank alike, when some rank's own file does not match its checksums.
         CheckpointError (or the format error of the failing read): on every rank alike when a read fails on any
             rank after the ranks agreed on the warm path.
     """
@@ -328,11 +331,17 @@ def try_warm_start(state_dict: Any, path: str | os.PathLike, dist: DistWrapper, 
             sf.close()
         return None
     report = LoadReport(comm_method="warm", files_read=[data_file])
+    if verify_checksums:
+        # the whole own file is read: each rank hashes all of it (and nothing else), and the ranks agree before
+        # any rank writes a target, so a corrupt file on one rank leaves every rank's targets untouched
+        try:
+            report.bytes_hashed = dist.run(verify_own_file, p, data_file)
+        except BaseException:
+            sf.close()
+            raise
 
     def read_own() -> None:
         try:
-            if verify_checksums:  # the whole own file is read: verify all of it before writing any target
-                verify_own_file(p, data_file)
             with torch.no_grad():
                 for sw in leaves.shards:
                     dt, shape, _, _ = sf.entries[sw.key]

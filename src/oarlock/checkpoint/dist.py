@@ -19,9 +19,10 @@ Contract for code built on it (other modules and new formats):
     ``rank``, ``size``, ``active`` (a process group with more than one rank), ``is_coordinator`` (rank 0),
     ``global_rank(r)``, ``comm_device()`` (CUDA for NCCL, CPU otherwise).
 ``all_gather_object(obj) -> list``; ``broadcast_object(obj, src) -> obj``; ``all_true(flag) -> bool``;
-``all_min(values) -> list[int]``; ``gather_to(obj, dst) -> list | None``; ``scatter_from(objs, src) -> obj``
-    Plain collectives (``[obj]``, ``obj``, ``flag`` and ``values`` without a group); the last two reach one rank
-    or come from one rank, so a coordinator's traffic does not land on every rank.
+``all_min(values) -> list[int]``; ``all_max_tensor(t) -> Tensor``; ``gather_to(obj, dst) -> list | None``;
+``scatter_from(objs, src) -> obj``
+    Plain collectives (``[obj]``, ``obj``, ``flag``, ``values`` and ``t`` without a group); the last two reach one
+    rank or come from one rank, so a coordinator's traffic does not land on every rank.
 ``check(error)``
     Collective: every rank passes its exception or None; raises on every rank when any rank failed (one
     ``all_reduce`` of a flag on success, plus one ``all_gather_object`` of the reports on failure).
@@ -200,6 +201,18 @@ class DistWrapper:
         t = torch.tensor([int(v) for v in values], dtype=torch.int64, device=self.comm_device())
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return [int(v) for v in t.tolist()]
+
+    def all_max_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        """Element-wise maximum over the ranks of the 1-D int64 CPU tensor ``t`` (the same length on every rank;
+        one ``all_reduce`` MAX, on the backend's device); a CPU tensor, ``t`` itself without a group."""
+        if not self.active:
+            return t
+        import torch.distributed as dist
+
+        dev = self.comm_device()
+        buf = t.to(dev) if dev != t.device else t.clone()
+        dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group)
+        return buf.cpu()
 
     # ------------------------------------------------------------ error agreement
 

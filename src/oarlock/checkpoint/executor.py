@@ -35,6 +35,9 @@ class LoadReport:
         files_read: data files this rank opened.
         bytes_sent, bytes_received: tensor bytes this rank sent to / received from other ranks.
         messages_sent: point-to-point sends (or broadcasts as the source) this rank issued.
+        bytes_hashed: bytes of data files this rank hashed to verify block checksums before writing: its share of
+            the blocks the group's reads touch (each hashed by one rank), or its whole own file on the warm path;
+            0 with ``verify_checksums=False`` or a checkpoint without checksums.
     """
 
     missing_keys: list[str] = field(default_factory=list)
@@ -45,6 +48,7 @@ class LoadReport:
     bytes_sent: int = 0
     bytes_received: int = 0
     messages_sent: int = 0
+    bytes_hashed: int = 0
     skipped_keys: list[str] = field(default_factory=list)
     """requested keys an AOA config deliberately does not load (``_ -> key``, or named like a key dropped with
     ``key -> _``): left untouched, and no error under ``strict=True``."""

@@ -8,10 +8,12 @@ https://xxhash.com) is stored as 16 hex digits in ``metadata.json`` under ``extr
     {"algorithm": "xxh3_64", "block_size": 4194304,
      "files": {"rank-00000.safetensors": {"size": 123456, "blocks": ["9d4c1e...", ...]}}}
 
-A load verifies, before any destination tensor is written, every block that holds a byte of the ranges it is
-about to read (a partial read checks only the blocks it touches); a mismatch raises :class:`ChecksumError`
-naming the file, byte range, key and shard box, on every rank. Checkpoints without ``extra.checksums``
-(written by earlier oarlock versions, or foreign formats) load without a check. See ``docs/checkpoint-format.md``.
+A load verifies, before any destination tensor is written, every block that holds a byte the group's reads take
+(a partial read checks only the blocks it touches), each block hashed by one rank: :func:`verify_group` (the
+owner of a block is the rank reading most of it, agreed in one ``all_reduce``). A same-layout restart verifies
+each rank's own file (:func:`verify_own_file`). A mismatch raises :class:`ChecksumError` on every rank, naming the
+file, the block's byte range and every key stored in it. Checkpoints without ``extra.checksums`` (written by
+earlier oarlock versions, or foreign formats) load without a check. See ``docs/checkpoint-format.md``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -137,7 +140,11 @@ def file_checksums(path: str | Path, block_size: int = BLOCK_SIZE) -> dict[str, 
 
 def make_record(files: dict[str, dict[str, Any]], block_size: int = BLOCK_SIZE) -> dict[str, Any]:
     """The ``extra.checksums`` entry of a checkpoint's metadata from per-file records."""
-    return {"algorithm": ALGORITHM, "block_size": int(block_size), "files": dict(sorted(files.items()))}
+    # each file's digests as one string of 16 hex digits per block: a third smaller than a JSON list of strings
+    # (at 200,000 blocks, 3.2 MB instead of 4.8 MB) and one string to parse
+    return {"algorithm": ALGORITHM, "block_size": int(block_size),
+            "files": {f: {**r, "blocks": "".join(r["blocks"])} if isinstance(r.get("blocks"), list) else dict(r)
+                      for f, r in sorted(files.items())}}
 
 
 @dataclass
@@ -179,7 +186,13 @@ def parse_checksums(rec: Any) -> dict[str, FileChecksums] | None:
             raise ValueError("block_size must be positive")
         out = {}
         for f, r in rec["files"].items():
-            blocks = [str(b) for b in r["blocks"]]
+            raw = r["blocks"]
+            if isinstance(raw, str):  # the compact form: the digests' 16 hex digits each, concatenated
+                if len(raw) % 16 or re.fullmatch("[0-9a-f]*", raw) is None:
+                    raise ValueError(f"file {f!r}: \"blocks\" is not a string of 16-hex-digit digests")
+                blocks = [raw[i:i + 16] for i in range(0, len(raw), 16)]
+            else:
+                blocks = [str(b) for b in raw]
             size = int(r["size"])
             if len(blocks) != -(-size // bs):
                 raise ValueError(f"file {f!r}: {len(blocks)} blocks recorded for {size} bytes")
@@ -243,10 +256,12 @@ class BlockVerifier:
         return bad
 
 
-def item_byte_range(reader: Any, file: str, name: str, flat_start: int, shape: Sequence[int],
-                    box: Sequence[tuple[int, int]]) -> tuple[int, int] | None:
-    """File byte range ``[start, stop)`` spanning the box of a read (the first to the last element it reads), for
-    safetensors data files; None when empty or not a safetensors file."""
+def _read_layout(reader: Any, file: str, name: str, flat_start: int, shape: Sequence[int],
+                 box: Sequence[tuple[int, int]]) -> tuple[int, int, list[int], list[tuple[int, int]]] | None:
+    """Where a read of ``box`` lies in safetensors data file ``file``: ``(base, itemsize, strides, box)``, with
+    ``base`` the file offset of the read array's element 0 and C-order ``strides`` in elements (a 0-d array is
+    seen as shape ``(1,)``); None when the box is empty, the tensor is not in the file, or ``file`` is not a
+    safetensors file."""
     if not file.endswith(".safetensors") or any(b <= a for a, b in box):
         return None
     f = reader.safetensors_file(file)
@@ -255,14 +270,63 @@ def item_byte_range(reader: Any, file: str, name: str, flat_start: int, shape: S
         return None
     dtype, _, begin, _ = e
     isz = dtype_itemsize(dtype)
-    nd = len(shape)
-    strides = [1] * nd
-    for d in range(nd - 2, -1, -1):
+    shape, box = (list(shape), [tuple(b) for b in box]) if len(shape) else ([1], [(0, 1)])
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
         strides[d] = strides[d + 1] * int(shape[d + 1])
+    return f.data_start + begin + int(flat_start) * isz, isz, strides, box
+
+
+def _elements_before(x: int, strides: list[int], box: list[tuple[int, int]], inner: list[int]) -> int:
+    """How many elements of ``box`` (of a C-order array with ``strides``) lie at flat offsets below ``x``;
+    ``inner[d]``: elements of the box in dimensions after ``d``. O(ndim): only the index of dimension ``d`` that
+    holds offset ``x`` is partly below it."""
+    n = 0
+    for d, ((a, b), s) in enumerate(zip(box, strides)):
+        k, x = divmod(x, s)  # x falls in index k of dimension d, x elements into it
+        n += max(0, min(k, b) - a) * inner[d]
+        if not a <= k < b:
+            break
+    return n
+
+
+def block_bytes(reader: Any, fc: FileChecksums, name: str, flat_start: int, shape: Sequence[int],
+                box: Sequence[tuple[int, int]]) -> dict[int, int]:
+    """Bytes a read of ``box`` of stored tensor ``name`` (an array of ``shape`` starting ``flat_start`` elements
+    into it) takes from each block of data file ``fc.file``: block index -> bytes, exact for strided boxes (a
+    column slice of a row-major tensor takes a part of every block its span crosses). Empty for empty boxes and
+    files that are not safetensors."""
+    lay = _read_layout(reader, fc.file, name, flat_start, shape, box)
+    if lay is None:
+        return {}
+    base, isz, strides, box = lay
+    inner = [1] * len(box)
+    for d in range(len(box) - 2, -1, -1):
+        inner[d] = inner[d + 1] * (box[d + 1][1] - box[d + 1][0])
     first = sum(a * s for (a, _), s in zip(box, strides))
     last = sum((b - 1) * s for (_, b), s in zip(box, strides))
-    base = f.data_start + begin + int(flat_start) * isz
-    return base + first * isz, base + (last + 1) * isz
+
+    def before(pos: int) -> int:  # elements of the read starting below file offset pos
+        return _elements_before(-(-(pos - base) // isz), strides, box, inner)
+
+    out = {}
+    for b in fc.block_range(base + first * isz, base + (last + 1) * isz):
+        n = (before(min(fc.size, (b + 1) * fc.block_size)) - before(b * fc.block_size)) * isz
+        if n > 0:
+            out[b] = n
+    return out
+
+
+def _block_contents(reader: Any, file: str, b: int, block_size: int) -> str:
+    """What block ``b`` of data file ``file`` holds, for an error: every key stored there with its shard box
+    (``key 'a' shard box offset [0, 0] shape [4, 8]``), ``the file header`` when it holds header bytes."""
+    by_name: dict[str, str] = {}
+    for t in reader.metadata.tensors.values():
+        for sh in t.shards:
+            if sh.file == file:
+                by_name.setdefault(sh.name, f"key {t.key!r} {_shard_words(reader.metadata, t.key, file, sh.name)}")
+    names = corrupt_keys(reader.path_of(file), [b], block_size)
+    return ", ".join("the file header" if n == "header" else by_name.get(n, f"stored tensor {n!r}") for n in names)
 
 
 def _shard_words(metadata: Any, key: str, file: str, name: str) -> str:
@@ -277,43 +341,126 @@ def _shard_words(metadata: Any, key: str, file: str, name: str) -> str:
     return f"stored tensor {name!r}"
 
 
-def verify_read_items(reader: Any, items: Iterable[Any], verifier: BlockVerifier | None = None) -> int:
-    """Verify every block a load's read items touch, before anything is written. Items are
-    :class:`~oarlock.checkpoint.plan.ReadItem` s (``src_key``, ``file``, ``name``, ``src_flat_start``,
-    ``src_shape``, ``src_box``). Files this rank cannot see are skipped (another rank reads them). Returns the
-    bytes hashed; 0 when the checkpoint records no checksums.
+def touched_blocks(reader: Any, items: Iterable[Any], checksums: dict[str, FileChecksums]
+                   ) -> dict[str, dict[int, int]]:
+    """The blocks this rank's read items touch in the data files it can see, with the bytes it reads from each:
+    file -> block index -> bytes (summed over items, at most the block's length). Items are
+    :class:`~oarlock.checkpoint.plan.ReadItem` s (``file``, ``name``, ``src_flat_start``, ``src_shape``,
+    ``src_box``); files without recorded checksums and files this rank cannot see are left out."""
+    visible = reader.visible_files()
+    out: dict[str, dict[int, int]] = {}
+    for it in items:
+        fc = checksums.get(it.file)
+        if fc is None or it.file not in visible:
+            continue
+        per = out.setdefault(it.file, {})
+        for b, n in block_bytes(reader, fc, it.name, it.src_flat_start, it.src_shape, it.src_box).items():
+            per[b] = min(per.get(b, 0) + n, min(fc.size, (b + 1) * fc.block_size) - b * fc.block_size)
+    return {f: per for f, per in out.items() if per}
+
+
+#: A block goes to the rank reading the largest share of it, counted in 1/LEVELS of the block: ranks whose shares
+#: differ by less (a column slice each) share such blocks round robin instead of one rank taking them all.
+LEVELS = 16
+
+
+def block_owners(touched: dict[str, dict[int, int]], checksums: dict[str, FileChecksums], dist: Any
+                 ) -> dict[str, list[int]]:
+    """Collective over ``dist`` (a :class:`~oarlock.checkpoint.dist.DistWrapper`; every rank calls it, with
+    ``touched`` empty where it reads nothing): the blocks this rank hashes for the group, file -> block indices.
+
+    The blocks of all files in ``checksums`` are numbered globally (files sorted, each file's blocks in order),
+    so the exchange is one ``all_reduce`` MAX of an int64 vector of one entry per block of the checkpoint,
+    whatever the world size. A rank puts into the entry of each block it touches ``(level + 1) << shift | low``:
+    ``level`` its share of the block in sixteenths (dithered per block, so near-equal shares seldom fall on two
+    sides of a step), ``low = (rank + g) % world + 1`` for block ``g``, distinct per rank, so the maximum names
+    one toucher, and equal shares give the blocks to each toucher in turn. Without a process group this rank
+    owns every block it touches.
+    """
+    if not dist.active:
+        return {f: sorted(per) for f, per in touched.items()}
+    import torch
+
+    files = sorted(checksums)
+    start, total = {}, 0
+    for f in files:
+        start[f] = total
+        total += len(checksums[f].blocks)
+    world, rank = dist.size, dist.rank
+    shift = max(8, world.bit_length())
+    idx, val = [], []
+    for f, per in touched.items():
+        fc = checksums[f]
+        for b, n in per.items():
+            g = start[f] + b
+            length = min(fc.size, (b + 1) * fc.block_size) - b * fc.block_size
+            # a fixed sequence spread over [0, 1) in 1/65536 (golden-ratio steps), starting at one half: even
+            # splits (a half, a quarter, ...) then sit mid-step, never on the step between two levels
+            dither = (g * 40503 + 0x8000) & 0xFFFF
+            level = (min(n, length) * LEVELS * 65536 // length + dither) >> 16
+            idx.append(g)
+            val.append(((level + 1) << shift) | ((rank + g) % world + 1))
+    prio = torch.zeros(total, dtype=torch.int64)
+    if idx:
+        prio[torch.tensor(idx, dtype=torch.int64)] = torch.tensor(val, dtype=torch.int64)
+    prio = dist.all_max_tensor(prio)
+    g = torch.arange(total, dtype=torch.int64)
+    owner = torch.remainder((prio & ((1 << shift) - 1)) - 1 - g, world)
+    mine = ((prio > 0) & (owner == rank)).nonzero().flatten().tolist()
+    out: dict[str, list[int]] = {}
+    fi = 0
+    for gi in mine:  # ascending: walk the files along
+        while gi >= start[files[fi]] + len(checksums[files[fi]].blocks):
+            fi += 1
+        out.setdefault(files[fi], []).append(gi - start[files[fi]])
+    return out
+
+
+def verify_group(reader: Any, items: Iterable[Any], dist: Any) -> int:
+    """Collective over ``dist`` (a :class:`~oarlock.checkpoint.dist.DistWrapper`; every rank of the load calls
+    it, also one with no items): verify every block that the group's read items touch, each block hashed by one
+    rank, before anything is written. This rank's ``items`` are
+    :class:`~oarlock.checkpoint.plan.ReadItem` s; :func:`block_owners` picks, for each touched block, the rank
+    that reads the largest share of it; each rank hashes the blocks it owns (:class:`BlockVerifier`), and one
+    :meth:`~oarlock.checkpoint.dist.DistWrapper.check` shares the verdicts. Files a rank cannot see are skipped
+    by it (another rank reads them). Returns the bytes this rank hashed; 0 when the checkpoint records no
+    checksums (then no collective runs: every rank reads the same metadata).
 
     Raises:
-        ChecksumError: naming the file, the corrupt block's byte range, and the key and shard box read from it.
+        ChecksumError: on every rank (prefixed ``"rank R: "`` on ranks other than the one that found it): a
+            block's bytes differ from their checksum, naming the file, the block's byte range and index, and
+            every key stored in that block with its shard box; or a file's size differs from the recorded one.
     """
     checksums = recorded(reader.metadata)
     if not checksums:
         return 0
-    verifier = verifier or BlockVerifier(reader.path_of, checksums)
-    visible = reader.visible_files()
-    need: dict[str, dict[int, Any]] = {}
-    for it in items:
-        if it.file not in visible or it.file not in checksums:
-            continue
-        span = item_byte_range(reader, it.file, it.name, it.src_flat_start, it.src_shape, it.src_box)
-        if span is None:
-            continue
-        per = need.setdefault(it.file, {})
-        for b in checksums[it.file].block_range(*span):
-            per.setdefault(b, it)
-    before = verifier.bytes_verified
-    for file in sorted(need):
-        bad = verifier.bad_blocks(file, need[file])
-        if bad:
-            b = bad[0]
-            it = need[file][b]
-            fc = checksums[file]
-            lo, hi = b * fc.block_size, min(fc.size, (b + 1) * fc.block_size)
-            more = f" (and {len(bad) - 1} more corrupt block(s))" if len(bad) > 1 else ""
-            raise ChecksumError(f"{reader.path_of(file)}: checksum mismatch in bytes [{lo}, {hi}) (block {b}) of "
-                                f"key {it.src_key!r} {_shard_words(reader.metadata, it.src_key, file, it.name)}"
-                                f"{more}: the file was corrupted after it was written; nothing was loaded")
-    return verifier.bytes_verified - before
+    err: BaseException | None = None
+    touched: dict[str, dict[int, int]] = {}
+    try:
+        touched = touched_blocks(reader, items, checksums)
+    except Exception as e:  # reported in the check below, after this rank has joined the exchange
+        err = e
+    owned = block_owners(touched, checksums, dist)
+    verifier = BlockVerifier(reader.path_of, checksums)
+    if err is None:
+        try:
+            for file in sorted(owned):
+                bad = verifier.bad_blocks(file, owned[file])
+                if bad:
+                    raise ChecksumError(_mismatch(reader, checksums[file], bad))
+        except Exception as e:
+            err = e
+    dist.check(err)
+    return verifier.bytes_verified
+
+
+def _mismatch(reader: Any, fc: FileChecksums, bad: list[int]) -> str:
+    b = bad[0]
+    lo, hi = b * fc.block_size, min(fc.size, (b + 1) * fc.block_size)
+    more = f" (and {len(bad) - 1} more corrupt block(s))" if len(bad) > 1 else ""
+    return (f"{reader.path_of(fc.file)}: checksum mismatch in bytes [{lo}, {hi}) (block {b}) holding "
+            f"{_block_contents(reader, fc.file, b, fc.block_size)}{more}: the file was corrupted after it was "
+            "written; nothing was loaded")
 
 
 def corrupt_keys(file_path: str | Path, blocks: Sequence[int], block_size: int) -> list[str]:
@@ -334,31 +481,35 @@ def corrupt_keys(file_path: str | Path, blocks: Sequence[int], block_size: int) 
     return list(dict.fromkeys(out))
 
 
-def verify_own_file(root: str | Path, file: str) -> None:
+def verify_own_file(root: str | Path, file: str) -> int:
     """Verify every block of data file ``file`` of the oarlock checkpoint directory ``root`` against the checksums
-    in its ``metadata.json`` (the warm restart reads whole own files). No checksums recorded: nothing to do.
+    in its ``metadata.json`` (the warm restart reads whole own files: no other rank's bytes are hashed). Returns
+    the bytes hashed: 0 when no checksums are recorded (nothing to do).
 
     Raises:
-        ChecksumError: naming the file, the first corrupt block's byte range and the tensors stored there.
+        ChecksumError: naming the file, the first corrupt block's byte range and index, and every key stored in
+            it (``key 'a', key 'b'``; in this rank's own file the stored tensors are named by their keys).
     """
     root = Path(root)
     try:
         extra = json.loads((root / METADATA_FILE).read_text()).get("extra") or {}
     except (OSError, ValueError):
-        return  # the normal path reports an unreadable metadata file; the warm path never needed it
+        return 0  # the normal path reports an unreadable metadata file; the warm path never needed it
     sums = parse_checksums(extra.get(CHECKSUMS_KEY))
     if not sums or file not in sums:
-        return
+        return 0
     fc = sums[file]
-    bad = BlockVerifier(lambda f: root / f, sums).bad_blocks(file, range(len(fc.blocks)))
+    v = BlockVerifier(lambda f: root / f, sums)
+    bad = v.bad_blocks(file, range(len(fc.blocks)))
     if bad:
         b = bad[0]
         lo, hi = b * fc.block_size, min(fc.size, (b + 1) * fc.block_size)
         keys = corrupt_keys(root / file, [b], fc.block_size)
+        held = ", ".join("the file header" if k == "header" else f"key {k!r}" for k in keys)
         more = f" (and {len(bad) - 1} more corrupt block(s))" if len(bad) > 1 else ""
         raise ChecksumError(f"{root / file}: checksum mismatch in bytes [{lo}, {hi}) (block {b}) holding "
-                            f"{', '.join(repr(k) for k in keys)}{more}: the file was corrupted after it was "
-                            "written; nothing was loaded")
+                            f"{held}{more}: the file was corrupted after it was written; nothing was loaded")
+    return v.bytes_verified
 
 
 def verify_all_blocks(reader: Any) -> int:

@@ -21,7 +21,7 @@ from oarlock.checkpoint import comm
 from oarlock.checkpoint.dist import DistWrapper
 from oarlock.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from oarlock.checkpoint.executor import LoadReport, execute_work, read_order
-from oarlock.checkpoint.integrity import verify_read_items
+from oarlock.checkpoint.integrity import verify_group
 from oarlock.checkpoint.mapping import MappingProgram, TensorSpec
 from oarlock.checkpoint.metadata import ALGORITHM_KEY, PARAM_GROUPS_KEY, CheckpointMetadata
 from oarlock.checkpoint.plan import Planner, ReadItem, source_specs
@@ -216,8 +216,6 @@ def run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process_
         # the first target byte is written; the files stay open, so the reads see what was checked
         visible = reader.visible_files()
         reader.check_items(it for items in plans for it in items if it.file in visible)
-        if verify_checksums:  # before any target is written; a mismatch fails every rank in this gather
-            verify_read_items(reader, (it for items in plans for it in items))
         return {"missing": sorted(missing), "skipped": sorted(skipped)}
 
     try:
@@ -256,6 +254,8 @@ def run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process_
 
     report = LoadReport(all_missing, unexpected, skipped_keys=sorted({k for s in status for k in s["skipped"]}))
     with reader, torch.no_grad():
+        if verify_checksums:  # collective, before any target is written: each touched block hashed by one rank
+            report.bytes_hashed = verify_group(reader, [it for items in plans for it in items], dist)
         work = [(it, sw.local_tensor) for sw, items in zip(leaves.shards, plans)
                 for it in sorted(items, key=read_order)]
         # one rank's read error reaches every rank (they would otherwise run into their next collective)
