@@ -51,7 +51,8 @@ def test_checksums_recorded_match_an_independent_hash(ck):
     data = (ck / DATA).read_bytes()
     want = [xxhash.xxh3_64_hexdigest(data[i:i + BLOCK_SIZE]) for i in range(0, len(data), BLOCK_SIZE)]
     assert rec["algorithm"] == "xxh3_64" and rec["block_size"] == BLOCK_SIZE
-    assert rec["files"][DATA] == {"size": len(data), "blocks": want} and len(want) == 4
+    # stored compactly: the 16-hex-digit digests of the blocks, concatenated in block order
+    assert rec["files"][DATA] == {"size": len(data), "blocks": "".join(want)} and len(want) == 4
     assert file_checksums(ck / DATA)["blocks"] == want
 
 
@@ -328,3 +329,18 @@ def test_verify_paddle_structure(tmp_path, data_format, capsys):
     data.write_bytes(data.read_bytes()[: len(data.read_bytes()) // 2])  # truncated data file
     assert main(["verify", str(tmp_path)]) == 1
     assert f"0_0.{data_format}" in capsys.readouterr().out
+
+
+def test_a_malformed_compact_checksum_string_is_refused(tmp_path):
+    """The compact ``blocks`` form must be whole 16-hex-digit digests, as many as the size needs."""
+    from oarlock.checkpoint.errors import CheckpointFormatError
+
+    save_state_dict({"w": torch.ones(4, 4)}, tmp_path / "ck")
+    path = tmp_path / "ck" / "metadata.json"
+    good = json.loads(path.read_text())
+    for bad in ("zz" * 8, "0" * 15, "0" * 32):
+        meta = json.loads(json.dumps(good))
+        meta["extra"]["checksums"]["files"]["rank-00000.safetensors"]["blocks"] = bad
+        path.write_text(json.dumps(meta))
+        with pytest.raises(CheckpointFormatError, match="malformed checksums"):
+            load_state_dict({"w": torch.zeros(4, 4)}, tmp_path / "ck")
