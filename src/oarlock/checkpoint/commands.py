@@ -216,16 +216,19 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if to == "hf":
         plan = plan_conversion(args.src, to="hf", aoa_config=config, max_shard_size=args.max_shard_size,
                                include=args.include, exclude=args.exclude, optimizer_state=keep_opt)
+        from pathlib import Path
+
+        from oarlock.checkpoint.convert import side_files
+
+        extra = {}
+        if args.preset and args.model_config and (args.no_side_files or "config.json" not in side_files(args.src)):
+            # a foreign source (Megatron) carries no HF config: the one the preset was built from goes along
+            cfg_file = Path(args.model_config)
+            extra["config.json"] = cfg_file / "config.json" if cfg_file.is_dir() else cfg_file
         out = export_hf(args.src, args.dst, aoa_config=config, max_shard_size=args.max_shard_size,
                         copy_side_files=not args.no_side_files, include=args.include, exclude=args.exclude,
-                        optimizer_state=keep_opt, verify_checksums=not args.no_verify)
-        if args.preset and args.model_config and not (out / "config.json").exists():
-            # a foreign source (Megatron) carries no HF config: the one the preset was built from goes along
-            import shutil
-            from pathlib import Path
-
-            cfg_file = Path(args.model_config)
-            shutil.copyfile(cfg_file / "config.json" if cfg_file.is_dir() else cfg_file, out / "config.json")
+                        optimizer_state=keep_opt, verify_checksums=not args.no_verify, overwrite=args.overwrite,
+                        extra_files=extra)
         files = sorted(p.name for p in out.iterdir() if p.suffix == ".safetensors")
         print(f"{args.dst}: HuggingFace checkpoint, {len(plan.keys)} tensors in {len(files)} safetensors file(s)")
         if plan.dropped_optimizer_keys:
@@ -239,14 +242,14 @@ def cmd_convert(args: argparse.Namespace) -> int:
                   "note: no tensors selected")
     elif to == "dcp":
         meta = convert_to_dcp(args.src, args.dst, aoa_config=config, tp=args.tp, pp=args.pp, dp=args.dp,
-                              tp_rules=tp_rules, copy_side_files=not args.no_side_files)
+                              tp_rules=tp_rules, copy_side_files=not args.no_side_files, overwrite=args.overwrite)
         print(f"{args.dst}: torch.distributed.checkpoint (DCP), {len(meta.tensors)} tensors in {len(meta.files)} "
               f"file(s) (tp={args.tp} pp={args.pp} dp={args.dp})")
     else:
         meta = convert_checkpoint(args.src, args.dst, aoa_config=config, tp=args.tp, pp=args.pp, dp=args.dp,
                                   tp_rules=tp_rules, copy_side_files=not args.no_side_files,
                                   include=args.include, exclude=args.exclude, optimizer_state=keep_opt,
-                                  verify_checksums=not args.no_verify)
+                                  verify_checksums=not args.no_verify, overwrite=args.overwrite)
         print(f"{args.dst}: oarlock checkpoint, {len(meta.tensors)} tensors in {len(meta.files)} file(s) "
               f"(tp={args.tp} pp={args.pp} dp={args.dp})")
     return 0
@@ -432,6 +435,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_filters(cv)
     cv.add_argument("--no-verify", action="store_true",
                     help="do not verify the source's block checksums first (oarlock sources record them)")
+    cv.add_argument("--overwrite", action="store_true",
+                    help="write DST even when it holds files oarlock did not write (without it such a DST is "
+                         "refused with exit 2, naming them); those files stay, only files oarlock wrote are "
+                         "replaced")
     cv.add_argument("--dry-run", action="store_true",
                     help="print the plan (keys, shapes, dtypes, bytes, split axes, files) and write nothing")
     cv.set_defaults(func=cmd_convert)

@@ -30,7 +30,8 @@ from oarlock.checkpoint.metadata import METADATA_FILE, SAVE_ID_HEADER, Checkpoin
 from oarlock.checkpoint.plan import KeyIndex
 from oarlock.checkpoint.safetensors_io import write_safetensors
 from oarlock.checkpoint.sharded import ShardedWeight
-from oarlock.checkpoint.storage import INCOMPLETE_MARKER, publish_directory, staging_path
+from oarlock.checkpoint.storage import (INCOMPLETE_MARKER, hold_staging, publish_directory, release_staging,
+                                        remove_stale_staging, staging_path)
 from oarlock.checkpoint.storage import check_destination as storage_check_destination
 from oarlock.checkpoint.traversal import Leaves, collect_leaves
 from oarlock.utils import dtype_itemsize
@@ -155,14 +156,17 @@ def local_tensors(leaves: Leaves) -> dict[tuple, torch.Tensor]:
     return {shard_id(sw): sw.local_tensor for sw in leaves.shards}
 
 
-def check_destination(path: Path, sources: Sequence[str | os.PathLike] = ()) -> None:
+def check_destination(path: Path, sources: Sequence[str | os.PathLike] = (), *, overwrite: bool = False) -> None:
     """The destination rule of an oarlock checkpoint writer (:func:`oarlock.checkpoint.storage.check_destination`
-    with format ``"oarlock"``).
+    with format ``"oarlock"``), then the removal of temporary directories that crashed writes to ``path`` left
+    (:func:`oarlock.checkpoint.storage.remove_stale_staging`; a live save's directory is never touched).
 
     Raises:
-        CheckpointError: ``path`` is, contains or is inside one of ``sources``, or exists and is neither an
-            oarlock checkpoint nor an empty directory."""
-    storage_check_destination(path, "oarlock", sources)
+        CheckpointDestinationError: ``path`` is, contains or is inside one of ``sources``, or exists and is not
+            an oarlock checkpoint holding only files oarlock wrote (nor an empty directory) and ``overwrite`` is
+            not given."""
+    storage_check_destination(path, "oarlock", sources, overwrite=overwrite)
+    remove_stale_staging(path)
 
 
 @dataclass
@@ -179,10 +183,11 @@ class SavePlan:
     leaves: Leaves
     save_id: str | None = None
     tp_layouts: dict[str, dict] | None = None  # key -> TP-dependent layout record (metadata extra["tp_layouts"])
+    overwrite: bool = False  # write into a destination holding entries oarlock did not write (they are kept)
 
 
 def prepare_save(state_dict: Mapping[str, Any], path: str | os.PathLike, process_group: Any,
-                 save_replicas: bool) -> SavePlan:
+                 save_replicas: bool, overwrite: bool = False) -> SavePlan:
     """The collective half of a save: describe, all-gather, validate, and assign writes (raises on every rank
     alike). Tensor data is not touched."""
     path = Path(path)
@@ -206,7 +211,7 @@ def prepare_save(state_dict: Mapping[str, Any], path: str | os.PathLike, process
             descs.append((d.key, d.global_shape, d.dtype, d.global_offset, d.local_shape, d.flattened_range,
                           d.numel * dtype_itemsize(d.dtype)))
         if dist.is_coordinator:
-            check_destination(path)
+            check_destination(path, overwrite=overwrite)
         return {"descs": descs, "tmp": staging_path(path) if dist.is_coordinator else None,
                 "save_id": new_save_id() if dist.is_coordinator else None,
                 "objects": leaves.objects, "nested": leaves.nested,
@@ -218,7 +223,7 @@ def prepare_save(state_dict: Mapping[str, Any], path: str | os.PathLike, process
     for t in tensors.values():
         KeyIndex(t)  # validates that the shards tile the global box
     return SavePlan(path, dist.rank, dist.size, gathered[0]["tmp"], gathered, tensors, writes, leaves,
-                    gathered[0]["save_id"], merge_tp_layouts([g["tp_layouts"] for g in gathered]))
+                    gathered[0]["save_id"], merge_tp_layouts([g["tp_layouts"] for g in gathered]), overwrite)
 
 
 def merge_tp_layouts(per_rank: Sequence[Mapping[str, dict]]) -> dict[str, dict]:
@@ -255,9 +260,10 @@ def write_and_commit(plan: SavePlan, local: dict[Any, torch.Tensor], process_gro
     commit (rank 0). Collective over ``process_group`` (two small all-gathers of error reports)."""
     dist = DistWrapper(process_group)
     tmp = plan.tmp
+    held: list[int] = []
 
     def write() -> dict[str, Any]:
-        tmp.mkdir(parents=True, exist_ok=True)
+        held.append(hold_staging(tmp))  # locked until committed: a cleanup of stale directories skips it
         (tmp / INCOMPLETE_MARKER).touch()  # before any data file: a partial directory must never load
         ids = sorted({(i[0], i[1], i[3]) for i in plan.writes.get(plan.rank, [])},
                      key=lambda i: (i[0], i[1], i[2] or ()))
@@ -288,7 +294,7 @@ def write_and_commit(plan: SavePlan, local: dict[Any, torch.Tensor], process_gro
             publish_directory(tmp, plan.path, CheckpointMetadata("oarlock", tensors=plan.tensors, objects=objects,
                                                                  nested=nested, save_id=plan.save_id,
                                                                  extra=extra),
-                              fsync_files=False)
+                              fsync_files=False, overwrite=plan.overwrite)
 
     try:
         records = dist.gather(write)
@@ -297,3 +303,6 @@ def write_and_commit(plan: SavePlan, local: dict[Any, torch.Tensor], process_gro
         if dist.is_coordinator:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        for fd in held:
+            release_staging(fd)
