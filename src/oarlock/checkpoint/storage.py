@@ -571,19 +571,33 @@ def publish_directory(tmp: Path, final: Path, metadata: CheckpointMetadata | Non
         os.write(fd, json.dumps({"new": tmp.name, "old": old.name, "keep": keep}).encode())
         os.fsync(fd)
         fsync_dir(final.parent)
-        for name in keep:  # entries oarlock did not write move into the new checkpoint, never removed
-            os.rename(final / name, tmp / name)
-        if keep:
-            fsync_dir(tmp)
-            fsync_dir(final)
-        if _exchange(tmp, final):
-            fsync_dir(final.parent)
-            shutil.rmtree(tmp, ignore_errors=True)  # now the old checkpoint
-        else:
-            os.replace(final, old)
-            os.replace(tmp, final)
-            fsync_dir(final.parent)
-            shutil.rmtree(old, ignore_errors=True)
+        swapped = False
+        try:
+            for name in keep:  # entries oarlock did not write move into the new checkpoint, never removed
+                os.rename(final / name, tmp / name)
+            if keep:
+                fsync_dir(tmp)
+                fsync_dir(final)
+            if _exchange(tmp, final):
+                swapped = True
+                fsync_dir(final.parent)
+                shutil.rmtree(tmp, ignore_errors=True)  # now the old checkpoint
+            else:
+                os.replace(final, old)
+                os.replace(tmp, final)
+                swapped = True
+                fsync_dir(final.parent)
+                shutil.rmtree(old, ignore_errors=True)
+        except BaseException:
+            if not swapped:  # undo: the old checkpoint and the kept entries back under ``final``
+                if not os.path.lexists(final) and old.is_dir():
+                    os.replace(old, final)
+                for name in keep:
+                    if os.path.lexists(tmp / name) and not os.path.lexists(final / name):
+                        os.rename(tmp / name, final / name)
+                fsync_dir(final.parent)
+            os.unlink(intent)
+            raise
         os.unlink(intent)
     finally:
         os.close(fd)
