@@ -17,7 +17,10 @@ byte is trusted; its errors are re-raised as :class:`CheckpointFormatError` nami
 
 Writing (save, convert, HF export) goes through one commit protocol: :func:`staging_path` names a hidden
 temporary sibling of the destination, :func:`staged_directory` creates it (removing it again on any error),
-and :func:`publish_directory` makes it appear under its final name in one rename.
+and :func:`publish_directory` makes it appear under its final name in one rename. :func:`check_destination` is
+the destination rule: nothing oarlock did not write (:func:`written_entries`, :data:`WRITTEN_MANIFEST`) is ever
+deleted; :func:`remove_stale_staging` removes the temporary directories of crashed writes, never a live one's
+(:func:`hold_staging`).
 """
 
 from __future__ import annotations
