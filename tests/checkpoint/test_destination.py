@@ -335,3 +335,41 @@ def test_conjugate_and_negative_views_are_saved_as_the_values_they_show(tmp_path
     save_hf_checkpoint(iter(sd.items()), tmp_path / "hf")
     got = load_file(tmp_path / "hf" / "model.safetensors")
     assert torch.equal(got["c"], x.conj().resolve_conj()) and torch.equal(got["n"], -x.imag)
+
+
+# ---------------------------------------------------------------- commands on a CheckpointManager root
+
+def test_commands_on_a_manager_root_read_the_latest_committed_step(tmp_path, capsys):
+    root = tmp_path / "run"
+    mgr = CheckpointManager(root, keep_last=None)
+    mgr.save(100, state(1.0))
+    mgr.save(200, state(2.0))
+    (root / ".step-00000300.tmp-abcdef123456").mkdir()  # a save in flight is not the latest
+    said = f"{root}: a CheckpointManager root; reading its latest committed step step-00000200"
+    capsys.readouterr()
+    assert main(["inspect", str(root)]) == 0
+    out, err = capsys.readouterr()
+    assert said in err and out.startswith(f"{mgr.path(200)}: oarlock checkpoint, 2 tensors")
+    assert main(["verify", str(root)]) == 0
+    assert said in capsys.readouterr().err
+    assert main(["diff", str(root), str(mgr.path(200))]) == 0  # the same step: equal
+    assert said in capsys.readouterr().err
+    assert main(["diff", str(root), str(mgr.path(100))]) == 1
+    assert main(["convert", str(root), str(tmp_path / "hf"), "--to", "hf"]) == 0
+    assert said in capsys.readouterr().err
+    from safetensors.torch import load_file
+
+    assert torch.equal(load_file(tmp_path / "hf" / "model.safetensors")["w"], torch.full((4, 3), 2.0))
+    # the pointer wins over the highest number; without it, the highest committed step
+    (root / "latest").write_text("step-00000100\n")
+    capsys.readouterr()
+    assert main(["inspect", str(root)]) == 0
+    assert "latest committed step step-00000100" in capsys.readouterr().err
+    (root / "latest").unlink()
+    assert main(["inspect", str(root)]) == 0
+    assert "latest committed step step-00000200" in capsys.readouterr().err
+    # a directory with nothing committed still says what it looked for
+    empty = tmp_path / "empty_run"
+    empty.mkdir()
+    assert main(["inspect", str(empty)]) == 2
+    assert "no checkpoint found" in capsys.readouterr().err

@@ -16,6 +16,17 @@ def _fmt_bytes(n: int) -> str:
     raise AssertionError
 
 
+def _resolve(path: str) -> str:
+    """``path``, or the latest committed step when ``path`` is a CheckpointManager root (said on stderr)."""
+    from oarlock.checkpoint.storage import resolve_manager_root
+
+    resolved, step = resolve_manager_root(path)
+    if step is not None:
+        print(f"{path}: a CheckpointManager root; reading its latest committed step {step} ({resolved})",
+              file=sys.stderr)
+    return str(resolved)
+
+
 def _inspect_json(path: str, meta: object) -> dict:
     from oarlock.utils import dtype_itemsize
 
@@ -50,6 +61,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from oarlock.checkpoint.storage import open_checkpoint
     from oarlock.utils import print_report
 
+    args.path = _resolve(args.path)
     with open_checkpoint(args.path) as reader:
         meta = reader.metadata
     if args.include or args.exclude:
@@ -145,6 +157,7 @@ def cmd_aoa_explain(args: argparse.Namespace) -> int:
     from oarlock.checkpoint.convert import resolve_tp_rules, tp_axis
     from oarlock.checkpoint.storage import open_checkpoint
 
+    args.source = _resolve(args.source)
     config = _explain_config(args, args.source)
     with open_checkpoint(args.source) as reader:
         meta = reader.metadata
@@ -175,6 +188,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from oarlock.checkpoint.storage import detect_format
 
     config = None
+    args.src = _resolve(args.src)
     if args.aoa and args.preset:
         print("oarlock: error: give either --aoa CONFIG or --preset NAME, not both", file=sys.stderr)
         return 2
@@ -262,6 +276,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
     if args.rtol < 0 or args.atol < 0:
         print("oarlock: error: --rtol and --atol must be >= 0", file=sys.stderr)
         return 2
+    args.a, args.b = _resolve(args.a), _resolve(args.b)
     aoa = [read_aoa_config(args.aoa_a) if args.aoa_a else None, read_aoa_config(args.aoa_b) if args.aoa_b else None]
     if args.preset:
         from pathlib import Path
@@ -292,7 +307,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from oarlock.checkpoint.integrity import verify_checkpoint
     from oarlock.utils import print_report
 
-    rep = verify_checkpoint(args.path)
+    rep = verify_checkpoint(_resolve(args.path))
     return print_report(args.json, rep.to_json, rep.render, rep.intact)
 
 

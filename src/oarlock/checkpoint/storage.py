@@ -605,3 +605,43 @@ def publish_directory(tmp: Path, final: Path, metadata: CheckpointMetadata | Non
     finally:
         os.close(fd)
     fsync_dir(final.parent)
+
+
+# ---------------------------------------------------------------- a CheckpointManager root given as a checkpoint
+
+_STEP_DIR = re.compile(r"(.*?)(\d+)")
+
+
+def resolve_manager_root(path: str | os.PathLike) -> tuple[Path, str | None]:
+    """``(checkpoint path, step directory name)`` for a path the commands read: a directory that is no checkpoint
+    itself but a :class:`~oarlock.checkpoint.manager.CheckpointManager` root resolves to its latest committed step
+    (the one its ``latest`` pointer names when that is a committed checkpoint, else the committed step directory
+    with the highest number); any other path is returned as it is, with None. Never raises (opening the returned
+    path reports what is wrong)."""
+    p = Path(path)
+    try:
+        detect_format(p)
+        return p, None
+    except CheckpointFormatError:
+        pass
+    if not p.is_dir():
+        return p, None
+
+    def committed(name: str) -> bool:
+        d = p / name
+        return (d.is_dir() and not d.is_symlink() and (d / METADATA_FILE).is_file()
+                and not (d / INCOMPLETE_MARKER).exists())
+
+    try:
+        pointer = (p / "latest").read_text().strip() if (p / "latest").is_file() else ""
+        names = os.listdir(p)
+    except OSError:
+        return p, None
+    if pointer and "/" not in pointer and _STEP_DIR.fullmatch(pointer) and committed(pointer):
+        return p / pointer, pointer
+    steps = [(int(m.group(2)), n) for n in names if not n.startswith(".") and (m := _STEP_DIR.fullmatch(n))
+             and committed(n)]
+    if not steps:
+        return p, None
+    name = max(steps)[1]
+    return p / name, name
