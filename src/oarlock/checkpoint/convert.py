@@ -44,7 +44,7 @@ from oarlock.checkpoint.errors import CheckpointError
 from oarlock.checkpoint.executor import execute_items
 from oarlock.checkpoint.full import full_state_dict
 from oarlock.checkpoint.integrity import CHECKSUMS_KEY, BlockHasher, make_record, verify_all_blocks
-from oarlock.checkpoint.hf import HF_INDEX, hf_shard_names, parse_size, save_hf_checkpoint, write_hf_index
+from oarlock.checkpoint.hf import HF_INDEX, HF_SINGLE, hf_shard_names, parse_size, save_hf_checkpoint, write_hf_index
 from oarlock.checkpoint.mapping import IdentityProgram, MappingProgram, TensorSpec
 from oarlock.checkpoint.metadata import (METADATA_FILE, OPTIMIZER_KEYS_EXTRA, CheckpointMetadata, key_selected,
                                          parse_json)
