@@ -64,10 +64,12 @@ def _make(cls: type, **kw: object) -> object:
     return o
 
 
-def write_paddle_checkpoint(root: Path, tensors: dict, data_format: str = "distcp") -> None:
+def write_paddle_checkpoint(root: Path, tensors: dict, data_format: str = "distcp",
+                            rank_of: dict | None = None) -> None:
     """A one-rank Paddle FlexCheckpoint of ``tensors`` (``{key: numpy array}``) in ``root``: ``0.metadata`` pickled
     with Paddle's record classes (stand-ins under Paddle's module path, Paddle is not needed) and ``0_0.distcp``
-    (pickled arrays) or ``0_0.safetensors``."""
+    (pickled arrays) or ``0_0.safetensors``. ``rank_of`` (``{key: r}``) puts keys into rank ``r``'s file
+    ``r_0.*`` instead, as a job of several ranks saves them."""
     from safetensors.torch import save_file
 
     mod = _fake_paddle_module()
@@ -82,7 +84,8 @@ def write_paddle_checkpoint(root: Path, tensors: dict, data_format: str = "distc
             sdm[k] = [_make(mod.LocalTensorMetadata, global_offset=(0,) * arr.ndim, local_shape=arr.shape,
                             dtype=str(arr.dtype), global_shape=arr.shape, is_flattened=False, flattened_range=None)]
             storage[_make(mod.LocalTensorIndex, tensor_key=k, global_offset=(0,) * arr.ndim, is_flattened=False,
-                          flattened_range=None, replica_id=None, local_shape=arr.shape)] = fname
+                          flattened_range=None, replica_id=None, local_shape=arr.shape)] = \
+                f"{(rank_of or {}).get(k, 0)}_0.{data_format}"
         meta = _make(mod.Metadata, state_dict_metadata=sdm, storage_metadata=storage,
                      flat_mapping={k: (k,) for k in tensors})
         (root / "0.metadata").write_bytes(pickle.dumps(meta, protocol=4))
@@ -92,10 +95,13 @@ def write_paddle_checkpoint(root: Path, tensors: dict, data_format: str = "distc
                 sys.modules.pop(m, None)
             else:
                 sys.modules[m] = v
-    if data_format == "distcp":
-        (root / fname).write_bytes(pickle.dumps({**tensors, "StructuredToParameterName@@": {}}, protocol=4))
-    else:
-        save_file({k: torch.from_numpy(v) for k, v in tensors.items()}, root / fname)
+    for r in sorted({(rank_of or {}).get(k, 0) for k in tensors}):
+        part = {k: v for k, v in tensors.items() if (rank_of or {}).get(k, 0) == r}
+        fname = f"{r}_0.{data_format}"
+        if data_format == "distcp":
+            (root / fname).write_bytes(pickle.dumps({**part, "StructuredToParameterName@@": {}}, protocol=4))
+        else:
+            save_file({k: torch.from_numpy(v) for k, v in part.items()}, root / fname)
 
 
 class PickledCall:

@@ -297,7 +297,7 @@ def test_convert_to_dcp_loaded_by_torch(written, tmp_path):
     ref = torch.load(written / "fsdp_ref.pt", weights_only=True)
     out = tmp_path / "dcp_tp2"
     assert main(["convert", str(written / "fsdp"), str(out), "--to", "dcp", "--tp", "2"]) == 0
-    assert sorted(p.name for p in out.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert sorted(p.name for p in out.iterdir()) == [".metadata", ".oarlock-files", "__0_0.distcp", "__1_0.distcp"]
     got = _zeros_like_nested(ref)
     got["optim"]["param_groups"][0]["lr"] = -1.0
     with warnings.catch_warnings():

@@ -13,8 +13,8 @@ from oarlock.checkpoint.async_save import AsyncSaveHandle, async_save
 from oarlock.checkpoint.comm import COMM_METHODS
 from oarlock.checkpoint.convert import (ConversionLayout, ConversionPlan, ParallelLayout, convert_checkpoint,
                                         export_hf, export_hf_sharded, iter_full_tensors, plan_conversion)
-from oarlock.checkpoint.errors import (CheckpointError, CheckpointFormatError, CheckpointMismatchError,
-                                       CheckpointTilingError, UnsafePickleError)
+from oarlock.checkpoint.errors import (CheckpointDestinationError, CheckpointError, CheckpointFormatError,
+                                       CheckpointMismatchError, CheckpointTilingError, UnsafePickleError)
 from oarlock.checkpoint.full import full_state_dict
 from oarlock.checkpoint.hf import save_hf_checkpoint
 from oarlock.checkpoint.manager import CheckpointManager, OptimizerState, RankLocal, RNGState
@@ -36,7 +36,7 @@ __all__ = [
     "convert_checkpoint", "plan_conversion", "ConversionPlan", "ConversionLayout", "ParallelLayout",
     "MappingProgram", "IdentityProgram", "SliceMapping", "TensorSpec",
     "CheckpointError", "CheckpointFormatError", "CheckpointMismatchError", "CheckpointTilingError",
-    "UnsafePickleError",
+    "UnsafePickleError", "CheckpointDestinationError",
     "CheckpointMetadata", "ShardMeta", "TensorMeta",
     "CheckpointReader", "detect_format", "open_checkpoint", "read_metadata",
     "CheckpointManager", "OptimizerState", "RankLocal", "RNGState",

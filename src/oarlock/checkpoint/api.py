@@ -22,7 +22,7 @@ __all__ = ["LoadReport", "load_state_dict", "save_state_dict"]
 
 
 def save_state_dict(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process_group: Any = None,
-                    save_replicas: bool = False, async_save: bool = False) -> Any:
+                    save_replicas: bool = False, async_save: bool = False, overwrite: bool = False) -> Any:
     """Save a (possibly sharded) state dict as an oarlock checkpoint directory. Collective over
     ``process_group`` (default: the world when torch.distributed is initialised; else a single process).
 
@@ -32,8 +32,13 @@ def save_state_dict(state_dict: Mapping[str, Any], path: str | os.PathLike, *, p
             small JSON values (ints, floats, strings, ...: stored in ``metadata.json``, rank 0's copy wins).
             Nested keys are joined with ``.``; the path is kept so loads can rebuild the nesting.
         path: the checkpoint directory to create. Its parent is created if needed. An existing oarlock
-            checkpoint there is replaced (only after the new one is complete); any other existing path is an
-            error.
+            checkpoint there holding only files oarlock wrote is replaced (only after the new one is complete);
+            anything else existing there is refused, naming the entries oarlock did not write (see ``overwrite``).
+            Temporary directories that crashed saves to ``path`` left behind are removed (never one of a save
+            still running).
+        overwrite: write into ``path`` even when it holds entries oarlock did not write (a note, another tool's
+            files): those entries are kept in the new checkpoint directory, only files oarlock wrote are replaced.
+            A foreign checkpoint of another format there is still refused.
 
     On disk: ``rank-XXXXX.safetensors`` data files (only ranks with something to write) and ``metadata.json``
     (JSON, see :mod:`oarlock.checkpoint.metadata`). Everything is written into a hidden temporary directory
@@ -48,13 +53,16 @@ def save_state_dict(state_dict: Mapping[str, Any], path: str | os.PathLike, *, p
 
     Raises:
         CheckpointError: (on every rank alike) bad leaves, disagreeing shapes/dtypes, shards that do not tile a
-            tensor exactly (:class:`~oarlock.checkpoint.plan.CheckpointTilingError`), an existing non-checkpoint
-            ``path``, or an I/O failure on any rank (the temporary directory is removed).
+            tensor exactly (:class:`~oarlock.checkpoint.plan.CheckpointTilingError`), a refused ``path``
+            (:class:`~oarlock.checkpoint.errors.CheckpointDestinationError`: not an oarlock checkpoint, or holding
+            entries oarlock did not write, without ``overwrite``), or an I/O failure on any rank (the temporary
+            directory is removed).
     """
     if async_save:
-        return _async_save(state_dict, path, process_group=process_group, save_replicas=save_replicas)
+        return _async_save(state_dict, path, process_group=process_group, save_replicas=save_replicas,
+                           overwrite=overwrite)
     wait_pending()  # an earlier async save commits first
-    plan = prepare_save(state_dict, path, process_group, save_replicas)
+    plan = prepare_save(state_dict, path, process_group, save_replicas, overwrite)
     write_and_commit(plan, local_tensors(plan.leaves), process_group)
     return None
 

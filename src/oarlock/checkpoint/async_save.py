@@ -81,13 +81,13 @@ def _side_group(process_group: Any) -> Any:
 
 
 def async_save(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process_group: Any = None,
-               save_replicas: bool = False) -> AsyncSaveHandle:
+               save_replicas: bool = False, overwrite: bool = False) -> AsyncSaveHandle:
     """Save like :func:`~oarlock.checkpoint.api.save_state_dict`, returning as soon as the tensors this rank
     writes are copied to CPU memory -- or, for CUDA tensors, as soon as their copies into reused pinned buffers are
     queued (see :func:`stage`). Collective over ``process_group`` (the planning step, before returning).
 
     Args:
-        state_dict, path, process_group, save_replicas: as for ``save_state_dict``.
+        state_dict, path, process_group, save_replicas, overwrite: as for ``save_state_dict``.
 
     Returns:
         An :class:`AsyncSaveHandle`; call ``wait()`` before relying on the checkpoint.
@@ -97,7 +97,7 @@ def async_save(state_dict: Mapping[str, Any], path: str | os.PathLike, *, proces
             write and commit errors from ``handle.wait()``.
     """
     wait_pending()  # saves never overlap: the previous one commits first
-    plan = prepare_save(state_dict, path, process_group, save_replicas)
+    plan = prepare_save(state_dict, path, process_group, save_replicas, overwrite)
     ids = {(i[0], i[1], i[3]) for i in plan.writes.get(plan.rank, [])}
     # the snapshot: a CPU copy of only what this rank writes (pinned and asynchronous for CUDA tensors)
     snap, copied = stage({i: t for i, t in local_tensors(plan.leaves).items() if i in ids})

@@ -16,6 +16,17 @@ def _fmt_bytes(n: int) -> str:
     raise AssertionError
 
 
+def _resolve(path: str) -> str:
+    """``path``, or the latest committed step when ``path`` is a CheckpointManager root (said on stderr)."""
+    from oarlock.checkpoint.storage import resolve_manager_root
+
+    resolved, step = resolve_manager_root(path)
+    if step is not None:
+        print(f"{path}: a CheckpointManager root; reading its latest committed step {step} ({resolved})",
+              file=sys.stderr)
+    return str(resolved)
+
+
 def _inspect_json(path: str, meta: object) -> dict:
     from oarlock.utils import dtype_itemsize
 
@@ -53,6 +64,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from oarlock.checkpoint.storage import open_checkpoint
     from oarlock.utils import print_report
 
+    args.path = _resolve(args.path)
     with open_checkpoint(args.path) as reader:
         meta = reader.metadata
     if args.include or args.exclude:
@@ -148,6 +160,7 @@ def cmd_aoa_explain(args: argparse.Namespace) -> int:
     from oarlock.checkpoint.convert import resolve_tp_rules, tp_axis
     from oarlock.checkpoint.storage import open_checkpoint
 
+    args.source = _resolve(args.source)
     config = _explain_config(args, args.source)
     with open_checkpoint(args.source) as reader:
         meta = reader.metadata
@@ -178,6 +191,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from oarlock.checkpoint.storage import detect_format
 
     config = None
+    args.src = _resolve(args.src)
     if args.aoa and args.preset:
         print("oarlock: error: give either --aoa CONFIG or --preset NAME, not both", file=sys.stderr)
         return 2
@@ -219,16 +233,19 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if to == "hf":
         plan = plan_conversion(args.src, to="hf", aoa_config=config, max_shard_size=args.max_shard_size,
                                include=args.include, exclude=args.exclude, optimizer_state=keep_opt)
+        from pathlib import Path
+
+        from oarlock.checkpoint.convert import side_files
+
+        extra = {}
+        if args.preset and args.model_config and (args.no_side_files or "config.json" not in side_files(args.src)):
+            # a foreign source (Megatron) carries no HF config: the one the preset was built from goes along
+            cfg_file = Path(args.model_config)
+            extra["config.json"] = cfg_file / "config.json" if cfg_file.is_dir() else cfg_file
         out = export_hf(args.src, args.dst, aoa_config=config, max_shard_size=args.max_shard_size,
                         copy_side_files=not args.no_side_files, include=args.include, exclude=args.exclude,
-                        optimizer_state=keep_opt, verify_checksums=not args.no_verify)
-        if args.preset and args.model_config and not (out / "config.json").exists():
-            # a foreign source (Megatron) carries no HF config: the one the preset was built from goes along
-            import shutil
-            from pathlib import Path
-
-            cfg_file = Path(args.model_config)
-            shutil.copyfile(cfg_file / "config.json" if cfg_file.is_dir() else cfg_file, out / "config.json")
+                        optimizer_state=keep_opt, verify_checksums=not args.no_verify, overwrite=args.overwrite,
+                        extra_files=extra)
         files = sorted(p.name for p in out.iterdir() if p.suffix == ".safetensors")
         print(f"{args.dst}: HuggingFace checkpoint, {len(plan.keys)} tensors in {len(files)} safetensors file(s)")
         if plan.dropped_optimizer_keys:
@@ -242,14 +259,14 @@ def cmd_convert(args: argparse.Namespace) -> int:
                   "note: no tensors selected")
     elif to == "dcp":
         meta = convert_to_dcp(args.src, args.dst, aoa_config=config, tp=args.tp, pp=args.pp, dp=args.dp,
-                              tp_rules=tp_rules, copy_side_files=not args.no_side_files)
+                              tp_rules=tp_rules, copy_side_files=not args.no_side_files, overwrite=args.overwrite)
         print(f"{args.dst}: torch.distributed.checkpoint (DCP), {len(meta.tensors)} tensors in {len(meta.files)} "
               f"file(s) (tp={args.tp} pp={args.pp} dp={args.dp})")
     else:
         meta = convert_checkpoint(args.src, args.dst, aoa_config=config, tp=args.tp, pp=args.pp, dp=args.dp,
                                   tp_rules=tp_rules, copy_side_files=not args.no_side_files,
                                   include=args.include, exclude=args.exclude, optimizer_state=keep_opt,
-                                  verify_checksums=not args.no_verify)
+                                  verify_checksums=not args.no_verify, overwrite=args.overwrite)
         print(f"{args.dst}: oarlock checkpoint, {len(meta.tensors)} tensors in {len(meta.files)} file(s) "
               f"(tp={args.tp} pp={args.pp} dp={args.dp})")
     return 0
@@ -262,6 +279,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
     if args.rtol < 0 or args.atol < 0:
         print("oarlock: error: --rtol and --atol must be >= 0", file=sys.stderr)
         return 2
+    args.a, args.b = _resolve(args.a), _resolve(args.b)
     aoa = [read_aoa_config(args.aoa_a) if args.aoa_a else None, read_aoa_config(args.aoa_b) if args.aoa_b else None]
     if args.preset:
         from pathlib import Path
@@ -292,7 +310,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from oarlock.checkpoint.integrity import verify_checkpoint
     from oarlock.utils import print_report
 
-    rep = verify_checkpoint(args.path)
+    rep = verify_checkpoint(_resolve(args.path))
     return print_report(args.json, rep.to_json, rep.render, rep.intact)
 
 
@@ -435,6 +453,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_filters(cv)
     cv.add_argument("--no-verify", action="store_true",
                     help="do not verify the source's block checksums first (oarlock sources record them)")
+    cv.add_argument("--overwrite", action="store_true",
+                    help="write DST even when it holds files oarlock did not write (without it such a DST is "
+                         "refused with exit 2, naming them); those files stay, only files oarlock wrote are "
+                         "replaced")
     cv.add_argument("--dry-run", action="store_true",
                     help="print the plan (keys, shapes, dtypes, bytes, split axes, files) and write nothing")
     cv.set_defaults(func=cmd_convert)

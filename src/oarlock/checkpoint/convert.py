@@ -44,7 +44,7 @@ from oarlock.checkpoint.errors import CheckpointError
 from oarlock.checkpoint.executor import execute_items
 from oarlock.checkpoint.full import full_state_dict
 from oarlock.checkpoint.integrity import CHECKSUMS_KEY, BlockHasher, make_record, verify_all_blocks
-from oarlock.checkpoint.hf import HF_INDEX, hf_shard_names, parse_size, save_hf_checkpoint, write_hf_index
+from oarlock.checkpoint.hf import HF_INDEX, HF_SINGLE, hf_shard_names, parse_size, save_hf_checkpoint, write_hf_index
 from oarlock.checkpoint.mapping import IdentityProgram, MappingProgram, TensorSpec
 from oarlock.checkpoint.metadata import (METADATA_FILE, OPTIMIZER_KEYS_EXTRA, CheckpointMetadata, key_selected,
                                          parse_json)
@@ -462,7 +462,8 @@ def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike, *, aoa_conf
               max_shard_size: int | str = "5GB", copy_side_files: bool = True,
               show_progress: bool | None = None, include: Sequence[str] | None = None,
               exclude: Sequence[str] | None = None, optimizer_state: bool = False,
-              verify_checksums: bool = True) -> Path:
+              verify_checksums: bool = True, overwrite: bool = False,
+              extra_files: Mapping[str, str | os.PathLike] | None = None) -> Path:
     """Export a checkpoint on disk (oarlock in any layout, Paddle, HF) to a HuggingFace directory:
     ``model.safetensors`` or ``model-0000i-of-0000N.safetensors`` + ``model.safetensors.index.json`` (files of at
     most ``max_shard_size`` bytes of tensor data, a larger tensor alone in its file).
@@ -477,12 +478,17 @@ def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike, *, aoa_conf
     Model weights only by default: optimizer state keys of a training checkpoint (see :func:`select_keys`) are
     left out unless ``optimizer_state=True``; ``include``/``exclude`` globs filter the destination keys. A
     source with block checksums is verified whole first (:mod:`oarlock.checkpoint.integrity`; ``verify_checksums=False``
-    skips it).
+    skips it). ``extra_files`` (``{name: path}``) are copied in too (after the side files, so they win).
+
+    An existing ``out_dir`` is replaced only when it is an HF checkpoint holding only files oarlock wrote (or an
+    empty directory); with ``overwrite`` also one holding other entries, which are kept (only oarlock's files are
+    replaced; ``docs/checkpoint-format.md``, destination rule).
 
     Raises:
         CheckpointError: unreadable source (naming file and key), a bad AOA config, I/O errors (nothing is
-            published), a filter that leaves no key, or an ``out_dir`` that is, contains or is inside ``source``, or exists
-            and is not a HuggingFace checkpoint or an empty directory (nothing is written); ChecksumError: a corrupt source block.
+            published), a filter that leaves no key; CheckpointDestinationError: an ``out_dir`` that is, contains or
+            is inside ``source``, or holds entries oarlock did not write without ``overwrite`` (nothing is
+            written); ChecksumError: a corrupt source block.
     """
     plan = plan_conversion(source, to="hf", aoa_config=aoa_config, max_shard_size=max_shard_size, include=include,
                            exclude=exclude, optimizer_state=optimizer_state)
@@ -490,7 +496,7 @@ def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike, *, aoa_conf
         raise CheckpointError(f"{source}: no tensor left to export after filtering "
                               f"(include={include}, exclude={exclude}, optimizer_state={optimizer_state})")
     out_dir = Path(out_dir)
-    storage_check_destination(out_dir, "huggingface", [source])
+    storage_check_destination(out_dir, "huggingface", [source], overwrite=overwrite)
     with staged_directory(out_dir) as tmp:
         with open_checkpoint(source) as reader, single_threaded_copies():
             if verify_checksums:
@@ -511,15 +517,20 @@ def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike, *, aoa_conf
             for name, f in side_files(source).items():
                 if not name.startswith("model"):  # never carry over a stale index
                     shutil.copyfile(f, tmp / name)
+        for name, f in (extra_files or {}).items():
+            if name in (HF_INDEX, HF_SINGLE) or name.startswith("model-") or "/" in name:
+                raise CheckpointError(f"extra file {name!r} would overwrite a checkpoint file of the export")
+            shutil.copyfile(f, tmp / name)
         if isinstance(hf_config, dict) and aoa_config is None and not (tmp / "config.json").exists():
             (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-        publish_directory(tmp, out_dir)
+        publish_directory(tmp, out_dir, overwrite=overwrite)
     return out_dir
 
 
 def export_hf_sharded(sharded_state_dict: Mapping[str, Any], out_dir: str | os.PathLike, *, aoa_config: Any = None,
                       process_group: Any = None, max_shard_size: int | str = "5GB",
-                      extra_files: Mapping[str, str | os.PathLike] | None = None) -> Path | None:
+                      extra_files: Mapping[str, str | os.PathLike] | None = None,
+                      overwrite: bool = False) -> Path | None:
     """Export the model a running job holds (sharded over ``process_group``) to a HuggingFace directory written by
     group rank 0: the online merge of :func:`~oarlock.checkpoint.full.full_state_dict` with ``rank0_only=True``
     (each tensor gathered once, point to point to rank 0) streamed into
@@ -529,6 +540,7 @@ def export_hf_sharded(sharded_state_dict: Mapping[str, Any], out_dir: str | os.P
         sharded_state_dict: this rank's ``{key: ShardedWeight | DTensor | Tensor}``.
         aoa_config: e.g. the model's HF -> model statements with ``aoa_config_reverse: True``.
         extra_files: ``{name: path}`` copied into the export (``config.json``, tokenizer files).
+        overwrite: as for :func:`~oarlock.checkpoint.hf.save_hf_checkpoint`.
 
     Returns the directory on rank 0, None elsewhere. Peak memory on rank 0: about ``max_shard_size`` plus one
     full tensor; elsewhere, one piece at a time.
@@ -541,7 +553,8 @@ def export_hf_sharded(sharded_state_dict: Mapping[str, Any], out_dir: str | os.P
 
     def write() -> Path | None:
         if dist.is_coordinator:
-            return save_hf_checkpoint(gen, out_dir, max_shard_size=max_shard_size, extra_files=extra_files)
+            return save_hf_checkpoint(gen, out_dir, max_shard_size=max_shard_size, extra_files=extra_files,
+                                      overwrite=overwrite)
         for _ in gen:  # sends this rank's pieces to rank 0, in the same order rank 0 receives them
             pass
         return None
@@ -609,14 +622,16 @@ def convert_checkpoint(source: str | os.PathLike, out_dir: str | os.PathLike, *,
                        tp_rules: str | Path | Mapping[str, int | None] | Sequence | None = None,
                        copy_side_files: bool = True, show_progress: bool | None = None,
                        include: Sequence[str] | None = None, exclude: Sequence[str] | None = None,
-                       optimizer_state: bool = True, verify_checksums: bool = True) -> CheckpointMetadata:
+                       optimizer_state: bool = True, verify_checksums: bool = True,
+                       overwrite: bool = False) -> CheckpointMetadata:
     """Write an oarlock checkpoint from any source, sharded as a job of ``tp * dp * pp`` ranks would save it
     (see the module docstring for rank order, TP rules and stage assignment), from this one process.
 
     Args:
         source: any checkpoint :func:`~oarlock.checkpoint.storage.open_checkpoint` reads.
-        out_dir: the oarlock checkpoint directory to create (an existing oarlock checkpoint is replaced only when
-            the new one is complete; any other existing path is an error).
+        out_dir: the oarlock checkpoint directory to create (an existing oarlock checkpoint holding only files
+            oarlock wrote is replaced only when the new one is complete; anything else is refused unless
+            ``overwrite``, which keeps the entries oarlock did not write and replaces only oarlock's).
         aoa_config: applied on the way (e.g. HF -> fused model layout); ``fused_ffn``/``fused_qkv_old`` see the
             destination TP degree ``tp`` for keys the rules split.
         tp_rules: see :func:`resolve_tp_rules`.
@@ -630,12 +645,13 @@ def convert_checkpoint(source: str | os.PathLike, out_dir: str | os.PathLike, *,
     writes).
 
     Raises:
-        CheckpointError: bad source/config/rules, an ``out_dir`` that is, contains or is inside ``source`` or is an existing non-checkpoint, I/O errors (the
-            temporary directory is removed; nothing is published).
+        CheckpointError: bad source/config/rules, I/O errors (the temporary directory is removed; nothing is
+            published). CheckpointDestinationError: an ``out_dir`` that is, contains or is inside ``source``, or
+            is refused by :func:`~oarlock.checkpoint.storage.check_destination` (nothing is written).
     """
     out_dir = Path(out_dir)
     layout = ConversionLayout(tp, pp, dp, tuple(resolve_tp_rules(tp_rules)))
-    check_destination(out_dir, [source])
+    check_destination(out_dir, [source], overwrite=overwrite)
     with open_checkpoint(source) as reader, single_threaded_copies():
         if verify_checksums:  # a corrupt source must not turn into a valid-looking output
             verify_all_blocks(reader)
@@ -695,14 +711,15 @@ def convert_checkpoint(source: str | os.PathLike, out_dir: str | os.PathLike, *,
             if copy_side_files:
                 for name, f in side_files(source).items():
                     shutil.copyfile(f, tmp / name)
-            publish_directory(tmp, out_dir, meta)
+            publish_directory(tmp, out_dir, meta, overwrite=overwrite)
     return meta
 
 
 def convert_to_dcp(source: str | os.PathLike, out_dir: str | os.PathLike, *, aoa_config: Any = None,
                    tp: int = 1, pp: int = 1, dp: int = 1,
                    tp_rules: str | Path | Mapping[str, int | None] | Sequence | None = None,
-                   copy_side_files: bool = True, show_progress: bool | None = None) -> CheckpointMetadata:
+                   copy_side_files: bool = True, show_progress: bool | None = None,
+                   overwrite: bool = False) -> CheckpointMetadata:
     """Write a ``torch.distributed.checkpoint`` (DCP) directory from any source, chunked as a job of
     ``tp * dp * pp`` ranks would save it (same layout rules as :func:`convert_checkpoint`), from this one process.
     torch's own ``dcp.load`` reads the result into any layout (e.g. HF -> AOA/TP layout -> torchtitan); the
@@ -712,15 +729,15 @@ def convert_to_dcp(source: str | os.PathLike, out_dir: str | os.PathLike, *, aoa
     holds one tensor. Returns the written metadata (as oarlock's DCP reader reports it).
 
     Raises:
-        CheckpointError: bad source/config/rules, an existing ``out_dir`` that is neither empty nor a DCP
-            checkpoint, I/O errors (nothing is published).
+        CheckpointError: bad source/config/rules, I/O errors (nothing is published).
+        CheckpointDestinationError: an ``out_dir`` that is, contains or is inside ``source``, or exists and is
+            not a DCP checkpoint holding only files oarlock wrote (nor empty) without ``overwrite`` (which keeps
+            the other entries; see :func:`~oarlock.checkpoint.storage.check_destination`).
     """
-    from oarlock.checkpoint.formats.dcp import DcpWriter, is_dcp_dir
+    from oarlock.checkpoint.formats.dcp import DcpWriter
 
     out_dir = Path(out_dir)
-    if out_dir.exists() and not (out_dir.is_dir() and (is_dcp_dir(set(os.listdir(out_dir)))
-                                                       or not any(out_dir.iterdir()))):
-        raise CheckpointError(f"{out_dir}: exists and is not a DCP checkpoint; refusing to replace it")
+    storage_check_destination(out_dir, "dcp", [source], overwrite=overwrite)
     layout = ConversionLayout(tp, pp, dp, tuple(resolve_tp_rules(tp_rules)))
     with open_checkpoint(source) as reader, single_threaded_copies():
         program, axes = _program_for_layout(reader.metadata, aoa_config, layout)
@@ -754,7 +771,7 @@ def convert_to_dcp(source: str | os.PathLike, out_dir: str | os.PathLike, *, aoa
             if copy_side_files:
                 for name, f in side_files(source).items():
                     shutil.copyfile(f, tmp / name)
-            publish_directory(tmp, out_dir)
+            publish_directory(tmp, out_dir, overwrite=overwrite)
     with open_checkpoint(out_dir) as r:
         return r.metadata
 

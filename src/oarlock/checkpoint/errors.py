@@ -21,3 +21,8 @@ class UnsafePickleError(CheckpointFormatError):
 
 class CheckpointTilingError(CheckpointError):
     """The shards of a key do not tile its global box exactly: a gap, an overlap, or a box out of bounds."""
+
+
+class CheckpointDestinationError(CheckpointError):
+    """A writer's destination is refused: it is (inside) the source, not a directory, or holds entries oarlock did
+    not write (named in the message; ``overwrite=True`` / ``--overwrite`` writes next to them instead)."""

@@ -59,23 +59,31 @@ def write_hf_index(directory: Path, weight_map: Mapping[str, str], total_size: i
 def save_hf_checkpoint(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str | Path, *,
                        max_shard_size: int | str = "5GB", total: int | None = None,
                        show_progress: bool | None = None,
-                       extra_files: Mapping[str, str | os.PathLike] | None = None) -> Path:
+                       extra_files: Mapping[str, str | os.PathLike] | None = None, overwrite: bool = False) -> Path:
     """Stream ``(key, full_tensor)`` pairs into a HuggingFace safetensors directory.
 
     Args:
         tensors: pairs in the order they should be written; each tensor is any dtype/device (copied to CPU).
-        out_dir: the directory to create (replaced atomically if it exists).
+        out_dir: the directory to create. An existing HF checkpoint there holding only files oarlock wrote is
+            replaced atomically once the new one is complete; anything else is refused (see ``overwrite``).
+        overwrite: write into ``out_dir`` even when it holds entries oarlock did not write; they are kept, only
+            files oarlock wrote are replaced.
         max_shard_size: bytes per shard file (int or ``"5GB"``-style string); a tensor larger than this gets a
             shard of its own.
         total: number of tensors, for the progress bar only.
         extra_files: ``{name: path}`` of side files (``config.json``, tokenizer files) copied into the directory
             before it is published.
 
-    Returns the directory. Raises :class:`CheckpointError` for a key seen twice (nothing is published).
+    Returns the directory.
+
+    Raises:
+        CheckpointError: a key seen twice, an extra file named like a checkpoint file (nothing is published).
+        CheckpointDestinationError: ``out_dir`` refused by
+            :func:`~oarlock.checkpoint.storage.check_destination` (nothing is written).
     """
     out_dir = Path(out_dir)
     limit = parse_size(max_shard_size)
-    check_destination(out_dir, "huggingface")
+    check_destination(out_dir, "huggingface", overwrite=overwrite)
     with staged_directory(out_dir) as tmp:
         shards: list[list[str]] = []
         pending: dict[str, torch.Tensor] = {}
@@ -113,5 +121,5 @@ def save_hf_checkpoint(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str
             if name in (HF_INDEX, HF_SINGLE) or name.startswith("model-"):
                 raise CheckpointError(f"extra file {name!r} would overwrite a checkpoint file of the export")
             shutil.copyfile(src, tmp / name)
-        publish_directory(tmp, out_dir)
+        publish_directory(tmp, out_dir, overwrite=overwrite)
     return out_dir

@@ -27,7 +27,7 @@ from oarlock.checkpoint.metadata import ALGORITHM_KEY, PARAM_GROUPS_KEY, Checkpo
 from oarlock.checkpoint.plan import Planner, ReadItem, source_specs
 from oarlock.checkpoint.reader import CheckpointReader
 from oarlock.checkpoint.save import data_file_name
-from oarlock.checkpoint.storage import gather_view, open_checkpoint
+from oarlock.checkpoint.storage import gather_view, open_checkpoint, recover_publish
 from oarlock.checkpoint.traversal import Leaves, collect_leaves, set_path
 
 
@@ -151,6 +151,7 @@ def run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process_
         raise CheckpointError("pass either aoa_config or program to load_state_dict, not both")
     comm.check_comm_method(comm_method)
     dist = DistWrapper(process_group)
+    recover_publish(path)  # an interrupted replacement of this checkpoint is completed first (the warm path too)
     if aoa_config is None and program is None:
         warm = comm.try_warm_start(state_dict, path, dist, data_file_name(dist.rank),
                                    verify_checksums=verify_checksums)

@@ -13,7 +13,13 @@ Protocol of :meth:`CheckpointManager.save` (rank 0 does the file-system steps; `
 2. write the new step through ``save_state_dict`` (a hidden temporary directory renamed into place when complete);
 3. write the new pointer into ``.latest.tmp-<id>``, fsync it, and ``os.replace`` it over ``latest`` (atomic);
 4. only then delete step directories beyond ``keep_last`` (each is first renamed to a hidden name, so a
-   half-deleted directory never looks like a checkpoint).
+   half-deleted directory never looks like a checkpoint). A step directory holding entries oarlock did not write
+   (a note the user put there) is not renamed: its ``metadata.json`` is removed first (it stops being a committed
+   step), then the other files oarlock wrote; the user's entries stay in the directory.
+
+Nothing the manager did not write is deleted: saving a step whose directory holds entries oarlock did not write
+is refused (:class:`~oarlock.checkpoint.errors.CheckpointDestinationError`) unless ``save(..., overwrite=True)``,
+which keeps them (see :func:`~oarlock.checkpoint.save_state_dict`).
 
 A process killed at any point therefore leaves either the old or the new step as the latest, never neither.
 :meth:`CheckpointManager.latest` trusts the pointer when it names a committed checkpoint, and otherwise takes the
@@ -48,7 +54,8 @@ from oarlock.checkpoint.errors import CheckpointError
 from oarlock.checkpoint.metadata import ALGORITHM_KEY, METADATA_FILE, PARAM_GROUPS_KEY
 from oarlock.checkpoint.optim import (HYPERPARAMETERS, OptimizerStateError, optimizer_algorithm,
                                       sharded_optimizer_state_dict)
-from oarlock.checkpoint.storage import INCOMPLETE_MARKER, fsync_dir
+from oarlock.checkpoint.storage import (INCOMPLETE_MARKER, fsync_dir, recover_publish, remove_stale_staging,
+                                        written_entries)
 
 LATEST_FILE = "latest"
 #: Environment variable naming a protocol point (see :data:`CRASH_POINTS`) at which the process SIGKILLs itself:
@@ -264,7 +271,8 @@ class CheckpointManager:
             e, self._error = self._error, None
             raise e
 
-    def save(self, step: int, state: Mapping[str, Any], *, async_save: bool = False) -> None:
+    def save(self, step: int, state: Mapping[str, Any], *, async_save: bool = False,
+             overwrite: bool = False) -> None:
         """Save ``state`` as step ``step`` (collective over the manager's process group).
 
         Args:
@@ -275,10 +283,14 @@ class CheckpointManager:
             async_save: return once this rank's tensors are copied to CPU memory; the write, the commit, the
                 pointer and the deletion of old steps run in the background (:meth:`wait` blocks for them and
                 re-raises their error; the next ``save`` waits first).
+            overwrite: replace the step's directory even when it holds entries oarlock did not write (they are
+                kept; only files oarlock wrote are replaced).
 
         Raises:
             CheckpointError: what :func:`~oarlock.checkpoint.save_state_dict` raises (on every rank alike), a
                 negative step, or the failure of the previous async save.
+            CheckpointDestinationError: the step's directory holds entries oarlock did not write and
+                ``overwrite`` is not given (naming them; nothing is written).
         """
         if int(step) < 0:
             raise CheckpointError(f"step must be >= 0, got {step}")
@@ -295,7 +307,7 @@ class CheckpointManager:
         flat = self._to_saveable(state)
         _crash_point("before_save")
         handle = save_state_dict(flat, self.path(step), process_group=self.process_group,
-                                 save_replicas=self.save_replicas, async_save=async_save)
+                                 save_replicas=self.save_replicas, async_save=async_save, overwrite=overwrite)
         if not async_save:
             _crash_point("after_save")
             err = None
@@ -339,6 +351,17 @@ class CheckpointManager:
 
     def _delete(self, step: int) -> None:
         p = self.path(step)
+        names = set(os.listdir(p))
+        own = written_entries(p, names)
+        if names - own:  # the user's entries stay: remove only what oarlock wrote, metadata.json first
+            for name in sorted(own, key=lambda n: n != METADATA_FILE):
+                q = p / name
+                if q.is_dir() and not q.is_symlink():
+                    shutil.rmtree(q, ignore_errors=True)
+                else:
+                    q.unlink(missing_ok=True)
+            fsync_dir(p)
+            return
         trash = self.root / f".{p.name}.deleting-{uuid.uuid4().hex[:12]}"
         os.replace(p, trash)  # gone from the listing in one step; the data is removed after
         _crash_point("during_delete")
@@ -347,12 +370,23 @@ class CheckpointManager:
     def clean_stale(self) -> list[str]:
         """Remove leftovers of killed saves under ``root``: hidden ``.<prefix>N.*`` directories (temporary save
         directories, replaced or half-deleted steps) and ``.latest.tmp-*`` files. Only names this manager and
-        ``save_state_dict`` create are touched. Call only while no save into ``root`` is running (``save`` does
-        this itself on rank 0). Returns the removed names."""
+        ``save_state_dict`` create are touched. An interrupted replacement of a step is completed first (its
+        kept entries go back into the step) and the temporary directory of a save still running is skipped
+        (it holds a lock, see :func:`~oarlock.checkpoint.storage.hold_staging`). Returns the removed names."""
         removed = []
         if not self.root.is_dir():
             return removed
+        for p in list(self.root.iterdir()):
+            m = re.fullmatch(r"\.(" + re.escape(self.prefix) + r"\d+)\.publish", p.name)
+            if m:
+                recover_publish(self.root / m.group(1))
+        for p in list(self.root.iterdir()):
+            m = re.fullmatch(r"\.(" + re.escape(self.prefix) + r"\d+)\.tmp-.+", p.name)
+            if m:
+                removed += remove_stale_staging(self.root / m.group(1))
         for p in self.root.iterdir():
+            if re.fullmatch(r"\." + re.escape(self.prefix) + r"\d+\.tmp-.+", p.name):
+                continue  # left by remove_stale_staging: a live save's
             if self._stale_re.fullmatch(p.name):
                 if p.is_dir() and not p.is_symlink():
                     shutil.rmtree(p, ignore_errors=True)

@@ -449,7 +449,8 @@ class SafetensorsWriter:
             if t.numel():
                 if t.device.type != "cpu":
                     t = t.cpu()
-                mv = tensor_bytes(t.contiguous())
+                # a lazily conjugated or negated view (``x.conj()``) is stored as the values it shows
+                mv = tensor_bytes(t.resolve_conj().resolve_neg().contiguous())
                 if self._hasher is not None:
                     self._hasher.feed(pos, mv)
                 pos = _write_all(self.fd, mv, pos)

@@ -35,7 +35,8 @@ from oarlock.checkpoint.metadata import METADATA_FILE, SAVE_ID_HEADER, Checkpoin
 from oarlock.checkpoint.plan import index_of
 from oarlock.checkpoint.safetensors_io import write_safetensors
 from oarlock.checkpoint.sharded import ShardedWeight
-from oarlock.checkpoint.storage import INCOMPLETE_MARKER, publish_directory, staging_path
+from oarlock.checkpoint.storage import (INCOMPLETE_MARKER, hold_staging, publish_directory, release_staging,
+                                        remove_stale_staging, staging_path)
 from oarlock.checkpoint.storage import check_destination as storage_check_destination
 from oarlock.checkpoint.traversal import Leaves, collect_leaves
 from oarlock.utils import dtype_itemsize
@@ -160,14 +161,17 @@ def local_tensors(leaves: Leaves) -> dict[tuple, torch.Tensor]:
     return {shard_id(sw): sw.local_tensor for sw in leaves.shards}
 
 
-def check_destination(path: Path, sources: Sequence[str | os.PathLike] = ()) -> None:
+def check_destination(path: Path, sources: Sequence[str | os.PathLike] = (), *, overwrite: bool = False) -> None:
     """The destination rule of an oarlock checkpoint writer (:func:`oarlock.checkpoint.storage.check_destination`
-    with format ``"oarlock"``).
+    with format ``"oarlock"``), then the removal of temporary directories that crashed writes to ``path`` left
+    (:func:`oarlock.checkpoint.storage.remove_stale_staging`; a live save's directory is never touched).
 
     Raises:
-        CheckpointError: ``path`` is, contains or is inside one of ``sources``, or exists and is neither an
-            oarlock checkpoint nor an empty directory."""
-    storage_check_destination(path, "oarlock", sources)
+        CheckpointDestinationError: ``path`` is, contains or is inside one of ``sources``, or exists and is not
+            an oarlock checkpoint holding only files oarlock wrote (nor an empty directory) and ``overwrite`` is
+            not given."""
+    storage_check_destination(path, "oarlock", sources, overwrite=overwrite)
+    remove_stale_staging(path)
 
 
 @dataclass
@@ -230,6 +234,7 @@ class SavePlan:
     objects: dict[str, Any] | None = None
     nested: dict[str, list] | None = None
     tp_layouts: dict[str, dict] | None = None  # key -> TP-dependent layout record (metadata extra["tp_layouts"])
+    overwrite: bool = False  # write into a destination holding entries oarlock did not write (they are kept)
 
 
 def _mesh_affine(mesh: Any, dist: DistWrapper) -> tuple[tuple[int, ...], int, tuple[int, ...]] | None:
@@ -433,7 +438,7 @@ def build_layout(classes: Sequence[tuple[RankRecord, Sequence[int]]], world: int
 
 
 def prepare_save(state_dict: Mapping[str, Any], path: str | os.PathLike, process_group: Any,
-                 save_replicas: bool) -> SavePlan:
+                 save_replicas: bool, overwrite: bool = False) -> SavePlan:
     """The collective half of a save: describe, agree, plan the writes (raises on every rank alike). Tensor data is
     not touched.
 
@@ -476,7 +481,7 @@ def prepare_save(state_dict: Mapping[str, Any], path: str | os.PathLike, process
                                          [])
                 classes[(fs, fd)][1].append(r)
             layout = build_layout(list(classes.values()), dist.size, save_replicas)
-            check_destination(path)
+            check_destination(path, overwrite=overwrite)
             tmp, save_id = staging_path(path), new_save_id()
             out = [(None, tmp, save_id, layout.listed_writes.get(r, []), layout.grid_skip.get(r, []))
                    for r in range(dist.size)]
@@ -491,7 +496,7 @@ def prepare_save(state_dict: Mapping[str, Any], path: str | os.PathLike, process
     own = list(grid_writes) + [i for i, _ in listed]
     names = {(i[0], i[1], i[3]): i[0] for i in grid_writes}
     names.update({(i[0], i[1], i[3]): n for i, n in listed})
-    plan = SavePlan(path, dist.rank, dist.size, tmp, {dist.rank: own}, names, leaves, save_id)
+    plan = SavePlan(path, dist.rank, dist.size, tmp, {dist.rank: own}, names, leaves, save_id, overwrite=overwrite)
     if layout is not None:
         plan.tensors, plan.objects, plan.nested, plan.tp_layouts = (layout.tensors, layout.objects, layout.nested,
                                                                     layout.tp_layouts)
@@ -533,9 +538,10 @@ def write_and_commit(plan: SavePlan, local: dict[Any, torch.Tensor], process_gro
     block checksums gathered to rank 0 only, and an agreement on the commit."""
     dist = DistWrapper(process_group)
     tmp = plan.tmp
+    held: list[int] = []
 
     def write() -> dict[str, Any]:
-        tmp.mkdir(parents=True, exist_ok=True)
+        held.append(hold_staging(tmp))  # locked until committed: a cleanup of stale directories skips it
         (tmp / INCOMPLETE_MARKER).touch()  # before any data file: a partial directory must never load
         ids = sorted({(i[0], i[1], i[3]) for i in plan.writes.get(plan.rank, [])},
                      key=lambda i: (i[0], i[1], i[2] or ()))
@@ -560,7 +566,7 @@ def write_and_commit(plan: SavePlan, local: dict[Any, torch.Tensor], process_gro
                                                                  objects=plan.objects or {},
                                                                  nested=plan.nested or {}, save_id=plan.save_id,
                                                                  extra=extra),
-                              fsync_files=False)
+                              fsync_files=False, overwrite=plan.overwrite)
 
     try:
         rec = dist.run(write)
@@ -570,3 +576,6 @@ def write_and_commit(plan: SavePlan, local: dict[Any, torch.Tensor], process_gro
         if dist.is_coordinator:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        for fd in held:
+            release_staging(fd)

@@ -17,7 +17,10 @@ byte is trusted; its errors are re-raised as :class:`CheckpointFormatError` nami
 
 Writing (save, convert, HF export) goes through one commit protocol: :func:`staging_path` names a hidden
 temporary sibling of the destination, :func:`staged_directory` creates it (removing it again on any error),
-and :func:`publish_directory` makes it appear under its final name in one rename.
+and :func:`publish_directory` makes it appear under its final name in one rename. :func:`check_destination` is
+the destination rule: nothing oarlock did not write (:func:`written_entries`, :data:`WRITTEN_MANIFEST`) is ever
+deleted; :func:`remove_stale_staging` removes the temporary directories of crashed writes, never a live one's
+(:func:`hold_staging`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 import shutil
 import uuid
 from dataclasses import dataclass
@@ -42,7 +46,8 @@ from oarlock.checkpoint.safetensors_io import (SafetensorsFile, contiguous_run, 
 
 __all__ = ["CheckpointReader", "SafetensorsFile", "View", "contiguous_run", "detect_format", "fsync_dir",
            "gather_view", "np_prod", "open_checkpoint", "publish_directory", "check_destination", "recover_publish", "read_metadata", "safetensors_header",
-           "staged_directory", "staging_path", "write_safetensors", "HF_INDEX", "HF_SINGLE", "INCOMPLETE_MARKER",
+           "staged_directory", "staging_path", "hold_staging", "release_staging", "remove_stale_staging",
+           "written_entries", "WRITTEN_MANIFEST", "write_safetensors", "HF_INDEX", "HF_SINGLE", "INCOMPLETE_MARKER",
            "PADDLE_HF_CACHE"]
 
 INCOMPLETE_MARKER = ".oarlock-incomplete"  # present in a save's temporary directory until it is committed
@@ -190,16 +195,100 @@ def staging_path(final: Path) -> Path:
     return final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:12]}"
 
 
+def hold_staging(tmp: Path) -> int:
+    """Create the temporary directory ``tmp`` of a write (``exist_ok``: every rank of a save calls this) and hold
+    a shared ``flock`` on it while the write is alive: :func:`remove_stale_staging` never removes a locked
+    directory. Returns the descriptor holding the lock; close it (:func:`release_staging`) once the directory is
+    published or removed. A directory removed between its creation and the lock (a stale-directory cleanup that
+    ran at that moment) is created again.
+
+    Raises:
+        CheckpointError: ``tmp`` cannot be created or keeps disappearing (naming it).
+    """
+    import fcntl
+
+    from oarlock.checkpoint.errors import CheckpointError
+
+    for _ in range(100):
+        try:
+            tmp.mkdir(parents=True, exist_ok=True)
+            fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            raise CheckpointError(f"{tmp}: cannot create the temporary directory: {e.strerror or e}") from None
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        try:
+            if os.fstat(fd).st_ino == os.lstat(tmp).st_ino:
+                return fd
+        except OSError:
+            pass
+        os.close(fd)
+    raise CheckpointError(f"{tmp}: the temporary directory was removed repeatedly while being created")
+
+
+def release_staging(fd: int | None) -> None:
+    """Drop the lock :func:`hold_staging` took (None: nothing held)."""
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def remove_stale_staging(final: str | os.PathLike) -> list[str]:
+    """Remove the temporary directories (``.NAME.tmp-*``, see :func:`staging_path`) that writes to ``final`` left
+    behind when their process died, so a later plain save cleans up after a crashed one. A directory whose writer
+    is alive holds a lock (:func:`hold_staging`) and is never touched; an interrupted replacement of ``final`` is
+    completed first (:func:`recover_publish`). Returns the removed names; never raises (an entry that cannot be
+    inspected or removed is left)."""
+    import fcntl
+
+    final = Path(final)
+    recover_publish(final)
+    prefix = f".{final.name}.tmp-"
+    removed: list[str] = []
+    try:
+        entries = [n for n in os.listdir(final.parent) if n.startswith(prefix)]
+    except OSError:
+        return removed
+    for name in sorted(entries):
+        d = final.parent / name
+        try:
+            fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError:
+            continue  # not a directory (or already gone): not ours to remove
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # a live writer holds it
+            if os.fstat(fd).st_ino != os.lstat(d).st_ino:
+                continue
+            shutil.rmtree(d, ignore_errors=True)
+            if not os.path.lexists(d):
+                removed.append(name)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    return removed
+
+
 @contextlib.contextmanager
-def staged_directory(final: str | os.PathLike, *, incomplete_marker: bool = False,
+def staged_directory(final: str | os.PathLike, *, incomplete_marker: bool = True,
                      tmp: Path | None = None) -> Iterator[Path]:
     """Create the temporary directory ``tmp`` (default: :func:`staging_path`) for a write to ``final`` (its parent
-    is created if needed); yield it; remove it if the block raises. ``incomplete_marker`` puts the marker file in
-    first, so a directory left by a crash never loads. Publish with :func:`publish_directory` inside the block."""
+    is created if needed), locked for the block (:func:`hold_staging`) so no cleanup removes it; yield it; remove
+    it if the block raises. Leftovers of crashed writes to ``final`` are removed first
+    (:func:`remove_stale_staging`). ``incomplete_marker`` puts the marker file in first, so a directory left by a
+    crash never loads (:func:`publish_directory` removes it). Publish with :func:`publish_directory` inside the
+    block."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_staging(final)
     tmp = tmp or staging_path(final)
-    tmp.mkdir(parents=True, exist_ok=True)
+    fd = hold_staging(tmp)
     try:
         if incomplete_marker:
             (tmp / INCOMPLETE_MARKER).touch()
@@ -207,6 +296,8 @@ def staged_directory(final: str | os.PathLike, *, incomplete_marker: bool = Fals
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        release_staging(fd)
 
 
 def fsync_dir(path: str | Path) -> None:
@@ -220,17 +311,77 @@ def fsync_dir(path: str | Path) -> None:
 
 FORMAT_ALIASES = {"hf": "huggingface"}  # writer-side names of formats (``convert --to hf``)
 
+#: The list of entries a writer put into a directory it published (JSON ``{"written_by": "oarlock", "files":
+#: [...]}``), written by :func:`publish_directory`. It tells the files oarlock wrote from the ones a user added
+#: later: only the former are ever replaced or removed.
+WRITTEN_MANIFEST = ".oarlock-files"
 
-def check_destination(final: str | os.PathLike, fmt: str, sources: Iterable[str | os.PathLike] = ()) -> None:
-    """The destination rule of every writer (save, convert, HF export): refuse ``final`` when it is, contains or
-    is inside one of ``sources`` (the checkpoints being read), or when it exists and is neither an empty
-    directory nor a checkpoint of format ``fmt`` (``"oarlock"``, ``"huggingface"``/``"hf"``; recognised by the
-    format's own metadata file, see :func:`detect_format`). Nothing is written or removed.
+# Checkpoint files of a format by name: what counts as written by oarlock in a directory published before the
+# manifest existed (or whose manifest is unreadable).
+_FORMAT_FILES = {
+    "oarlock": re.compile(r"metadata\.json|rank-\d{5}\.safetensors"),
+    "huggingface": re.compile(r"model\.safetensors|model\.safetensors\.index\.json|model-\d{5}-of-\d{5}\.safetensors"),
+    "dcp": re.compile(r"\.metadata|__\d+\.metadata|__\d+_\d+\.distcp"),
+}
+
+
+def _read_manifest(directory: Path) -> set[str] | None:
+    """The entry names :data:`WRITTEN_MANIFEST` in ``directory`` lists; None when it is absent or unreadable."""
+    import json
+
+    p = directory / WRITTEN_MANIFEST
+    try:
+        if p.is_symlink() or not p.is_file() or p.stat().st_size > 1 << 24:
+            return None
+        data = json.loads(p.read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return None
+    files = data.get("files") if isinstance(data, dict) else None
+    if not isinstance(files, list):
+        return None
+    return {f for f in files if isinstance(f, str) and f and "/" not in f and f not in (".", "..")}
+
+
+def written_entries(directory: str | os.PathLike, names: Iterable[str] | None = None) -> set[str]:
+    """The entries of ``directory`` (or of its listing ``names``) that oarlock wrote: those its
+    :data:`WRITTEN_MANIFEST` lists (and the manifest itself), or, in a directory without one (written by an older
+    oarlock), the checkpoint files of the oarlock, HuggingFace and DCP formats by name (``metadata.json``,
+    ``rank-XXXXX.safetensors``, ``model*.safetensors``, the index, ``.metadata``, ``__R_0.distcp``). The
+    incomplete-marker and a half-written ``metadata.json.part`` always count as oarlock's."""
+    d = Path(directory)
+    names = set(os.listdir(d)) if names is None else set(names)
+    listed = _read_manifest(d)
+    own = {INCOMPLETE_MARKER, WRITTEN_MANIFEST, METADATA_FILE + ".part"}
+    if listed is not None:
+        return names & (listed | own)
+    return {n for n in names if n in own or any(p.fullmatch(n) for p in _FORMAT_FILES.values())}
+
+
+def _describe(names: Iterable[str], limit: int = 8) -> str:
+    shown = sorted(names)
+    text = ", ".join(repr(n) for n in shown[:limit])
+    return text + (f" and {len(shown) - limit} more" if len(shown) > limit else "")
+
+
+def check_destination(final: str | os.PathLike, fmt: str, sources: Iterable[str | os.PathLike] = (), *,
+                      overwrite: bool = False) -> set[str]:
+    """The destination rule of every writer (save, convert, HF export, the manager; ``docs/checkpoint-format.md``,
+    destination rule). ``final`` is refused when it is, contains or is inside one of ``sources`` (the checkpoints
+    being read), when it exists and is not a directory, and when it holds anything oarlock did not write
+    (:func:`written_entries`) or is not a checkpoint of format ``fmt`` (``"oarlock"``, ``"huggingface"``/``"hf"``,
+    ``"dcp"``), unless ``overwrite``. A missing path, an empty directory and a checkpoint of format ``fmt``
+    holding only files oarlock wrote are accepted. With ``overwrite`` the entries oarlock did not write are kept
+    (:func:`publish_directory` moves them into the new directory) and only oarlock's are replaced; a foreign
+    checkpoint of another format among them is still refused (the result would mix formats). Nothing is written
+    or removed here, except that an interrupted replacement of ``final`` is completed first
+    (:func:`recover_publish`).
+
+    Returns the names of the entries to keep (empty unless ``overwrite``).
 
     Raises:
-        CheckpointError: naming the destination and the reason.
+        CheckpointDestinationError: naming the destination, the reason, and the entries oarlock did not write.
     """
-    from oarlock.checkpoint.errors import CheckpointError
+    from oarlock.checkpoint.errors import CheckpointDestinationError
 
     final = Path(final)
     fmt = FORMAT_ALIASES.get(fmt, fmt)
@@ -238,26 +389,45 @@ def check_destination(final: str | os.PathLike, fmt: str, sources: Iterable[str 
     for src in sources:
         s = os.path.realpath(src)
         if dst == s:
-            raise CheckpointError(f"{final}: the destination is the source checkpoint {src}; write to another path")
+            raise CheckpointDestinationError(f"{final}: the destination is the source checkpoint {src}; write to "
+                                             "another path")
         if s.startswith(dst.rstrip(os.sep) + os.sep):
-            raise CheckpointError(f"{final}: the destination contains the source checkpoint {src}; replacing it "
-                                  "would delete the source")
+            raise CheckpointDestinationError(f"{final}: the destination contains the source checkpoint {src}; "
+                                             "replacing it would delete the source")
         if dst.startswith(s.rstrip(os.sep) + os.sep):
-            raise CheckpointError(f"{final}: the destination is inside the source checkpoint {src}; write "
-                                  "outside it")
+            raise CheckpointDestinationError(f"{final}: the destination is inside the source checkpoint {src}; "
+                                             "write outside it")
     recover_publish(final)
     if not os.path.lexists(final):
-        return
+        return set()
     if not final.is_dir() or final.is_symlink():
-        raise CheckpointError(f"{final}: exists and is not a directory; refusing to replace it")
+        raise CheckpointDestinationError(f"{final}: exists and is not a directory; refusing to replace it")
     names = set(os.listdir(final))
     if not names:
-        return
-    cls = load_formats().get(fmt)
-    if cls is None or cls.claim(final, names) < 2 or INCOMPLETE_MARKER in names:
-        raise CheckpointError(f"{final}: exists and is not {'an' if fmt[0] in 'aeiou' else 'a'} {fmt} checkpoint; "
-                              f"refusing to replace it (it holds {len(names)} entr{'y' if len(names) == 1 else 'ies'}"
-                              f", e.g. {sorted(names)[0]!r})")
+        return set()
+    formats = load_formats()
+    cls = formats.get(fmt)
+    foreign = names - written_entries(final, names)
+    same = cls is not None and INCOMPLETE_MARKER not in names and cls.claim(final, names) >= 2
+    if same and not foreign:
+        return set()
+    hint = ("; pass --overwrite (overwrite=True) to write the checkpoint there anyway: only files oarlock wrote "
+            "are replaced, the others stay")
+    if not overwrite:
+        if not same:
+            what = (f"entries oarlock did not write: {_describe(foreign)}" if foreign
+                    else f"{len(names)} entr{'y' if len(names) == 1 else 'ies'} oarlock wrote: {_describe(names)}")
+            raise CheckpointDestinationError(
+                f"{final}: exists and is not {'an' if fmt[0] in 'aeiou' else 'a'} {fmt} checkpoint; refusing to "
+                f"replace it (it holds {what}){hint}")
+        raise CheckpointDestinationError(f"{final}: holds entries oarlock did not write: {_describe(foreign)}; "
+                                         f"refusing to replace the {fmt} checkpoint there{hint}")
+    for name, other in formats.items():
+        if foreign and other.claim(final, foreign) >= 2:
+            raise CheckpointDestinationError(
+                f"{final}: holds a {name} checkpoint oarlock did not write ({_describe(foreign)}); writing next to "
+                "it would mix formats: remove it or choose another destination")
+    return foreign
 
 
 _RENAME_EXCHANGE = 2
@@ -317,6 +487,13 @@ def recover_publish(final: str | os.PathLike) -> None:
         if rec is not None:
             if not os.path.lexists(final):  # died between "old aside" and "new in": finish the replacement
                 os.replace(new if new.is_dir() else old, final)
+            # entries oarlock did not write (kept by an overwrite) go back into the checkpoint first, wherever
+            # the writer had got to moving them
+            keep = [k for k in rec.get("keep", []) if isinstance(k, str) and k and "/" not in k]
+            for leftover in (new, old):
+                for k in keep:
+                    if os.path.lexists(leftover / k) and not os.path.lexists(final / k):
+                        os.rename(leftover / k, final / k)
             # whatever of the two names remains is a leftover: the old checkpoint once the new one is in
             # place, or the unpublished new one when the writer died before the swap
             for leftover in (new, old):
@@ -329,27 +506,45 @@ def recover_publish(final: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def _write_manifest(tmp: Path) -> None:
+    """Record in ``tmp`` every entry it holds (:data:`WRITTEN_MANIFEST`): the files this writer wrote."""
+    import json
+
+    names = sorted(set(os.listdir(tmp)) - {INCOMPLETE_MARKER} | {WRITTEN_MANIFEST})
+    with open(tmp / WRITTEN_MANIFEST, "w") as f:
+        f.write(json.dumps({"written_by": "oarlock", "files": names}, indent=1) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def publish_directory(tmp: Path, final: Path, metadata: CheckpointMetadata | None = None, *,
-                      fsync_files: bool = True) -> None:
+                      fsync_files: bool = True, overwrite: bool = False) -> None:
     """The commit step of every writer (save, convert, HF export): make the fully written directory ``tmp``
     appear as ``final``. With ``fsync_files`` the files in ``tmp`` are fsynced first (a save passes False: each
     rank fsynced its own data file, and rank 0 need not touch the others').
 
-    With ``metadata``, first write ``metadata.json`` (via a ``.part`` file, fsync, rename) and remove the
-    incomplete-marker. An existing ``final`` is replaced only now that the new directory is complete, and only
-    when it is a checkpoint of the same format as ``tmp`` or an empty directory (:func:`check_destination`).
-    The replacement is recorded first in an intent file ``.NAME.publish`` next to ``final`` (locked while this
-    process works on it); then the two directories are swapped in one atomic exchange where the filesystem
-    offers it (else the old one is renamed to ``.NAME.old-XXXXXXXXXXXX`` and the new one renamed in), the old
-    one removed, and the intent file deleted. If the writer dies part way, the next open or write of ``final``
-    (:func:`recover_publish`) completes or undoes the replacement, so ``final`` is always the old or the new
-    complete checkpoint, never a partial one (``docs/checkpoint-format.md``, commit protocol).
+    With ``metadata``, first write ``metadata.json`` (via a ``.part`` file, fsync, rename). Then the list of the
+    entries written (:data:`WRITTEN_MANIFEST`) is added and the incomplete-marker removed. An existing ``final`` is
+    replaced only now that the new directory is complete, and only as :func:`check_destination` allows: a
+    checkpoint of the same format holding only files oarlock wrote, or an empty directory; with ``overwrite``
+    also anything else, and then the entries oarlock did not write are moved into the new directory (never
+    removed). The replacement is recorded first in an intent file ``.NAME.publish`` next to ``final`` (locked
+    while this process works on it, listing the kept entries); then the two directories are swapped in one
+    atomic exchange where the filesystem offers it (else the old one is renamed to ``.NAME.old-XXXXXXXXXXXX`` and
+    the new one renamed in), the old one removed, and the intent file deleted. If the writer dies part way, the
+    next open or write of ``final`` (:func:`recover_publish`) completes or undoes the replacement and puts kept
+    entries back, so ``final`` is always the old or the new complete checkpoint, never a partial one
+    (``docs/checkpoint-format.md``, commit protocol).
 
     Raises:
-        CheckpointError: ``final`` exists and is not a checkpoint of the format written (nothing is replaced).
+        CheckpointDestinationError: ``final`` is refused by :func:`check_destination`, or (``overwrite``) holds an
+            entry oarlock did not write under a name the new checkpoint uses (nothing is replaced).
+        CheckpointError: ``metadata.json`` cannot be written.
     """
     import fcntl
     import json
+
+    from oarlock.checkpoint.errors import CheckpointDestinationError
 
     for f in tmp.iterdir() if fsync_files else ():
         if f.is_file():
@@ -368,9 +563,10 @@ def publish_directory(tmp: Path, final: Path, metadata: CheckpointMetadata | Non
             raise CheckpointError(f"{final / METADATA_FILE}: cannot write: {e.strerror or e} (nothing was "
                                   "published)") from None
         os.replace(part, tmp / METADATA_FILE)
-        marker = tmp / INCOMPLETE_MARKER
-        if marker.exists():
-            os.unlink(marker)
+    _write_manifest(tmp)
+    marker = tmp / INCOMPLETE_MARKER
+    if marker.exists():
+        os.unlink(marker)
     fsync_dir(tmp)
     recover_publish(final)
     if not os.path.lexists(final):
@@ -381,24 +577,88 @@ def publish_directory(tmp: Path, final: Path, metadata: CheckpointMetadata | Non
         fmt = detect_format(tmp)
     except CheckpointFormatError:
         fmt = "empty"
-    check_destination(final, fmt)
+    keep = sorted(check_destination(final, fmt, overwrite=overwrite))
+    clash = set(keep) & set(os.listdir(tmp))
+    if clash:
+        raise CheckpointDestinationError(f"{final}: holds {_describe(clash)}, which oarlock did not write, under "
+                                         "a name the new checkpoint writes; refusing to replace it (move it "
+                                         "away or choose another destination)")
     old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:12]}"
     intent = _intent_path(final)
     fd = os.open(intent, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        os.write(fd, json.dumps({"new": tmp.name, "old": old.name}).encode())
+        os.write(fd, json.dumps({"new": tmp.name, "old": old.name, "keep": keep}).encode())
         os.fsync(fd)
         fsync_dir(final.parent)
-        if _exchange(tmp, final):
-            fsync_dir(final.parent)
-            shutil.rmtree(tmp, ignore_errors=True)  # now the old checkpoint
-        else:
-            os.replace(final, old)
-            os.replace(tmp, final)
-            fsync_dir(final.parent)
-            shutil.rmtree(old, ignore_errors=True)
+        swapped = False
+        try:
+            for name in keep:  # entries oarlock did not write move into the new checkpoint, never removed
+                os.rename(final / name, tmp / name)
+            if keep:
+                fsync_dir(tmp)
+                fsync_dir(final)
+            if _exchange(tmp, final):
+                swapped = True
+                fsync_dir(final.parent)
+                shutil.rmtree(tmp, ignore_errors=True)  # now the old checkpoint
+            else:
+                os.replace(final, old)
+                os.replace(tmp, final)
+                swapped = True
+                fsync_dir(final.parent)
+                shutil.rmtree(old, ignore_errors=True)
+        except BaseException:
+            if not swapped:  # undo: the old checkpoint and the kept entries back under ``final``
+                if not os.path.lexists(final) and old.is_dir():
+                    os.replace(old, final)
+                for name in keep:
+                    if os.path.lexists(tmp / name) and not os.path.lexists(final / name):
+                        os.rename(tmp / name, final / name)
+                fsync_dir(final.parent)
+            os.unlink(intent)
+            raise
         os.unlink(intent)
     finally:
         os.close(fd)
     fsync_dir(final.parent)
+
+
+# ---------------------------------------------------------------- a CheckpointManager root given as a checkpoint
+
+_STEP_DIR = re.compile(r"(.*?)(\d+)")
+
+
+def resolve_manager_root(path: str | os.PathLike) -> tuple[Path, str | None]:
+    """``(checkpoint path, step directory name)`` for a path the commands read: a directory that is no checkpoint
+    itself but a :class:`~oarlock.checkpoint.manager.CheckpointManager` root resolves to its latest committed step
+    (the one its ``latest`` pointer names when that is a committed checkpoint, else the committed step directory
+    with the highest number); any other path is returned as it is, with None. Never raises (opening the returned
+    path reports what is wrong)."""
+    p = Path(path)
+    try:
+        detect_format(p)
+        return p, None
+    except CheckpointFormatError:
+        pass
+    if not p.is_dir():
+        return p, None
+
+    def committed(name: str) -> bool:
+        d = p / name
+        return (d.is_dir() and not d.is_symlink() and (d / METADATA_FILE).is_file()
+                and not (d / INCOMPLETE_MARKER).exists())
+
+    try:
+        pointer = (p / "latest").read_text().strip() if (p / "latest").is_file() else ""
+        names = os.listdir(p)
+    except OSError:
+        return p, None
+    if pointer and "/" not in pointer and _STEP_DIR.fullmatch(pointer) and committed(pointer):
+        return p / pointer, pointer
+    steps = [(int(m.group(2)), n) for n in names if not n.startswith(".") and (m := _STEP_DIR.fullmatch(n))
+             and committed(n)]
+    if not steps:
+        return p, None
+    name = max(steps)[1]
+    return p / name, name

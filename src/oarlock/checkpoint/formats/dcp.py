@@ -758,6 +758,18 @@ class DcpReader(CheckpointReader):
         v = self._views[(file, name)]
         return (v, name) if v is not None else None
 
+    def check_read(self, key: str, file: str, name: str, flat_start: int, shape: tuple[int, ...]) -> None:
+        """The file is there and, where the chunk has byte-range access (an embedded safetensors blob, a raw
+        torch.save record), its header holds the array: checked before any target byte is written.
+
+        Raises:
+            CheckpointFormatError: naming the file and chunk.
+        """
+        super().check_read(key, file, name, flat_start, shape)
+        view = self._view(key, file, name)
+        if view is not None:
+            view[0].check_array(view[1], flat_start, shape, self.metadata.tensors[key].dtype)
+
     def read_box(self, key: str, file: str, name: str, flat_start: int, shape: tuple[int, ...],
                  box: tuple[tuple[int, int], ...], out: torch.Tensor | None = None) -> torch.Tensor:
         view = self._view(key, file, name)

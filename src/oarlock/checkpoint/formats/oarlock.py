@@ -55,6 +55,7 @@ class OarlockReader(CheckpointReader):
             except OSError as e:
                 raise CheckpointFormatError(f"{source}: cannot read: {e.strerror or e}") from None
         raw = parse_json(text, source)
+        check_field_types(raw, source)
         meta = CheckpointMetadata.from_json(raw, source=source)
         reader = cls(root, meta)  # checks that every data file stays inside the checkpoint, naming the tensor
         if not partial:
@@ -62,3 +63,58 @@ class OarlockReader(CheckpointReader):
                 if not (root / f).is_file():
                     raise CheckpointFormatError(f"{root / f}: data file named in {METADATA_FILE} is missing")
         return reader
+
+
+_JSON_TYPES = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
+               float: "a number", type(None): "null"}
+
+
+def _kind(v: object) -> str:
+    return _JSON_TYPES.get(type(v), type(v).__name__)
+
+
+def _int_list(v: object) -> bool:
+    return isinstance(v, list) and all(type(x) is int for x in v)
+
+
+def check_field_types(raw: object, source: str) -> None:
+    """Check the JSON types of ``metadata.json``'s fields before anything is built from them, so that a field of
+    the wrong type (a list where an object is expected) is reported as that, naming the field, instead of
+    surfacing later as missing keys.
+
+    Raises:
+        CheckpointFormatError: naming ``source``, the field (``tensors``, ``tensors["w"].shards[0].local_shape``,
+            ...), the expected and the found JSON type.
+    """
+    if not isinstance(raw, dict):
+        raise CheckpointFormatError(f"{source}: expected a JSON object at the top level, found {_kind(raw)}")
+
+    def bad(field: str, expected: str, v: object) -> CheckpointFormatError:
+        return CheckpointFormatError(f"{source}: field {field} must be {expected}, found {_kind(v)}")
+
+    for name in ("tensors", "objects", "nested", "extra"):
+        if name in raw and not isinstance(raw[name], dict):
+            raise bad(f'"{name}"', "a JSON object", raw[name])
+    for key, t in raw.get("tensors", {}).items():
+        where = f"tensors[{key!r}]"
+        if not isinstance(t, dict):
+            raise bad(where, "a JSON object {\"global_shape\", \"dtype\", \"shards\"}", t)
+        if "global_shape" in t and not _int_list(t["global_shape"]):
+            raise bad(f"{where}.global_shape", "a list of integers", t["global_shape"])
+        if "dtype" in t and not isinstance(t["dtype"], str):
+            raise bad(f"{where}.dtype", "a string", t["dtype"])
+        shards = t.get("shards", [])
+        if not isinstance(shards, list):
+            raise bad(f"{where}.shards", "a list", shards)
+        for i, sh in enumerate(shards):
+            if not isinstance(sh, dict):
+                raise bad(f"{where}.shards[{i}]", "a JSON object", sh)
+            for f in ("global_offset", "local_shape"):
+                if f in sh and not _int_list(sh[f]):
+                    raise bad(f"{where}.shards[{i}].{f}", "a list of integers", sh[f])
+            fr = sh.get("flattened_range")
+            if fr is not None and not (_int_list(fr) and len(fr) == 2):
+                raise bad(f"{where}.shards[{i}].flattened_range", "null or a list of two integers", fr)
+            rid = sh.get("replica_id")
+            if rid is not None and type(rid) is not int:
+                raise bad(f"{where}.shards[{i}].replica_id", "null or an integer", rid)
