@@ -51,8 +51,12 @@ def test_checksums_recorded_match_an_independent_hash(ck):
     data = (ck / DATA).read_bytes()
     want = [xxhash.xxh3_64_hexdigest(data[i:i + BLOCK_SIZE]) for i in range(0, len(data), BLOCK_SIZE)]
     assert rec["algorithm"] == "xxh3_64" and rec["block_size"] == BLOCK_SIZE
-    # stored compactly: the 16-hex-digit digests of the blocks, concatenated in block order
-    assert rec["files"][DATA] == {"size": len(data), "blocks": "".join(want)} and len(want) == 4
+    # stored compactly: base64 of the 8-byte big-endian digests, in block order
+    import base64
+
+    assert rec["files"][DATA] == {"size": len(data), "digests": base64.b64encode(
+        b"".join(xxhash.xxh3_64_digest(data[i:i + BLOCK_SIZE]) for i in range(0, len(data), BLOCK_SIZE))).decode()}
+    assert len(want) == 4
     assert file_checksums(ck / DATA)["blocks"] == want
 
 
@@ -332,15 +336,15 @@ def test_verify_paddle_structure(tmp_path, data_format, capsys):
 
 
 def test_a_malformed_compact_checksum_string_is_refused(tmp_path):
-    """The compact ``blocks`` form must be whole 16-hex-digit digests, as many as the size needs."""
+    """The compact ``digests`` form must be base64 of 8 bytes per block, as many blocks as the size needs."""
     from oarlock.checkpoint.errors import CheckpointFormatError
 
     save_state_dict({"w": torch.ones(4, 4)}, tmp_path / "ck")
     path = tmp_path / "ck" / "metadata.json"
     good = json.loads(path.read_text())
-    for bad in ("zz" * 8, "0" * 15, "0" * 32):
+    for bad in ("%%%%", "AAAA", "AAAAAAAAAAAAAAAAAAAAAA=="):  # not base64; 3 bytes; 16 bytes for one block
         meta = json.loads(json.dumps(good))
-        meta["extra"]["checksums"]["files"]["rank-00000.safetensors"]["blocks"] = bad
+        meta["extra"]["checksums"]["files"]["rank-00000.safetensors"]["digests"] = bad
         path.write_text(json.dumps(meta))
         with pytest.raises(CheckpointFormatError, match="malformed checksums"):
             load_state_dict({"w": torch.zeros(4, 4)}, tmp_path / "ck")

@@ -20,9 +20,10 @@ Contract for code built on it (other modules and new formats):
     ``global_rank(r)``, ``comm_device()`` (CUDA for NCCL, CPU otherwise).
 ``all_gather_object(obj) -> list``; ``broadcast_object(obj, src) -> obj``; ``all_true(flag) -> bool``;
 ``all_min(values) -> list[int]``; ``all_max_tensor(t) -> Tensor``; ``gather_to(obj, dst) -> list | None``;
-``scatter_from(objs, src) -> obj``
+``gather_from(obj, senders, dst) -> dict | None``; ``scatter_from(objs, src) -> obj``
     Plain collectives (``[obj]``, ``obj``, ``flag``, ``values`` and ``t`` without a group); the last two reach one
-    rank or come from one rank, so a coordinator's traffic does not land on every rank.
+    rank or come from one rank, so a coordinator's traffic does not land on every rank (``gather_from``: only
+    the named senders' bytes).
 ``check(error)``
     Collective: every rank passes its exception or None; raises on every rank when any rank failed (one
     ``all_reduce`` of a flag on success, plus one ``all_gather_object`` of the reports on failure).
@@ -175,6 +176,38 @@ class DistWrapper:
         out: list[Any] | None = [None] * self.size if self.rank == dst else None
         dist.gather_object(obj, out, dst=self.global_rank(dst), group=self.group)
         return out
+
+    def gather_from(self, obj: Any, senders: Any, dst: int = 0) -> dict[int, Any] | None:
+        """``{rank: obj}`` of the ranks in ``senders`` (the same set on every rank) on group rank ``dst`` only (None
+        elsewhere). Point to point, one length and one payload per sender: ``dst`` receives the senders' bytes and
+        nothing for the other ranks (``torch.distributed.gather_object`` pads every rank's object to the largest,
+        so one large record would cost ``dst`` world x its size)."""
+        senders = sorted({int(r) for r in senders})
+        if not self.active:
+            return {self.rank: obj} if self.rank in senders or not senders else {}
+        import pickle
+
+        import torch.distributed as dist
+
+        dev = self.comm_device()
+        if self.rank == dst:
+            out = {dst: obj} if dst in senders else {}
+            for r in senders:
+                if r == dst:
+                    continue
+                n = torch.empty(1, dtype=torch.int64, device=dev)
+                dist.recv(n, src=self.global_rank(r), group=self.group)
+                buf = torch.empty(int(n.item()), dtype=torch.uint8, device=dev)
+                dist.recv(buf, src=self.global_rank(r), group=self.group)
+                out[r] = pickle.loads(buf.cpu().numpy().tobytes())  # torch's own object collectives do the same
+            return out
+        if self.rank in senders:
+            data = pickle.dumps(obj)
+            dist.send(torch.tensor([len(data)], dtype=torch.int64, device=dev), dst=self.global_rank(dst),
+                      group=self.group)
+            dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev), dst=self.global_rank(dst),
+                      group=self.group)
+        return None
 
     def scatter_from(self, objs: list[Any] | None, src: int = 0) -> Any:
         """Rank ``src`` gives each rank ``r`` its ``objs[r]``; returns this rank's (``objs[0]`` without a

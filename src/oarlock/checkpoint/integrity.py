@@ -3,10 +3,11 @@ verified before a load writes anything, and checked in full by ``oarlock verify`
 
 Every data file of an oarlock checkpoint is cut into fixed-size blocks of its bytes (:data:`BLOCK_SIZE`; the
 last block may be shorter), header included; each block's XXH3 64-bit hash (the ``xxhash`` library,
-https://xxhash.com) is stored as 16 hex digits in ``metadata.json`` under ``extra.checksums``::
+https://xxhash.com) is stored in ``metadata.json`` under ``extra.checksums``, per file as one base64 string of the
+8-byte big-endian digests in block order (``digests``; a list of 16-hex-digit strings, ``blocks``, is also read)::
 
     {"algorithm": "xxh3_64", "block_size": 4194304,
-     "files": {"rank-00000.safetensors": {"size": 123456, "blocks": ["9d4c1e...", ...]}}}
+     "files": {"rank-00000.safetensors": {"size": 123456, "digests": "nUweCjt/LBE..."}}}
 
 A load verifies, before any destination tensor is written, every block that holds a byte the group's reads take
 (a partial read checks only the blocks it touches), each block hashed by one rank: :func:`verify_group` (the
@@ -18,6 +19,8 @@ earlier oarlock versions, or foreign formats) load without a check. See ``docs/c
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import mmap
 import os
@@ -140,11 +143,18 @@ def file_checksums(path: str | Path, block_size: int = BLOCK_SIZE) -> dict[str, 
 
 def make_record(files: dict[str, dict[str, Any]], block_size: int = BLOCK_SIZE) -> dict[str, Any]:
     """The ``extra.checksums`` entry of a checkpoint's metadata from per-file records."""
-    # each file's digests as one string of 16 hex digits per block: a third smaller than a JSON list of strings
-    # (at 200,000 blocks, 3.2 MB instead of 4.8 MB) and one string to parse
+    # each file's digests as one base64 string of the 8-byte values (10.7 characters per block instead of 19 for a
+    # JSON list of hex strings: a 840 GB checkpoint's 200,000 blocks take 2.1 MB, not 3.8 MB)
     return {"algorithm": ALGORITHM, "block_size": int(block_size),
-            "files": {f: {**r, "blocks": "".join(r["blocks"])} if isinstance(r.get("blocks"), list) else dict(r)
-                      for f, r in sorted(files.items())}}
+            "files": {f: _compact(r) for f, r in sorted(files.items())}}
+
+
+def _compact(r: dict[str, Any]) -> dict[str, Any]:
+    if not isinstance(r.get("blocks"), list):
+        return dict(r)
+    out = {k: v for k, v in r.items() if k != "blocks"}
+    out["digests"] = base64.b64encode(bytes.fromhex("".join(r["blocks"]))).decode("ascii")
+    return out
 
 
 @dataclass
@@ -186,13 +196,20 @@ def parse_checksums(rec: Any) -> dict[str, FileChecksums] | None:
             raise ValueError("block_size must be positive")
         out = {}
         for f, r in rec["files"].items():
-            raw = r["blocks"]
-            if isinstance(raw, str):  # the compact form: the digests' 16 hex digits each, concatenated
-                if len(raw) % 16 or re.fullmatch("[0-9a-f]*", raw) is None:
-                    raise ValueError(f"file {f!r}: \"blocks\" is not a string of 16-hex-digit digests")
-                blocks = [raw[i:i + 16] for i in range(0, len(raw), 16)]
+            if "digests" in r:  # the compact form: base64 of the 8-byte big-endian digests, in block order
+                raw = r["digests"]
+                if not isinstance(raw, str) or re.fullmatch("[A-Za-z0-9+/]*={0,2}", raw) is None:
+                    raise ValueError(f"file {f!r}: \"digests\" is not base64 text")
+                try:
+                    data = base64.b64decode(raw, validate=True)
+                except (binascii.Error, ValueError):
+                    raise ValueError(f"file {f!r}: \"digests\" is not base64 text") from None
+                if len(data) % 8:
+                    raise ValueError(f"file {f!r}: \"digests\" holds {len(data)} bytes, not 8 per block")
+                hexed = data.hex()
+                blocks = [hexed[i:i + 16] for i in range(0, len(hexed), 16)]
             else:
-                blocks = [str(b) for b in raw]
+                blocks = [str(b) for b in r["blocks"]]
             size = int(r["size"])
             if len(blocks) != -(-size // bs):
                 raise ValueError(f"file {f!r}: {len(blocks)} blocks recorded for {size} bytes")

@@ -469,7 +469,7 @@ def prepare_save(state_dict: Mapping[str, Any], path: str | os.PathLike, process
     # shards and objects: rank 0 receives each distinct part once
     mine = ((record.tensors, record.nested, record.tp_layouts) if first_spec[fps[0]] == dist.rank else None,
             (record.listed, record.objects) if first_data[fps[1]] == dist.rank else None)
-    parts = dist.gather_to(mine)
+    parts = dist.gather_from(mine, set(first_spec.values()) | set(first_data.values()))
     layout, out, cerr = None, None, None
     if dist.is_coordinator:
         try:
