@@ -128,3 +128,17 @@ class TransposeSplit:
             return [SliceMapping("a", ((0, 3), (0, 4)), "w", ((0, 4), (0, 3)), permute=(1, 0))]
         return [SliceMapping("b", ((0, 2), (0, 3)), "w", ((0, 2), (3, 6)), dtype="float64"),
                 SliceMapping("b", ((2, 4), (0, 3)), "w", ((2, 4), (3, 6)), dtype="float64")]
+
+
+def listed_metadata(ckpt: str | Path) -> dict:
+    """Rewrite ``ckpt/metadata.json`` with every shard listed (the version 1 form every reader accepts) and return
+    the parsed object: for tests that edit shard records of checkpoints saved with grid records."""
+    import json
+
+    from oarlock.checkpoint.metadata import CheckpointMetadata
+
+    path = Path(ckpt) / "metadata.json"
+    meta = CheckpointMetadata.from_json(json.loads(path.read_text()))
+    raw = meta.to_json(compact=False)
+    path.write_text(json.dumps(raw, indent=1))
+    return raw

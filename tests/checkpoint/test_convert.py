@@ -15,6 +15,7 @@ from oarlock.checkpoint import ShardedWeight, load_state_dict, open_checkpoint, 
 from oarlock.checkpoint.convert import (chunk_sizes, convert_checkpoint, export_hf, export_hf_sharded,
                                         iter_full_tensors, resolve_tp_rules, tp_axis)
 from oarlock.cli import main
+from oarlock.checkpoint.storage import read_metadata
 from testkit import st_tensors, tree_digest
 
 P = "encoder.layer.$LAYER_ID.attention.self"
@@ -213,8 +214,11 @@ def test_tp_rules_file_and_errors(tmp_path):
     # oarlock TP=2 -> oarlock TP=3 (--to defaults to oarlock when a parallel degree is given)
     assert main(["convert", str(tmp_path / "o"), str(tmp_path / "o3"), "--tp", "3"]) == 0
     meta3 = json.loads((tmp_path / "o3" / "metadata.json").read_text())
-    q = meta3["tensors"]["layers.0.self_attn.q_proj.weight"]["shards"]
-    assert sorted(sh["global_offset"][0] for sh in q) == [0, 3, 6]
+    # a TP split is a grid: one record, three row chunks written by ranks 0, 1, 2
+    assert meta3["tensors"]["layers.0.self_attn.q_proj.weight"]["grid"] == {
+        "chunks": [[3], []], "writers": {"base": 0, "strides": [1]}}
+    q = read_metadata(tmp_path / "o3").tensors["layers.0.self_attn.q_proj.weight"].shards
+    assert sorted(sh.global_offset[0] for sh in q) == [0, 3, 6]
     back = {k: torch.empty_like(v) for k, v in ref.items()}
     load_state_dict(back, tmp_path / "o3")
     assert all(torch.equal(back[k], ref[k]) for k in ref)

@@ -15,7 +15,7 @@ import torch
 
 from oarlock.checkpoint import load_state_dict, save_state_dict
 from oarlock.checkpoint.errors import CheckpointError, CheckpointFormatError
-from testkit import run_cli
+from testkit import listed_metadata, run_cli
 
 PY = sys.executable
 
@@ -188,7 +188,7 @@ def _paddle_ckpt(root: Path, storage_name: str | None = None) -> None:
 def _oarlock_meta_file(ck: Path, value: str) -> None:
     import json
 
-    meta = json.loads((ck / "metadata.json").read_text())
+    meta = listed_metadata(ck)  # a grid record names no file: list the shards, then name a hostile one
     for t in meta["tensors"].values():
         for s in t["shards"]:
             s["file"] = value
@@ -505,7 +505,7 @@ def test_same_layout_restart_validates_against_metadata(tmp_path):
 
     ck = tmp_path / "ck"
     save_state_dict({"w": torch.full((3, 4), 1.0)}, ck)
-    meta = json.loads((ck / "metadata.json").read_text())
+    meta = listed_metadata(ck)
     meta["tensors"]["w"]["global_shape"] = [6, 4]
     meta["tensors"]["w"]["shards"][0]["local_shape"] = [6, 4]
     (ck / "metadata.json").write_text(json.dumps(meta))

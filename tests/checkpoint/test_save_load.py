@@ -18,7 +18,7 @@ from oarlock.checkpoint import (CheckpointError, CheckpointFormatError, Checkpoi
                                 CheckpointTilingError, ShardedWeight, TensorSpec, load_state_dict,
                                 open_checkpoint, save_state_dict, sharded_state_dict)
 from oarlock.checkpoint.mapping import execute_on_full_tensors
-from testkit import TransposeSplit, tree_digest, write_paddle_checkpoint
+from testkit import TransposeSplit, listed_metadata, tree_digest, write_paddle_checkpoint
 
 
 def sample(seed=0):
@@ -193,7 +193,7 @@ def test_missing_and_unexpected_keys(tmp_path):
 def test_tiling_error_on_load_names_key_and_box(tmp_path):
     save_state_dict({"w": ShardedWeight("w", torch.ones(10, 4), (10, 4), (10, 4), (0, 0))}, tmp_path / "ck")
     mpath = tmp_path / "ck" / "metadata.json"
-    meta = json.loads(mpath.read_text())
+    meta = listed_metadata(tmp_path / "ck")
     meta["tensors"]["w"]["global_shape"] = [12, 4]  # a corrupt file: rows 10:12 are nowhere
     mpath.write_text(json.dumps(meta))
     with pytest.raises(CheckpointTilingError) as e:

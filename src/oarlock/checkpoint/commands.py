@@ -23,6 +23,7 @@ def _inspect_json(path: str, meta: object) -> dict:
             "total_bytes": meta.total_bytes, "files": meta.files, "objects": meta.objects,
             "tensors": [{"key": t.key, "shape": list(t.global_shape), "dtype": t.dtype, "nbytes": t.nbytes,
                          "shards": [s.to_json() | {"nbytes": s.numel * dtype_itemsize(t.dtype)} for s in t.shards]}
+                        | ({"grid": t.grid.to_json()} if t.grid is not None else {})
                         for t in meta.tensors.values()]}
 
 
@@ -35,6 +36,8 @@ def _inspect_text(path: str, meta: object) -> str:
              f"{'key':<{w}}  {'shape':<20} {'dtype':<10} {'bytes':>12}"]
     for t in meta.tensors.values():
         lines.append(f"{t.key:<{w}}  {str(list(t.global_shape)):<20} {t.dtype:<10} {t.nbytes:>12}")
+        if t.grid is not None:  # the record metadata.json keeps (docs/checkpoint-format.md, "Grid records")
+            lines.append(f"{'':<{w}}    grid {json.dumps(t.grid.to_json(), separators=(',', ':'))}")
         if sharded:
             for s in t.shards:
                 extra = f" flat={list(s.flattened_range)}" if s.flattened_range is not None else ""

@@ -48,7 +48,7 @@ from oarlock.checkpoint.hf import HF_INDEX, hf_shard_names, parse_size, save_hf_
 from oarlock.checkpoint.mapping import IdentityProgram, MappingProgram, TensorSpec
 from oarlock.checkpoint.metadata import (METADATA_FILE, OPTIMIZER_KEYS_EXTRA, CheckpointMetadata, key_selected,
                                          parse_json)
-from oarlock.checkpoint.plan import KeyIndex, Planner, source_specs
+from oarlock.checkpoint.plan import Planner, index_of, source_specs
 from oarlock.checkpoint.reader import CheckpointReader, checkpoint_file
 from oarlock.checkpoint.safetensors_io import SafetensorsWriter, contiguous_run
 from oarlock.checkpoint.save import assign_writes, check_destination, data_file_name, new_save_id, shard_header
@@ -644,7 +644,7 @@ def convert_checkpoint(source: str | os.PathLike, out_dir: str | os.PathLike, *,
                                  optimizer_state=optimizer_state)
         tensors, writes = assign_writes(rank_descriptions(program, axes, layout))
         for t in tensors.values():
-            KeyIndex(t)
+            index_of(t)
         meta = CheckpointMetadata("oarlock", tensors=tensors, save_id=new_save_id())
         if getattr(program, "tp_layouts", None):  # fused_ffn/fused_qkv_old blocks: a load at another TP re-lays out
             meta.extra["tp_layouts"] = program.tp_layouts

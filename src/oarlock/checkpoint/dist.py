@@ -19,8 +19,9 @@ Contract for code built on it (other modules and new formats):
     ``rank``, ``size``, ``active`` (a process group with more than one rank), ``is_coordinator`` (rank 0),
     ``global_rank(r)``, ``comm_device()`` (CUDA for NCCL, CPU otherwise).
 ``all_gather_object(obj) -> list``; ``broadcast_object(obj, src) -> obj``; ``all_true(flag) -> bool``;
-``all_min(values) -> list[int]``
-    Plain collectives (``[obj]``, ``obj``, ``flag`` and ``values`` without a group).
+``all_min(values) -> list[int]``; ``gather_to(obj, dst) -> list | None``; ``scatter_from(objs, src) -> obj``
+    Plain collectives (``[obj]``, ``obj``, ``flag`` and ``values`` without a group); the last two reach one rank
+    or come from one rank, so a coordinator's traffic does not land on every rank.
 ``check(error)``
     Collective: every rank passes its exception or None; raises on every rank when any rank failed (one
     ``all_reduce`` of a flag on success, plus one ``all_gather_object`` of the reports on failure).
@@ -161,6 +162,29 @@ class DistWrapper:
 
         box = [obj if self.rank == src else None]
         dist.broadcast_object_list(box, src=self.global_rank(src), group=self.group)
+        return box[0]
+
+    def gather_to(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        """Every rank's ``obj`` on group rank ``dst`` only (None elsewhere): what a coordinator collects without
+        every rank receiving everything (``[obj]`` without a group)."""
+        if not self.active:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] | None = [None] * self.size if self.rank == dst else None
+        dist.gather_object(obj, out, dst=self.global_rank(dst), group=self.group)
+        return out
+
+    def scatter_from(self, objs: list[Any] | None, src: int = 0) -> Any:
+        """Rank ``src`` gives each rank ``r`` its ``objs[r]``; returns this rank's (``objs[0]`` without a
+        group)."""
+        if not self.active:
+            return objs[0] if objs else None
+        import torch.distributed as dist
+
+        box: list[Any] = [None]
+        dist.scatter_object_list(box, objs if self.rank == src else None, src=self.global_rank(src),
+                                 group=self.group)
         return box[0]
 
     def all_true(self, flag: bool) -> bool:

@@ -12,10 +12,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from oarlock.checkpoint.mapping import box_extent, box_slices, cast_tensor
 from oarlock.checkpoint.reader import CheckpointReader
+from oarlock.checkpoint.safetensors_io import _pread_into
 from oarlock.utils import dtype_itemsize, numel
 
 
@@ -99,6 +101,110 @@ def execute_items(reader: CheckpointReader, target: torch.Tensor, items: list[An
     return nbytes
 
 
+#: A file's reads are coalesced into one read of the span they cover when the span is at most this many bytes ...
+COALESCE_MAX_BYTES = 64 * 1024 * 1024
+#: ... and at most this many times the bytes the items need (else each item reads its own byte ranges).
+COALESCE_MAX_WASTE = 16
+_INT_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def _item_span(f: Any, it: Any, isz: int) -> tuple[int, int, int]:
+    """``(array start, first byte, stop byte)`` in the file of an item's box: the stored array's first byte, and
+    the bytes from the box's first to its last element."""
+    e = f.entries[it.name]
+    shape = it.src_shape
+    nd = len(shape)
+    strides = [1] * nd
+    for d in range(nd - 2, -1, -1):
+        strides[d] = strides[d + 1] * int(shape[d + 1])
+    first = sum(a * st for (a, _), st in zip(it.src_box, strides))
+    last = sum((b - 1) * st for (_, b), st in zip(it.src_box, strides))
+    base = f.data_start + e[2] + int(it.src_flat_start) * isz
+    return base, base + first * isz, base + (last + 1) * isz
+
+
+def _np_target(target: torch.Tensor, cache: dict) -> np.ndarray | None:
+    """``target``'s memory as a numpy array of unsigned integers of the same item size (copies move bytes, so the
+    dtype only needs the right width: bfloat16 and float8 work too), or None when not possible (not CPU)."""
+    key = id(target)
+    if key not in cache:
+        arr = None
+        if target.device.type == "cpu" and target.element_size() in _INT_OF_SIZE:
+            t = target.detach()
+            int_dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+            try:
+                arr = t.view(int_dtype).numpy().view(_INT_OF_SIZE[t.element_size()])
+            except (RuntimeError, TypeError, ValueError):
+                arr = None
+        cache[key] = (target, arr)  # the target is kept alive with its id
+    return cache[key][1]
+
+
+def _np_destination(it: Any, arr: np.ndarray) -> np.ndarray | None:
+    """:func:`destination_view` on a numpy view of the target; None when it would need a copy (a flat or reshaped
+    view of non-contiguous memory)."""
+    if it.dst_flat_start or arr.ndim != len(it.dst_shape):
+        if not arr.flags.c_contiguous:
+            return None
+        arr = arr.reshape(-1)[it.dst_flat_start:it.dst_flat_start + numel(it.dst_shape)].reshape(it.dst_shape)
+    view = arr[tuple(slice(a, b) for a, b in it.dst_box)] if it.dst_box else arr[...]  # 0-d: a view, not a scalar
+    ext = tuple(b - a for a, b in it.src_box)
+    if view.shape != ext:
+        if numel(view.shape) != numel(ext):
+            return None
+        try:
+            view = view.reshape(ext) if view.flags.c_contiguous else view.view().reshape(ext)
+        except ValueError:
+            return None
+    return view
+
+
+def execute_file(reader: CheckpointReader, file: str, work: list[tuple[Any, torch.Tensor]],
+                 cache: dict | None = None) -> int:
+    """Run the items of one data file: when they are many small reads of a dense region (a reshard across many
+    small shards), read the span they cover once (one ``preadv``) and copy every box out of that buffer; else
+    item by item (:func:`execute_items`). Returns the bytes the items need."""
+    tensors = reader.metadata.tensors
+    nbytes = sum(it.numel * dtype_itemsize(tensors[it.src_key].dtype) for it, _ in work)
+    if len(work) < 4 or type(reader).read_box is not CheckpointReader.read_box or not file.endswith(".safetensors"):
+        return sum(execute_items(reader, t, [it]) for it, t in work)
+    f = reader.safetensors_file(file)
+    cache = {} if cache is None else cache  # target -> numpy view, shared by the files of one load
+    fast, slow, spans = [], [], []
+    for it, target in work:
+        isz = dtype_itemsize(tensors[it.src_key].dtype)
+        arr = _np_target(target, cache) if it.permute is None and it.dtype is None else None
+        dst = _np_destination(it, arr) if arr is not None and arr.itemsize == isz else None
+        if dst is None:
+            slow.append((it, target))
+            continue
+        f.check_array(it.name, it.src_flat_start, it.src_shape, tensors[it.src_key].dtype)
+        base, lo, hi = _item_span(f, it, isz)
+        fast.append((it, dst, base, isz))
+        spans.append((lo, hi))
+    if fast:
+        lo = min(a for a, _ in spans)
+        hi = max(b for _, b in spans)
+        need = sum(b - a for a, b in spans)
+        if hi - lo > COALESCE_MAX_BYTES or hi - lo > COALESCE_MAX_WASTE * need:
+            return sum(execute_items(reader, t, [it]) for it, t in work)
+        buf = np.empty(hi - lo, dtype=np.uint8)
+        _pread_into(f.fd, memoryview(buf), lo, f.path)
+        for it, dst, base, isz in fast:
+            shape = it.src_shape
+            strides = [isz] * len(shape)
+            for d in range(len(shape) - 2, -1, -1):
+                strides[d] = strides[d + 1] * int(shape[d + 1])
+            first = base + sum(a * st for (a, _), st in zip(it.src_box, strides)) - lo
+            # the box as a strided view of the buffer (numpy accepts unaligned items), copied into the target
+            src = np.ndarray(tuple(b - a for a, b in it.src_box), dtype=dst.dtype, buffer=buf, offset=first,
+                             strides=strides)
+            np.copyto(dst, src.reshape(dst.shape) if src.shape != dst.shape else src)
+    for it, target in slow:
+        execute_items(reader, target, [it])
+    return nbytes
+
+
 #: Loads moving less than this read in the calling thread only (a pool costs more than it saves).
 PARALLEL_MIN_BYTES = 64 * 1024 * 1024
 
@@ -130,7 +236,11 @@ def execute_work(reader: CheckpointReader, work: list[tuple[Any, torch.Tensor]],
     # only the base class's safetensors byte-range reads are known to be thread safe (formats may cache state)
     base_reads = type(reader).read_box is CheckpointReader.read_box
     if n <= 1 or len(work) < 2 or total < PARALLEL_MIN_BYTES or not base_reads:
-        return sum(execute_items(reader, target, [it]) for it, target in work)
+        by_file: dict[str, list] = {}
+        for it, target in work:
+            by_file.setdefault(it.file, []).append((it, target))
+        views: dict = {}
+        return sum(execute_file(reader, f, w, views) for f, w in by_file.items())
     for f in sorted({it.file for it, _ in work}):
         reader.safetensors_file(f)  # open (and cache) here: the cache is not shared-write safe
     chunks: list[list[tuple[Any, torch.Tensor]]] = [[]]

@@ -29,7 +29,7 @@ import xxhash
 from oarlock.checkpoint.errors import CheckpointError, CheckpointFormatError
 from oarlock.checkpoint.executor import io_threads
 from oarlock.checkpoint.metadata import METADATA_FILE
-from oarlock.checkpoint.plan import KeyIndex
+from oarlock.checkpoint.plan import index_of
 from oarlock.checkpoint.safetensors_io import read_header
 from oarlock.checkpoint.storage import detect_format, open_checkpoint
 from oarlock.utils import dtype_itemsize
@@ -474,7 +474,7 @@ def _check_structure(reader: Any, rep: VerifyReport) -> None:
     the metadata's dtype and element count."""
     for t in reader.metadata.tensors.values():
         try:
-            KeyIndex(t)
+            index_of(t)
         except CheckpointError as e:  # CheckpointTilingError: a gap, an overlap, a box out of bounds
             rep.problems.append(Problem("", str(e), [t.key]))
     by_file: dict[str, list[tuple[str, Any]]] = {}

@@ -84,6 +84,64 @@ def not_mine(meta: CheckpointMetadata, model_only: bool, ignore: Any) -> Callabl
     return lambda k: k in opt or any(fnmatch.fnmatchcase(k, p) for p in pats)
 
 
+def request_record(leaves: Leaves, dist: DistWrapper, with_offsets: bool = True) -> dict:
+    """What a rank tells the others about its load request: requested keys with global shape and dtype, requested
+    objects, and, for the TP-degree-dependent AOA layouts, each key's shard count (from a DTensor's placements:
+    the same on every rank of its mesh) or the offsets of other shards. For DTensor targets the record is the
+    same on every rank of a mesh, so :func:`gather_requests` moves one copy per distinct record."""
+    from oarlock.checkpoint.metadata import _grid_cell_count
+    from oarlock.checkpoint.save import _dtensor_grid
+
+    cache: dict = {}
+    tensors: dict[str, tuple] = {}
+    counts: dict[str, int] = {}
+    offsets: list[tuple] = []
+    for sw in leaves.shards:
+        d = sw.desc
+        tensors.setdefault(d.key, (tuple(d.global_shape), d.dtype))
+        if not with_offsets:
+            continue
+        grid = _dtensor_grid(sw, dist, cache) if sw.placement_layout is not None else None
+        if grid is not None:
+            counts[d.key] = _grid_cell_count(tuple(d.global_shape), grid)
+        elif d.numel:
+            offsets.append((d.key, tuple(d.global_offset)))
+    return {"tensors": tensors, "counts": counts, "offsets": offsets, "objects": sorted(leaves.objects)}
+
+
+#: Above this many distinct request records, one all-gather moves them instead of one broadcast each.
+MAX_BROADCAST_CLASSES = 8
+
+
+def gather_requests(request: Callable[[], dict], dist: DistWrapper) -> list[dict]:
+    """Collective: the distinct request records of the group (:func:`request_record`), in order of their lowest
+    rank; raises alike on every rank when ``request`` fails on any. One all-gather of a fixed-size fingerprint per
+    rank, then one broadcast per distinct record (all-gather of the records when there are many): a load of
+    DTensors moves one record whatever the world size."""
+    import hashlib
+    import json as _json
+
+    from oarlock.checkpoint.dist import _report
+
+    rec, err, fp = None, None, None
+    try:
+        rec = request()
+        fp = hashlib.sha256(_json.dumps(rec, sort_keys=True, default=list).encode()).hexdigest()
+    except Exception as e:
+        err = e
+    both = dist.all_gather_object((None if err is None else _report(err, dist.rank), fp))
+    dist.raise_reports([b[0] for b in both], err)
+    firsts: dict[str, int] = {}
+    for r, (_, f) in enumerate(both):
+        firsts.setdefault(f, r)
+    if len(firsts) == 1:  # every rank holds the one record already
+        return [rec]
+    if len(firsts) > MAX_BROADCAST_CLASSES:
+        every = dist.all_gather_object(rec)
+        return [every[r] for r in sorted(firsts.values())]
+    return [dist.broadcast_object(rec if dist.rank == r else None, r) for r in sorted(firsts.values())]
+
+
 def run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process_group: Any = None,
              aoa_config: Any = None, strict: bool = True, program: MappingProgram | None = None,
              comm_method: str = "auto", model_only: bool = False, ignore_unexpected: Any = False,
@@ -104,12 +162,9 @@ def run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process_
     def request() -> dict:
         nonlocal leaves
         leaves = collect_leaves(state_dict)
-        descs = [sw.desc for sw in leaves.shards]
-        return {"tensors": {d.key: (d.global_shape, d.dtype) for d in descs},
-                "offsets": [(d.key, d.global_offset) for d in descs if d.numel] if program is None else [],
-                "objects": sorted(leaves.objects)}
+        return request_record(leaves, dist, with_offsets=program is None)
 
-    gathered = dist.gather(request)
+    gathered = gather_requests(request, dist)
     reader: CheckpointReader | None = None
     plans: list[list[ReadItem]] = []
     unexpected: list[str] = []
@@ -128,11 +183,14 @@ def run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process_
             aoa_config = []  # keys saved in a TP-blocked layout: compiled below, re-laid out if needed
         if aoa_config is not None:
             offsets: dict[str, set] = {}
+            counts: dict[str, int] = {}
             for g in gathered:
                 for k, off in g["offsets"]:
                     offsets.setdefault(k, set()).add(tuple(off))
-            program = compile_aoa_for_load(aoa_config, source_specs(meta), dest_all, meta,
-                                           {k: len(v) for k, v in offsets.items()})
+                for k, n in g["counts"].items():
+                    counts[k] = max(counts.get(k, 0), n)
+            counts.update({k: len(v) for k, v in offsets.items()})
+            program = compile_aoa_for_load(aoa_config, source_specs(meta), dest_all, meta, counts)
         planner = Planner(meta, program)
         for sw in leaves.shards:
             d = sw.desc
@@ -156,7 +214,8 @@ def run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process_
                             + [k for k in meta.objects if k not in wanted_objects and k not in dest_all])
         # every item this rank reads itself is checked (file opens, same save, tensor holds the array) before
         # the first target byte is written; the files stay open, so the reads see what was checked
-        reader.check_items(it for items in plans for it in items if reader.path_of(it.file).is_file())
+        visible = reader.visible_files()
+        reader.check_items(it for items in plans for it in items if it.file in visible)
         if verify_checksums:  # before any target is written; a mismatch fails every rank in this gather
             verify_read_items(reader, (it for items in plans for it in items))
         return {"missing": sorted(missing), "skipped": sorted(skipped)}

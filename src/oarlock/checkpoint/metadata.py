@@ -12,15 +12,18 @@ oarlock's own on-disk metadata is JSON (``metadata.json``), never pickle.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import json
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from oarlock.checkpoint.errors import CheckpointFormatError
+from oarlock.checkpoint.grid import GridLayout, compress_shards, data_file_name
 from oarlock.utils import dtype_itemsize, dtype_name, numel
 
 FORMAT_NAME = "oarlock.flexcheckpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: grid records (docs/checkpoint-format.md); version 1 files are still read
+READABLE_VERSIONS = (1, 2)
 METADATA_FILE = "metadata.json"
 #: JSON objects an optimizer checkpoint holds (see :mod:`oarlock.checkpoint.optim`).
 ALGORITHM_KEY = "optimizer.algorithm"
@@ -90,14 +93,47 @@ class ShardMeta:
                    int(rid) if rid is not None else None)
 
 
-@dataclass
 class TensorMeta:
-    """A stored tensor: global shape, dtype (canonical name, see :func:`oarlock.utils.dtype_name`), shards."""
+    """A stored tensor: global shape, dtype (canonical name, see :func:`oarlock.utils.dtype_name`), shards.
 
-    key: str
-    global_shape: tuple[int, ...]
-    dtype: str
-    shards: list[ShardMeta] = field(default_factory=list)
+    The shards are either listed (``shards``, one :class:`ShardMeta` each) or given by a grid rule (``grid``, a
+    :class:`~oarlock.checkpoint.grid.GridLayout`: one record whatever the number of shards). ``shards`` of a grid
+    tensor materialises the list on first use (for tools and small checkpoints); the planner and the file listing
+    use the rule directly.
+    """
+
+    __slots__ = ("key", "global_shape", "dtype", "_shards", "grid")
+
+    def __init__(self, key: str, global_shape: Sequence[int], dtype: str, shards: list[ShardMeta] | None = None,
+                 grid: Any = None):
+        self.key = key
+        self.global_shape = tuple(global_shape)
+        self.dtype = dtype
+        self.grid = grid
+        self._shards = list(shards) if shards is not None else (None if grid is not None else [])
+
+    def __repr__(self) -> str:
+        what = f"grid={self.grid!r}" if self.grid is not None else f"{len(self._shards or [])} shards"
+        return f"TensorMeta({self.key!r}, {list(self.global_shape)}, {self.dtype!r}, {what})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TensorMeta):
+            return NotImplemented
+        return (self.key, self.global_shape, self.dtype) == (other.key, other.global_shape, other.dtype) \
+            and self.shards == other.shards
+
+    @property
+    def shards(self) -> list[ShardMeta]:
+        """Every stored shard (a grid's non-empty cells, materialised once)."""
+        if self._shards is None:
+            self._shards = [ShardMeta(off, shape, data_file_name(self.grid.writer(cell)), self.key)
+                            for cell, off, shape in self.grid.cells(self.global_shape)]
+        return self._shards
+
+    @shards.setter
+    def shards(self, value: list[ShardMeta]) -> None:
+        self._shards = list(value)
+        self.grid = None
 
     @property
     def nbytes(self) -> int:
@@ -108,9 +144,39 @@ class TensorMeta:
         """Shards that are not extra replicas (``replica_id`` None or 0)."""
         return [s for s in self.shards if not s.replica_id]
 
-    def to_json(self) -> dict[str, Any]:
-        return {"global_shape": list(self.global_shape), "dtype": self.dtype,
-                "shards": [s.to_json() for s in self.shards]}
+    def shard_count(self) -> int:
+        """Number of distinct primary shard boxes (a grid's non-empty cells: counted, not materialised)."""
+        if self.grid is not None and self._shards is None:
+            return _grid_cell_count(self.global_shape, self.grid)
+        return len({s.global_offset for s in self.primary_shards()})
+
+    def files(self) -> set[str]:
+        """Data files holding any shard of this tensor."""
+        if self.grid is not None and self._shards is None:
+            return _grid_files(self.global_shape, self.grid)
+        return {s.file for s in self.shards}
+
+    def to_json(self, compact: bool = True) -> dict[str, Any]:
+        """The ``metadata.json`` entry: a grid record when the shards form a grid (``compact``), else the list."""
+        d: dict[str, Any] = {"global_shape": list(self.global_shape), "dtype": self.dtype}
+        grid = None
+        if compact:
+            grid = self.grid if self._shards is None else compress_shards(self.global_shape, self._shards, self.key)
+        if grid is not None:
+            d["grid"] = grid.to_json()
+        else:
+            d["shards"] = [s.to_json() for s in self.shards]
+        return d
+
+
+@functools.lru_cache(maxsize=65536)
+def _grid_files(global_shape: tuple[int, ...], grid: Any) -> frozenset:
+    return frozenset(grid.files(global_shape))
+
+
+@functools.lru_cache(maxsize=65536)
+def _grid_cell_count(global_shape: tuple[int, ...], grid: Any) -> int:
+    return sum(1 for _ in grid.cells(global_shape))
 
 
 @dataclass
@@ -149,17 +215,22 @@ class CheckpointMetadata:
     @property
     def files(self) -> list[str]:
         """Data files referenced by any shard, sorted."""
-        return sorted({s.file for t in self.tensors.values() for s in t.shards})
+        out: set[str] = set()
+        for t in self.tensors.values():
+            out |= t.files()
+        return sorted(out)
 
     @property
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
 
-    def to_json(self) -> dict[str, Any]:
-        d = {"format": FORMAT_NAME, "version": FORMAT_VERSION}
+    def to_json(self, compact: bool = True) -> dict[str, Any]:
+        """The ``metadata.json`` object; ``compact=False`` lists every shard (the version 1 form, which every
+        reader still accepts)."""
+        d = {"format": FORMAT_NAME, "version": FORMAT_VERSION if compact else 1}
         if self.save_id is not None:
             d["save_id"] = self.save_id
-        return {**d, "tensors": {k: t.to_json() for k, t in self.tensors.items()},
+        return {**d, "tensors": {k: t.to_json(compact) for k, t in self.tensors.items()},
                 "objects": self.objects, "nested": self.nested, "extra": self.extra}
 
     def optimizer_state_keys(self) -> list[str]:
@@ -190,8 +261,36 @@ class CheckpointMetadata:
                                   optimizer_keys=[k for k in self.optimizer_keys if k in keep],
                                   non_model_keys=[k for k in self.non_model_keys if k in keep or k in objects])
 
-    def dumps(self) -> str:
-        return json.dumps(self.to_json(), indent=1, sort_keys=False)
+    def dumps(self, compact: bool = True) -> str:
+        """``metadata.json`` text (see :meth:`to_json`): one line per tensor record and per data file's checksums,
+        so the file stays readable and its size follows the number of tensors and files, not indentation."""
+        d = self.to_json(compact)
+
+        def one(v: Any) -> str:
+            return json.dumps(v, separators=(",", ":"))
+
+        def lines(mapping: dict, indent: str) -> str:
+            if not mapping:
+                return "{}"
+            body = ",\n".join(f"{indent} {json.dumps(k)}: {one(v)}" for k, v in mapping.items())
+            return "{\n" + body + "\n" + indent + "}"
+
+        parts = []
+        for k, v in d.items():
+            if k == "tensors":
+                text = lines(v, " ")
+            elif k == "extra" and isinstance(v, dict) and isinstance(v.get("checksums"), dict) \
+                    and isinstance(v["checksums"].get("files"), dict):
+                sums = dict(v["checksums"])
+                files = sums.pop("files")
+                rest = {x: y for x, y in v.items() if x != "checksums"}
+                head = ", ".join(f"{json.dumps(x)}: {one(y)}" for x, y in sums.items())
+                text = ("{" + "".join(f"{json.dumps(x)}: {one(y)}, " for x, y in rest.items())
+                        + '"checksums": {' + head + (", " if head else "") + '"files": ' + lines(files, "  ") + "}}")
+            else:
+                text = one(v)
+            parts.append(f" {json.dumps(k)}: {text}")
+        return "{\n" + ",\n".join(parts) + "\n}\n"
 
     @classmethod
     def from_json(cls, d: dict[str, Any], *, source: str = METADATA_FILE) -> "CheckpointMetadata":
@@ -200,9 +299,9 @@ class CheckpointMetadata:
         if not isinstance(d, dict) or d.get("format") != FORMAT_NAME:
             raise CheckpointFormatError(f"{source}: not an oarlock checkpoint metadata file "
                                         f"(expected \"format\": \"{FORMAT_NAME}\")")
-        if d.get("version") != FORMAT_VERSION:
+        if d.get("version") not in READABLE_VERSIONS:
             raise CheckpointFormatError(f"{source}: unsupported metadata version {d.get('version')!r} "
-                                        f"(this oarlock reads version {FORMAT_VERSION})")
+                                        f"(this oarlock reads versions {', '.join(map(str, READABLE_VERSIONS))})")
         save_id = d.get("save_id")
         if save_id is not None and not isinstance(save_id, str):
             raise CheckpointFormatError(f"{source}: \"save_id\" must be a string, found {save_id!r}")
@@ -214,8 +313,16 @@ class CheckpointMetadata:
             raise CheckpointFormatError(f"{source}: malformed metadata: {e}") from None
         for key, t in tensors.items():
             try:
-                tm = TensorMeta(key, tuple(int(x) for x in t["global_shape"]), dtype_name(t["dtype"]),
-                                [ShardMeta.from_json(s) for s in t["shards"]])
+                gshape = tuple(int(x) for x in t["global_shape"])
+                if any(n < 0 for n in gshape):
+                    raise ValueError(f"negative global shape {list(gshape)}")
+                if "grid" in t:
+                    if "shards" in t:
+                        raise ValueError("an entry has either \"grid\" or \"shards\", not both")
+                    grid = GridLayout.from_json(t["grid"], len(gshape), f"{source}: key {key!r}")
+                    tm = TensorMeta(key, gshape, dtype_name(t["dtype"]), grid=grid)
+                else:
+                    tm = TensorMeta(key, gshape, dtype_name(t["dtype"]), [ShardMeta.from_json(s) for s in t["shards"]])
             except (KeyError, TypeError, ValueError, AttributeError) as e:
                 raise CheckpointFormatError(f"{source}: malformed entry for key {key!r}: {e}") from None
             meta.tensors[key] = tm

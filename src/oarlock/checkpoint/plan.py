@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, NamedTuple, Sequence
 
 from oarlock.checkpoint.errors import CheckpointError, CheckpointMismatchError, CheckpointTilingError
+from oarlock.checkpoint.grid import GridIndex
 from oarlock.checkpoint.mapping import Box, IdentityProgram, MappingProgram, SliceMapping, TensorSpec, final_dtype
 from oarlock.checkpoint.metadata import CheckpointMetadata, TensorMeta
 from oarlock.checkpoint.sharded import (ShardDesc, box_intersection, box_volume, flat_range_boxes,
@@ -196,6 +197,14 @@ class KeyIndex:
         return [p for p in self.pieces[lo:hi] if box_intersection(p.box, box) is not None]
 
 
+def index_of(meta: TensorMeta) -> "KeyIndex | GridIndex":
+    """The stored-shard index of one key: arithmetic over its grid rule for grid-recorded tensors (no object per
+    shard), else a :class:`KeyIndex` over its listed shards (validated to tile the global box)."""
+    if meta.grid is not None and meta._shards is None:
+        return GridIndex(meta.key, meta.global_shape, meta.grid, _piece)
+    return KeyIndex(meta)
+
+
 def _find_gap(boxes: list[Box], region: Box) -> Box:
     """A box inside ``region`` covered by none of ``boxes`` (recursive sweep over dim 0; error path only)."""
     if not region:
@@ -252,6 +261,7 @@ class Planner:
         self._index: dict[str, KeyIndex] = {}
         self._mappings: dict[str, list[SliceMapping]] = {}
         self._checked: set[tuple[str, tuple[int, ...], str]] = set()
+        self._templates: dict[tuple, list[tuple]] = {}  # grid geometry -> planned items without keys
 
     def index(self, key: str) -> KeyIndex:
         """The validated index of stored key ``key`` (built on first use)."""
@@ -260,7 +270,7 @@ class Planner:
             if key not in self.metadata.tensors:
                 raise CheckpointMismatchError(f"the mapping program reads key {key!r}, which the checkpoint does "
                                               "not hold")
-            idx = self._index[key] = KeyIndex(self.metadata.tensors[key])
+            idx = self._index[key] = index_of(self.metadata.tensors[key])
         return idx
 
     def mappings(self, key: str) -> list[SliceMapping]:
@@ -398,7 +408,27 @@ class Planner:
     def _plan_grid(self, out: list[ReadItem], key: str, sub: Box, torigin: list[int], tflat: int,
                    tshape: tuple[int, ...], m: SliceMapping, idx: KeyIndex) -> None:
         """Fast path (no permutation, same coordinates, grid-indexed source): the overlap of ``sub`` with each
-        grid cell is computed per dimension once and combined, instead of per cell and dimension."""
+        grid cell is computed per dimension once and combined, instead of per cell and dimension. For grid-recorded
+        keys the result depends only on the geometry (global shape, grid rule, boxes), which the layers of a model
+        share: it is computed once per geometry and re-labelled per key."""
+        src_key, dtype = m.src_key, m.dtype
+        if isinstance(idx, GridIndex):
+            sig = (idx.global_shape, idx.grid, sub, tuple(torigin))
+            tmpl = self._templates.get(sig)
+            if tmpl is None:
+                tmpl = self._templates[sig] = []
+                self._grid_items(tmpl, sub, torigin, idx)
+            out.extend([ReadItem(key, tflat, tshape, f[0], src_key, f[1], src_key, f[2], f[3], f[4], None, dtype)
+                        for f in tmpl])
+            return
+        found: list[tuple] = []
+        self._grid_items(found, sub, torigin, idx)
+        out.extend([ReadItem(key, tflat, tshape, f[0], src_key, f[1], f[5], f[2], f[3], f[4], None, dtype)
+                    for f in found])
+
+    @staticmethod
+    def _grid_items(out: list[tuple], sub: Box, torigin: list[int], idx: "KeyIndex | GridIndex") -> None:
+        """``(dst box, file, flat start, stored shape, src box, name)`` of the grid cells overlapping ``sub``."""
         per_dim = []
         for d, (a, b) in enumerate(sub):
             bd = idx._grid[d]
@@ -414,13 +444,12 @@ class Planner:
                 return
             per_dim.append(col)
         cells = idx._cells
-        src_key, dtype = m.src_key, m.dtype
         for combo in itertools.product(*per_dim):
             piece = cells.get(tuple(c[0] for c in combo))
             if piece is None:
                 continue
-            out.append(ReadItem(key, tflat, tshape, tuple(c[2] for c in combo), src_key, piece.file, piece.name,
-                                piece.flat_start, piece.shape, tuple(c[1] for c in combo), None, dtype))
+            out.append((tuple(c[2] for c in combo), piece.file, piece.flat_start, piece.shape,
+                        tuple(c[1] for c in combo), piece.name))
 
 
 def plan_load(metadata: CheckpointMetadata, requests: Mapping[int, Sequence[ShardDesc]] | Sequence[ShardDesc],

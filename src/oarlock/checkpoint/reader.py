@@ -181,6 +181,12 @@ class CheckpointReader:
         self._safe: set[str] = set()
         if self.root.is_dir():  # path safety, before any data file is opened (see the module docstring)
             for t in metadata.tensors.values():
+                if t.grid is not None and t._shards is None:  # a grid's files, without listing its shards
+                    for f in t.files():
+                        if f not in self._safe:
+                            checkpoint_file(self.root, f, f"{self.root}: tensor {t.key!r}")
+                            self._safe.add(f)
+                    continue
                 for s in t.shards:
                     if s.file not in self._safe:
                         checkpoint_file(self.root, s.file, f"{self.root}: tensor {t.key!r}")

@@ -13,21 +13,26 @@ layout on disk is described in ``docs/checkpoint-format.md``. Errors are agreed 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 import uuid
-from dataclasses import dataclass
+import zlib
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
 
 from oarlock.checkpoint.dist import DistWrapper
+from oarlock.checkpoint.dist import _report as error_report
+from oarlock.checkpoint.grid import GridLayout
+from oarlock.checkpoint.grid import data_file_name as _grid_file_name
 from oarlock.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from oarlock.checkpoint.integrity import CHECKSUMS_KEY, BlockHasher, make_record
 from oarlock.checkpoint.metadata import METADATA_FILE, SAVE_ID_HEADER, CheckpointMetadata, ShardMeta, TensorMeta
-from oarlock.checkpoint.plan import KeyIndex
+from oarlock.checkpoint.plan import index_of
 from oarlock.checkpoint.safetensors_io import write_safetensors
 from oarlock.checkpoint.sharded import ShardedWeight
 from oarlock.checkpoint.storage import INCOMPLETE_MARKER, publish_directory, staging_path
@@ -45,7 +50,7 @@ WORLD_HEADER = "oarlock.world_size"  # ... and the size of the group that saved
 
 def data_file_name(rank: int) -> str:
     """The data file rank ``rank`` writes: ``rank-XXXXX.safetensors``."""
-    return f"rank-{rank:05d}.safetensors"
+    return _grid_file_name(rank)
 
 
 def shard_record(offset, local_shape, global_shape, dtype: str, flattened_range) -> list:
@@ -166,59 +171,303 @@ def check_destination(path: Path, sources: Sequence[str | os.PathLike] = ()) -> 
 
 
 @dataclass
+class RankRecord:
+    """What one rank contributes to the layout of a save (no tensor data).
+
+    For states made of DTensors and replicated tensors the record is the same on every rank of a mesh: a DTensor
+    is described by its grid rule (:class:`~oarlock.checkpoint.grid.GridLayout`), a whole tensor by its box,
+    neither by who holds it. Ranks with equal records form one *class*; only one member of each class sends its
+    record to the coordinator (:func:`prepare_save`), so coordination costs O(tensors x classes), not
+    O(tensors x ranks).
+
+    Attributes:
+        tensors: ``(key, global_shape, dtype, grid or None)`` per key, in traversal order.
+        listed: ``(key, global_shape, dtype, offset, local_shape, flattened_range, nbytes)`` of every shard not
+            described by a grid (plain tensors, ShardedWeights, flat ranges).
+        objects, nested, tp_layouts: JSON values, state-dict paths, TP layouts (see :func:`merge_tp_layouts`).
+    """
+
+    tensors: list[tuple] = field(default_factory=list)
+    listed: list[tuple] = field(default_factory=list)
+    objects: dict[str, Any] = field(default_factory=dict)
+    nested: dict[str, list] = field(default_factory=dict)
+    tp_layouts: dict[str, dict] = field(default_factory=dict)
+
+    def fingerprint(self) -> str:
+        """SHA-256 of the record's canonical JSON: equal records, equal fingerprints."""
+        doc = [[(k, list(g), dt, gr.to_json() if gr is not None else None) for k, g, dt, gr in self.tensors],
+               self.listed, self.objects, self.nested, self.tp_layouts]
+        return hashlib.sha256(json.dumps(doc, sort_keys=True, default=list).encode()).hexdigest()
+
+
+@dataclass
 class SavePlan:
-    """The outcome of :func:`prepare_save`, identical on every rank except ``leaves``."""
+    """The outcome of :func:`prepare_save` on one rank.
+
+    ``writes[rank]`` lists the shard identities ``(key, offset, local_shape, flattened_range)`` this rank writes
+    and ``names`` their tensor names in its data file. ``tensors`` (the checkpoint's metadata), ``objects``,
+    ``nested`` and ``tp_layouts`` are filled on the coordinator (rank 0), which commits; other ranks hold None.
+    """
 
     path: Path
     rank: int
     world: int
     tmp: Path
-    gathered: list[dict]
-    tensors: dict[str, TensorMeta]
     writes: dict[int, list[tuple]]
+    names: dict[tuple, str]
     leaves: Leaves
     save_id: str | None = None
+    tensors: dict[str, TensorMeta] | None = None
+    objects: dict[str, Any] | None = None
+    nested: dict[str, list] | None = None
     tp_layouts: dict[str, dict] | None = None  # key -> TP-dependent layout record (metadata extra["tp_layouts"])
+
+
+def _mesh_affine(mesh: Any, dist: DistWrapper) -> tuple[tuple[int, ...], int, tuple[int, ...]] | None:
+    """``(mesh shape, base, strides)`` when the group rank at mesh coordinate ``m`` is ``base + sum(m * strides)``
+    (true of meshes built by ``init_device_mesh`` and their sub-meshes), else None."""
+    m = mesh.mesh
+    shape = tuple(int(n) for n in m.shape)
+    ranks = m.reshape(-1).tolist()
+    if dist.group is not None and dist.active:
+        import torch.distributed as tdist
+
+        try:
+            ranks = [tdist.get_group_rank(dist.group, r) for r in ranks]
+        except (ValueError, RuntimeError):  # a mesh rank outside the save's group
+            return None
+    t = torch.tensor(ranks, dtype=torch.int64).reshape(shape) if shape else torch.tensor(ranks[0])
+    base = int(ranks[0])
+    strides = []
+    for k, n in enumerate(shape):
+        idx = [0] * len(shape)
+        idx[k] = 1 if n > 1 else 0
+        strides.append(int(t[tuple(idx)]) - base if n > 1 else 0)
+    expect = torch.full(shape, base, dtype=torch.int64)
+    for k, (n, st) in enumerate(zip(shape, strides)):
+        view = [1] * len(shape)
+        view[k] = n
+        expect = expect + (torch.arange(n, dtype=torch.int64) * st).reshape(view)
+    if not torch.equal(expect, t):
+        return None
+    return shape, base, tuple(strides)
+
+
+def _dtensor_grid(sw: ShardedWeight, dist: DistWrapper, cache: dict) -> GridLayout | None:
+    """The grid rule of a DTensor shard, cross-checked against the box torch gave this rank; None when the layout
+    is not a grid (the shard is then listed)."""
+    mesh, placements = sw.placement_layout
+    aff = cache.get(id(mesh), False)
+    if aff is False:
+        aff = cache[id(mesh)] = _mesh_affine(mesh, dist)
+    if aff is None:
+        return None
+    shape, base, strides = aff
+    d = sw.desc
+    grid = GridLayout.from_placements(d.global_shape, shape, placements, mesh_base=base, mesh_strides=strides,
+                                      key=d.key)
+    if grid is None:
+        return None
+    if d.numel:
+        cell = grid.cell_of(d.global_shape, d.global_offset) if d.global_shape else ()
+        if cell is None:
+            return None
+        bounds = grid.bounds(d.global_shape)
+        if tuple(b[e + 1] - b[e] for b, e in zip(bounds, cell)) != tuple(d.local_shape) \
+                or dist.rank not in grid.holders(cell):
+            return None
+    return grid
+
+
+def describe_rank(leaves: Leaves, dist: DistWrapper, save_replicas: bool = False
+                  ) -> tuple[RankRecord, list[tuple]]:
+    """This rank's :class:`RankRecord`, and the grid shards it writes itself (decided locally: it is the writer
+    of its own cell). With ``save_replicas`` everything is listed (every holder writes its copy).
+
+    Raises:
+        CheckpointError: a reserved key, or a shard held twice by this rank.
+    """
+    rec = RankRecord(objects=leaves.objects, nested=leaves.nested)
+    writes: list[tuple] = []
+    mine: set[tuple] = set()
+    kinds: dict[str, bool] = {}  # key -> described by a grid
+    cache: dict = {}
+    for sw in leaves.shards:
+        if sw.key == "__metadata__":
+            raise CheckpointError(f"key {sw.key!r}: the name is reserved by the safetensors format (the header's "
+                                  "metadata block) and cannot be saved; rename this key")
+        if shard_id(sw) in mine:
+            raise CheckpointError(f"rank {dist.rank} holds the shard of key {sw.key!r} at offset "
+                                  f"{list(sw.global_offset)} twice")
+        mine.add(shard_id(sw))
+        d = sw.desc
+        grid = None
+        if not save_replicas and sw.placement_layout is not None and sw.key not in kinds:
+            grid = _dtensor_grid(sw, dist, cache)
+        if sw.key not in kinds:
+            rec.tensors.append((d.key, tuple(d.global_shape), d.dtype, grid))
+            kinds[sw.key] = grid is not None
+        elif kinds[sw.key]:
+            raise CheckpointError(f"rank {dist.rank} holds key {sw.key!r} as a DTensor and as another shard")
+        if sw.tp_layout:
+            rec.tp_layouts[sw.key] = sw.tp_layout
+        if grid is not None:
+            cell = grid.cell_of(d.global_shape, d.global_offset) if d.global_shape else ()
+            if d.numel and cell is not None and grid.writer(cell) == dist.rank:
+                writes.append((d.key, tuple(d.global_offset), tuple(d.local_shape), None))
+        else:
+            rec.listed.append((d.key, tuple(d.global_shape), d.dtype, tuple(d.global_offset), tuple(d.local_shape),
+                               d.flattened_range, d.numel * dtype_itemsize(d.dtype)))
+    return rec, writes
+
+
+@dataclass
+class SaveLayout:
+    """The coordinator's plan (:func:`build_layout`): the metadata per key, the listed shards each rank writes
+    with their tensor names, and the merged JSON values."""
+
+    tensors: dict[str, TensorMeta]
+    listed_writes: dict[int, list[tuple[tuple, str]]]
+    objects: dict[str, Any]
+    nested: dict[str, list]
+    tp_layouts: dict[str, dict]
+    grid_skip: dict[int, list[str]] = field(default_factory=dict)
+    """per rank, grid keys it holds but does not write (another sub-mesh's copy is recorded)"""
+
+
+def build_layout(classes: Sequence[tuple[RankRecord, Sequence[int]]], world: int, replicas: bool = False
+                 ) -> SaveLayout:
+    """The save's layout from one record per class of ranks (``(record, member ranks)``, each class's members
+    sharing the record): grid keys recorded once with their rule, listed shards assigned by
+    :func:`assign_writes` (one writer per distinct box, byte-balanced), objects merged (rank 0's values win).
+
+    Raises:
+        CheckpointMismatchError: ranks disagree on a key's global shape, dtype or grid (naming key and ranks).
+        CheckpointTilingError: listed shards of a key do not tile it.
+    """
+    classes = sorted(((rec, sorted(int(m) for m in members)) for rec, members in classes), key=lambda c: c[1][0])
+    spec: dict[str, tuple[tuple, str, int]] = {}
+    grids: dict[str, list[tuple[GridLayout, int]]] = {}
+    candidates: dict[tuple[str, GridLayout], list[int]] = {}
+    order: list[str] = []
+    per_rank: list[list[tuple]] = [[] for _ in range(world)]
+    listed_keys: dict[str, int] = {}
+    for rec, members in classes:
+        r = members[0]
+        for key, gshape, dtype, grid in rec.tensors:
+            gshape = tuple(gshape)
+            if key not in spec:
+                spec[key] = (gshape, dtype, r)
+                order.append(key)
+            elif spec[key][:2] != (gshape, dtype):
+                g0, d0, r0 = spec[key]
+                raise CheckpointMismatchError(f"key {key!r}: rank {r0} saves global shape {list(g0)} {d0}, rank {r} "
+                                              f"saves {list(gshape)} {dtype}")
+            if grid is not None:
+                found = grids.setdefault(key, [])
+                if grid not in (g for g, _ in found):
+                    found.append((grid, r))
+                candidates.setdefault((key, grid), []).extend(members)
+            else:
+                listed_keys.setdefault(key, r)
+        for m in members:
+            if not 0 <= m < world:
+                raise CheckpointError(f"class member rank {m} outside a group of {world}")
+            per_rank[m] = rec.listed
+    skip: dict[int, list[str]] = {}
+    chosen: dict[str, GridLayout] = {}
+    for key in order:
+        if key in grids and key in listed_keys:
+            raise CheckpointMismatchError(f"key {key!r}: rank {grids[key][0][1]} saves it as a DTensor, rank "
+                                          f"{listed_keys[key]} as a plain tensor or ShardedWeight")
+        found = grids.get(key)
+        if not found:
+            continue
+        g0, r0 = found[0]
+        for g, r in found[1:]:
+            # DTensors on disjoint sub-meshes holding the same boxes (TP meshes of different DP replicas): one
+            # mesh's copy is recorded, spread over the copies by key; the other meshes' ranks do not write it
+            if (g.chunks, g.strides, g.replicas) != (g0.chunks, g0.strides, g0.replicas):
+                raise CheckpointMismatchError(f"key {key!r}: ranks {r0} and {r} save it as DTensors with different "
+                                              "meshes or placements")
+        pick = sorted(found, key=lambda x: x[0].base)[zlib.crc32(key.encode()) % len(found)][0]
+        chosen[key] = pick
+        for g, _ in found:
+            if g != pick:
+                for m in candidates[(key, g)]:
+                    skip.setdefault(m, []).append(key)
+    listed, writes = assign_writes(per_rank, replicas)
+    tensors: dict[str, TensorMeta] = {}
+    for key in order:
+        gshape, dtype, _ = spec[key]
+        if key in chosen:
+            tensors[key] = TensorMeta(key, gshape, dtype, grid=chosen[key])
+        else:
+            tensors[key] = listed[key]
+            index_of(tensors[key])  # validates that the shards tile the global box
+    names = {(s.file, key, s.global_offset, s.flattened_range): s.name for key, t in listed.items() for s in t.shards}
+    listed_writes = {r: [(i, names[(data_file_name(r), i[0], i[1], i[3])]) for i in ids] for r, ids in writes.items()}
+    objects: dict[str, Any] = {}
+    nested: dict[str, list] = {}
+    for rec, _ in reversed(classes):  # the lowest rank's values win
+        objects.update(rec.objects)
+        nested.update(rec.nested)
+    return SaveLayout(tensors, listed_writes, objects, nested, merge_tp_layouts([rec.tp_layouts for rec, _ in classes]),
+                      skip)
 
 
 def prepare_save(state_dict: Mapping[str, Any], path: str | os.PathLike, process_group: Any,
                  save_replicas: bool) -> SavePlan:
-    """The collective half of a save: describe, all-gather, validate, and assign writes (raises on every rank
-    alike). Tensor data is not touched."""
+    """The collective half of a save: describe, agree, plan the writes (raises on every rank alike). Tensor data is
+    not touched.
+
+    Coordination (``docs/checkpoint-format.md``, "Who writes what"): one all-gather of a fixed-size fingerprint per
+    rank; one member of each class of equal fingerprints sends its :class:`RankRecord` to rank 0, which builds the
+    layout (:func:`build_layout`) and scatters to each rank its listed writes with the temporary path and the save
+    id. Grid shards need no message: each rank knows from its placements whether it writes its own cell. A rank
+    receives O(world) bytes of fingerprints and its own writes, never the other ranks' shard lists.
+    """
     path = Path(path)
     dist = DistWrapper(process_group)
     leaves = Leaves()
-
-    def describe() -> dict:
-        nonlocal leaves
+    record, grid_writes, err, fp = None, [], None, None
+    try:
         leaves = collect_leaves(state_dict)
-        descs: list[tuple] = []
-        mine: set[tuple] = set()
-        for sw in leaves.shards:
-            if sw.key == "__metadata__":
-                raise CheckpointError(f"key {sw.key!r}: the name is reserved by the safetensors format (the header's "
-                                      "metadata block) and cannot be saved; rename this key")
-            if shard_id(sw) in mine:
-                raise CheckpointError(f"rank {dist.rank} holds the shard of key {sw.key!r} at offset "
-                                      f"{list(sw.global_offset)} twice")
-            mine.add(shard_id(sw))
-            d = sw.desc
-            descs.append((d.key, d.global_shape, d.dtype, d.global_offset, d.local_shape, d.flattened_range,
-                          d.numel * dtype_itemsize(d.dtype)))
-        if dist.is_coordinator:
+        record, grid_writes = describe_rank(leaves, dist, save_replicas)
+        fp = record.fingerprint()
+    except Exception as e:  # reported to every rank in the exchange below
+        err = e
+    both = dist.all_gather_object((None if err is None else error_report(err, dist.rank), fp))
+    dist.raise_reports([b[0] for b in both], err)
+    members: dict[str, list[int]] = {}
+    for r, (_, f) in enumerate(both):
+        members.setdefault(f, []).append(r)
+    representatives = {m[0] for m in members.values()}
+    records = dist.gather_to(record if dist.rank in representatives else None)
+    layout, out, cerr = None, None, None
+    if dist.is_coordinator:
+        try:
+            layout = build_layout([(records[m[0]], m) for m in members.values()], dist.size, save_replicas)
             check_destination(path)
-        return {"descs": descs, "tmp": staging_path(path) if dist.is_coordinator else None,
-                "save_id": new_save_id() if dist.is_coordinator else None,
-                "objects": leaves.objects, "nested": leaves.nested,
-                "tp_layouts": {sw.key: sw.tp_layout for sw in leaves.shards if sw.tp_layout}}
-
-    gathered = dist.gather(describe)
-    # computed from all-gathered data only: every rank reaches the same result or the same error
-    tensors, writes = assign_writes([g["descs"] for g in gathered], save_replicas)
-    for t in tensors.values():
-        KeyIndex(t)  # validates that the shards tile the global box
-    return SavePlan(path, dist.rank, dist.size, gathered[0]["tmp"], gathered, tensors, writes, leaves,
-                    gathered[0]["save_id"], merge_tp_layouts([g["tp_layouts"] for g in gathered]))
+            tmp, save_id = staging_path(path), new_save_id()
+            out = [(None, tmp, save_id, layout.listed_writes.get(r, []), layout.grid_skip.get(r, []))
+                   for r in range(dist.size)]
+        except Exception as e:
+            cerr = e
+            out = [(error_report(e, 0), None, None, None, None)] * dist.size
+    rep, tmp, save_id, listed, skipped = dist.scatter_from(out)
+    if rep is not None:
+        dist.raise_reports([rep], cerr)
+    if skipped:
+        grid_writes = [i for i in grid_writes if i[0] not in set(skipped)]
+    own = list(grid_writes) + [i for i, _ in listed]
+    names = {(i[0], i[1], i[3]): i[0] for i in grid_writes}
+    names.update({(i[0], i[1], i[3]): n for i, n in listed})
+    plan = SavePlan(path, dist.rank, dist.size, tmp, {dist.rank: own}, names, leaves, save_id)
+    if layout is not None:
+        plan.tensors, plan.objects, plan.nested, plan.tp_layouts = (layout.tensors, layout.objects, layout.nested,
+                                                                    layout.tp_layouts)
+    return plan
 
 
 def merge_tp_layouts(per_rank: Sequence[Mapping[str, dict]]) -> dict[str, dict]:
@@ -252,7 +501,8 @@ def _desc_tuple(sw: ShardedWeight) -> tuple:
 def write_and_commit(plan: SavePlan, local: dict[Any, torch.Tensor], process_group: Any) -> None:
     """The data half of a save: write this rank's file from ``local`` (:func:`shard_id` -> tensor, see
     :func:`local_tensors`; a plain key -> tensor dict is accepted when the rank holds one shard per key), then
-    commit (rank 0). Collective over ``process_group`` (two small all-gathers of error reports)."""
+    commit (rank 0). Collective over ``process_group``: an agreement on the writes (one all-reduce of a flag), the
+    block checksums gathered to rank 0 only, and an agreement on the commit."""
     dist = DistWrapper(process_group)
     tmp = plan.tmp
 
@@ -265,33 +515,28 @@ def write_and_commit(plan: SavePlan, local: dict[Any, torch.Tensor], process_gro
             return {}
         mine = {shard_id(sw): sw for sw in plan.leaves.shards}
         file = data_file_name(plan.rank)
-        names = {(t.key, s.global_offset, s.flattened_range): s.name for t in plan.tensors.values()
-                 for s in t.shards if s.file == file}
-        out = {names[i]: local[i] if i in local else local[i[0]] for i in ids}
+        out = {plan.names[i]: local[i] if i in local else local[i[0]] for i in ids}
         hasher = BlockHasher()
         write_safetensors(tmp / file, out, metadata=shard_header(
-            [(names[i], *_desc_tuple(mine[i])) for i in ids], plan.world, plan.save_id),
+            [(plan.names[i], *_desc_tuple(mine[i])) for i in ids], plan.world, plan.save_id),
             hasher=hasher)
         return {file: hasher.record}  # block checksums, recorded in the metadata
 
     def commit(records: list[dict[str, Any]]) -> None:
         if dist.is_coordinator:
-            objects: dict[str, Any] = {}
-            nested: dict[str, list] = {}
-            for g in reversed(plan.gathered):  # rank 0's values win
-                objects.update(g["objects"])
-                nested.update(g["nested"])
             files = {f: r for rec in records for f, r in rec.items()}
             extra: dict[str, Any] = {CHECKSUMS_KEY: make_record(files)}
             if plan.tp_layouts:  # a load at another TP degree re-lays these keys out
                 extra[TP_LAYOUTS_KEY] = plan.tp_layouts
-            publish_directory(tmp, plan.path, CheckpointMetadata("oarlock", tensors=plan.tensors, objects=objects,
-                                                                 nested=nested, save_id=plan.save_id,
+            publish_directory(tmp, plan.path, CheckpointMetadata("oarlock", tensors=plan.tensors,
+                                                                 objects=plan.objects or {},
+                                                                 nested=plan.nested or {}, save_id=plan.save_id,
                                                                  extra=extra),
                               fsync_files=False)
 
     try:
-        records = dist.gather(write)
+        rec = dist.run(write)
+        records = dist.gather_to(rec)
         dist.run(commit, records)
     except BaseException:
         if dist.is_coordinator:

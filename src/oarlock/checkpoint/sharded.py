@@ -11,7 +11,7 @@ in flat order, so the planner treats flattened shards like a few regular ones.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
@@ -151,6 +151,10 @@ class ShardedWeight:
     global_offset: tuple[int, ...]
     flattened_range: slice | tuple[int, int] | None = None
     tp_layout: dict | None = None
+    placement_layout: Any = field(default=None, repr=False, compare=False)
+    """``(device_mesh, placements)`` of the DTensor this shard came from (set by :meth:`from_dtensor`): lets a save
+    record the tensor as one grid rule and decide locally whether this rank writes it
+    (:mod:`oarlock.checkpoint.grid`)."""
 
     def __post_init__(self) -> None:
         self.local_shape = tuple(int(x) for x in self.local_shape)
@@ -269,7 +273,7 @@ class ShardedWeight:
         if tuple(local.shape) != tuple(local_shape):
             raise CheckpointError(f"DTensor {key!r}: local tensor has shape {tuple(local.shape)} but placements "
                                   f"{placements} on mesh {tuple(mesh.shape)} give {tuple(local_shape)}")
-        return cls(key, local, tuple(local_shape), gshape, tuple(offset))
+        return cls(key, local, tuple(local_shape), gshape, tuple(offset), placement_layout=(mesh, tuple(placements)))
 
 
 def is_dtensor(x: Any) -> bool:

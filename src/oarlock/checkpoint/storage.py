@@ -23,6 +23,7 @@ and :func:`publish_directory` makes it appear under its final name in one rename
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shutil
 import uuid
@@ -93,6 +94,7 @@ class View:
     visible: dict[int, set[str]]
     format: str | None = None
     shipped: dict[str, bytes] | None = None
+    same: bool = False  # every rank lists the same names (a shared filesystem): visible holds one set for all
 
 
 def gather_view(path: str | os.PathLike, dist: DistWrapper) -> View:
@@ -108,13 +110,27 @@ def gather_view(path: str | os.PathLike, dist: DistWrapper) -> View:
         fmt: str | None = detect_format(p)
     except CheckpointFormatError:
         fmt = None
+    # a shared filesystem gives every rank the same listing: exchange a fingerprint of it first (fixed size per
+    # rank), and the listings themselves only when they differ (node-local disks)
+    digest = hashlib.sha256("\0".join(names).encode()).hexdigest()
+    prints = dist.all_gather_object((digest, fmt))
+    if len({d for d, _ in prints}) == 1:
+        shared = set(names)
+        return _view({r: shared for r in range(len(prints))}, prints, p, dist, same=True)
     gathered = dist.all_gather_object((names, fmt))
     visible = {r: set(n) for r, (n, _) in enumerate(gathered)}
+    return _view(visible, gathered, p, dist)
+
+
+def _view(visible: dict[int, set[str]], gathered: list[tuple], p: Path, dist: DistWrapper, same: bool = False
+          ) -> View:
     formats = load_formats()
     view_fmt = next((f for _, f in gathered if f in formats and formats[f].metadata_files), None)
     if view_fmt is None:
-        return View(visible, next((f for _, f in gathered if f is not None), None))
+        return View(visible, next((f for _, f in gathered if f is not None), None), same=same)
     files = formats[view_fmt].metadata_files
+    if same:
+        return View(visible, view_fmt, same=True)
     holders = [r for r in sorted(visible) if all(m in visible[r] for m in files)]
     if not holders or len(holders) == len(visible):
         return View(visible, view_fmt)
@@ -151,7 +167,8 @@ def open_checkpoint(path: str | os.PathLike, *, view: View | None = None, rank: 
         partial = view is not None and bool(cls.metadata_files) and p.is_dir()
         reader = cls.open(p, partial=partial)
     if partial:
-        unseen = [f for f in reader.metadata.files if not any(f in v for v in view.visible.values())]
+        seen_sets = [view.visible[rank]] if view.same and rank in view.visible else list(view.visible.values())
+        unseen = [f for f in reader.metadata.files if not any(f in v for v in seen_sets)]
         if unseen:
             reader.close()
             raise CheckpointFormatError(f"{p}: checkpoint files are not complete: {', '.join(unseen[:5])}"

@@ -523,7 +523,7 @@ def source_specs(metadata) -> dict[str, TensorSpec]:
 def shard_counts(metadata) -> dict[str, int]:
     """TP shard count of every key of a :class:`~oarlock.checkpoint.CheckpointMetadata`: the number of distinct
     global offsets among its primary shards (as Paddle derives it for ``fused_qkv_old``/``fused_ffn``)."""
-    counts = {k: len({s.global_offset for s in t.primary_shards()}) or 1 for k, t in metadata.tensors.items()}
+    counts = {k: t.shard_count() or 1 for k, t in metadata.tensors.items()}
     recorded = (getattr(metadata, "extra", None) or {}).get(TP_LAYOUTS_KEY) or {}
     if recorded:  # the degree a fused layout was written for wins over the offsets (a reshard may differ)
         for k in counts:

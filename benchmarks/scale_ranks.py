@@ -1,0 +1,181 @@
+"""Many ranks, many small shards: does a rank's cost follow what it reads, or the world size? oarlock vs DCP.
+
+Real processes on this machine (gloo, CPU): ``--tensors`` tensors of ``ROWS x COLS`` float32 (default 1,200 of
+64x48, 8 MiB in all) saved as DTensors ``[Shard(0)]`` from 4 ranks and from 16 ranks, then loaded into
+``[Shard(1)]`` on 8 ranks, so every loading rank needs a piece of every stored shard. For each library, in one
+run: bookkeeping bytes on disk (oarlock: ``metadata.json`` plus the data files' safetensors headers; DCP: its
+``.metadata`` plus nothing else, its data files having no headers), the save's time, and the 16 -> 8 load's
+slowest rank (time between barriers). Every loaded tensor is compared with the values the 16-rank save wrote
+(recomputed from the seed on the loading rank): bit-exact or the run fails.
+
+Usage: python benchmarks/scale_ranks.py [--tensors N] [--reps R] [--dir DIR] [--append-results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+ROWS, COLS = 64, 48
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tensor_value(i: int) -> torch.Tensor:
+    """The global value of tensor ``i`` (every rank computes it from the seed: no data is shared)."""
+    g = torch.Generator().manual_seed(1000 + i)
+    return torch.randn(ROWS, COLS, generator=g)
+
+
+def rank_main(rank: int, world: int, port: int, job: str, root: str, n: int, reps: int) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from oarlock.checkpoint import load_state_dict, save_state_dict
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+    root = Path(root)
+    res: dict = {"rank": rank, "times": {}}
+
+    def timed(name, fn):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        dist.barrier()
+        res["times"].setdefault(name, []).append(time.perf_counter() - t0)
+
+    if job.startswith("save"):
+        state = {f"layers.{i}.w": distribute_tensor(tensor_value(i), mesh, [Shard(0)]) for i in range(n)}
+        for lib in ("oarlock", "dcp"):
+            for r in range(reps):
+                d = root / f"{job}-{lib}-{r}"
+                if lib == "dcp":
+                    timed(lib, lambda: dcp.save(state, checkpoint_id=str(d)))
+                else:
+                    timed(lib, lambda: save_state_dict(state, d))
+    else:  # load the 16-rank save into [Shard(1)] on this world
+        src = job.split(":")[1]
+        for lib in ("oarlock", "dcp"):
+            for r in range(reps):
+                shape = compute_local_shape_and_global_offset((ROWS, COLS), mesh, [Shard(1)])[0]
+                tgt = {f"layers.{i}.w": DTensor.from_local(torch.zeros(shape), mesh, [Shard(1)],
+                                                           shape=torch.Size((ROWS, COLS)), stride=(COLS, 1))
+                       for i in range(n)}
+                d = root / f"{src}-{lib}-0"
+                if lib == "dcp":
+                    timed(lib, lambda: dcp.load(tgt, checkpoint_id=str(d)))
+                else:
+                    timed(lib, lambda: load_state_dict(tgt, d))
+                if r == 0:
+                    for i in range(n):
+                        want = distribute_tensor(tensor_value(i), mesh, [Shard(1)]).to_local()
+                        if not torch.equal(tgt[f"layers.{i}.w"].to_local(), want):
+                            raise AssertionError(f"{lib}: tensor {i} differs after the load on rank {rank}")
+    (root / f"result-{job.replace(':', '_')}-{rank}.json").write_text(json.dumps(res))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def launch(world: int, job: str, root: Path, n: int, reps: int) -> list[dict]:
+    port = _free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, __file__, "--rank", str(r), "--world", str(world), "--port", str(port),
+                               "--job", job, "--dir", str(root), "--tensors", str(n), "--reps", str(reps)], env=env)
+             for r in range(world)]
+    for p in procs:
+        if p.wait(timeout=1800) != 0:
+            raise SystemExit(f"{job} on {world} ranks failed (exit {p.returncode})")
+    return [json.loads((root / f"result-{job.replace(':', '_')}-{r}.json").read_text()) for r in range(world)]
+
+
+def bookkeeping(d: Path) -> int:
+    """Bytes of a checkpoint that are not tensor data: oarlock's metadata.json plus each safetensors file's
+    8-byte length and JSON header; DCP's .metadata."""
+    total = 0
+    for f in d.iterdir():
+        if f.name in ("metadata.json", ".metadata"):
+            total += f.stat().st_size
+        elif f.suffix == ".safetensors":
+            with open(f, "rb") as fh:
+                total += 8 + struct.unpack("<Q", fh.read(8))[0]
+    return total
+
+
+def slowest(results: list[dict], lib: str) -> float:
+    """Median over repetitions of the slowest rank's time."""
+    reps = len(results[0]["times"][lib])
+    return statistics.median(max(r["times"][lib][k] for r in results) for k in range(reps))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tensors", type=int, default=1200)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--dir", default=None)
+    ap.add_argument("--append-results", action="store_true")
+    ap.add_argument("--rank", type=int, default=None)
+    ap.add_argument("--world", type=int, default=None)
+    ap.add_argument("--port", type=int, default=None)
+    ap.add_argument("--job", default=None)
+    args = ap.parse_args(argv)
+    if args.rank is not None:
+        rank_main(args.rank, args.world, args.port, args.job, args.dir, args.tensors, args.reps)
+        return 0
+    root = Path(args.dir or tempfile.mkdtemp(prefix="oarlock-scale-ranks-"))
+    root.mkdir(parents=True, exist_ok=True)
+    load_before = os.getloadavg()
+    saves = {w: launch(w, f"save{w}", root, args.tensors, args.reps) for w in (4, 16)}
+    loads = launch(8, "load:save16", root, args.tensors, args.reps)
+    load_after = os.getloadavg()
+    rows = []
+    book = {lib: {w: bookkeeping(root / f"save{w}-{lib}-0") for w in (4, 16)} for lib in ("oarlock", "dcp")}
+    lines = [f"`python benchmarks/scale_ranks.py --tensors {args.tensors} --reps {args.reps}` "
+             f"({time.strftime('%Y-%m-%d')}; load average {load_before[0]:.2f} before, {load_after[0]:.2f} after; "
+             f"{args.tensors} tensors of {ROWS}x{COLS} fp32, DTensor [Shard(0)] saved on 4 and 16 gloo ranks, "
+             "loaded as [Shard(1)] on 8; slowest rank, median of the repetitions; bit-exact)", "",
+             "| | oarlock | DCP | oarlock / DCP |", "|---|---:|---:|---:|"]
+    for w in (4, 16):
+        rows.append((f"bookkeeping bytes, {w} ranks", book["oarlock"][w], book["dcp"][w]))
+    rows.append(("bookkeeping 16 / 4 ranks", book["oarlock"][16] / book["oarlock"][4], book["dcp"][16] / book["dcp"][4]))
+    for w in (4, 16):
+        rows.append((f"save on {w} ranks (s)", slowest(saves[w], "oarlock"), slowest(saves[w], "dcp")))
+    rows.append(("load 16 -> 8 ranks, slowest rank (s)", slowest(loads, "oarlock"), slowest(loads, "dcp")))
+    for name, a, b in rows:
+        fa = f"{a:,}" if isinstance(a, int) else f"{a:.3f}"
+        fb = f"{b:,}" if isinstance(b, int) else f"{b:.3f}"
+        lines.append(f"| {name} | {fa} | {fb} | {a / b:.2f} |")
+    text = "\n".join(lines)
+    print(text)
+    if args.append_results:
+        with open(Path(__file__).with_name("RESULTS.md"), "a") as f:
+            f.write("\n\n## scale_ranks: many ranks, many small shards (issue 26)\n\n" + text + "\n")
+    if not args.dir:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

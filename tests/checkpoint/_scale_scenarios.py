@@ -1,0 +1,150 @@
+"""Many-rank scenarios of test_scale_dist.py (16 gloo ranks): grid bookkeeping through the real collective paths.
+
+Every tensor's global value is recomputed from a seed on each rank (``value``), so a loaded shard is checked
+against an independent slice of the full tensor, never against what the save wrote.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from multirank import worlds
+from oarlock.checkpoint import ShardedWeight, load_state_dict, save_state_dict
+
+SHAPES = [(64, 48), (37, 21), (16, 8), (5, 3)]  # (37, 21) and (5, 3): uneven torch.chunk extents, empty cells
+
+
+def value(key: str, shape) -> torch.Tensor:
+    g = torch.Generator().manual_seed(sum(map(ord, key)) * 7919 + len(key))
+    return torch.randn(*shape, generator=g)
+
+
+def expected_local(key, shape, mesh, placements) -> torch.Tensor:
+    """This rank's box of the full value, from torch's own box rule."""
+    lshape, off = compute_local_shape_and_global_offset(shape, mesh, placements)
+    return value(key, shape)[tuple(slice(o, o + n) for o, n in zip(off, lshape))]
+
+
+def target(shape, mesh, placements) -> DTensor:
+    lshape, _ = compute_local_shape_and_global_offset(shape, mesh, placements)
+    return DTensor.from_local(torch.zeros(lshape), mesh, placements, shape=torch.Size(shape),
+                              stride=torch.empty(shape).stride())
+
+
+def saved_state(world: int, rank: int) -> dict:
+    mesh1 = init_device_mesh("cpu", (world,))
+    mesh2 = init_device_mesh("cpu", (4, world // 4))
+    state = {}
+    for i in range(24):
+        shape = SHAPES[i % len(SHAPES)]
+        key = f"layers.{i}.w"
+        layout = i % 3
+        if layout == 0:  # FSDP2
+            state[key] = distribute_tensor(value(key, shape), mesh1, [Shard(0)])
+        elif layout == 1:  # FSDP x TP
+            state[key] = distribute_tensor(value(key, shape), mesh2, [Shard(0), Shard(1)])
+        else:  # HSDP: replicated over the first mesh dim
+            state[key] = distribute_tensor(value(key, shape), mesh2, [Replicate(), Shard(0)])
+    state["norm.w"] = value("norm.w", (48,))  # a plain replicated tensor
+    n = -(-48 // world)  # a TP split as ShardedWeights (torch.chunk extents): compressed to a grid at commit
+    lo, hi = min(48, rank * n), min(48, (rank + 1) * n)
+    state["tp.w"] = ShardedWeight("tp.w", value("tp.w", (16, 48))[:, lo:hi].clone(), (16, hi - lo), (16, 48),
+                                  (0, lo))
+    state["step"] = 7
+    return state
+
+
+@worlds(16)
+def scenario_grid_save_then_reshard_loads_bit_exact(ctx):
+    """16 ranks save FSDP, FSDP x TP and HSDP DTensors (uneven extents), a replicated tensor and a TP split; the
+    metadata records every one of them as a grid; loads into a (2, 8) mesh with other placements and into whole
+    tensors give exactly the seeded values."""
+    ck = ctx.root / "ck"
+    save_state_dict(saved_state(ctx.world, ctx.rank), ck)
+    meta = json.loads((ck / "metadata.json").read_text())
+    assert meta["version"] == 2
+    listed = [k for k, t in meta["tensors"].items() if "grid" not in t]
+    assert listed == [], f"keys still listed shard by shard: {listed}"
+    assert meta["tensors"]["layers.0.w"]["grid"]["chunks"] == [[16], []], meta["tensors"]["layers.0.w"]
+    assert meta["tensors"]["layers.2.w"]["grid"]["writers"]["replicas"] == [[4, 4]], meta["tensors"]["layers.2.w"]
+    mesh = init_device_mesh("cpu", (2, 8))
+    for placements in ([Shard(1), Replicate()], [Replicate(), Shard(0)], [Shard(0), Shard(1)]):
+        tgt = {f"layers.{i}.w": target(SHAPES[i % len(SHAPES)], mesh, placements) for i in range(24)}
+        tgt["norm.w"] = target((48,), mesh, [Replicate(), Replicate()])
+        tgt["tp.w"] = target((16, 48), mesh, placements)
+        tgt["step"] = 0
+        report = load_state_dict(tgt, ck)
+        for k, t in tgt.items():
+            if k == "step":
+                assert t == 7
+                continue
+            want = expected_local(k, tuple(t.shape), mesh, t.placements)
+            assert torch.equal(t.to_local(), want), (k, placements)
+        assert report.bytes_read == sum(t.to_local().numel() * 4 for k, t in tgt.items() if k != "step")
+    whole = {f"layers.{i}.w": torch.zeros(SHAPES[i % len(SHAPES)]) for i in range(24)}
+    load_state_dict(whole, ck, strict=False)
+    for k, t in whole.items():
+        assert torch.equal(t, value(k, tuple(t.shape))), k
+
+
+@worlds(16)
+def scenario_bookkeeping_does_not_grow_with_the_world(ctx):
+    """The same state saved by 4 of the ranks (a sub-group with its own mesh) and by all 16: metadata.json's
+    tensor records are the same size to within a few bytes per key, and the whole file grows by the
+    per-file checksum entries only."""
+    keys = [f"layers.{i}.w" for i in range(40)]
+    sizes = {}
+    sub = dist.new_group([0, 1, 2, 3])
+    for world in (4, 16):
+        if world == 4:
+            if ctx.rank < 4:
+                mesh = DeviceMesh("cpu", [0, 1, 2, 3])
+                state = {k: distribute_tensor(value(k, (64, 48)), mesh, [Shard(0)]) for k in keys}
+                save_state_dict(state, ctx.root / "w4", process_group=sub)
+        else:
+            mesh = init_device_mesh("cpu", (16,))
+            state = {k: distribute_tensor(value(k, (64, 48)), mesh, [Shard(0)]) for k in keys}
+            save_state_dict(state, ctx.root / "w16")
+        dist.barrier()
+    if ctx.rank == 0:
+        for world in (4, 16):
+            text = (ctx.root / f"w{world}" / "metadata.json").read_text()
+            meta = json.loads(text)
+            sizes[world] = (len(text), len(json.dumps(meta["tensors"])))
+        assert sizes[16][1] - sizes[4][1] <= len(keys), sizes  # '4' -> '16' in each record's chunk count
+        assert sizes[16][0] <= 1.25 * sizes[4][0], sizes
+    # and the 16-rank save loads back on the 4-rank group (a reshard to fewer ranks), bit-exact
+    if ctx.rank < 4:
+        mesh = DeviceMesh("cpu", [0, 1, 2, 3])
+        tgt = {k: target((64, 48), mesh, [Shard(1)]) for k in keys}
+        load_state_dict(tgt, ctx.root / "w16", process_group=sub)
+        for k, t in tgt.items():
+            assert torch.equal(t.to_local(), expected_local(k, (64, 48), mesh, [Shard(1)])), k
+    dist.barrier()
+    return sizes if ctx.rank == 0 else None
+
+
+@worlds(16)
+def scenario_a_rank_that_requests_nothing_reads_nothing(ctx):
+    """Ranks 0-7 load row shards of every key; ranks 8-15 request nothing of them. Those ranks open no data
+    file and read no byte, while the others get exactly their rows."""
+    keys = [f"layers.{i}.w" for i in range(12)]
+    mesh = init_device_mesh("cpu", (16,))
+    save_state_dict({k: distribute_tensor(value(k, (64, 48)), mesh, [Shard(0)]) for k in keys}, ctx.root / "ck")
+    if ctx.rank < 8:
+        tgt = {k: ShardedWeight(k, torch.zeros(8, 48), (8, 48), (64, 48), (8 * ctx.rank, 0)) for k in keys}
+    else:
+        tgt = {}
+    report = load_state_dict(tgt, ctx.root / "ck", strict=False)
+    if ctx.rank < 8:
+        for k in keys:
+            assert torch.equal(tgt[k].local_tensor, value(k, (64, 48))[8 * ctx.rank:8 * ctx.rank + 8]), k
+        assert report.bytes_read == len(keys) * 8 * 48 * 4
+    else:
+        assert report.bytes_read == 0 and report.files_read == [], (report.bytes_read, report.files_read)
