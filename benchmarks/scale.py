@@ -294,7 +294,18 @@ def make_reshard(name: str, kind: str, world: int) -> Reshard | None:
 
 
 def sample_ranks(world: int) -> list[int]:
+    """The loading ranks simulated: first, middle, last (the worst of those that request data is reported)."""
     return sorted({0, world // 2 + 1 if world > 2 else 0, world - 1})
+
+
+def worse(row: dict, worst: dict | None) -> bool:
+    """Whether ``row`` (one sampled rank) replaces ``worst``: ranks that request nothing (trailing ranks of
+    uneven splits) never do, else the longer plan."""
+    if worst is None:
+        return True
+    if (row["bytes"] > 0) != (worst["bytes"] > 0):
+        return row["bytes"] > 0
+    return row["plan_s"] > worst["plan_s"]
 
 
 # ---------------------------------------------------------------- wire accounting
@@ -352,39 +363,42 @@ class ReaderIndex:
         self.by_rank: dict[int, dict[str, int]] = {}
         self._idx: dict[str, Any] = {}
         self._ranks: dict[str, list[list[int]]] = {}
-        self._zero: dict[str, list] | None = None
+        self._geo: dict[tuple, tuple] = {}
 
     def _build(self, key: str) -> None:
         from oarlock.checkpoint.plan import KeyIndex
 
         p = self.params[key]
         pm = placement(self.lay, p)
-        classes: dict[tuple, int] = {}
-        ranks: list[list[int]] = []
-        shards = []
-        if pm is not None:
-            mesh, pl = pm
-            for r in range(self.lay.world):
-                off, ls = dtensor_box(p.shape, mesh, pl, _coord(r, mesh))
-                if not math.prod(ls) and p.shape:
-                    continue
-                sig = (off, ls)
-                c = classes.get(sig)
-                if c is None:
-                    c = classes[sig] = len(ranks)
-                    ranks.append([])
-                    shards.append(self.ShardMeta(off, ls, str(c), key))
-                ranks[c].append(r)
-        else:  # ZeRO-1 moment: one class per rank holding a flat range of it
-            base = tuple(q for q in self.params.values() if not q.key.endswith(MOMENTS))
-            names = [q.key for q in base]
-            stem = next(key[:-len(s)] for s in MOMENTS if key.endswith(s))
-            i = names.index(stem)
-            for r, pieces in enumerate(zero1_ranges(base, self.lay.world)):
-                for j, a, b in pieces:
-                    if j == i:
-                        ranks.append([r])
-                        shards.append(self.ShardMeta((0,) * len(p.shape), p.shape, str(len(ranks) - 1), key, (a, b)))
+        if pm is not None:  # DTensor keys: the classes depend on the geometry only (shared by the layers)
+            sig = (p.shape, pm)
+            if sig not in self._geo:
+                mesh, pl = pm
+                classes: dict[tuple, int] = {}
+                ranks: list[list[int]] = []
+                shards = []
+                for r in range(self.lay.world):
+                    off, ls = dtensor_box(p.shape, mesh, pl, _coord(r, mesh))
+                    if not math.prod(ls) and p.shape:
+                        continue
+                    c = classes.get((off, ls))
+                    if c is None:
+                        c = classes[(off, ls)] = len(ranks)
+                        ranks.append([])
+                        shards.append(self.ShardMeta(off, ls, str(c), "t"))
+                    ranks[c].append(r)
+                self._geo[sig] = (KeyIndex(self.TensorMeta("t", p.shape, DTYPE, shards)), ranks)
+            self._idx[key], self._ranks[key] = self._geo[sig]
+            return
+        ranks, shards = [], []  # ZeRO-1 moment: one class per rank holding a flat range of it
+        base = tuple(q for q in self.params.values() if not q.key.endswith(MOMENTS))
+        stem = next(key[:-len(s)] for s in MOMENTS if key.endswith(s))
+        i = [q.key for q in base].index(stem)
+        for r, pieces in enumerate(zero1_ranges(base, self.lay.world)):
+            for j, a, b in pieces:
+                if j == i:
+                    ranks.append([r])
+                    shards.append(self.ShardMeta((0,) * len(p.shape), p.shape, str(len(ranks) - 1), key, (a, b)))
         self._idx[key] = KeyIndex(self.TensorMeta(key, p.shape, DTYPE, shards))
         self._ranks[key] = ranks
 
@@ -941,7 +955,7 @@ def run_cell(model: str, layers: int | None, kind: str, reshard: str, world: int
             row = {"rank": r, "plan_s": dt, "items": len(items), "bytes": sel,
                    "storage_bytes": sum(storage[it.storage_index].length for it in items),
                    "files": len({storage[it.storage_index].relative_path for it in items})}
-            if worst is None or dt > worst["plan_s"]:
+            if worse(row, worst):
                 worst = row
         res["worst"] = worst
         res["rss"] = peak_rss() - base_rss
@@ -969,7 +983,7 @@ def run_cell(model: str, layers: int | None, kind: str, reshard: str, world: int
             assert vol == want, f"oarlock's read items cover {vol} bytes for {want} requested (rank {r})"
             row = {"rank": r, "plan_s": dt, "items": len(items), "bytes": vol, "files": len({it.file for it in items})}
             plans[r] = (items, reqs)
-            if worst is None or dt > worst["plan_s"]:
+            if worse(row, worst):
                 worst = row
         res["worst"] = worst
         res["rss"] = peak_rss() - base_rss  # the hashing model below is the simulator's, not a rank's
@@ -1043,7 +1057,8 @@ def table(title: str, results: dict[str, dict], libs: list[str]) -> str:
             ("peak RSS above runtime", lambda r: mib(r["rss"]), lambda r: r["rss"]),
             ("cell wall time (simulator)", lambda r: fmt_s(r["total_s"]), lambda r: r["total_s"])]
     ok = [l for l in libs if "status" not in results.get(l, {"status": "-"})]
-    head = "| | " + " | ".join(libs) + " | " + " | ".join(f"{a} / {b}" for a, b in ratio_pairs(libs)) + " |"
+    pairs = ratio_pairs(libs)
+    head = "| | " + " | ".join(libs + [f"{a} / {b}" for a, b in pairs]) + " |"
     lines = [f"**{title}**", "", head, "|" + "---|" * (1 + len(libs) + len(ratio_pairs(libs)))]
     for name, show, val in rows:
         cells = []
@@ -1057,7 +1072,7 @@ def table(title: str, results: dict[str, dict], libs: list[str]) -> str:
                 ratios.append(f"{va / vb:.3g}x" if va is not None and vb else "-")
             else:
                 ratios.append("-")
-        lines.append(f"| {name} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
+        lines.append(f"| {name} | " + " | ".join(cells + ratios) + " |")
     return "\n".join(lines)
 
 
