@@ -20,7 +20,8 @@ measured in that subprocess before anything is built):
   listed writes; ``metadata.json`` holds one grid record per regular tensor.
 * ``dcp`` -- torch.distributed.checkpoint.
 
-Figures per cell (worst of the sampled loading ranks where a figure depends on the rank):
+Figures per cell (where a figure depends on the rank: the loading rank, of the first, middle and last target
+ranks the one requesting the most bytes, the same rank for every library):
 
 * bookkeeping: ``metadata.json`` bytes (checksums included; the part they take is shown) / DCP ``.metadata``.
 * read + parse: ``json.loads`` + ``CheckpointMetadata.from_json`` + the checksum record / ``pickle.loads``.
@@ -298,14 +299,11 @@ def sample_ranks(world: int) -> list[int]:
     return sorted({0, world // 2 + 1 if world > 2 else 0, world - 1})
 
 
-def worse(row: dict, worst: dict | None) -> bool:
-    """Whether ``row`` (one sampled rank) replaces ``worst``: ranks that request nothing (trailing ranks of
-    uneven splits) never do, else the longer plan."""
-    if worst is None:
-        return True
-    if (row["bytes"] > 0) != (worst["bytes"] > 0):
-        return row["bytes"] > 0
-    return row["plan_s"] > worst["plan_s"]
+def loading_rank(lay: Layout, params: Sequence[Param]) -> int:
+    """The simulated loading rank: of :func:`sample_ranks`, the one requesting the most bytes (the first on ties),
+    the same rank for every library."""
+    return max(sample_ranks(lay.world), key=lambda r: (sum((fr[1] - fr[0]) if fr else math.prod(ls)
+                                                           for _, _, ls, fr in rank_shards(lay, params, r)), -r))
 
 
 # ---------------------------------------------------------------- wire accounting
@@ -412,13 +410,46 @@ class ReaderIndex:
         return self._ranks[key][cls]
 
 
+def lay_out_file(entries: list[tuple]) -> tuple[dict, list]:
+    """A data file's tensors at byte offsets in the writer's order (header ignored): ``(names, pieces)`` with
+    ``names[tensor name] = (offset, stored shape, key)`` and ``pieces`` sorted by offset: ``(start byte, key,
+    global box, box shape)`` of every regular box the file holds (flattened shards cut into contiguous boxes)."""
+    from oarlock.checkpoint.sharded import flat_range_boxes, make_box
+
+    pos, names, pieces = 0, {}, []
+    for k, off, fr, name, s in file_write_order(entries):
+        names[name] = (pos, s.local_shape, k)
+        if fr is None:
+            if math.prod(s.local_shape):
+                pieces.append((pos, k, make_box(s.global_offset, s.local_shape), tuple(s.local_shape)))
+        else:
+            for o, e, fs in flat_range_boxes(s.local_shape, *fr):
+                if math.prod(e):
+                    pieces.append((pos + (fs - fr[0]) * ITEM, k,
+                                   make_box([x + y for x, y in zip(s.global_offset, o)], e), tuple(e)))
+        pos += s.numel * ITEM
+    return names, pieces
+
+
+def _window(blk: int, start: int, vol: int) -> tuple[int, int]:
+    """Element range ``[w0, w1)`` of a box stored from byte ``start`` (``vol`` elements) that block ``blk``
+    holds."""
+    w0 = max(0, (blk * BLOCK - start) // ITEM)
+    w1 = min(vol, -(-((blk + 1) * BLOCK - start) // ITEM))
+    return w0, max(w0, w1)
+
+
 def hashed_bytes(items: Sequence[Any], rank: int, file_layout: Any, readers: ReaderIndex, file_sizes: dict[str, int],
                  rule: str, max_files: int = 64) -> tuple[int, int, bool]:
     """``(bytes hashed, bytes of touched blocks, sampled)`` for one rank's oarlock read items.
 
-    ``file_layout(file)`` -> ``{tensor name: (byte offset in the file, stored shape of the tensor, key)}``.
-    ``rule``: ``"touched"`` (every touched block) or ``"owner"`` (issue 26 item 5, see the module docstring).
+    ``file_layout(file)`` -> :func:`lay_out_file` of the file. ``rule``: ``"touched"`` (every touched block) or
+    ``"owner"`` (issue 26 item 5: the block's hasher is the rank reading most of its bytes, counted over every
+    stored box in the block and every target rank requesting part of it; ties: the tied ranks, sorted, indexed by
+    a hash of file and block).
     """
+    import bisect
+
     from oarlock.checkpoint.sharded import box_intersection
 
     per_file: dict[str, list] = {}
@@ -433,75 +464,59 @@ def hashed_bytes(items: Sequence[Any], rank: int, file_layout: Any, readers: Rea
     read_all = sum(math.prod(b - a for a, b in it.src_box) for it in items)
     read_sample = 0
     for f in files:
-        lay = file_layout(f)
+        names, pieces = file_layout(f)
+        starts = [p[0] for p in pieces]
         size = file_sizes.get(f, 0)
-        blocks: dict[int, dict[int, int]] = {}  # block -> class-tagged bytes ((key, class) -> elements)
         mine: dict[int, int] = {}
-        seen_pieces: set = set()
         for it in per_file[f]:
             read_sample += math.prod(b - a for a, b in it.src_box)
-            base, tshape, key = lay[it.name]
-            # the stored piece (global box) this item reads from
-            gorigin = tuple(d0 - s0 for (d0, _), (s0, _) in zip(_dst_global(it), it.src_box))
-            pbox = tuple((o, o + n) for o, n in zip(gorigin, it.src_shape))
-            lo_b = (base + it.src_flat_start * ITEM) // BLOCK
-            hi_b = (base + (it.src_flat_start + math.prod(it.src_shape)) * ITEM - 1) // BLOCK
-            # my bytes per block
-            for blk in range(lo_b, hi_b + 1):
-                w0 = max(0, (blk * BLOCK - base) // ITEM - it.src_flat_start)
-                w1 = min(math.prod(it.src_shape), -(-((blk + 1) * BLOCK - base) // ITEM) - it.src_flat_start)
+            base = names[it.name][0] + it.src_flat_start * ITEM
+            vol = math.prod(it.src_shape)
+            first = flat_of([a for a, _ in it.src_box], it.src_shape)
+            last = flat_of([b - 1 for _, b in it.src_box], it.src_shape)
+            for blk in range((base + first * ITEM) // BLOCK, (base + last * ITEM) // BLOCK + 1):
+                w0, w1 = _window(blk, base, vol)
                 n = count_lt(it.src_box, it.src_shape, w1) - count_lt(it.src_box, it.src_shape, w0)
                 if n > 0:
                     mine[blk] = mine.get(blk, 0) + n
-            if rule != "owner":
-                continue
-            pid = (it.name, it.src_flat_start)
-            if pid in seen_pieces:
-                continue
-            seen_pieces.add(pid)
-            for cls, q in readers.query(key, pbox):
-                ov = box_intersection(q.box, pbox)
-                if ov is None:
-                    continue
-                loc = tuple((a - o, b - o) for (a, b), o in zip(ov, gorigin))
-                first = flat_of([a for a, _ in loc], it.src_shape)
-                last = flat_of([b - 1 for _, b in loc], it.src_shape)
-                for blk in range((base + (it.src_flat_start + first) * ITEM) // BLOCK,
-                                 (base + (it.src_flat_start + last) * ITEM) // BLOCK + 1):
-                    w0 = max(0, (blk * BLOCK - base) // ITEM - it.src_flat_start)
-                    w1 = min(math.prod(it.src_shape), -(-((blk + 1) * BLOCK - base) // ITEM) - it.src_flat_start)
-                    n = count_lt(loc, it.src_shape, w1) - count_lt(loc, it.src_shape, w0)
-                    if n > 0:
-                        d = blocks.setdefault(blk, {})
-                        d[(key, cls)] = d.get((key, cls), 0) + n
-        for blk in mine:
+        classes: dict[int, list] = {}
+        for blk in sorted(mine):
             nbytes = max(0, min(BLOCK, size - blk * BLOCK)) if size else BLOCK
             touched_total += nbytes
             if rule != "owner":
                 hashed += nbytes
                 continue
-            # bytes per rank: a rank reads its classes' bytes (a rank is in one class per key)
             per_rank: dict[int, int] = {}
-            for (key, cls), n in blocks.get(blk, {}).items():
-                for r in readers.ranks(key, cls):
-                    per_rank[r] = per_rank.get(r, 0) + n
+            i = max(0, bisect.bisect_right(starts, blk * BLOCK) - 1)
+            while i < len(pieces) and pieces[i][0] < (blk + 1) * BLOCK:
+                start, key, pbox, shape = pieces[i]
+                vol = math.prod(shape)
+                if start + vol * ITEM > blk * BLOCK:
+                    if i not in classes:
+                        found = []
+                        for cls, q in readers.query(key, pbox):
+                            ov = box_intersection(q.box, pbox)
+                            if ov is not None:
+                                found.append((readers.ranks(key, cls),
+                                              tuple((x - o, y - o) for (x, y), (o, _) in zip(ov, pbox))))
+                        classes[i] = found
+                    w0, w1 = _window(blk, start, vol)
+                    for ranks, loc in classes[i]:
+                        n = count_lt(loc, shape, w1) - count_lt(loc, shape, w0)
+                        if n > 0:
+                            for r in ranks:
+                                per_rank[r] = per_rank.get(r, 0) + n
+                i += 1
             if not per_rank:
                 continue
             top = max(per_rank.values())
             tied = sorted(r for r, n in per_rank.items() if n == top)
-            owner = tied[zlib.crc32(f"{f}:{blk}".encode()) % len(tied)]
-            if owner == rank:
+            if tied[zlib.crc32(f"{f}:{blk}".encode()) % len(tied)] == rank:
                 hashed += nbytes
     if sampled and read_sample:
         scale = read_all / read_sample
         return int(hashed * scale), int(touched_total * scale), True
     return hashed, touched_total, False
-
-
-def _dst_global(it: Any) -> list[tuple[int, int]]:
-    """The global box of a read item's source elements (the item's destination box in global coordinates is not
-    kept by the item: recover the stored piece origin from the request instead; see :func:`_piece_origin`)."""
-    return it._global  # set by plan_with_origins
 
 
 # ---------------------------------------------------------------- oarlock phases
@@ -597,16 +612,11 @@ def files_of_listed(tensors: dict) -> dict[str, int]:
 
 
 def _layout_from_entries(per_file: dict[str, list]):
-    cache: dict[str, dict] = {}
+    cache: dict[str, tuple] = {}
 
-    def layout(f: str) -> dict:
+    def layout(f: str) -> tuple[dict, list]:
         if f not in cache:
-            pos = 0
-            out = {}
-            for k, off, fr, name, s in file_write_order(per_file.get(f, [])):
-                out[name] = (pos, s.local_shape, k)
-                pos += s.numel * ITEM
-            cache[f] = out
+            cache[f] = lay_out_file(per_file.get(f, []))
         return cache[f]
 
     return layout
@@ -728,7 +738,7 @@ class OarlockGrid(OarlockV1):
 
         cache: dict[str, dict] = {}
 
-        def layout(f: str) -> dict:
+        def layout(f: str) -> tuple[dict, list]:
             if f in cache:
                 return cache[f]
             w = int(f[5:-12])
@@ -745,12 +755,8 @@ class OarlockGrid(OarlockV1):
                 cell = t.grid.cell_of(p.shape, off) if p.shape else ()
                 if cell is not None and data_file_name(t.grid.writer(cell)) == f:
                     entries.append((p.key, off, None, p.key, ShardMeta(off, ls, f, p.key)))
-            pos, out = 0, {}
-            for k, off, fr, name, s in file_write_order(entries):
-                out[name] = (pos, s.local_shape, k)
-                pos += s.numel * ITEM
-            cache[f] = out
-            return out
+            cache[f] = lay_out_file(entries)
+            return cache[f]
 
         return layout
 
@@ -775,42 +781,6 @@ def oarlock_plan(meta, reqs) -> list:
 
     planner = Planner(meta)
     return planner.plan_rank(reqs).items
-
-
-def attach_origins(items: list, reqs) -> list:
-    """Give each read item the global box of its source elements (for the hashing model): the destination box
-    plus the request's origin (flat requests: the item's target piece origin is recovered from its flat start)."""
-    from oarlock.checkpoint.sharded import flat_range_boxes
-
-    by_key = {}
-    for r in reqs:
-        by_key.setdefault(r.key, []).append(r)
-    out = []
-    for it in items:
-        cands = by_key[it.dst_key]
-        origin = None
-        for r in cands:
-            if r.flattened_range is None:
-                if tuple(it.dst_shape) == tuple(r.local_shape):
-                    origin = r.global_offset
-                    break
-            else:
-                for off, ext, fs in flat_range_boxes(r.local_shape, *r.flattened_range):
-                    if fs == it.dst_flat_start and tuple(ext) == tuple(it.dst_shape):
-                        origin = tuple(o + a for o, a in zip(r.global_offset, off))
-                        break
-                if origin is not None:
-                    break
-        g = [(a + o, b + o) for (a, b), o in zip(it.dst_box, origin)]
-
-        class _It:  # read item with its global source box
-            __slots__ = ("file", "name", "src_box", "src_shape", "src_flat_start", "_global")
-
-        x = _It()
-        x.file, x.name, x.src_box, x.src_shape, x.src_flat_start, x._global = (it.file, it.name, it.src_box,
-                                                                            it.src_shape, it.src_flat_start, g)
-        out.append(x)
-    return out
 
 
 # ---------------------------------------------------------------- DCP phases
@@ -944,7 +914,7 @@ def run_cell(model: str, layers: int | None, kind: str, reshard: str, world: int
         res["parse_s"] = time.perf_counter() - t0
         worst = None
         storage = md.storage_data
-        for r in sample_ranks(rs.target.world):
+        for r in [loading_rank(rs.target, params)]:
             reqs = requests_of(rs.target, params, r)
             t0 = time.perf_counter()
             items = dcp_plan(md, reqs)
@@ -955,8 +925,7 @@ def run_cell(model: str, layers: int | None, kind: str, reshard: str, world: int
             row = {"rank": r, "plan_s": dt, "items": len(items), "bytes": sel,
                    "storage_bytes": sum(storage[it.storage_index].length for it in items),
                    "files": len({storage[it.storage_index].relative_path for it in items})}
-            if worse(row, worst):
-                worst = row
+            worst = row
         res["worst"] = worst
         res["rss"] = peak_rss() - base_rss
     else:
@@ -973,7 +942,7 @@ def run_cell(model: str, layers: int | None, kind: str, reshard: str, world: int
         res["parse_s"] = time.perf_counter() - t0
         worst = None
         plans = {}
-        for r in sample_ranks(rs.target.world):
+        for r in [loading_rank(rs.target, params)]:
             reqs = requests_of(rs.target, params, r)
             t0 = time.perf_counter()
             items = oarlock_plan(meta, reqs)
@@ -983,15 +952,14 @@ def run_cell(model: str, layers: int | None, kind: str, reshard: str, world: int
             assert vol == want, f"oarlock's read items cover {vol} bytes for {want} requested (rank {r})"
             row = {"rank": r, "plan_s": dt, "items": len(items), "bytes": vol, "files": len({it.file for it in items})}
             plans[r] = (items, reqs)
-            if worse(row, worst):
-                worst = row
+            worst = row
         res["worst"] = worst
         res["rss"] = peak_rss() - base_rss  # the hashing model below is the simulator's, not a rank's
         r = worst["rank"]
         items, reqs = plans[r]
         del plans
         readers = ReaderIndex(rs.target, params)
-        h, touched, sampled = hashed_bytes(attach_origins(items, reqs), r, sim.file_layout(meta), readers,
+        h, touched, sampled = hashed_bytes(items, r, sim.file_layout(meta), readers,
                                            file_sizes, "owner" if lib == "oarlock" else "touched")
         res["worst"].update({"hashed": h, "touched": touched, "hash_sampled": sampled})
     res["total_s"] = time.perf_counter() - t_all
@@ -1039,7 +1007,7 @@ def table(title: str, results: dict[str, dict], libs: list[str]) -> str:
              + (f" ({mib(r['meta_checksum_bytes'])} checksums)" if "meta_checksum_bytes" in r else ""),
              lambda r: r["meta_bytes"]),
             ("read + parse (per rank)", lambda r: fmt_s(r["parse_s"]), lambda r: r["parse_s"]),
-            ("plan (worst sampled rank)", lambda r: fmt_s(r["worst"]["plan_s"]) + f" (rank {r['worst']['rank']})",
+            ("plan (loading rank)", lambda r: fmt_s(r["worst"]["plan_s"]) + f" (rank {r['worst']['rank']})",
              lambda r: r["worst"]["plan_s"]),
             ("read + plan", lambda r: fmt_s(r["parse_s"] + r["worst"]["plan_s"]),
              lambda r: r["parse_s"] + r["worst"]["plan_s"]),
