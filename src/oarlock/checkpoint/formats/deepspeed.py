@@ -341,6 +341,9 @@ class DeepSpeedReader(CheckpointReader):
             inner = od.get("base_optimizer_state") or od.get("optimizer_state_dict") or {}
             state = inner.get("state", {}).get(gi, {})
             t = state.get(kind)
+            if kind == "step" and type(t) in (int, float):
+                # DeepSpeed's FusedAdam (and optimizers like it) keep the step as a Python number, not a tensor
+                t = torch.tensor(float(t), dtype=torch.float32)
         if not isinstance(t, torch.Tensor):
             raise CheckpointFormatError(f"{where}: no {kind} tensor for parameter group {gi}")
         return t.reshape(-1) if kind != "step" else t.reshape(()), int(base)
