@@ -139,3 +139,19 @@ def test_torchtitan_layout(tmp_path):
         assert torch.equal(target["model"][k], v), k
     with pytest.raises(CheckpointError, match="no tensor key of the checkpoint starts with it"):
         export_hf(tmp_path / "tt", tmp_path / "hf2", model_prefix="net.")
+
+
+def test_no_prefix_without_training_entries(tmp_path):
+    """A model whose every key starts with ``model.`` (an HF Llama with tied embeddings) keeps its names: saved
+    alone, or with oarlock's own optimizer records (``optimizer.param_groups``), nothing is stripped."""
+    from oarlock.checkpoint.convert import export_hf
+
+    w = {"model.embed_tokens.weight": torch.randn(8, 4), "model.norm.weight": torch.randn(4)}
+    save_state_dict(w, tmp_path / "plain")
+    save_state_dict({**w, "model.norm.weight.exp_avg": torch.randn(4),
+                     "optimizer": {"param_groups": [{"lr": 0.1, "params": sorted(w)}]}}, tmp_path / "own")
+    for d in ("plain", "own"):
+        with open_checkpoint(tmp_path / d) as r:
+            assert r.metadata.model_prefix is None, d
+        export_hf(tmp_path / d, tmp_path / f"hf_{d}")
+        assert sorted(st_tensors(tmp_path / f"hf_{d}")) == sorted(w), d

@@ -374,6 +374,8 @@ def key_selected(key: str, include: Sequence[str] | str | None = None, exclude: 
 OPTIMIZER_WRAPPERS = ("optim", "optimizer")
 #: Top-level entries of torchtitan's checkpoint that are records of the run, not weights.
 RUN_RECORD_WRAPPERS = ("lr_scheduler", "dataloader", "train_state")
+#: Formats whose keys are a nested state dict flattened with dots: the only ones given a model prefix.
+WRAPPED_FORMATS = ("oarlock", "dcp")
 #: Top-level entry names tried, in this order, as the wrapper of the model weights.
 MODEL_WRAPPERS = ("model",)
 
@@ -389,11 +391,14 @@ def mark_training_layout(meta: CheckpointMetadata) -> CheckpointMetadata:
       flattened) join :attr:`~CheckpointMetadata.optimizer_keys`;
     * entries (tensors or objects) under ``optim.param_groups`` / ``optimizer.param_groups`` and torchtitan's
       ``lr_scheduler``, ``dataloader`` and ``train_state`` join :attr:`~CheckpointMetadata.non_model_keys`;
-    * when there was such an entry and every remaining tensor key starts with ``model.``,
+    * in a checkpoint saved from a nested state dict (oarlock's own and torch DCP: :data:`WRAPPED_FORMATS`) that
+      holds torch's optimizer entries (``optim.state.*``, ``optim.param_groups``, ``optimizer.state.*``) or
+      torchtitan's, when every remaining tensor key starts with ``model.``,
       :attr:`~CheckpointMetadata.model_prefix` becomes ``"model."`` (an HF export strips it).
 
-    A checkpoint without any such entry is left as it is (a plain model saved under ``model.`` keeps its keys).
-    Returns ``meta``."""
+    A checkpoint without any such entry keeps its keys (a plain model saved under ``model.``, an HF Llama with
+    tied embeddings, oarlock's own optimizer checkpoint, whose ``optimizer.param_groups`` alone is marked);
+    DeepSpeed's and Megatron-Core's names are the model's own and get no prefix. Returns ``meta``."""
     marked_opt = set(meta.optimizer_keys)
     marked = set(meta.non_model_keys)
     found = False
@@ -411,8 +416,9 @@ def mark_training_layout(meta: CheckpointMetadata) -> CheckpointMetadata:
                 or any(_under(k, w) for w in RUN_RECORD_WRAPPERS):
             meta.non_model_keys.append(k)
             marked.add(k)
-            found = True
-    if found and meta.model_prefix is None:
+            # oarlock's own optimizer checkpoint stores optimizer.param_groups beside <model key>.exp_avg tensors
+            found = found or not _under(k, PARAM_GROUPS_KEY)
+    if found and meta.model_prefix is None and meta.format in WRAPPED_FORMATS:
         rest = [k for k in meta.tensors if k not in marked_opt and k not in marked]
         for w in MODEL_WRAPPERS:
             if rest and all(k.startswith(w + ".") for k in rest):
