@@ -106,6 +106,8 @@ def test_model_prefix_option(written, tmp_path, capsys):
                  "--model-prefix", "net."]) == 2
     assert "model prefix 'net.'" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()
+    assert main(["convert", str(written / "oar"), str(tmp_path / "o"), "--to", "oarlock", "--model-prefix", "x"]) == 2
+    assert "--model-prefix applies to --to hf" in capsys.readouterr().err
 
 
 def test_torchtitan_layout(tmp_path):

@@ -220,6 +220,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
         print("oarlock: error: --tp/--pp/--dp/--tp-rules apply to --to oarlock; an HF export holds whole tensors",
               file=sys.stderr)
         return 2
+    if args.model_prefix is not None and to != "hf":
+        print("oarlock: error: --model-prefix applies to --to hf (the other outputs keep the stored keys)",
+              file=sys.stderr)
+        return 2
     tp_rules = args.tp_rules
     if args.preset:
         from oarlock.checkpoint.presets import preset
