@@ -7,6 +7,8 @@ through the harness's command line, so a failing writer is reported by scenario 
         # OUT/ckpt_train (the same weights with Adam state), OUT/optim_ref_rank{r}.pt
     PY tests/multirank.py tests/checkpoint/_foreign_writers.py 2 OUT deepspeed_zero1 deepspeed_zero2 deepspeed_zero3
         # tiny HF Llama, one ZeRO stage each -> OUT/z{S}/ckpt, OUT/z{S}/ref.pt
+    PY tests/multirank.py tests/checkpoint/_foreign_writers.py 1 OUT deepspeed_zero1_adamw
+        # one process, ZeRO-1, AdamW -> OUT/z1w/ckpt, OUT/z1w/ckpt_intstep (Python-int steps), OUT/z1w/ref.pt
 
 DeepSpeed's C++ op (``deepspeed_shm_comm``) is loaded from ``.foreign-venv/torch_extensions``, where
 ``scripts/foreign_env.sh`` prebuilt it; a stale build lock there fails the writer naming the file

@@ -1,5 +1,6 @@
 """DeepSpeed ZeRO 1/2/3 checkpoints written by the real DeepSpeed (``engine.save_checkpoint`` of a tiny HF Llama
 on 2 gloo CPU ranks, AdamW, two steps) in ``.foreign-venv`` (scripts/foreign_env.sh; skipped without it).
+Also ZeRO-1 in one process with AdamW, as written and with the integer ``step`` DeepSpeed's FusedAdam stores.
 References: DeepSpeed's own ``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state`` on the writer."""
 
 from __future__ import annotations
