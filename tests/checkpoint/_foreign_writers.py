@@ -7,6 +7,8 @@ through the harness's command line, so a failing writer is reported by scenario 
         # OUT/ckpt_train (the same weights with Adam state), OUT/optim_ref_rank{r}.pt
     PY tests/multirank.py tests/checkpoint/_foreign_writers.py 2 OUT deepspeed_zero1 deepspeed_zero2 deepspeed_zero3
         # tiny HF Llama, one ZeRO stage each -> OUT/z{S}/ckpt, OUT/z{S}/ref.pt
+    PY tests/multirank.py tests/checkpoint/_foreign_writers.py 1 OUT deepspeed_zero1_adamw
+        # one process, ZeRO-1, AdamW -> OUT/z1w/ckpt, OUT/z1w/ckpt_intstep (Python-int steps), OUT/z1w/ref.pt
 
 DeepSpeed's C++ op (``deepspeed_shm_comm``) is loaded from ``.foreign-venv/torch_extensions``, where
 ``scripts/foreign_env.sh`` prebuilt it; a stale build lock there fails the writer naming the file
@@ -232,3 +234,60 @@ def scenario_deepspeed_zero2(ctx) -> None:
 
 def scenario_deepspeed_zero3(ctx) -> None:
     _deepspeed_zero(ctx, 3)
+
+
+
+def scenario_deepspeed_zero1_adamw(ctx) -> None:
+    """ZeRO-1 with AdamW in ``world`` processes (the issue's case: one), two steps, saved into ``z1w/ckpt``;
+    ``z1w/ref.pt`` holds DeepSpeed's own full fp32 weights and moments, ``z1w/steps.json`` each group's step.
+
+    ``z1w/ckpt_intstep`` is the same checkpoint with each group's ``step`` stored as a Python int, the way
+    DeepSpeed's own ``FusedAdam`` keeps it (``state['step'] = group.get('step', 0)``, then ``+= 1``): the writer
+    uses torch's AdamW (``torch_adam``) because FusedAdam's CPU op is a C++ build of several minutes, and rewrites
+    only the ``step`` entries of the optimizer files (loaded and saved with DeepSpeed importable)."""
+    rank, world, out = ctx.rank, ctx.world, str(ctx.shared)
+    _env(rank, world)
+    os.environ["TORCH_EXTENSIONS_DIR"] = extensions_dir()
+    deepspeed_op_ready(os.environ["TORCH_EXTENSIONS_DIR"])
+    import glob
+    import json
+    import shutil
+
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    from transformers import LlamaForCausalLM
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_llama_config())
+    cfg = {"train_batch_size": world, "train_micro_batch_size_per_gpu": 1,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
+           "zero_optimization": {"stage": 1}}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    ids = torch.randint(0, 96, (1, 8), generator=torch.Generator().manual_seed(rank))
+    for _ in range(2):
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+    d = os.path.join(out, "z1w")
+    engine.save_checkpoint(os.path.join(d, "ckpt"), tag="global_step2")
+    ref = {}
+    for name, p in engine.module.named_parameters():
+        ref[name] = safe_get_full_fp32_param(p).detach().clone()
+        for m in ("exp_avg", "exp_avg_sq"):
+            ref[f"optim.state.{name}.{m}"] = safe_get_full_optimizer_state(p, m).detach().clone()
+    torch.distributed.barrier()
+    if rank == 0:
+        torch.save(ref, os.path.join(d, "ref.pt"))
+        shutil.copytree(os.path.join(d, "ckpt"), os.path.join(d, "ckpt_intstep"))
+        steps = []
+        for f in sorted(glob.glob(os.path.join(d, "ckpt_intstep", "global_step2", "*optim_states.pt"))):
+            sd = torch.load(f, weights_only=False)
+            inner = sd["optimizer_state_dict"]["base_optimizer_state"]
+            for g, st in inner["state"].items():
+                st["step"] = int(st["step"])
+                steps.append(st["step"])
+            torch.save(sd, f)
+        with open(os.path.join(d, "steps.json"), "w") as f:
+            json.dump({"steps": steps, "groups": len(engine.optimizer.optimizer.param_groups)}, f)
+    torch.distributed.barrier()

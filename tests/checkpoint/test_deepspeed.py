@@ -1,5 +1,6 @@
 """DeepSpeed ZeRO 1/2/3 checkpoints written by the real DeepSpeed (``engine.save_checkpoint`` of a tiny HF Llama
 on 2 gloo CPU ranks, AdamW, two steps) in ``.foreign-venv`` (scripts/foreign_env.sh; skipped without it).
+Also ZeRO-1 in one process with AdamW, as written and with the integer ``step`` DeepSpeed's FusedAdam stores.
 References: DeepSpeed's own ``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state`` on the writer."""
 
 from __future__ import annotations
@@ -198,3 +199,69 @@ def test_zero_hostile_and_broken(written, tmp_path):
     with pytest.raises(CheckpointFormatError,
                        match=r"saved by 2 ranks, but optimizer state files of ranks \[1\] are missing"):
         open_checkpoint(d)
+
+
+@pytest.fixture(scope="module")
+def written_adamw(tmp_path_factory) -> Path:
+    """ZeRO-1, one CPU process, AdamW (``deepspeed_zero1_adamw``): ``ckpt`` as written, ``ckpt_intstep`` with
+    each group's step a Python int as DeepSpeed's FusedAdam stores it."""
+    if not PY.exists():
+        pytest.skip("no .foreign-venv (run scripts/foreign_env.sh): DeepSpeed is not installed")
+    so = Path(extensions_dir(str(VENV))) / SHM_OP / f"{SHM_OP}.so"
+    if not so.is_file():
+        pytest.skip(f"DeepSpeed's {SHM_OP} op is not prebuilt ({so}): run scripts/foreign_env.sh")
+    out = tmp_path_factory.mktemp("deepspeed_adamw")
+    r = subprocess.run([str(PY), str(REPO / "tests" / "multirank.py"),
+                        str(Path(__file__).with_name("_foreign_writers.py")), "1", str(out), "deepspeed_zero1_adamw"],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
+    steps = json.loads((out / "z1w" / "steps.json").read_text())
+    assert steps["steps"] == [2] and steps["groups"] == 1  # the rewritten file holds a Python int
+    return out / "z1w"
+
+
+@pytest.mark.parametrize("ckpt", ["ckpt", "ckpt_intstep"])
+def test_zero1_adamw_verify_is_clean(written_adamw, ckpt, capsys):
+    """`oarlock verify` on a healthy ZeRO-1 AdamW checkpoint: intact, exit 0 (an integer step is a step)."""
+    capsys.readouterr()
+    assert main(["verify", str(written_adamw / ckpt), "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["problems"] == [], rep["problems"]
+
+
+@pytest.mark.parametrize("ckpt", ["ckpt", "ckpt_intstep"])
+def test_zero1_adamw_targets_as_inspect_lists_them(written_adamw, ckpt, capsys):
+    """Targets keyed and shaped exactly as `oarlock inspect --json` lists the tensors load with no missing key:
+    weights and moments equal DeepSpeed's own full fp32 values, every step equals the stored step (2)."""
+    ref = torch.load(written_adamw / "ref.pt", weights_only=True)
+    assert main(["inspect", str(written_adamw / ckpt), "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)["tensors"]
+    targets = {t["key"]: torch.zeros(t["shape"], dtype=getattr(torch, t["dtype"])) for t in listed}
+    report = load_state_dict(targets, written_adamw / ckpt, strict=False)
+    assert report.missing_keys == []
+    for k, v in ref.items():
+        assert torch.equal(targets[k], v), k
+    steps = [k for k in targets if k.endswith(".step")]
+    assert len(steps) == len([k for k in ref if not k.startswith("optim.")])
+    for k in steps:
+        assert targets[k].item() == 2.0, k
+
+
+@pytest.mark.parametrize("ckpt", ["ckpt", "ckpt_intstep"])
+def test_zero1_adamw_deepspeed_targets_from_the_model(written_adamw, ckpt):
+    """The README's snippet: ``deepspeed_targets(model)`` of the training model (not torch's
+    ``{"model": ..., "optim": opt.state_dict()}``) loads the checkpoint with nothing missing, values equal to
+    DeepSpeed's own; the only unexpected keys are the engine's records."""
+    from transformers import LlamaForCausalLM
+
+    from oarlock.checkpoint.formats.deepspeed import deepspeed_targets
+
+    ref = torch.load(written_adamw / "ref.pt", weights_only=True)
+    targets = deepspeed_targets(LlamaForCausalLM(tiny_llama_config()))
+    report = load_state_dict(targets, written_adamw / ckpt, strict=False)
+    assert report.missing_keys == []
+    with open_checkpoint(written_adamw / ckpt) as r:
+        assert set(report.unexpected_keys) <= set(r.metadata.non_model_keys)
+    for k, v in ref.items():
+        assert torch.equal(targets[k], v), k
+    assert all(targets[k].item() == 2.0 for k in targets if k.endswith(".step"))

@@ -32,6 +32,8 @@ def _inspect_json(path: str, meta: object) -> dict:
 
     return {"path": str(path), "format": meta.format, "num_tensors": len(meta.tensors),
             "total_bytes": meta.total_bytes, "files": meta.files, "objects": meta.objects,
+            "model_prefix": meta.model_prefix, "optimizer_state_keys": meta.optimizer_state_keys(),
+            "non_model_keys": list(meta.non_model_keys),
             "tensors": [{"key": t.key, "shape": list(t.global_shape), "dtype": t.dtype, "nbytes": t.nbytes,
                          "shards": [s.to_json() | {"nbytes": s.numel * dtype_itemsize(t.dtype)} for s in t.shards]}
                         | ({"grid": t.grid.to_json()} if t.grid is not None else {})
@@ -57,6 +59,13 @@ def _inspect_text(path: str, meta: object) -> str:
                              f"file={s.file}{extra}")
     for k, v in meta.objects.items():
         lines.append(f"{k:<{w}}  (object) {json.dumps(v)[:60]}")
+    opt, runs = meta.optimizer_state_keys(), [k for k in meta.non_model_keys]
+    if opt or runs:
+        lines.append(f"# not model weights: {len(opt)} optimizer state tensor(s), {len(runs)} training-run record(s) "
+                     "(convert --to hf leaves them out; model_only=True loads ignore them)")
+    if meta.model_prefix:
+        lines.append(f"# model weights under the wrapper prefix {meta.model_prefix!r} (convert --to hf strips it; "
+                     "--model-prefix chooses another)")
     return "\n".join(lines)
 
 
@@ -188,7 +197,7 @@ def cmd_aoa_explain(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     from oarlock.checkpoint.convert import (ConversionLayout, convert_checkpoint, convert_to_dcp, export_hf,
                                             plan_conversion, resolve_tp_rules)
-    from oarlock.checkpoint.storage import detect_format
+    from oarlock.checkpoint.storage import detect_format, open_checkpoint
 
     config = None
     args.src = _resolve(args.src)
@@ -211,6 +220,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
         print("oarlock: error: --tp/--pp/--dp/--tp-rules apply to --to oarlock; an HF export holds whole tensors",
               file=sys.stderr)
         return 2
+    if args.model_prefix is not None and to != "hf":
+        print("oarlock: error: --model-prefix applies to --to hf (the other outputs keep the stored keys)",
+              file=sys.stderr)
+        return 2
     tp_rules = args.tp_rules
     if args.preset:
         from oarlock.checkpoint.presets import preset
@@ -225,14 +238,16 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if args.dry_run:
         text = plan_conversion(args.src, to="oarlock" if to == "dcp" else to, aoa_config=config, layout=layout,
                                max_shard_size=args.max_shard_size, include=args.include, exclude=args.exclude,
-                               optimizer_state=keep_opt).render()
+                               optimizer_state=keep_opt, model_prefix=args.model_prefix if to == "hf" else None
+                               ).render()
         if to == "dcp":  # same chunking; each rank file becomes __<rank>_0.distcp
             text = text.replace("-> oarlock:", "-> dcp:", 1)
         print(text)
         return 0
     if to == "hf":
         plan = plan_conversion(args.src, to="hf", aoa_config=config, max_shard_size=args.max_shard_size,
-                               include=args.include, exclude=args.exclude, optimizer_state=keep_opt)
+                               include=args.include, exclude=args.exclude, optimizer_state=keep_opt,
+                               model_prefix=args.model_prefix)
         from pathlib import Path
 
         from oarlock.checkpoint.convert import side_files
@@ -245,13 +260,17 @@ def cmd_convert(args: argparse.Namespace) -> int:
         out = export_hf(args.src, args.dst, aoa_config=config, max_shard_size=args.max_shard_size,
                         copy_side_files=not args.no_side_files, include=args.include, exclude=args.exclude,
                         optimizer_state=keep_opt, verify_checksums=not args.no_verify, overwrite=args.overwrite,
-                        extra_files=extra)
+                        extra_files=extra, model_prefix=args.model_prefix)
         files = sorted(p.name for p in out.iterdir() if p.suffix == ".safetensors")
         print(f"{args.dst}: HuggingFace checkpoint, {len(plan.keys)} tensors in {len(files)} safetensors file(s)")
         if plan.dropped_optimizer_keys:
             print(f"left out {len(plan.dropped_optimizer_keys)} optimizer state tensor(s) (model weights only; "
                   "--keep-optimizer-state keeps them)")
-        if config is None and detect_format(args.src) in ("oarlock", "dcp", "paddle"):
+        with open_checkpoint(args.src) as reader:
+            stripped = reader.metadata.model_prefix if args.model_prefix is None else args.model_prefix
+        if config is None and stripped:
+            print(f"model keys written without their wrapper prefix {stripped!r} (--model-prefix '' keeps it)")
+        elif config is None and detect_format(args.src) in ("oarlock", "dcp", "paddle"):
             # a training checkpoint's keys are the training model's: without a mapping they are not HF names
             print(f"note: keys written under their stored names (e.g. {plan.keys[0].key!r}) since no --aoa/--preset "
                   "was given; a model trained in oarlock.models maps to HF names with --preset NAME "
@@ -447,6 +466,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="largest HF output file, e.g. 5GB, 500MiB or bytes (default 5GB)")
     cv.add_argument("--no-side-files", action="store_true",
                     help="do not copy config.json, tokenizer and other side files from SRC")
+    cv.add_argument("--model-prefix", default=None, metavar="PREFIX",
+                    help="--to hf: the wrapper prefix stripped from the model keys (default: the one `inspect` "
+                         "shows, 'model.' for torch's {\"model\": ..., \"optim\": ...} training state and "
+                         "torchtitan's; '' keeps every key as stored)")
     cv.add_argument("--keep-optimizer-state", action="store_true",
                     help="--to hf: also export optimizer state tensors (exp_avg, ...); by default an HF export "
                          "holds model weights only (--to oarlock keeps everything)")

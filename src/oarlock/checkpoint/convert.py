@@ -282,9 +282,11 @@ def select_keys(program: MappingProgram, metadata: CheckpointMetadata, *, includ
     """Restrict ``program`` to the destination keys that pass the ``include``/``exclude`` globs
     (:func:`~oarlock.checkpoint.metadata.key_selected`) and, unless ``optimizer_state``, are not optimizer state:
     a destination key is optimizer state when every source key it reads is one
-    (:meth:`~oarlock.checkpoint.metadata.CheckpointMetadata.optimizer_state_keys`). Returns ``(program, dropped
+    (:meth:`~oarlock.checkpoint.metadata.CheckpointMetadata.optimizer_state_keys`, and tensors among the run's
+    records, :attr:`~oarlock.checkpoint.metadata.CheckpointMetadata.non_model_keys`). Returns ``(program, dropped
     optimizer keys)``; ``program`` itself when nothing is filtered."""
-    opt = set() if optimizer_state else set(metadata.optimizer_state_keys())
+    opt = set() if optimizer_state else (set(metadata.optimizer_state_keys())
+                                         | (set(metadata.non_model_keys) & set(metadata.tensors)))
     if not opt and not include and not exclude:
         return program, []
     keep, dropped = [], []
@@ -333,13 +335,39 @@ def rank_descriptions(program: MappingProgram, axes: Mapping[str, int | None], l
     return per_rank
 
 
+def strip_model_prefix(metadata: CheckpointMetadata, aoa_config: Any = None, model_prefix: str | None = None
+                       ) -> Any:
+    """The AOA config of an HF export: ``aoa_config`` when given; else, when the model weights sit under a wrapper
+    prefix, a config dropping it (``"<prefix>** -> **"``; other keys keep their names). ``model_prefix`` None
+    takes the prefix :func:`~oarlock.checkpoint.metadata.mark_training_layout` found (``"model."`` for torch's
+    ``{"model": ..., "optim": ...}`` training state, torchtitan's too), ``""`` keeps every key as stored, any
+    other string is stripped from the keys that start with it.
+
+    Raises:
+        CheckpointError: ``model_prefix`` given together with ``aoa_config``, or a prefix no tensor key starts
+            with (naming it)."""
+    if aoa_config is not None:
+        if model_prefix:
+            raise CheckpointError("--model-prefix and an AOA config/preset do not combine: put the renaming in the "
+                                  "AOA config")
+        return aoa_config
+    prefix = metadata.model_prefix if model_prefix is None else model_prefix
+    if not prefix:
+        return None
+    if not any(k.startswith(prefix) for k in metadata.tensors):
+        raise CheckpointError(f"model prefix {prefix!r}: no tensor key of the checkpoint starts with it "
+                              f"(keys such as {next(iter(metadata.tensors), '')!r})")
+    return {"aoa_statements": [f"{prefix}** -> **"]}
+
+
 def plan_conversion(source: str | os.PathLike, *, to: str = "oarlock", aoa_config: Any = None,
                     layout: ConversionLayout | None = None, max_shard_size: int | str = "5GB",
                     include: Sequence[str] | None = None, exclude: Sequence[str] | None = None,
-                    optimizer_state: bool | None = None) -> ConversionPlan:
+                    optimizer_state: bool | None = None, model_prefix: str | None = None) -> ConversionPlan:
     """Describe a conversion without writing anything (see :func:`convert_checkpoint`, :func:`export_hf`).
     ``include``/``exclude``/``optimizer_state``: see :func:`select_keys`; ``optimizer_state`` None means False
-    for ``to="hf"`` (model weights only) and True for ``to="oarlock"``.
+    for ``to="hf"`` (model weights only) and True for ``to="oarlock"``. ``model_prefix`` (``to="hf"`` only): see
+    :func:`strip_model_prefix`.
 
     Raises:
         CheckpointError: unreadable source, bad AOA config or TP rules, unknown ``to``.
@@ -370,6 +398,7 @@ def plan_conversion(source: str | os.PathLike, *, to: str = "oarlock", aoa_confi
                     entry[1] += numel(s.local_shape) * dtype_itemsize(t.dtype)
             plan.files = {f: (keys, n) for f, (keys, n) in per_file.items()}
         else:
+            aoa_config = strip_model_prefix(meta, aoa_config, model_prefix)
             program, plan.dropped_optimizer_keys = select_keys(compile_program(meta, aoa_config), meta,
                                                                include=include, exclude=exclude,
                                                                optimizer_state=keep_opt)
@@ -463,7 +492,7 @@ def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike, *, aoa_conf
               show_progress: bool | None = None, include: Sequence[str] | None = None,
               exclude: Sequence[str] | None = None, optimizer_state: bool = False,
               verify_checksums: bool = True, overwrite: bool = False,
-              extra_files: Mapping[str, str | os.PathLike] | None = None) -> Path:
+              extra_files: Mapping[str, str | os.PathLike] | None = None, model_prefix: str | None = None) -> Path:
     """Export a checkpoint on disk (oarlock in any layout, Paddle, HF) to a HuggingFace directory:
     ``model.safetensors`` or ``model-0000i-of-0000N.safetensors`` + ``model.safetensors.index.json`` (files of at
     most ``max_shard_size`` bytes of tensor data, a larger tensor alone in its file).
@@ -479,6 +508,8 @@ def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike, *, aoa_conf
     left out unless ``optimizer_state=True``; ``include``/``exclude`` globs filter the destination keys. A
     source with block checksums is verified whole first (:mod:`oarlock.checkpoint.integrity`; ``verify_checksums=False``
     skips it). ``extra_files`` (``{name: path}``) are copied in too (after the side files, so they win).
+    A training-state checkpoint's wrapper prefix (``model.`` of torch's ``{"model": ..., "optim": ...}``) is
+    stripped from the model keys unless ``model_prefix`` says otherwise (:func:`strip_model_prefix`).
 
     An existing ``out_dir`` is replaced only when it is an HF checkpoint holding only files oarlock wrote (or an
     empty directory); with ``overwrite`` also one holding other entries, which are kept (only oarlock's files are
@@ -491,7 +522,8 @@ def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike, *, aoa_conf
             written); ChecksumError: a corrupt source block.
     """
     plan = plan_conversion(source, to="hf", aoa_config=aoa_config, max_shard_size=max_shard_size, include=include,
-                           exclude=exclude, optimizer_state=optimizer_state)
+                           exclude=exclude, optimizer_state=optimizer_state, model_prefix=model_prefix)
+    user_config = aoa_config
     if not plan.keys:
         raise CheckpointError(f"{source}: no tensor left to export after filtering "
                               f"(include={include}, exclude={exclude}, optimizer_state={optimizer_state})")
@@ -501,6 +533,7 @@ def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike, *, aoa_conf
         with open_checkpoint(source) as reader, single_threaded_copies():
             if verify_checksums:
                 verify_all_blocks(reader)
+            aoa_config = strip_model_prefix(reader.metadata, aoa_config, model_prefix)
             planner = Planner(reader.metadata, compile_program(reader.metadata, aoa_config))
             specs = {k.key: k for k in plan.keys}
             bar = _byte_bar(plan.total_bytes, show_progress)
@@ -521,7 +554,7 @@ def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike, *, aoa_conf
             if name in (HF_INDEX, HF_SINGLE) or name.startswith("model-") or "/" in name:
                 raise CheckpointError(f"extra file {name!r} would overwrite a checkpoint file of the export")
             shutil.copyfile(f, tmp / name)
-        if isinstance(hf_config, dict) and aoa_config is None and not (tmp / "config.json").exists():
+        if isinstance(hf_config, dict) and user_config is None and not (tmp / "config.json").exists():
             (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         publish_directory(tmp, out_dir, overwrite=overwrite)
     return out_dir

@@ -211,6 +211,10 @@ class CheckpointMetadata:
             optimizer state, but records of the training run (Megatron-Core's ``common.*`` values and layers'
             ``*._extra_state*``, DeepSpeed's engine counters and ``optim.param_groups``). A ``model_only`` load
             does not count them as unexpected. Not written to ``metadata.json``.
+        model_prefix: the wrapper prefix every model weight of a training-state checkpoint is stored under
+            (``"model."`` for torch's ``{"model": ..., "optim": ...}`` from ``get_state_dict`` and torchtitan's
+            ``model``), found by :func:`mark_training_layout`; ``oarlock convert --to hf`` strips it (``inspect``
+            shows it). None when there is none. Not written to ``metadata.json``.
     """
 
     format: str
@@ -221,6 +225,7 @@ class CheckpointMetadata:
     save_id: str | None = None
     optimizer_keys: list[str] = field(default_factory=list)
     non_model_keys: list[str] = field(default_factory=list)
+    model_prefix: str | None = None
 
     @property
     def files(self) -> list[str]:
@@ -269,7 +274,8 @@ class CheckpointMetadata:
         objects = {k: v for k, v in self.objects.items() if key_selected(k, include, exclude)}
         return CheckpointMetadata(self.format, keep, objects, dict(self.nested), dict(self.extra),
                                   optimizer_keys=[k for k in self.optimizer_keys if k in keep],
-                                  non_model_keys=[k for k in self.non_model_keys if k in keep or k in objects])
+                                  non_model_keys=[k for k in self.non_model_keys if k in keep or k in objects],
+                                  model_prefix=self.model_prefix)
 
     def dumps(self, compact: bool = True) -> str:
         """``metadata.json`` text (see :meth:`to_json`): one line per tensor record and per data file's checksums,
@@ -361,3 +367,61 @@ def key_selected(key: str, include: Sequence[str] | str | None = None, exclude: 
     if inc and not any(fnmatch.fnmatchcase(key, p) for p in inc):
         return False
     return not any(fnmatch.fnmatchcase(key, p) for p in exc)
+
+
+#: Top-level entries of a training-state checkpoint holding optimizer state: torch's ``get_state_dict`` /
+#: ``optim.state_dict()`` saved under ``optim`` (the ``Stateful`` convention) or ``optimizer`` (torchtitan).
+OPTIMIZER_WRAPPERS = ("optim", "optimizer")
+#: Top-level entries of torchtitan's checkpoint that are records of the run, not weights.
+RUN_RECORD_WRAPPERS = ("lr_scheduler", "dataloader", "train_state")
+#: Formats whose keys are a nested state dict flattened with dots: the only ones given a model prefix.
+WRAPPED_FORMATS = ("oarlock", "dcp")
+#: Top-level entry names tried, in this order, as the wrapper of the model weights.
+MODEL_WRAPPERS = ("model",)
+
+
+def _under(key: str, wrapper: str) -> bool:
+    return key == wrapper or key.startswith(wrapper + ".")
+
+
+def mark_training_layout(meta: CheckpointMetadata) -> CheckpointMetadata:
+    """Recognise torch's training-state layout in ``meta`` (any format) and mark it, in place:
+
+    * tensors under ``optim.state.`` / ``optimizer.state.`` (torch ``{"state": {fqn: {"exp_avg", ...}}}``
+      flattened) join :attr:`~CheckpointMetadata.optimizer_keys`;
+    * entries (tensors or objects) under ``optim.param_groups`` / ``optimizer.param_groups`` and torchtitan's
+      ``lr_scheduler``, ``dataloader`` and ``train_state`` join :attr:`~CheckpointMetadata.non_model_keys`;
+    * in a checkpoint saved from a nested state dict (oarlock's own and torch DCP: :data:`WRAPPED_FORMATS`) that
+      holds torch's optimizer entries (``optim.state.*``, ``optim.param_groups``, ``optimizer.state.*``) or
+      torchtitan's, when every remaining tensor key starts with ``model.``,
+      :attr:`~CheckpointMetadata.model_prefix` becomes ``"model."`` (an HF export strips it).
+
+    A checkpoint without any such entry keeps its keys (a plain model saved under ``model.``, an HF Llama with
+    tied embeddings, oarlock's own optimizer checkpoint, whose ``optimizer.param_groups`` alone is marked);
+    DeepSpeed's and Megatron-Core's names are the model's own and get no prefix. Returns ``meta``."""
+    marked_opt = set(meta.optimizer_keys)
+    marked = set(meta.non_model_keys)
+    found = False
+    for k in meta.tensors:
+        if k in marked_opt or k in marked:
+            continue
+        if any(k.startswith(w + ".state.") for w in OPTIMIZER_WRAPPERS):
+            meta.optimizer_keys.append(k)
+            marked_opt.add(k)
+            found = True
+    for k in (*meta.tensors, *meta.objects):
+        if k in marked_opt or k in marked:
+            continue
+        if any(_under(k, w + ".param_groups") for w in OPTIMIZER_WRAPPERS) \
+                or any(_under(k, w) for w in RUN_RECORD_WRAPPERS):
+            meta.non_model_keys.append(k)
+            marked.add(k)
+            # oarlock's own optimizer checkpoint stores optimizer.param_groups beside <model key>.exp_avg tensors
+            found = found or not _under(k, PARAM_GROUPS_KEY)
+    if found and meta.model_prefix is None and meta.format in WRAPPED_FORMATS:
+        rest = [k for k in meta.tensors if k not in marked_opt and k not in marked]
+        for w in MODEL_WRAPPERS:
+            if rest and all(k.startswith(w + ".") for k in rest):
+                meta.model_prefix = w + "."
+                break
+    return meta

@@ -178,6 +178,9 @@ def open_checkpoint(path: str | os.PathLike, *, view: View | None = None, rank: 
             reader.close()
             raise CheckpointFormatError(f"{p}: checkpoint files are not complete: {', '.join(unseen[:5])}"
                                         f"{' ...' if len(unseen) > 5 else ''} visible to no rank")
+    from oarlock.checkpoint.metadata import mark_training_layout
+
+    mark_training_layout(reader.metadata)  # torch's {"model", "optim"} / torchtitan's entries: what is not weights
     return reader
 
 

@@ -20,7 +20,8 @@ names the tag; ``dir/<tag>/`` holds
     padding); a rank's flat group buffer is the concatenation of its slots in ``param_shapes`` order.
 
 Keys: ``<param name>`` (fp32 master weight), ``optim.state.<param name>.exp_avg`` / ``.exp_avg_sq`` (flattened
-shards of the rank partitions) and ``.step``; buffers under their names; ``optim.param_groups`` and the engine's
+shards of the rank partitions) and ``.step`` (a float32 scalar: a tensor in the file, or a Python int, as
+DeepSpeed's own ``FusedAdam`` keeps it); :func:`deepspeed_targets` builds load targets with these keys; buffers under their names; ``optim.param_groups`` and the engine's
 scalars (``global_steps``, ``ds_version``, ...) as values. Each data-file shard is a *flattened* shard, so any
 target layout (another data-parallel degree included) reads only the partition bytes it needs. The
 ``optim.state.*`` keys are marked as optimizer state (``metadata.optimizer_keys``: ``oarlock convert --to hf``
@@ -277,6 +278,27 @@ def _add_param(meta: CheckpointMetadata, name: str, shape: tuple[int, ...], g: i
     meta.optimizer_keys.extend(f"optim.state.{name}.{m}" for m in (*MOMENTS, "step"))
 
 
+def deepspeed_targets(model: torch.nn.Module, *, optimizer_state: bool = True) -> dict[str, torch.Tensor]:
+    """Load targets for a DeepSpeed ZeRO checkpoint of ``model``, keyed exactly as the reader (and
+    ``oarlock inspect``) lists them: ``<param name>`` (fp32, the master weight's shape), and with
+    ``optimizer_state`` also ``optim.state.<param name>.exp_avg`` / ``.exp_avg_sq`` (fp32, same shape) and
+    ``.step`` (a float32 scalar; DeepSpeed may store it as a Python int, read as its value). The names are
+    ``model.named_parameters()``' (DeepSpeed's ``param_shapes`` use them); tied parameters appear once. Fresh
+    zero tensors: ``load_state_dict(targets, dir, strict=False)`` fills them (the engine's counters and
+    ``optim.param_groups`` are values, in ``LoadReport.unexpected_keys``).
+
+    Torch's natural targets (``{"model": model.state_dict(), "optim": opt.state_dict()}``) do not match these
+    keys: the ``model.`` wrapper and torch's integer parameter ids are not in a DeepSpeed checkpoint."""
+    out: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        out[name] = torch.zeros(p.shape, dtype=torch.float32)
+        if optimizer_state:
+            for m in MOMENTS:
+                out[f"optim.state.{name}.{m}"] = torch.zeros(p.shape, dtype=torch.float32)
+            out[f"optim.state.{name}.step"] = torch.zeros((), dtype=torch.float32)
+    return out
+
+
 @register_format
 class DeepSpeedReader(CheckpointReader):
     """Reader of DeepSpeed ZeRO 1/2/3 checkpoints (a save directory with ``latest``, or one tag directory).
@@ -341,8 +363,12 @@ class DeepSpeedReader(CheckpointReader):
             inner = od.get("base_optimizer_state") or od.get("optimizer_state_dict") or {}
             state = inner.get("state", {}).get(gi, {})
             t = state.get(kind)
+            if kind == "step" and type(t) in (int, float):
+                # DeepSpeed's FusedAdam (and optimizers like it) keep the step as a Python number, not a tensor
+                t = torch.tensor(float(t), dtype=torch.float32)
         if not isinstance(t, torch.Tensor):
-            raise CheckpointFormatError(f"{where}: no {kind} tensor for parameter group {gi}")
+            raise CheckpointFormatError(f"{where}: no {kind} tensor{' or number' if kind == 'step' else ''} "
+                                        f"for parameter group {gi}")
         return t.reshape(-1) if kind != "step" else t.reshape(()), int(base)
 
     def read_box(self, key: str, file: str, name: str, flat_start: int, shape: tuple[int, ...],

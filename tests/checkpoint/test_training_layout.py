@@ -1,0 +1,159 @@
+"""torch's training-state layout end to end (issue 29, section 1): ``get_state_dict(model, optim)`` of an FSDP2
+HF Llama saved as ``{"model": ..., "optim": ...}`` by oarlock and by ``dcp.save`` (real writers, one gloo CPU
+rank: ``_training_layout_scenarios.py``), and torchtitan's top-level entries. References: the FSDP2 model's own
+full state dict and eval-mode logits, and transformers loading the export."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from oarlock.checkpoint import load_state_dict, open_checkpoint, save_state_dict
+from oarlock.checkpoint.errors import CheckpointError, CheckpointMismatchError
+from oarlock.cli import main
+from testkit import st_tensors
+
+pytestmark = [pytest.mark.multiproc]
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    from multirank import run_scenarios
+
+    root = tmp_path_factory.mktemp("training_layout")
+    run_scenarios("_training_layout_scenarios", 1, root).check()
+    return root
+
+
+@pytest.mark.parametrize("src", ["oar", "dcp"])
+def test_export_hf_holds_model_weights_under_transformers_names(written, tmp_path, capsys, src):
+    """`oarlock convert SRC OUT --to hf` on torch's training state: no optimizer tensor and no param group in the
+    HF files, the ``model.`` wrapper stripped (the CLI says both), and transformers loads OUT with no missing or
+    unexpected key, every weight equal to the FSDP2 model's full state dict and the logits equal to its own."""
+    from transformers import LlamaForCausalLM
+
+    full = torch.load(written / "full.pt", weights_only=True)
+    ref = torch.load(written / "logits.pt", weights_only=True)
+    capsys.readouterr()
+    assert main(["convert", str(written / src), str(tmp_path / "hf"), "--to", "hf"]) == 0
+    text = capsys.readouterr().out
+    n_opt = 3 * len(full)  # exp_avg, exp_avg_sq and step per parameter
+    assert f"left out {n_opt} optimizer state tensor(s)" in text, text
+    assert "without their wrapper prefix 'model.'" in text, text
+    got = st_tensors(tmp_path / "hf")
+    assert sorted(got) == sorted(full)
+    for k, v in full.items():
+        assert torch.equal(got[k], v), k
+    model, info = LlamaForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert info["missing_keys"] in ([], set()) and info["unexpected_keys"] in ([], set()), info
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=ref["ids"]).logits
+    assert torch.equal(logits, ref["logits"])
+
+
+@pytest.mark.parametrize("src", ["oar", "dcp"])
+def test_inspect_marks_training_entries_and_prefix(written, capsys, src):
+    with open_checkpoint(written / src) as r:
+        meta = r.metadata
+    opt = meta.optimizer_state_keys()
+    assert "optim.state.lm_head.weight.exp_avg" in opt and "optim.state.lm_head.weight.step" in opt
+    assert not any(k.startswith("model.") for k in opt)
+    assert any(k.startswith("optim.param_groups") for k in meta.non_model_keys), meta.non_model_keys
+    assert meta.model_prefix == "model."
+    capsys.readouterr()
+    assert main(["inspect", str(written / src)]) == 0
+    text = capsys.readouterr().out
+    assert "model weights under the wrapper prefix 'model.'" in text
+    assert f"not model weights: {len(opt)} optimizer state tensor(s)" in text
+    assert main(["inspect", str(written / src), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["model_prefix"] == "model." and sorted(doc["optimizer_state_keys"]) == sorted(opt)
+
+
+@pytest.mark.parametrize("src", ["oar", "dcp"])
+def test_model_only_strict_load(written, src):
+    """``{"model": model.state_dict()}`` targets load strictly with model_only=True (optimizer state and param
+    groups ignored); without it they are unexpected and the hint names model_only."""
+    from transformers import LlamaForCausalLM
+
+    full = torch.load(written / "full.pt", weights_only=True)
+    from _training_layout_scenarios import tiny_llama_config
+
+    target = {"model": {k: torch.zeros_like(v) for k, v in LlamaForCausalLM(tiny_llama_config()).state_dict().items()}}
+    with pytest.raises(CheckpointMismatchError, match=r"optim\.state\..*model_only=True"):
+        load_state_dict(target, written / src)
+    report = load_state_dict(target, written / src, model_only=True)
+    assert report.missing_keys == []
+    for k, v in full.items():
+        assert torch.equal(target["model"][k], v), k
+
+
+def test_model_prefix_option(written, tmp_path, capsys):
+    """`--model-prefix ''` keeps the stored names; another prefix strips that one; a prefix no key has is an
+    error naming it (exit 2)."""
+    full = torch.load(written / "full.pt", weights_only=True)
+    assert main(["convert", str(written / "oar"), str(tmp_path / "keep"), "--to", "hf", "--model-prefix", ""]) == 0
+    assert sorted(st_tensors(tmp_path / "keep")) == sorted(f"model.{k}" for k in full)
+    assert main(["convert", str(written / "oar"), str(tmp_path / "mm"), "--to", "hf",
+                 "--model-prefix", "model.model."]) == 0
+    got = st_tensors(tmp_path / "mm")
+    assert sorted(got) == sorted(k[len("model."):] if k.startswith("model.") else f"model.{k}" for k in full)
+    capsys.readouterr()
+    assert main(["convert", str(written / "oar"), str(tmp_path / "bad"), "--to", "hf",
+                 "--model-prefix", "net."]) == 2
+    assert "model prefix 'net.'" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
+    assert main(["convert", str(written / "oar"), str(tmp_path / "o"), "--to", "oarlock", "--model-prefix", "x"]) == 2
+    assert "--model-prefix applies to --to hf" in capsys.readouterr().err
+
+
+def test_torchtitan_layout(tmp_path):
+    """torchtitan's documented top-level entries (``model``, ``optimizer``, ``lr_scheduler``, ``dataloader``,
+    ``train_state``) saved by oarlock: only the model's weights reach the HF export, without ``model.``; the
+    scheduler, data-loader and step records (tensors too) are not model weights for a model_only load."""
+    from oarlock.checkpoint.convert import export_hf
+
+    w = {"tok_embeddings.weight": torch.randn(8, 4), "output.weight": torch.randn(8, 4)}
+    state = {"model": w,
+             "optimizer": {"state": {k: {"exp_avg": torch.randn_like(v), "exp_avg_sq": torch.rand_like(v),
+                                         "step": torch.tensor(3.0)} for k, v in w.items()},
+                           "param_groups": [{"lr": 0.1, "params": sorted(w)}]},
+             "lr_scheduler": {"last_epoch": 3, "_step_count": 4},
+             "dataloader": {"world_size": 1, "dp_rank_0": torch.tensor([1, 2, 3], dtype=torch.uint8)},
+             "train_state": {"step": 3, "global_avg_losses": torch.tensor([2.5, 2.25])}}
+    save_state_dict(state, tmp_path / "tt")
+    with open_checkpoint(tmp_path / "tt") as r:
+        meta = r.metadata
+    assert meta.model_prefix == "model."
+    assert {"dataloader.dp_rank_0", "train_state.global_avg_losses", "lr_scheduler.last_epoch"} \
+        <= set(meta.non_model_keys)
+    export_hf(tmp_path / "tt", tmp_path / "hf")
+    got = st_tensors(tmp_path / "hf")
+    assert sorted(got) == sorted(w)
+    for k, v in w.items():
+        assert torch.equal(got[k], v), k
+    target = {"model": {k: torch.zeros_like(v) for k, v in w.items()}}
+    load_state_dict(target, tmp_path / "tt", model_only=True)
+    for k, v in w.items():
+        assert torch.equal(target["model"][k], v), k
+    with pytest.raises(CheckpointError, match="no tensor key of the checkpoint starts with it"):
+        export_hf(tmp_path / "tt", tmp_path / "hf2", model_prefix="net.")
+
+
+def test_no_prefix_without_training_entries(tmp_path):
+    """A model whose every key starts with ``model.`` (an HF Llama with tied embeddings) keeps its names: saved
+    alone, or with oarlock's own optimizer records (``optimizer.param_groups``), nothing is stripped."""
+    from oarlock.checkpoint.convert import export_hf
+
+    w = {"model.embed_tokens.weight": torch.randn(8, 4), "model.norm.weight": torch.randn(4)}
+    save_state_dict(w, tmp_path / "plain")
+    save_state_dict({**w, "model.norm.weight.exp_avg": torch.randn(4),
+                     "optimizer": {"param_groups": [{"lr": 0.1, "params": sorted(w)}]}}, tmp_path / "own")
+    for d in ("plain", "own"):
+        with open_checkpoint(tmp_path / d) as r:
+            assert r.metadata.model_prefix is None, d
+        export_hf(tmp_path / d, tmp_path / f"hf_{d}")
+        assert sorted(st_tensors(tmp_path / f"hf_{d}")) == sorted(w), d
