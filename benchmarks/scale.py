@@ -688,7 +688,9 @@ class OarlockGrid(OarlockV1):
         scatter = [psize((None, "/ckpt/.tmp-save", "0" * 32, layout.listed_writes.get(r, []),
                           layout.grid_skip.get(r, []))) for r in range(D)]
         fp_b = all_gather_bytes([fp_size] * D)
-        rec_coord, rec_other = gather_bytes(rec_sizes)
+        # the class records travel point to point from their senders (DistWrapper.gather_from): a length and the
+        # payload per distinct record, nothing from the other ranks
+        rec_coord, rec_other = sum(8 + s for s in rec_sizes if s > psize(None)), 0
         sc = max(scatter) + 16
         chk = [psize({f: checksum_record({f: s})["files"][f]}) for f, s in self.file_sizes.items()]
         chk += [psize({})] * (D - len(chk))

@@ -67,7 +67,8 @@ def dist_active() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _report(e: BaseException, rank: int) -> ErrorReport:
+def error_report(e: BaseException, rank: int) -> ErrorReport:
+    """``e`` as it travels to the other ranks (class module, name, message)."""
     cls = type(e)
     return ErrorReport(rank, cls.__module__, cls.__qualname__, str(e), isinstance(e, OarlockError))
 
@@ -254,7 +255,7 @@ class DistWrapper:
         ``all_reduce`` of a flag when every rank succeeded; the error reports travel only after a failure."""
         if self.all_true(error is None):
             return
-        reports = self.all_gather_object(None if error is None else _report(error, self.rank))
+        reports = self.all_gather_object(None if error is None else error_report(error, self.rank))
         self.raise_reports(reports, error)
 
     def raise_reports(self, reports: list[ErrorReport | None], own: BaseException | None = None) -> None:
@@ -290,6 +291,8 @@ class DistWrapper:
             result = fn(*args, **kwargs)
         except Exception as e:
             err = e
-        both = self.all_gather_object((None if err is None else _report(err, self.rank), result))
+        both = self.all_gather_object((None if err is None else error_report(err, self.rank), result))
         self.raise_reports([b[0] for b in both], err)
         return [b[1] for b in both]
+
+

@@ -89,8 +89,8 @@ def request_record(leaves: Leaves, dist: DistWrapper, with_offsets: bool = True)
     objects, and, for the TP-degree-dependent AOA layouts, each key's shard count (from a DTensor's placements:
     the same on every rank of its mesh) or the offsets of other shards. For DTensor targets the record is the
     same on every rank of a mesh, so :func:`gather_requests` moves one copy per distinct record."""
-    from oarlock.checkpoint.metadata import _grid_cell_count
-    from oarlock.checkpoint.save import _dtensor_grid
+    from oarlock.checkpoint.metadata import grid_cell_count
+    from oarlock.checkpoint.save import dtensor_grid
 
     cache: dict = {}
     tensors: dict[str, tuple] = {}
@@ -101,9 +101,9 @@ def request_record(leaves: Leaves, dist: DistWrapper, with_offsets: bool = True)
         tensors.setdefault(d.key, (tuple(d.global_shape), d.dtype))
         if not with_offsets:
             continue
-        grid = _dtensor_grid(sw, dist, cache) if sw.placement_layout is not None else None
+        grid = dtensor_grid(sw, dist, cache) if sw.placement_layout is not None else None
         if grid is not None:
-            counts[d.key] = _grid_cell_count(tuple(d.global_shape), grid)
+            counts[d.key] = grid_cell_count(tuple(d.global_shape), grid)
         elif d.numel:
             offsets.append((d.key, tuple(d.global_offset)))
     return {"tensors": tensors, "counts": counts, "offsets": offsets, "objects": sorted(leaves.objects)}
@@ -121,7 +121,7 @@ def gather_requests(request: Callable[[], dict], dist: DistWrapper) -> list[dict
     import hashlib
     import json as _json
 
-    from oarlock.checkpoint.dist import _report
+    from oarlock.checkpoint.dist import error_report
 
     rec, err, fp = None, None, None
     try:
@@ -129,7 +129,7 @@ def gather_requests(request: Callable[[], dict], dist: DistWrapper) -> list[dict
         fp = hashlib.sha256(_json.dumps(rec, sort_keys=True, default=list).encode()).hexdigest()
     except Exception as e:
         err = e
-    both = dist.all_gather_object((None if err is None else _report(err, dist.rank), fp))
+    both = dist.all_gather_object((None if err is None else error_report(err, dist.rank), fp))
     dist.raise_reports([b[0] for b in both], err)
     firsts: dict[str, int] = {}
     for r, (_, f) in enumerate(both):

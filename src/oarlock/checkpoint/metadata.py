@@ -153,7 +153,7 @@ class TensorMeta:
     def shard_count(self) -> int:
         """Number of distinct primary shard boxes (a grid's non-empty cells: counted, not materialised)."""
         if self.grid is not None and self._shards is None:
-            return 1 if isinstance(self.grid, FlatGrid) else _grid_cell_count(self.global_shape, self.grid)
+            return 1 if isinstance(self.grid, FlatGrid) else grid_cell_count(self.global_shape, self.grid)
         return len({s.global_offset for s in self.primary_shards()})
 
     def files(self) -> set[str]:
@@ -185,7 +185,7 @@ def _grid_files(global_shape: tuple[int, ...], grid: Any) -> frozenset:
 
 
 @functools.lru_cache(maxsize=65536)
-def _grid_cell_count(global_shape: tuple[int, ...], grid: Any) -> int:
+def grid_cell_count(global_shape: tuple[int, ...], grid: Any) -> int:
     return sum(1 for _ in grid.cells(global_shape))
 
 

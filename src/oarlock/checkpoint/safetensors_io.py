@@ -173,7 +173,9 @@ def safetensors_header(path: str | Path) -> dict[str, tuple[tuple[int, ...], str
 
 # ---------------------------------------------------------------- byte-range reads
 
-def _pread_into(fd: int, buf: memoryview, offset: int, path: Path) -> None:
+def pread_into(fd: int, buf: memoryview, offset: int, path: Path) -> None:
+    """Fill ``buf`` from ``fd`` at ``offset`` (``os.preadv`` until full); a short file raises
+    :class:`CheckpointFormatError` naming ``path`` and the missing bytes."""
     n = 0
     while n < len(buf):
         got = os.preadv(fd, [buf[n:]], offset + n)
@@ -287,7 +289,7 @@ class SafetensorsFile:
         while r < box[0][1]:
             r2 = min(box[0][1], r + rows_per_chunk)
             buf = torch.empty((r2 - r, *shape[1:]), dtype=tdt)
-            _pread_into(self.fd, tensor_bytes(buf), base + r * row * isz, self.path)
+            pread_into(self.fd, tensor_bytes(buf), base + r * row * isz, self.path)
             out[r - box[0][0]:r2 - box[0][0]].copy_(buf[(slice(None), *inner)])
             r = r2
         return out
@@ -299,7 +301,7 @@ class SafetensorsFile:
         mv = tensor_bytes(dst)
         pos = 0
         for off in offsets:
-            _pread_into(self.fd, mv[pos:pos + run_bytes], off, self.path)
+            pread_into(self.fd, mv[pos:pos + run_bytes], off, self.path)
             pos += run_bytes
         if not direct:
             out.copy_(dst)

@@ -26,7 +26,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from oarlock.checkpoint.dist import DistWrapper
-from oarlock.checkpoint.dist import _report as error_report
+from oarlock.checkpoint.dist import error_report
 from oarlock.checkpoint.grid import GridLayout
 from oarlock.checkpoint.grid import data_file_name as _grid_file_name
 from oarlock.checkpoint.errors import CheckpointError, CheckpointMismatchError
@@ -267,7 +267,7 @@ def _mesh_affine(mesh: Any, dist: DistWrapper) -> tuple[tuple[int, ...], int, tu
     return shape, base, tuple(strides)
 
 
-def _dtensor_grid(sw: ShardedWeight, dist: DistWrapper, cache: dict) -> GridLayout | None:
+def dtensor_grid(sw: ShardedWeight, dist: DistWrapper, cache: dict) -> GridLayout | None:
     """The grid rule of a DTensor shard, cross-checked against the box torch gave this rank; None when the layout
     is not a grid (the shard is then listed)."""
     mesh, placements = sw.placement_layout
@@ -317,7 +317,7 @@ def describe_rank(leaves: Leaves, dist: DistWrapper, save_replicas: bool = False
         d = sw.desc
         grid = None
         if not save_replicas and sw.placement_layout is not None and sw.key not in kinds:
-            grid = _dtensor_grid(sw, dist, cache)
+            grid = dtensor_grid(sw, dist, cache)
         if sw.key not in kinds:
             rec.tensors.append((d.key, tuple(d.global_shape), d.dtype, grid))
             kinds[sw.key] = grid is not None
