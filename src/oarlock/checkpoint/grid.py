@@ -116,7 +116,7 @@ class GridLayout:
             per_dim[d % nd].append(k)
         chunks = tuple(tuple(mesh_shape[k] for k in ks) for ks in per_dim)
         strides = tuple(int(mesh_strides[k]) for ks in per_dim for k in ks)
-        total = math.prod(n for _, n in ((0, r) for r, _ in reps)) if reps else 1
+        total = math.prod(r for r, _ in reps)
         rotate = zlib.crc32(key.encode()) % total if total > 1 else 0
         return cls(chunks, int(mesh_base), strides, tuple(reps), rotate)
 
@@ -163,12 +163,7 @@ class GridLayout:
                 r += dig * self.strides[i]
                 i += 1
         if self.replicas:
-            j = (self.cell_index(cell) + self.rotate) % self.nreplicas
-            off = 0
-            for n, s in reversed(self.replicas):
-                off += (j % n) * s
-                j //= n
-            r += off
+            r += self._replica_offset((self.cell_index(cell) + self.rotate) % self.nreplicas)
         return r
 
     def holders(self, cell: Sequence[int]) -> list[int]:
@@ -263,20 +258,6 @@ class GridLayout:
         if lo < 0 or hi >= MAX_RANK:
             raise bad(f"writer ranks range over [{lo}, {hi}], outside [0, {MAX_RANK})")
         return g
-
-    def check_distinct_writers(self, global_shape: Sequence[int], source: str) -> None:
-        """Two non-empty cells must not share a writer (each file holds one box of a key, named by the key).
-
-        Raises:
-            CheckpointFormatError: naming ``source`` and both cells.
-        """
-        seen: dict[int, tuple[int, ...]] = {}
-        for cell, _, _ in self.cells(global_shape):
-            w = self.writer(cell)
-            if w in seen:
-                raise CheckpointFormatError(f"{source}: malformed grid record: cells {list(seen[w])} and "
-                                            f"{list(cell)} are both written by rank {w}")
-            seen[w] = cell
 
 
 def _placement_kind(p: Any) -> tuple | str | None:
