@@ -353,6 +353,19 @@ def _rank_of_file(name: str) -> int | None:
     return None
 
 
+def cell_ranges(bounds: Sequence[Sequence[int]], box: Any) -> list[range] | None:
+    """Per dim, the range of cell indices whose cut-point interval ``[bounds[d][e], bounds[d][e + 1])`` meets
+    ``box``'s extent; None when some dim meets none."""
+    ranges = []
+    for bd, (a, b) in zip(bounds, box):
+        lo = bisect.bisect_right(bd, a) - 1
+        hi = bisect.bisect_left(bd, b)
+        if hi <= lo:
+            return None
+        ranges.append(range(max(lo, 0), hi))
+    return ranges
+
+
 class GridIndex:
     """Stored pieces of a grid-recorded key, for the planner: the interface of
     :class:`oarlock.checkpoint.plan.KeyIndex` (``_grid`` cut points per dim, ``_cells.get(cell)``, ``query``)
@@ -374,14 +387,9 @@ class GridIndex:
         """Stored pieces overlapping ``box`` (global coordinates) in a non-empty box."""
         if not box:
             return [p for p in (self._cells.get(()),) if p is not None]
-        ranges = []
-        for d, (a, b) in enumerate(box):
-            bd = self._grid[d]
-            lo = bisect.bisect_right(bd, a) - 1
-            hi = bisect.bisect_left(bd, b)
-            if hi <= lo:
-                return []
-            ranges.append(range(max(lo, 0), hi))
+        ranges = cell_ranges(self._grid, box)
+        if ranges is None:
+            return []
         out = []
         for c in itertools.product(*ranges):
             p = self._cells.get(c)

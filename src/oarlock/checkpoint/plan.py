@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, NamedTuple, Sequence
 
 from oarlock.checkpoint.errors import CheckpointError, CheckpointMismatchError, CheckpointTilingError
-from oarlock.checkpoint.grid import FlatGrid, FlatIndex, GridIndex
+from oarlock.checkpoint.grid import FlatGrid, FlatIndex, GridIndex, cell_ranges
 from oarlock.checkpoint.mapping import Box, IdentityProgram, MappingProgram, SliceMapping, TensorSpec, final_dtype
 from oarlock.checkpoint.metadata import CheckpointMetadata, TensorMeta
 from oarlock.checkpoint.sharded import (ShardDesc, box_intersection, box_volume, flat_range_boxes,
@@ -181,14 +181,9 @@ class KeyIndex:
         if not box:
             return list(self.pieces)
         if self._grid is not None:
-            ranges = []
-            for d, (a, b) in enumerate(box):
-                bd = self._grid[d]
-                lo = bisect.bisect_right(bd, a) - 1
-                hi = bisect.bisect_left(bd, b)
-                if hi <= lo:
-                    return []
-                ranges.append(range(max(lo, 0), hi))
+            ranges = cell_ranges(self._grid, box)
+            if ranges is None:
+                return []
             cells = self._cells
             return [cells[c] for c in itertools.product(*ranges) if c in cells]
         d = self._dim
