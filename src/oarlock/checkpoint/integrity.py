@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import json
+import math
 import mmap
 import os
 import re
@@ -287,11 +289,18 @@ def _read_layout(reader: Any, file: str, name: str, flat_start: int, shape: Sequ
         return None
     dtype, _, begin, _ = e
     isz = dtype_itemsize(dtype)
-    shape, box = (list(shape), [tuple(b) for b in box]) if len(shape) else ([1], [(0, 1)])
+    if not len(shape):
+        shape, box = (1,), [(0, 1)]
+    return f.data_start + begin + int(flat_start) * isz, isz, c_strides(tuple(shape)), box
+
+
+@functools.lru_cache(maxsize=4096)
+def c_strides(shape: tuple[int, ...]) -> list[int]:
+    """C-order strides in elements of an array of ``shape`` (cached: a checkpoint has few distinct shapes)."""
     strides = [1] * len(shape)
     for d in range(len(shape) - 2, -1, -1):
         strides[d] = strides[d + 1] * int(shape[d + 1])
-    return f.data_start + begin + int(flat_start) * isz, isz, strides, box
+    return strides
 
 
 def _elements_before(x: int, strides: list[int], box: list[tuple[int, int]], inner: list[int]) -> int:
@@ -317,17 +326,20 @@ def block_bytes(reader: Any, fc: FileChecksums, name: str, flat_start: int, shap
     if lay is None:
         return {}
     base, isz, strides, box = lay
+    first = sum(a * s for (a, _), s in zip(box, strides))
+    last = sum((b - 1) * s for (_, b), s in zip(box, strides))
+    blocks = fc.block_range(base + first * isz, base + (last + 1) * isz)
+    if len(blocks) == 1:  # the common case of many small shards: no per-dimension counting
+        return {blocks[0]: math.prod(b - a for a, b in box) * isz}
     inner = [1] * len(box)
     for d in range(len(box) - 2, -1, -1):
         inner[d] = inner[d + 1] * (box[d + 1][1] - box[d + 1][0])
-    first = sum(a * s for (a, _), s in zip(box, strides))
-    last = sum((b - 1) * s for (_, b), s in zip(box, strides))
 
     def before(pos: int) -> int:  # elements of the read starting below file offset pos
         return _elements_before(-(-(pos - base) // isz), strides, box, inner)
 
     out = {}
-    for b in fc.block_range(base + first * isz, base + (last + 1) * isz):
+    for b in blocks:
         n = (before(min(fc.size, (b + 1) * fc.block_size)) - before(b * fc.block_size)) * isz
         if n > 0:
             out[b] = n
