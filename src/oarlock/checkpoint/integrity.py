@@ -354,7 +354,7 @@ def _block_contents(reader: Any, file: str, b: int, block_size: int) -> str:
         for sh in t.shards:
             if sh.file == file:
                 by_name.setdefault(sh.name, f"key {t.key!r} {_shard_words(reader.metadata, t.key, file, sh.name)}")
-    names = corrupt_keys(reader.path_of(file), [b], block_size)
+    names = corrupt_keys(reader.path_of(file), [b], block_size, reader, file)
     return ", ".join("the file header" if n == "header" else by_name.get(n, f"stored tensor {n!r}") for n in names)
 
 
@@ -492,13 +492,22 @@ def _mismatch(reader: Any, fc: FileChecksums, bad: list[int]) -> str:
             "written; nothing was loaded")
 
 
-def corrupt_keys(file_path: str | Path, blocks: Sequence[int], block_size: int) -> list[str]:
+def corrupt_keys(file_path: str | Path, blocks: Sequence[int], block_size: int, reader: Any = None,
+                 file: str | None = None) -> list[str]:
     """Names of the tensors of safetensors file ``file_path`` whose bytes overlap any of ``blocks`` ("header"
-    when a block holds header bytes)."""
-    try:
-        h = read_header(file_path)
-    except CheckpointFormatError:
-        return ["header"]
+    when a block holds header bytes). With ``reader`` (the opened checkpoint) and ``file`` (its name there), the
+    pieces of a packed data file are named by their keys; else by the header alone."""
+    h: Any = None
+    if reader is not None and file is not None:
+        try:
+            h = reader.safetensors_file(file)
+        except CheckpointFormatError:
+            h = None
+    if h is None:
+        try:
+            h = read_header(file_path)
+        except CheckpointFormatError:
+            return ["header"]
     out: list[str] = []
     for b in blocks:
         lo, hi = b * block_size, (b + 1) * block_size
@@ -508,6 +517,18 @@ def corrupt_keys(file_path: str | Path, blocks: Sequence[int], block_size: int) 
             if end > begin and h.data_start + begin < hi and h.data_start + end > lo:
                 out.append(name)
     return list(dict.fromkeys(out))
+
+
+def _own_file_keys(root: Path, file: str, b: int, block_size: int) -> list[str]:
+    """:func:`corrupt_keys` of block ``b`` of ``root / file``, resolving a packed file through the metadata (only
+    on this error path: the warm restart does not open the checkpoint otherwise)."""
+    from oarlock.checkpoint.formats import load_formats
+
+    try:
+        with load_formats()["oarlock"].open(root, partial=True) as r:
+            return corrupt_keys(root / file, [b], block_size, r, file)
+    except Exception:  # the message still names the file and block
+        return corrupt_keys(root / file, [b], block_size)
 
 
 def verify_own_file(root: str | Path, file: str) -> int:
@@ -533,7 +554,7 @@ def verify_own_file(root: str | Path, file: str) -> int:
     if bad:
         b = bad[0]
         lo, hi = b * fc.block_size, min(fc.size, (b + 1) * fc.block_size)
-        keys = corrupt_keys(root / file, [b], fc.block_size)
+        keys = _own_file_keys(root, file, b, fc.block_size)
         held = ", ".join("the file header" if k == "header" else f"key {k!r}" for k in keys)
         more = f" (and {len(bad) - 1} more corrupt block(s))" if len(bad) > 1 else ""
         raise ChecksumError(f"{root / file}: checksum mismatch in bytes [{lo}, {hi}) (block {b}) holding "
@@ -560,7 +581,7 @@ def verify_all_blocks(reader: Any) -> int:
         if bad:
             b = bad[0]
             lo, hi = b * fc.block_size, min(fc.size, (b + 1) * fc.block_size)
-            keys = corrupt_keys(reader.path_of(file), [b], fc.block_size)
+            keys = corrupt_keys(reader.path_of(file), [b], fc.block_size, reader, file)
             raise ChecksumError(f"{reader.path_of(file)}: checksum mismatch in bytes [{lo}, {hi}) (block {b}) holding "
                                 f"{', '.join(repr(k) for k in keys)}: the file was corrupted after it was written")
     return v.bytes_verified
@@ -709,7 +730,7 @@ def _hash_file(reader: Any, fc: FileChecksums) -> tuple[list[Problem], int]:
     out = []
     for b in bad:
         lo, hi = b * fc.block_size, min(fc.size, (b + 1) * fc.block_size)
-        keys = corrupt_keys(path, [b], fc.block_size)
+        keys = corrupt_keys(path, [b], fc.block_size, reader, fc.file)
         out.append(Problem(fc.file, f"checksum mismatch in bytes [{lo}, {hi}) (block {b}) holding "
                                     f"{', '.join(repr(k) for k in keys)}", keys, b, lo, hi))
     return out, v.bytes_verified
