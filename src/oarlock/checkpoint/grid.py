@@ -656,7 +656,10 @@ class PackedEntries:
         if i is None or not self._sizes[i]:
             return default
         end = int(self._ends[i])
-        return (self._layout.dtypes[i], self._shapes[self._layout.gid[i]], end - int(self._sizes[i]), end)
+        # remembered as a named entry: a load looks each piece up several times (check, verify, read)
+        e = self._named[name] = (self._layout.dtypes[i], self._shapes[self._layout.gid[i]], end - int(self._sizes[i]),
+                                 end)
+        return e
 
     def __getitem__(self, name: str) -> Any:
         e = self.get(name)
@@ -668,8 +671,8 @@ class PackedEntries:
         return isinstance(name, str) and self.get(name) is not None
 
     def keys(self) -> list[str]:
-        return list(self._named) + [k for i, k in enumerate(self._layout.keys) if self._sizes[i]
-                                    and k not in self._named]
+        named = [k for k in self._named if k not in self._layout.pos]
+        return named + [k for i, k in enumerate(self._layout.keys) if self._sizes[i] or k in self._named]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.keys())
