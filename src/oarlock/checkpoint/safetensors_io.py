@@ -241,6 +241,7 @@ class SafetensorsFile:
             raise CheckpointFormatError(f"{self.path}: a packed data file is read with its checkpoint's "
                                         "metadata.json (its pieces are located from the grid records)")
         self.entries = layout.entries(rank, begin, end - begin, str(self.path), named=self.entries)
+        self.__dict__.pop("_checked", None)
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -254,6 +255,11 @@ class SafetensorsFile:
         Raises:
             CheckpointFormatError: naming the file and tensor (missing, other dtype, array not inside it).
         """
+        ck = (name, int(flat_start), tuple(shape), dtype)
+        memo = self.__dict__.setdefault("_checked", {})  # subclasses for other containers skip __init__
+        begin = memo.get(ck)
+        if begin is not None:  # a load checks every item before reading, then reads it: check once
+            return begin
         e = self.entries.get(name)
         if e is None:
             raise CheckpointFormatError(f"{self.path}: tensor {name!r} is missing")
@@ -265,6 +271,7 @@ class SafetensorsFile:
                                                                           and tuple(sshape) != tuple(shape)):
             raise CheckpointFormatError(f"{self.path}: tensor {name!r} of shape {list(sshape)} does not hold the "
                                         f"{list(shape)} array at element {flat_start} that the metadata describes")
+        memo[ck] = begin
         return begin
 
     def read_box(self, name: str, flat_start: int, shape: tuple[int, ...], box: tuple[tuple[int, int], ...],
