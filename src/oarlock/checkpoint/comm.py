@@ -279,8 +279,9 @@ def _warm_matches(meta: Any, leaves: Any, data_file: str) -> bool:
 
 
 def try_warm_start(state_dict: Any, path: str | os.PathLike, dist: DistWrapper, data_file: str, *,
-                   verify_checksums: bool = True) -> LoadReport | None:
+                   verify_checksums: bool = True, leaves: Any = None) -> LoadReport | None:
     """Same-layout restart without planning or communication (see ``docs/checkpoint-format.md``, warm restart).
+    ``leaves``: the state's :func:`~oarlock.checkpoint.traversal.collect_leaves`, when the caller has them.
 
     Each rank compares its requested shards with the shard records in the header of its own data file
     ``data_file`` and with ``metadata.json`` (global shapes, dtypes, shard boxes, file; a rank whose node-local
@@ -300,10 +301,10 @@ def try_warm_start(state_dict: Any, path: str | os.PathLike, dist: DistWrapper, 
     """
     p = Path(path)
     ok = has_meta = False
-    leaves = sf = meta = None
+    sf = meta = None
     file_id = meta_id = None
     try:
-        leaves = collect_leaves(state_dict)
+        leaves = collect_leaves(state_dict) if leaves is None else leaves
         fpath = checkpoint_file(p, data_file, str(p))
         if p.is_dir() and not (p / INCOMPLETE_MARKER).exists() and fpath.is_file():
             sf = SafetensorsFile(fpath)

@@ -152,9 +152,14 @@ def run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process_
     comm.check_comm_method(comm_method)
     dist = DistWrapper(process_group)
     recover_publish(path)  # an interrupted replacement of this checkpoint is completed first (the warm path too)
+    first: Leaves | None = None  # the state's leaves, collected once for the warm check and the normal path
     if aoa_config is None and program is None:
+        try:
+            first = collect_leaves(state_dict)
+        except Exception:  # reported by the normal path, on every rank alike
+            first = None
         warm = comm.try_warm_start(state_dict, path, dist, data_file_name(dist.rank),
-                                   verify_checksums=verify_checksums)
+                                   verify_checksums=verify_checksums, leaves=first)
         if warm is not None:
             return warm
     view = gather_view(path, dist) if dist.active else None
@@ -162,7 +167,7 @@ def run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process_
 
     def request() -> dict:
         nonlocal leaves
-        leaves = collect_leaves(state_dict)
+        leaves = first if first is not None else collect_leaves(state_dict)
         return request_record(leaves, dist, with_offsets=program is None)
 
     gathered = gather_requests(request, dist)
