@@ -91,6 +91,63 @@ def test_model_only_strict_load(written, src):
         assert torch.equal(target["model"][k], v), k
 
 
+def test_accelerate_fsdp_save_state(written, tmp_path, capsys):
+    """accelerate's FSDP2 ``save_state`` output (``pytorch_model_fsdp_0/`` and ``optimizer_0/`` DCP directories and
+    an RNG pickle, written by accelerate's own writers): ``inspect`` reads both directories as one checkpoint with
+    the ``model.`` wrapper and the optimizer marked; ``convert --to hf`` gives transformers' names (no missing or
+    unexpected key, equal weights); a strict ``model_only`` load fills every weight; each stored tensor
+    equals what torch's own ``dcp_to_torch_save`` reads from its directory."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from transformers import LlamaForCausalLM
+
+    from _training_layout_scenarios import tiny_llama_config
+
+    acc = written / "acc"
+    full = torch.load(written / "acc_full.pt", weights_only=True)
+    ref = {}
+    for sub in ("pytorch_model_fsdp_0", "optimizer_0"):
+        dcp_to_torch_save(acc / sub, tmp_path / f"{sub}.pt")
+        ref.update(_flat(torch.load(tmp_path / f"{sub}.pt", weights_only=True)))
+    with open_checkpoint(acc) as r:
+        meta = r.metadata
+        assert meta.format == "accelerate" and meta.model_prefix == "model."
+        assert sorted(meta.tensors) == sorted(k for k, v in ref.items() if isinstance(v, torch.Tensor))
+        for k in meta.tensors:
+            assert torch.equal(r.read(k, meta.tensors[k].shards[0]), ref[k]), k
+    opt = meta.optimizer_state_keys()
+    assert len(opt) == 3 * len(full) and all(k.startswith("optimizer.state.") for k in opt)
+    assert "optimizer.param_groups" in meta.non_model_keys
+    capsys.readouterr()
+    assert main(["inspect", str(acc)]) == 0
+    text = capsys.readouterr().out
+    assert "accelerate checkpoint" in text and "wrapper prefix 'model.'" in text, text
+    assert main(["convert", str(acc), str(tmp_path / "hf")]) == 0  # --to hf is the default for this source
+    got = st_tensors(tmp_path / "hf")
+    assert sorted(got) == sorted(full)
+    for k, v in full.items():
+        assert torch.equal(got[k], v), k
+    model, info = LlamaForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert info["missing_keys"] in ([], set()) and info["unexpected_keys"] in ([], set()), info
+    target = {"model": {k: torch.zeros_like(v) for k, v in LlamaForCausalLM(tiny_llama_config()).state_dict().items()}}
+    with pytest.raises(CheckpointMismatchError, match="model_only=True"):
+        load_state_dict(target, acc)
+    assert load_state_dict(target, acc, model_only=True).missing_keys == []
+    for k, v in full.items():
+        assert torch.equal(target["model"][k], v), k
+
+
+def _flat(d, prefix=""):
+    """A nested state dict flattened with dots (lists of dicts by index), as DCP names its keys."""
+    out = {}
+    items = d.items() if isinstance(d, dict) else enumerate(d) if isinstance(d, list) and any(
+        isinstance(x, (dict, list)) for x in d) else None
+    if items is None:
+        return {prefix[:-1]: d}
+    for k, v in items:
+        out.update(_flat(v, f"{prefix}{k}."))
+    return out
+
+
 def test_model_prefix_option(written, tmp_path, capsys):
     """`--model-prefix ''` keeps the stored names; another prefix strips that one; a prefix no key has is an
     error naming it (exit 2)."""
