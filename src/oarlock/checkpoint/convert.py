@@ -44,13 +44,14 @@ from oarlock.checkpoint.errors import CheckpointError
 from oarlock.checkpoint.executor import execute_items
 from oarlock.checkpoint.full import full_state_dict
 from oarlock.checkpoint.integrity import CHECKSUMS_KEY, BlockHasher, make_record, verify_all_blocks
-from oarlock.checkpoint.hf import HF_INDEX, HF_SINGLE, hf_shard_names, parse_size, save_hf_checkpoint, write_hf_index
+from oarlock.checkpoint.hf import (HF_INDEX, HF_SINGLE, hf_shard_names, parse_size, reserved_hf_key_message,
+                                   save_hf_checkpoint, write_hf_index)
 from oarlock.checkpoint.mapping import IdentityProgram, MappingProgram, TensorSpec
 from oarlock.checkpoint.metadata import (METADATA_FILE, OPTIMIZER_KEYS_EXTRA, CheckpointMetadata, key_selected,
                                          parse_json)
 from oarlock.checkpoint.plan import Planner, index_of, source_specs
 from oarlock.checkpoint.reader import CheckpointReader, checkpoint_file
-from oarlock.checkpoint.safetensors_io import SafetensorsWriter, contiguous_run
+from oarlock.checkpoint.safetensors_io import RESERVED_NAME, SafetensorsWriter, contiguous_run
 from oarlock.checkpoint.save import assign_writes, check_destination, data_file_name, new_save_id, shard_header
 from oarlock.checkpoint.sharded import ShardDesc
 from oarlock.checkpoint.storage import check_destination as storage_check_destination
@@ -402,6 +403,8 @@ def plan_conversion(source: str | os.PathLike, *, to: str = "oarlock", aoa_confi
             program, plan.dropped_optimizer_keys = select_keys(compile_program(meta, aoa_config), meta,
                                                                include=include, exclude=exclude,
                                                                optimizer_state=keep_opt)
+            if RESERVED_NAME in program.destination_keys():
+                raise CheckpointError(reserved_hf_key_message())
             limit = parse_size(max_shard_size)
             shards: list[list] = []  # [keys, bytes] per output file, packed greedily like save_hf_checkpoint
             for k in program.destination_keys():
@@ -707,14 +710,17 @@ def convert_checkpoint(source: str | os.PathLike, out_dir: str | os.PathLike, *,
             outs: dict[int, SafetensorsWriter] = {}
             try:
                 by_key: dict[str, list[tuple[int, tuple, tuple]]] = {}
+                # the stored tensor names assign_writes chose (the key, except for the reserved __metadata__)
+                name_of = {(s.file, k, tuple(s.global_offset)): s.name for k, t in tensors.items() for s in t.shards}
                 for rank in sorted(writes):
                     ids = sorted((i[0], i[1], i[2]) for i in writes[rank])
+                    f = data_file_name(rank)
                     # the shard records a same-layout restart checks, as save_state_dict writes them
-                    hdr = shard_header([(i[0], i[1], i[2], tensors[i[0]].global_shape, tensors[i[0]].dtype, i[3])
-                                        for i in sorted(writes[rank])], layout.world, meta.save_id)
-                    outs[rank] = SafetensorsWriter(tmp / data_file_name(rank), [(k, lshape, tensors[k].dtype)
-                                                                          for k, _, lshape in ids], hdr,
-                                                   hasher=BlockHasher())
+                    hdr = shard_header([(name_of[(f, i[0], i[1])], i[1], i[2], tensors[i[0]].global_shape,
+                                         tensors[i[0]].dtype, i[3]) for i in sorted(writes[rank])], layout.world,
+                                       meta.save_id)
+                    outs[rank] = SafetensorsWriter(tmp / f, [(name_of[(f, k, off)], lshape, tensors[k].dtype)
+                                                             for k, off, lshape in ids], hdr, hasher=BlockHasher())
                     for k, off, lshape in ids:
                         by_key.setdefault(k, []).append((rank, off, lshape))
                 # key by key over all rank files: a key whose shards are strided in the source (a row-parallel
@@ -731,7 +737,7 @@ def convert_checkpoint(source: str | os.PathLike, out_dir: str | os.PathLike, *,
                                 sg = whole[tuple(slice(o, o + n) for o, n in zip(off, lshape))]
                             else:
                                 sg = read_destination(reader, planner, k, offset=off, local_shape=lshape)
-                        n = outs[rank].put(k, sg)
+                        n = outs[rank].put(name_of[(data_file_name(rank), k, off)], sg)
                         if bar is not None:
                             bar.update(n)
                     del whole

@@ -20,11 +20,12 @@ import torch
 
 from oarlock.checkpoint.errors import CheckpointError
 from oarlock.checkpoint.formats.huggingface import HF_INDEX, HF_SINGLE
-from oarlock.checkpoint.safetensors_io import write_safetensors
+from oarlock.checkpoint.safetensors_io import RESERVED_NAME, write_safetensors
 from oarlock.checkpoint.storage import check_destination, publish_directory, staged_directory
 from oarlock.utils import progress
 
-__all__ = ["HF_INDEX", "HF_SINGLE", "hf_shard_names", "parse_size", "save_hf_checkpoint", "write_hf_index"]
+__all__ = ["HF_INDEX", "HF_SINGLE", "hf_shard_names", "parse_size", "reserved_hf_key_message", "save_hf_checkpoint",
+           "write_hf_index"]
 
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -56,6 +57,13 @@ def write_hf_index(directory: Path, weight_map: Mapping[str, str], total_size: i
                                                   "weight_map": dict(weight_map)}, indent=2))
 
 
+def reserved_hf_key_message() -> str:
+    """Why a key named ``__metadata__`` cannot go into a HuggingFace directory, and what to do instead."""
+    return (f"key {RESERVED_NAME!r}: a HuggingFace checkpoint stores each tensor under its key, and safetensors "
+            "reserves this name for the header's metadata block; rename it for the export (an AOA statement "
+            f"`{RESERVED_NAME} -> NEW_NAME`) or leave it out (--exclude {RESERVED_NAME})")
+
+
 def save_hf_checkpoint(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str | Path, *,
                        max_shard_size: int | str = "5GB", total: int | None = None,
                        show_progress: bool | None = None,
@@ -77,7 +85,8 @@ def save_hf_checkpoint(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str
     Returns the directory.
 
     Raises:
-        CheckpointError: a key seen twice, an extra file named like a checkpoint file (nothing is published).
+        CheckpointError: a key seen twice or named ``__metadata__`` (:func:`reserved_hf_key_message`), an extra
+            file named like a checkpoint file (nothing is published).
         CheckpointDestinationError: ``out_dir`` refused by
             :func:`~oarlock.checkpoint.storage.check_destination` (nothing is written).
     """
@@ -101,6 +110,8 @@ def save_hf_checkpoint(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str
         for key, t in progress(tensors, desc="export", total=total, disable=show_progress is False or None):
             if key in seen:
                 raise CheckpointError(f"tensor {key!r} was produced twice for the HF export")
+            if key == RESERVED_NAME:
+                raise CheckpointError(reserved_hf_key_message())
             seen.add(key)
             nbytes = t.numel() * t.element_size()
             if pending and pending_bytes + nbytes > limit:
