@@ -200,6 +200,71 @@ def test_torchtitan_layout(tmp_path):
         export_hf(tmp_path / "tt", tmp_path / "hf2", model_prefix="net.")
 
 
+def _flat_layouts():
+    """Checkpoints whose model keys are at the top level beside optimizer records, from torch's own state-dict
+    API on a small trained model: torchtitan's flattened model states (model keys at the top, ``optimizer`` with
+    ``flatten_optimizer_state_dict``, ``lr_scheduler``, ``train_state``), a model saved beside ``optim``, and
+    torch's flattened optimizer state merged with the model's keys (``state.<fqn>.*``, ``param_groups``)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+    m(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    flat = get_optimizer_state_dict(m, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    msd = {k: v.clone() for k, v in m.state_dict().items()}
+    return msd, {
+        "torchtitan": {**m.state_dict(), "optimizer": flat, "lr_scheduler": {"last_epoch": 1},
+                       "train_state": {"step": 1}},
+        "beside_optim": {**m.state_dict(), "optim": get_optimizer_state_dict(m, opt)},
+        "merged_flat": {**m.state_dict(), **flat},
+    }
+
+
+@pytest.mark.parametrize("writer", ["oar", "dcp"])
+@pytest.mark.parametrize("layout", ["torchtitan", "beside_optim", "merged_flat"])
+def test_model_only_without_model_wrapper(tmp_path, writer, layout):
+    """Model weights stored at the top level beside optimizer records: a strict ``model_only`` load fills the
+    model from a plain ``model.state_dict()`` target and from the README's ``{"model": model.state_dict()}``
+    one (the wrapper the checkpoint does not have is matched), every weight equal to the model's; without
+    ``model_only`` the optimizer records are unexpected; the HF export holds exactly the model's keys."""
+    import torch.distributed.checkpoint as dcp
+
+    from oarlock.checkpoint.convert import export_hf
+
+    msd, states = _flat_layouts()
+    ck = tmp_path / "ck"
+    save_state_dict(states[layout], ck) if writer == "oar" else dcp.save(states[layout], checkpoint_id=str(ck))
+    flat = {k: torch.zeros_like(v) for k, v in msd.items()}
+    with pytest.raises(CheckpointMismatchError, match="model_only=True"):
+        load_state_dict(flat, ck)
+    for target in (flat, {"model": {k: torch.zeros_like(v) for k, v in msd.items()}}):
+        report = load_state_dict(target, ck, model_only=True)
+        got = target.get("model", target)
+        assert report.missing_keys == []
+        for k, v in msd.items():
+            assert torch.equal(got[k], v), (k, list(target))
+    export_hf(ck, tmp_path / "hf")
+    hf = st_tensors(tmp_path / "hf")
+    assert sorted(hf) == sorted(msd) and all(torch.equal(hf[k], v) for k, v in msd.items())
+
+
+def test_wrapper_is_matched_only_under_model_only(tmp_path):
+    """A plain ``model.state_dict()`` over torch's ``{"model": ..., "optim": ...}`` layout loads with
+    ``model_only``; a target whose keys are partly stored as given is never re-wrapped (a missing key stays
+    missing)."""
+    msd, states = _flat_layouts()
+    save_state_dict({"model": msd, "optim": states["beside_optim"]["optim"]}, tmp_path / "ck")
+    flat = {k: torch.zeros_like(v) for k, v in msd.items()}
+    load_state_dict(flat, tmp_path / "ck", model_only=True)
+    assert all(torch.equal(flat[k], v) for k, v in msd.items())
+    save_state_dict({**msd, "optim": states["beside_optim"]["optim"]}, tmp_path / "flat")
+    part = {"model": {k: torch.zeros_like(v) for k, v in msd.items()}, "0.weight": torch.zeros(4, 3)}
+    with pytest.raises(CheckpointMismatchError, match="missing keys.*model.0.bias"):
+        load_state_dict(part, tmp_path / "flat", model_only=True)
+
+
 def test_no_prefix_without_training_entries(tmp_path):
     """A model whose every key starts with ``model.`` (an HF Llama with tied embeddings) keeps its names: saved
     alone, or with oarlock's own optimizer records (``optimizer.param_groups``), nothing is stripped."""

@@ -566,7 +566,7 @@ def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike, *, aoa_conf
 def export_hf_sharded(sharded_state_dict: Mapping[str, Any], out_dir: str | os.PathLike, *, aoa_config: Any = None,
                       process_group: Any = None, max_shard_size: int | str = "5GB",
                       extra_files: Mapping[str, str | os.PathLike] | None = None,
-                      overwrite: bool = False) -> Path | None:
+                      overwrite: bool = False, config: Any = None) -> Path | None:
     """Export the model a running job holds (sharded over ``process_group``) to a HuggingFace directory written by
     group rank 0: the online merge of :func:`~oarlock.checkpoint.full.full_state_dict` with ``rank0_only=True``
     (each tensor gathered once, point to point to rank 0) streamed into
@@ -577,6 +577,9 @@ def export_hf_sharded(sharded_state_dict: Mapping[str, Any], out_dir: str | os.P
         aoa_config: e.g. the model's HF -> model statements with ``aoa_config_reverse: True``.
         extra_files: ``{name: path}`` copied into the export (``config.json``, tokenizer files).
         overwrite: as for :func:`~oarlock.checkpoint.hf.save_hf_checkpoint`.
+        config: the model's HF config (a dict, or a transformers ``PretrainedConfig``), written as ``config.json``
+            so that ``from_pretrained`` reads the export; without it (and without ``extra_files["config.json"]``)
+            the directory holds the weights only.
 
     Returns the directory on rank 0, None elsewhere. Peak memory on rank 0: about ``max_shard_size`` plus one
     full tensor; elsewhere, one piece at a time.
@@ -590,7 +593,7 @@ def export_hf_sharded(sharded_state_dict: Mapping[str, Any], out_dir: str | os.P
     def write() -> Path | None:
         if dist.is_coordinator:
             return save_hf_checkpoint(gen, out_dir, max_shard_size=max_shard_size, extra_files=extra_files,
-                                      overwrite=overwrite)
+                                      overwrite=overwrite, config=config)
         for _ in gen:  # sends this rank's pieces to rank 0, in the same order rank 0 receives them
             pass
         return None
