@@ -27,13 +27,25 @@ def written(tmp_path_factory):
     return root
 
 
+def _hf_export_matches(hf, full):
+    """The HF export ``hf`` holds exactly the tensors of ``full`` (read with safetensors) and transformers loads it
+    with no missing or unexpected key; returns the loaded model."""
+    from transformers import LlamaForCausalLM
+
+    got = st_tensors(hf)
+    assert sorted(got) == sorted(full)
+    for k, v in full.items():
+        assert torch.equal(got[k], v), k
+    model, info = LlamaForCausalLM.from_pretrained(hf, output_loading_info=True)
+    assert info["missing_keys"] in ([], set()) and info["unexpected_keys"] in ([], set()), info
+    return model
+
+
 @pytest.mark.parametrize("src", ["oar", "dcp"])
 def test_export_hf_holds_model_weights_under_transformers_names(written, tmp_path, capsys, src):
     """`oarlock convert SRC OUT --to hf` on torch's training state: no optimizer tensor and no param group in the
     HF files, the ``model.`` wrapper stripped (the CLI says both), and transformers loads OUT with no missing or
     unexpected key, every weight equal to the FSDP2 model's full state dict and the logits equal to its own."""
-    from transformers import LlamaForCausalLM
-
     full = torch.load(written / "full.pt", weights_only=True)
     ref = torch.load(written / "logits.pt", weights_only=True)
     capsys.readouterr()
@@ -42,12 +54,7 @@ def test_export_hf_holds_model_weights_under_transformers_names(written, tmp_pat
     n_opt = 3 * len(full)  # exp_avg, exp_avg_sq and step per parameter
     assert f"left out {n_opt} optimizer state tensor(s)" in text, text
     assert "without their wrapper prefix 'model.'" in text, text
-    got = st_tensors(tmp_path / "hf")
-    assert sorted(got) == sorted(full)
-    for k, v in full.items():
-        assert torch.equal(got[k], v), k
-    model, info = LlamaForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
-    assert info["missing_keys"] in ([], set()) and info["unexpected_keys"] in ([], set()), info
+    model = _hf_export_matches(tmp_path / "hf", full)
     model.eval()
     with torch.no_grad():
         logits = model(input_ids=ref["ids"]).logits
@@ -122,12 +129,7 @@ def test_accelerate_fsdp_save_state(written, tmp_path, capsys):
     text = capsys.readouterr().out
     assert "accelerate checkpoint" in text and "wrapper prefix 'model.'" in text, text
     assert main(["convert", str(acc), str(tmp_path / "hf")]) == 0  # --to hf is the default for this source
-    got = st_tensors(tmp_path / "hf")
-    assert sorted(got) == sorted(full)
-    for k, v in full.items():
-        assert torch.equal(got[k], v), k
-    model, info = LlamaForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
-    assert info["missing_keys"] in ([], set()) and info["unexpected_keys"] in ([], set()), info
+    _hf_export_matches(tmp_path / "hf", full)
     target = {"model": {k: torch.zeros_like(v) for k, v in LlamaForCausalLM(tiny_llama_config()).state_dict().items()}}
     with pytest.raises(CheckpointMismatchError, match="model_only=True"):
         load_state_dict(target, acc)
