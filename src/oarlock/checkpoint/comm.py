@@ -48,12 +48,13 @@ from oarlock.checkpoint.dist import DistWrapper
 from oarlock.checkpoint.errors import CheckpointError
 from oarlock.checkpoint.executor import LoadReport, place, source_shaped_view
 from oarlock.checkpoint.formats import load_formats
-from oarlock.checkpoint.grid import GridLayout, data_file_name
+from oarlock.checkpoint.grid import GridLayout, data_file_name, rank_of_file
 from oarlock.checkpoint.integrity import verify_own_file
 from oarlock.checkpoint.metadata import METADATA_FILE, SAVE_ID_HEADER
 from oarlock.checkpoint.reader import CheckpointReader, checkpoint_file
 from oarlock.checkpoint.safetensors_io import SafetensorsFile
-from oarlock.checkpoint.save import SHARDS_HEADER, WORLD_HEADER, sharded_weight_record
+from oarlock.checkpoint.save import (SHARDS_DIGEST_HEADER, SHARDS_HEADER, WORLD_HEADER, shards_digest,
+                                    sharded_weight_record)
 from oarlock.checkpoint.storage import INCOMPLETE_MARKER, View
 from oarlock.checkpoint.traversal import collect_leaves, set_path
 from oarlock.utils import dtype_itemsize, numel, torch_dtype
@@ -307,16 +308,20 @@ def try_warm_start(state_dict: Any, path: str | os.PathLike, dist: DistWrapper, 
         if p.is_dir() and not (p / INCOMPLETE_MARKER).exists() and fpath.is_file():
             sf = SafetensorsFile(fpath)
             rec = sf.header_metadata.get(SHARDS_HEADER)
+            digest = sf.header_metadata.get(SHARDS_DIGEST_HEADER)
             file_id = sf.header_metadata.get(SAVE_ID_HEADER)
-            ok = (rec is not None and sf.header_metadata.get(WORLD_HEADER) == str(dist.size)
-                  and json.loads(rec) == {sw.key: sharded_weight_record(sw) for sw in leaves.shards})
+            mine = {sw.key: sharded_weight_record(sw) for sw in leaves.shards}
+            ok = sf.header_metadata.get(WORLD_HEADER) == str(dist.size) and (
+                json.loads(rec) == mine if rec is not None else digest is not None and digest == shards_digest(mine))
             has_meta = (p / METADATA_FILE).exists()
             if ok and has_meta:  # validated against metadata.json like every other load
                 with load_formats()["oarlock"].open(p, partial=True) as r:
                     meta = r.metadata
                 meta_id = meta.save_id
                 ok = _warm_matches(meta, leaves, data_file)
-            elif leaves.objects:
+                if ok:  # a packed file's pieces are located from the metadata's grid records
+                    sf.use_packed(meta.packed_layout(), rank_of_file(data_file))
+            elif leaves.objects or sf.packed:
                 ok = False
     except Exception:  # any doubt: the normal path reports errors properly
         ok = False

@@ -249,7 +249,7 @@ def _verify_files(reader, meta: CheckpointMetadata, files: set[str]) -> None:
             path = reader.path_of(f)
             bs = sums[f].block_size
             raise ChecksumError(f"{path}: block(s) {bad[:5]} (bytes from {bad[0] * bs}) do not match the checksums "
-                                f"recorded at save (keys {corrupt_keys(path, bad, bs)[:5]}): the file was corrupted "
+                                f"recorded at save (keys {corrupt_keys(path, bad, bs, reader, f)[:5]}): the file was corrupted "
                                 "after it was written, so its recorded checksums cannot stand for its contents; "
                                 "`oarlock verify` lists every bad block")
 

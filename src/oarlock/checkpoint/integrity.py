@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import json
+import math
 import mmap
 import os
 import re
@@ -287,11 +289,18 @@ def _read_layout(reader: Any, file: str, name: str, flat_start: int, shape: Sequ
         return None
     dtype, _, begin, _ = e
     isz = dtype_itemsize(dtype)
-    shape, box = (list(shape), [tuple(b) for b in box]) if len(shape) else ([1], [(0, 1)])
+    if not len(shape):
+        shape, box = (1,), [(0, 1)]
+    return f.data_start + begin + int(flat_start) * isz, isz, c_strides(tuple(shape)), box
+
+
+@functools.lru_cache(maxsize=4096)
+def c_strides(shape: tuple[int, ...]) -> list[int]:
+    """C-order strides in elements of an array of ``shape`` (cached: a checkpoint has few distinct shapes)."""
     strides = [1] * len(shape)
     for d in range(len(shape) - 2, -1, -1):
         strides[d] = strides[d + 1] * int(shape[d + 1])
-    return f.data_start + begin + int(flat_start) * isz, isz, strides, box
+    return strides
 
 
 def _elements_before(x: int, strides: list[int], box: list[tuple[int, int]], inner: list[int]) -> int:
@@ -317,17 +326,20 @@ def block_bytes(reader: Any, fc: FileChecksums, name: str, flat_start: int, shap
     if lay is None:
         return {}
     base, isz, strides, box = lay
+    first = sum(a * s for (a, _), s in zip(box, strides))
+    last = sum((b - 1) * s for (_, b), s in zip(box, strides))
+    blocks = fc.block_range(base + first * isz, base + (last + 1) * isz)
+    if len(blocks) == 1:  # the common case of many small shards: no per-dimension counting
+        return {blocks[0]: math.prod(b - a for a, b in box) * isz}
     inner = [1] * len(box)
     for d in range(len(box) - 2, -1, -1):
         inner[d] = inner[d + 1] * (box[d + 1][1] - box[d + 1][0])
-    first = sum(a * s for (a, _), s in zip(box, strides))
-    last = sum((b - 1) * s for (_, b), s in zip(box, strides))
 
     def before(pos: int) -> int:  # elements of the read starting below file offset pos
         return _elements_before(-(-(pos - base) // isz), strides, box, inner)
 
     out = {}
-    for b in fc.block_range(base + first * isz, base + (last + 1) * isz):
+    for b in blocks:
         n = (before(min(fc.size, (b + 1) * fc.block_size)) - before(b * fc.block_size)) * isz
         if n > 0:
             out[b] = n
@@ -342,7 +354,7 @@ def _block_contents(reader: Any, file: str, b: int, block_size: int) -> str:
         for sh in t.shards:
             if sh.file == file:
                 by_name.setdefault(sh.name, f"key {t.key!r} {_shard_words(reader.metadata, t.key, file, sh.name)}")
-    names = corrupt_keys(reader.path_of(file), [b], block_size)
+    names = corrupt_keys(reader.path_of(file), [b], block_size, reader, file)
     return ", ".join("the file header" if n == "header" else by_name.get(n, f"stored tensor {n!r}") for n in names)
 
 
@@ -480,13 +492,22 @@ def _mismatch(reader: Any, fc: FileChecksums, bad: list[int]) -> str:
             "written; nothing was loaded")
 
 
-def corrupt_keys(file_path: str | Path, blocks: Sequence[int], block_size: int) -> list[str]:
+def corrupt_keys(file_path: str | Path, blocks: Sequence[int], block_size: int, reader: Any = None,
+                 file: str | None = None) -> list[str]:
     """Names of the tensors of safetensors file ``file_path`` whose bytes overlap any of ``blocks`` ("header"
-    when a block holds header bytes)."""
-    try:
-        h = read_header(file_path)
-    except CheckpointFormatError:
-        return ["header"]
+    when a block holds header bytes). With ``reader`` (the opened checkpoint) and ``file`` (its name there), the
+    pieces of a packed data file are named by their keys; else by the header alone."""
+    h: Any = None
+    if reader is not None and file is not None:
+        try:
+            h = reader.safetensors_file(file)
+        except CheckpointFormatError:
+            h = None
+    if h is None:
+        try:
+            h = read_header(file_path)
+        except CheckpointFormatError:
+            return ["header"]
     out: list[str] = []
     for b in blocks:
         lo, hi = b * block_size, (b + 1) * block_size
@@ -496,6 +517,18 @@ def corrupt_keys(file_path: str | Path, blocks: Sequence[int], block_size: int) 
             if end > begin and h.data_start + begin < hi and h.data_start + end > lo:
                 out.append(name)
     return list(dict.fromkeys(out))
+
+
+def _own_file_keys(root: Path, file: str, b: int, block_size: int) -> list[str]:
+    """:func:`corrupt_keys` of block ``b`` of ``root / file``, resolving a packed file through the metadata (only
+    on this error path: the warm restart does not open the checkpoint otherwise)."""
+    from oarlock.checkpoint.formats import load_formats
+
+    try:
+        with load_formats()["oarlock"].open(root, partial=True) as r:
+            return corrupt_keys(root / file, [b], block_size, r, file)
+    except Exception:  # the message still names the file and block
+        return corrupt_keys(root / file, [b], block_size)
 
 
 def verify_own_file(root: str | Path, file: str) -> int:
@@ -521,7 +554,7 @@ def verify_own_file(root: str | Path, file: str) -> int:
     if bad:
         b = bad[0]
         lo, hi = b * fc.block_size, min(fc.size, (b + 1) * fc.block_size)
-        keys = corrupt_keys(root / file, [b], fc.block_size)
+        keys = _own_file_keys(root, file, b, fc.block_size)
         held = ", ".join("the file header" if k == "header" else f"key {k!r}" for k in keys)
         more = f" (and {len(bad) - 1} more corrupt block(s))" if len(bad) > 1 else ""
         raise ChecksumError(f"{root / file}: checksum mismatch in bytes [{lo}, {hi}) (block {b}) holding "
@@ -548,7 +581,7 @@ def verify_all_blocks(reader: Any) -> int:
         if bad:
             b = bad[0]
             lo, hi = b * fc.block_size, min(fc.size, (b + 1) * fc.block_size)
-            keys = corrupt_keys(reader.path_of(file), [b], fc.block_size)
+            keys = corrupt_keys(reader.path_of(file), [b], fc.block_size, reader, file)
             raise ChecksumError(f"{reader.path_of(file)}: checksum mismatch in bytes [{lo}, {hi}) (block {b}) holding "
                                 f"{', '.join(repr(k) for k in keys)}: the file was corrupted after it was written")
     return v.bytes_verified
@@ -697,7 +730,7 @@ def _hash_file(reader: Any, fc: FileChecksums) -> tuple[list[Problem], int]:
     out = []
     for b in bad:
         lo, hi = b * fc.block_size, min(fc.size, (b + 1) * fc.block_size)
-        keys = corrupt_keys(path, [b], fc.block_size)
+        keys = corrupt_keys(path, [b], fc.block_size, reader, fc.file)
         out.append(Problem(fc.file, f"checksum mismatch in bytes [{lo}, {hi}) (block {b}) holding "
                                     f"{', '.join(repr(k) for k in keys)}", keys, b, lo, hi))
     return out, v.bytes_verified

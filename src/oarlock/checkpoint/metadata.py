@@ -18,12 +18,13 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from oarlock.checkpoint.errors import CheckpointFormatError
-from oarlock.checkpoint.grid import FlatGrid, GridLayout, compress_flat, compress_shards, data_file_name
+from oarlock.checkpoint.grid import (FlatGrid, GridLayout, PackedLayout, compress_flat, compress_shards,
+                                    data_file_name)
 from oarlock.utils import dtype_itemsize, dtype_name, numel
 
 FORMAT_NAME = "oarlock.flexcheckpoint"
-FORMAT_VERSION = 2  # 2: grid records (docs/checkpoint-format.md); version 1 files are still read
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3  # 2: grid records; 3: packed data files (docs/checkpoint-format.md); 1 and 2 are still read
+READABLE_VERSIONS = (1, 2, 3)
 METADATA_FILE = "metadata.json"
 #: JSON objects an optimizer checkpoint holds (see :mod:`oarlock.checkpoint.optim`).
 ALGORITHM_KEY = "optimizer.algorithm"
@@ -238,6 +239,15 @@ class CheckpointMetadata:
     @property
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
+
+    def packed_layout(self) -> PackedLayout:
+        """Where the grid- and flat-recorded tensors lie in packed data files (:class:`PackedLayout`; built once
+        and cached: edits of ``tensors`` after the first call are not seen)."""
+        layout = self.__dict__.get("_packed")
+        if layout is None:
+            layout = self.__dict__["_packed"] = PackedLayout(
+                [(k, t.global_shape, t.dtype, t.grid) for k, t in self.tensors.items() if t.grid is not None])
+        return layout
 
     def to_json(self, compact: bool = True) -> dict[str, Any]:
         """The ``metadata.json`` object; ``compact=False`` lists every shard (the version 1 form, which every

@@ -63,6 +63,7 @@ from typing import Any, ClassVar
 import torch
 
 from oarlock.checkpoint.errors import CheckpointFormatError
+from oarlock.checkpoint.grid import rank_of_file
 from oarlock.checkpoint.metadata import SAVE_ID_HEADER, CheckpointMetadata, ShardMeta
 from oarlock.checkpoint.safetensors_io import SafetensorsFile, contiguous_run, np_prod
 from oarlock.utils import error_reason, torch_dtype
@@ -250,6 +251,11 @@ class CheckpointReader:
                     f"{self.path_of(file)}: data file of {'save ' + repr(got) if got else 'no recorded save'}, but "
                     f"the metadata is of save {want!r}: the checkpoint mixes files of two saves (or was replaced "
                     "while being read)")
+            try:
+                f.use_packed(self.metadata.packed_layout(), rank_of_file(file))
+            except BaseException:
+                f.close()
+                raise
             self._st_files[file] = f
             self.files_opened.append(file)
         return f

@@ -217,6 +217,35 @@ class SafetensorsFile:
         self.header_metadata: dict[str, str] = hdr.metadata
         self.entries: dict[str, tuple[str, tuple[int, ...], int, int]] = hdr.entries
 
+    @property
+    def packed(self) -> bool:
+        """True for a packed oarlock data file (:data:`~oarlock.checkpoint.grid.PACKED_ENTRY`)."""
+        from oarlock.checkpoint.grid import PACKED_ENTRY
+
+        return PACKED_ENTRY in self.entries and not hasattr(self.entries, "_layout")
+
+    def use_packed(self, layout: Any, rank: int | None) -> None:
+        """Resolve a packed data file's pieces from the checkpoint's metadata (``layout``, a
+        :class:`~oarlock.checkpoint.grid.PackedLayout`; ``rank``: the rank whose file this is): afterwards
+        ``entries`` names every piece by its key. A file that is not packed is left as it is.
+
+        Raises:
+            CheckpointFormatError: naming the file: the packed entry is not ``U8`` 1-D, no metadata or rank to
+                resolve it with, or its size disagrees with the metadata.
+        """
+        from oarlock.checkpoint.grid import PACKED_ENTRY
+
+        if not self.packed:
+            return
+        dt, shape, begin, end = self.entries[PACKED_ENTRY]
+        if dt != "uint8" or len(shape) != 1:
+            raise CheckpointFormatError(f"{self.path}: the packed entry {PACKED_ENTRY!r} is {dt} of shape "
+                                        f"{list(shape)}, not a 1-D uint8 array")
+        if layout is None or rank is None:
+            raise CheckpointFormatError(f"{self.path}: a packed data file is read with its checkpoint's "
+                                        "metadata.json (its pieces are located from the grid records)")
+        self.entries = layout.entries(rank, begin, end - begin, str(self.path), named=self.entries)
+
     def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
@@ -373,7 +402,8 @@ class SafetensorsWriter:
     """
 
     def __init__(self, path: str | Path, entries: Sequence[tuple[str, Sequence[int], Any]],
-                 metadata: dict[str, str] | None = None, *, fsync: bool = True, hasher: Any = None):
+                 metadata: dict[str, str] | None = None, *, fsync: bool = True, hasher: Any = None,
+                 packed: Sequence[tuple[str, Sequence[int], Any]] = ()):
         self.path = Path(path)
         self.fsync = fsync
         self.checksum_record: dict[str, Any] | None = None
@@ -381,20 +411,34 @@ class SafetensorsWriter:
         header: dict[str, Any] = {"__metadata__": {"format": "pt", **(metadata or {})}}
         self.where: dict[str, tuple[int, tuple[int, ...], str]] = {}
         off = 0
-        for name, shape, dtype in entries:
-            if name == RESERVED_NAME:
-                raise CheckpointFormatError(f"{self.path}: tensor {name!r}: the name is reserved by the safetensors "
-                                            "format for the header's metadata block; rename this key")
-            try:
-                code = safetensors_code(dtype)
-            except (ValueError, KeyError):
-                raise CheckpointFormatError(f"{self.path}: tensor {name!r} has dtype {dtype}, which safetensors "
-                                            "cannot store") from None
-            dt = dtype_name(dtype)
-            n = numel(shape) * dtype_itemsize(dt)
-            header[name] = {"dtype": code, "shape": [int(x) for x in shape], "data_offsets": [off, off + n]}
-            self.where[name] = (off, tuple(int(x) for x in shape), dt)
-            off += n
+        # ``packed`` pieces (an oarlock data file's grid shards) share one U8 entry, first in the file; they are
+        # put by name like the others but are not named in the header (docs/checkpoint-format.md)
+        for group in (packed, entries):
+            start = off
+            for name, shape, dtype in group:
+                if name == RESERVED_NAME and group is entries:
+                    raise CheckpointFormatError(f"{self.path}: tensor {name!r}: the name is reserved by the "
+                                                "safetensors format for the header's metadata block; rename this key")
+                if name in self.where:
+                    raise CheckpointFormatError(f"{self.path}: tensor {name!r} is written twice")
+                try:
+                    code = safetensors_code(dtype)
+                except (ValueError, KeyError):
+                    raise CheckpointFormatError(f"{self.path}: tensor {name!r} has dtype {dtype}, which "
+                                                "safetensors cannot store") from None
+                dt = dtype_name(dtype)
+                n = numel(shape) * dtype_itemsize(dt)
+                if group is entries:
+                    header[name] = {"dtype": code, "shape": [int(x) for x in shape], "data_offsets": [off, off + n]}
+                self.where[name] = (off, tuple(int(x) for x in shape), dt)
+                off += n
+            if group is packed and packed:
+                from oarlock.checkpoint.grid import PACKED_ENTRY
+
+                if any(name == PACKED_ENTRY for name, _, _ in entries):
+                    raise CheckpointFormatError(f"{self.path}: tensor name {PACKED_ENTRY!r} is reserved for the "
+                                                "packed entry of oarlock data files; rename this key")
+                header[PACKED_ENTRY] = {"dtype": "U8", "shape": [off - start], "data_offsets": [start, off]}
         hb = json.dumps(header, separators=(",", ":")).encode()
         hb += b" " * (-len(hb) % 8)  # the data section starts 8-byte aligned
         self.base = 8 + len(hb)
@@ -482,24 +526,28 @@ class SafetensorsWriter:
 
 
 def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], *, fsync: bool = True,
-                      metadata: dict[str, str] | None = None, hasher: Any = None) -> int:
+                      metadata: dict[str, str] | None = None, hasher: Any = None,
+                      packed: dict[str, torch.Tensor] | None = None) -> int:
     """Write ``tensors`` (CPU or device, any layout, storage shared or not) as one safetensors file in the given
     order with :class:`SafetensorsWriter`, and fsync it. Returns the bytes written. ``metadata`` (str -> str) is
     added to the header's ``__metadata__`` block. ``hasher``: see :class:`SafetensorsWriter` (its ``finish``
-    result is then in ``hasher.record``).
+    result is then in ``hasher.record``). ``packed``: pieces written back to back, in the given order, into the
+    file's one :data:`~oarlock.checkpoint.grid.PACKED_ENTRY` before ``tensors`` (oarlock data files).
 
     Raises:
         CheckpointFormatError: a dtype that safetensors cannot store (naming the tensor).
     """
-    for name, t in tensors.items():
+    packed = packed or {}
+    for name, t in (*packed.items(), *tensors.items()):
         try:
             safetensors_code(t.dtype)
         except (ValueError, KeyError):
             raise CheckpointFormatError(f"{path}: tensor {name!r} has dtype {t.dtype}, which safetensors cannot "
                                         "store") from None
     with SafetensorsWriter(path, [(k, tuple(t.shape), t.dtype) for k, t in tensors.items()], metadata,
-                           fsync=fsync, hasher=hasher) as w:
-        for k, t in tensors.items():
+                           fsync=fsync, hasher=hasher,
+                           packed=[(k, tuple(t.shape), t.dtype) for k, t in packed.items()]) as w:
+        for k, t in (*packed.items(), *tensors.items()):
             w.put(k, t)
     return w.nbytes
 

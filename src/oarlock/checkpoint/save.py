@@ -45,6 +45,7 @@ from oarlock.utils import dtype_itemsize
 # import the AOA package)
 TP_LAYOUTS_KEY = "tp_layouts"
 
+SHARDS_DIGEST_HEADER = "oarlock.shards.sha256"  # packed files: SHA-256 of the shard records instead of the records
 SHARDS_HEADER = "oarlock.shards"  # safetensors __metadata__ entry: {name: [offset, local shape, global shape, ...]}
 WORLD_HEADER = "oarlock.world_size"  # ... and the size of the group that saved
 
@@ -66,18 +67,29 @@ def sharded_weight_record(sw: ShardedWeight) -> list:
     return shard_record(d.global_offset, d.local_shape, d.global_shape, d.dtype, d.flattened_range)
 
 
+def shards_digest(records: Mapping[str, list]) -> str:
+    """SHA-256 (hex) of a data file's shard records ``{name: shard_record}``, in canonical JSON (sorted names)."""
+    return hashlib.sha256(json.dumps(dict(records), sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def new_save_id() -> str:
     """A fresh unique save id (written into ``metadata.json`` and every data file of one save)."""
     return uuid.uuid4().hex
 
 
-def shard_header(shards: list[tuple], world: int, save_id: str | None = None) -> dict[str, str]:
-    """The safetensors ``__metadata__`` entries of a data file: each shard it holds, the size of the group that
-    saved it, and the id of the save (:data:`~oarlock.checkpoint.metadata.SAVE_ID_HEADER`, checked against
-    ``metadata.json`` on load). ``shards``: ``(key, global_offset, local_shape, global_shape, dtype,
-    flattened_range)`` in file order."""
+def shard_header(shards: list[tuple], world: int, save_id: str | None = None, digest: bool = False
+                 ) -> dict[str, str]:
+    """The safetensors ``__metadata__`` entries of a data file: its shards (what a same-layout restart compares),
+    the size of the group that saved it, and the id of the save (:data:`~oarlock.checkpoint.metadata.SAVE_ID_HEADER`,
+    checked against ``metadata.json`` on load). ``shards``: ``(name, global_offset, local_shape, global_shape,
+    dtype, flattened_range)``. The shards are recorded in full (:data:`SHARDS_HEADER`), or with ``digest`` (packed
+    files, whose headers must not grow with the number of tensors) as the SHA-256 of that record
+    (:data:`SHARDS_DIGEST_HEADER`, :func:`shards_digest`)."""
     rec = {k: shard_record(off, ls, gs, dt, fr) for k, off, ls, gs, dt, fr in shards}
-    out = {SHARDS_HEADER: json.dumps(rec, separators=(",", ":")), WORLD_HEADER: str(world)}
+    if digest:
+        out = {SHARDS_DIGEST_HEADER: shards_digest(rec), WORLD_HEADER: str(world)}
+    else:
+        out = {SHARDS_HEADER: json.dumps(rec, separators=(",", ":")), WORLD_HEADER: str(world)}
     if save_id is not None:
         out[SAVE_ID_HEADER] = save_id
     return out
@@ -494,7 +506,7 @@ def prepare_save(state_dict: Mapping[str, Any], path: str | os.PathLike, process
     if skipped:
         grid_writes = [i for i in grid_writes if i[0] not in set(skipped)]
     own = list(grid_writes) + [i for i, _ in listed]
-    names = {(i[0], i[1], i[3]): i[0] for i in grid_writes}
+    names: dict[tuple, str | None] = {(i[0], i[1], i[3]): None for i in grid_writes}  # None: packed
     names.update({(i[0], i[1], i[3]): n for i, n in listed})
     plan = SavePlan(path, dist.rank, dist.size, tmp, {dist.rank: own}, names, leaves, save_id, overwrite=overwrite)
     if layout is not None:
@@ -549,11 +561,16 @@ def write_and_commit(plan: SavePlan, local: dict[Any, torch.Tensor], process_gro
             return {}
         mine = {shard_id(sw): sw for sw in plan.leaves.shards}
         file = data_file_name(plan.rank)
-        out = {plan.names[i]: local[i] if i in local else local[i[0]] for i in ids}
+        # grid shards go into the packed entry in key order (located from the grid records, so the file's header
+        # stays a few hundred bytes whatever the number of tensors); listed shards keep named entries
+        packed = sorted((i for i in ids if plan.names[i] is None), key=lambda i: i[0])
+        named = [i for i in ids if plan.names[i] is not None]
+        data = {i: local[i] if i in local else local[i[0]] for i in ids}
         hasher = BlockHasher()
-        write_safetensors(tmp / file, out, metadata=shard_header(
-            [(plan.names[i], *_desc_tuple(mine[i])) for i in ids], plan.world, plan.save_id),
-            hasher=hasher)
+        header = shard_header([(i[0] if plan.names[i] is None else plan.names[i], *_desc_tuple(mine[i]))
+                               for i in ids], plan.world, plan.save_id, digest=bool(packed))
+        write_safetensors(tmp / file, {plan.names[i]: data[i] for i in named}, metadata=header, hasher=hasher,
+                          packed={i[0]: data[i] for i in packed})
         return {file: hasher.record}  # block checksums, recorded in the metadata
 
     def commit(records: list[dict[str, Any]]) -> None:

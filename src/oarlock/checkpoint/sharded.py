@@ -10,6 +10,8 @@ in flat order, so the planner treats flattened shards like a few regular ones.
 
 from __future__ import annotations
 
+import functools
+
 import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -258,22 +260,46 @@ class ShardedWeight:
             CheckpointError: a ``Partial`` placement (reduce it first), or a local tensor whose shape disagrees
                 with the placements.
         """
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        mesh, placements = dtensor.device_mesh, dtensor.placements
-        if mesh.get_coordinate() is None:
-            return None
-        for p in placements:
-            if p.is_partial():
-                raise CheckpointError(f"DTensor {key!r} has a Partial placement ({placements}); reduce it "
-                                      "(e.g. redistribute to Replicate) before saving or loading")
+        mesh, placements = dtensor.device_mesh, tuple(dtensor.placements)
         gshape = tuple(dtensor.shape)
-        local_shape, offset = compute_local_shape_and_global_offset(gshape, mesh, placements)
+        box = _dtensor_box(mesh, placements, gshape, _process_rank())
+        if box is None:
+            return None
+        if box is _PARTIAL:
+            raise CheckpointError(f"DTensor {key!r} has a Partial placement ({placements}); reduce it "
+                                  "(e.g. redistribute to Replicate) before saving or loading")
+        local_shape, offset = box
         local = dtensor.to_local()
         if tuple(local.shape) != tuple(local_shape):
             raise CheckpointError(f"DTensor {key!r}: local tensor has shape {tuple(local.shape)} but placements "
                                   f"{placements} on mesh {tuple(mesh.shape)} give {tuple(local_shape)}")
         return cls(key, local, tuple(local_shape), gshape, tuple(offset), placement_layout=(mesh, tuple(placements)))
+
+
+_PARTIAL = object()
+
+
+def _process_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else -1
+
+
+@functools.lru_cache(maxsize=4096)
+def _dtensor_box(mesh: Any, placements: tuple, gshape: tuple[int, ...], rank: int) -> Any:
+    """``(local shape, global offset)`` of this rank's box of a DTensor (torch's own
+    ``compute_local_shape_and_global_offset``), None off the mesh, ``_PARTIAL`` for a Partial placement. Cached:
+    the tensors of a model share a few (mesh, placements, shape) triples, and torch's computation costs a
+    millisecond or more per call, which dominated describing a state of thousands of DTensors. ``rank`` (this
+    process's global rank) is part of the key because equal meshes compare equal across process groups."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if mesh.get_coordinate() is None:
+        return None
+    if any(p.is_partial() for p in placements):
+        return _PARTIAL
+    local_shape, offset = compute_local_shape_and_global_offset(gshape, mesh, placements)
+    return tuple(int(x) for x in local_shape), tuple(int(x) for x in offset)
 
 
 def is_dtensor(x: Any) -> bool:
