@@ -68,6 +68,9 @@ def _torch_imported_after(argv: list[str]) -> tuple[bool, int, str]:
     (["--help"], 0), (["--version"], 0), (["no-such-command"], 2), ([], 2),
     (["debug", "--help"], 0), (["debug", "diff"], 2), (["debug", "render", "--help"], 0),
     (["memory", "--help"], 0), (["memory", "simulate"], 2), (["memory", "view", "--bogus"], 2),
+    # the checkpoint commands (issue 29: `convert --help` waited ~4 s for torch before printing)
+    (["convert", "--help"], 0), (["inspect", "--help"], 0), (["verify", "--help"], 0), (["diff", "--help"], 0),
+    (["aoa", "--help"], 0), (["aoa", "explain", "--help"], 0), (["convert"], 2), (["inspect", "--bogus"], 2),
 ])
 def test_help_and_argument_errors_do_not_import_torch(argv, code):
     imported, rc, err = _torch_imported_after(argv)
@@ -102,6 +105,22 @@ def test_lazy_packages_list_their_public_names_in_dir():
 
     assert om.render_html is om.render_memory_html and od.render_html is od.render_graph_html
     assert callable(om.trace_region) and callable(od.capture)
+
+
+def test_checkpoint_package_is_lazy_and_complete():
+    """``import oarlock.checkpoint`` imports neither torch nor torch.distributed.checkpoint; every name of its
+    ``__all__`` resolves (to the object its submodule defines) and is listed by ``dir()``."""
+    code = ("import sys, oarlock.checkpoint as c\n"
+            "print('torch' in sys.modules, 'torch.distributed.checkpoint' in sys.modules,"
+            " all(n in dir(c) for n in c.__all__))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.stdout.split() == ["False", "False", "True"], r.stderr
+    import oarlock.checkpoint as c
+    from oarlock.checkpoint.async_save import async_save
+    from oarlock.checkpoint.manager import RankLocal
+
+    assert all(getattr(c, n) is not None for n in c.__all__)
+    assert c.async_save is async_save and c.RankLocal is RankLocal
 
 
 @pytest.mark.parametrize("argv", [["verify", "{p}", "--json"], ["inspect", "{p}", "--json"],

@@ -26,6 +26,7 @@ import os
 import sys
 import time
 import warnings
+from typing import Any
 
 import torch
 
@@ -186,24 +187,22 @@ def megatron_logits(model, out: str, rank: int, world: int) -> None:
                 f.write(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
 
 
-def _deepspeed_zero(ctx, stage: int) -> None:
-    """A fresh engine for ZeRO ``stage`` on the same tiny Llama, two steps, save into ``z{stage}/ckpt``; rank 0
-    saves DeepSpeed's own full fp32 weights and Adam moments as ``z{stage}/ref.pt``."""
-    rank, world, out = ctx.rank, ctx.world, str(ctx.shared)
+def _trained_engine(ctx, optimizer: dict, stage: int) -> Any:
+    """A fresh DeepSpeed engine for ZeRO ``stage`` with ``optimizer`` (DeepSpeed's ``optimizer`` config block) on
+    the tiny Llama, after two training steps (one rank-seeded batch)."""
+    rank, world = ctx.rank, ctx.world
     _env(rank, world)
     # DeepSpeed loads its C++ op from .foreign-venv's own extensions directory, prebuilt at set-up time, never from
     # the shared ~/.cache/torch_extensions
     os.environ["TORCH_EXTENSIONS_DIR"] = extensions_dir()
     deepspeed_op_ready(os.environ["TORCH_EXTENSIONS_DIR"])
     import deepspeed
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
     from transformers import LlamaForCausalLM
 
     deepspeed.init_distributed(dist_backend="gloo")  # uses the harness's process group
     torch.manual_seed(0)
     model = LlamaForCausalLM(tiny_llama_config())
-    cfg = {"train_batch_size": world, "train_micro_batch_size_per_gpu": 1,
-           "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
+    cfg = {"train_batch_size": world, "train_micro_batch_size_per_gpu": 1, "optimizer": optimizer,
            "zero_optimization": {"stage": stage}}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     ids = torch.randint(0, 96, (1, 8), generator=torch.Generator().manual_seed(rank))
@@ -211,14 +210,30 @@ def _deepspeed_zero(ctx, stage: int) -> None:
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
         engine.step()
-    d = os.path.join(out, f"z{stage}")
-    engine.save_checkpoint(os.path.join(d, "ckpt"), tag="global_step2")
+    return engine
+
+
+def _full_reference(engine: Any) -> dict[str, torch.Tensor]:
+    """DeepSpeed's own full fp32 weights and Adam moments (``optim.state.<param>.exp_avg``/``exp_avg_sq``); a
+    collective: every rank calls it."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
     ref = {}
-    for name, p in engine.module.named_parameters():  # collectives: every rank calls them
+    for name, p in engine.module.named_parameters():
         ref[name] = safe_get_full_fp32_param(p).detach().clone()
         for m in ("exp_avg", "exp_avg_sq"):
             ref[f"optim.state.{name}.{m}"] = safe_get_full_optimizer_state(p, m).detach().clone()
-    if rank == 0:
+    return ref
+
+
+def _deepspeed_zero(ctx, stage: int) -> None:
+    """A fresh engine for ZeRO ``stage`` on the same tiny Llama, two steps, save into ``z{stage}/ckpt``; rank 0
+    saves DeepSpeed's own full fp32 weights and Adam moments as ``z{stage}/ref.pt``."""
+    engine = _trained_engine(ctx, {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}}, stage)
+    d = os.path.join(str(ctx.shared), f"z{stage}")
+    engine.save_checkpoint(os.path.join(d, "ckpt"), tag="global_step2")
+    ref = _full_reference(engine)
+    if ctx.rank == 0:
         torch.save(ref, os.path.join(d, "ref.pt"))
     torch.distributed.barrier()
     engine.destroy() if hasattr(engine, "destroy") else None
@@ -245,37 +260,16 @@ def scenario_deepspeed_zero1_adamw(ctx) -> None:
     DeepSpeed's own ``FusedAdam`` keeps it (``state['step'] = group.get('step', 0)``, then ``+= 1``): the writer
     uses torch's AdamW (``torch_adam``) because FusedAdam's CPU op is a C++ build of several minutes, and rewrites
     only the ``step`` entries of the optimizer files (loaded and saved with DeepSpeed importable)."""
-    rank, world, out = ctx.rank, ctx.world, str(ctx.shared)
-    _env(rank, world)
-    os.environ["TORCH_EXTENSIONS_DIR"] = extensions_dir()
-    deepspeed_op_ready(os.environ["TORCH_EXTENSIONS_DIR"])
     import glob
     import json
     import shutil
 
-    import deepspeed
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-    from transformers import LlamaForCausalLM
-
-    deepspeed.init_distributed(dist_backend="gloo")
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(tiny_llama_config())
-    cfg = {"train_batch_size": world, "train_micro_batch_size_per_gpu": 1,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
-           "zero_optimization": {"stage": 1}}
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    ids = torch.randint(0, 96, (1, 8), generator=torch.Generator().manual_seed(rank))
-    for _ in range(2):
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
+    rank, out = ctx.rank, str(ctx.shared)
+    engine = _trained_engine(ctx, {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01,
+                                                               "torch_adam": True}}, 1)
     d = os.path.join(out, "z1w")
     engine.save_checkpoint(os.path.join(d, "ckpt"), tag="global_step2")
-    ref = {}
-    for name, p in engine.module.named_parameters():
-        ref[name] = safe_get_full_fp32_param(p).detach().clone()
-        for m in ("exp_avg", "exp_avg_sq"):
-            ref[f"optim.state.{name}.{m}"] = safe_get_full_optimizer_state(p, m).detach().clone()
+    ref = _full_reference(engine)
     torch.distributed.barrier()
     if rank == 0:
         torch.save(ref, os.path.join(d, "ref.pt"))

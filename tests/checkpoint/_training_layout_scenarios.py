@@ -31,10 +31,10 @@ def tiny_llama_config():
                        tie_word_embeddings=False)
 
 
-def scenario_write_get_state_dict(ctx):
+def _trained_fsdp2_llama(rank: int):
+    """The tiny Llama under FSDP2 with AdamW after one step (the same on every call)."""
     from transformers import LlamaForCausalLM
 
-    root, rank = ctx.shared, ctx.rank
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(0)
     model = LlamaForCausalLM(tiny_llama_config())
@@ -45,6 +45,12 @@ def scenario_write_get_state_dict(ctx):
     ids = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(rank))
     model(input_ids=ids, labels=ids).loss.backward()
     opt.step()
+    return model, opt
+
+
+def scenario_write_get_state_dict(ctx):
+    root, rank = ctx.shared, ctx.rank
+    model, opt = _trained_fsdp2_llama(rank)
     msd, osd = get_state_dict(model, opt)
     sd = {"model": msd, "optim": osd}
     save_state_dict(sd, root / "oar")
@@ -60,4 +66,32 @@ def scenario_write_get_state_dict(ctx):
         tiny_llama_config().save_pretrained(root / "cfg")
         for d in ("oar", "dcp"):
             shutil.copyfile(root / "cfg" / "config.json", root / d / "config.json")
+    dist.barrier()
+
+
+def scenario_write_accelerate_save_state(ctx):
+    """accelerate's FSDP2 ``save_state`` layout written by accelerate's own writers into ``ctx.shared/acc``:
+    ``save_fsdp_model`` and ``save_fsdp_optimizer`` (the functions ``Accelerator.save_state`` calls for an FSDP
+    model, ``SHARDED_STATE_DICT``) and ``save_accelerator_state`` (its RNG pickle). ``Accelerator`` itself
+    enables FSDP only on GPU back ends, so the writers get torch's ``fully_shard`` model and accelerate's
+    ``PartialState`` (the process state an ``Accelerator`` wraps; the writers read its ``num_processes`` and
+    ``process_index``). ``acc_full.pt``: the full state dict."""
+    from accelerate import PartialState
+    from accelerate.checkpointing import save_accelerator_state
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import save_fsdp_model, save_fsdp_optimizer
+
+    root, rank = ctx.shared, ctx.rank
+    model, opt = _trained_fsdp2_llama(rank)
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")
+    acc = PartialState(cpu=True)  # joins the harness's gloo group
+    assert acc.num_processes == dist.get_world_size() and acc.process_index == rank
+    out = str(root / "acc")
+    save_fsdp_model(plugin, acc, model, out, 0)
+    save_fsdp_optimizer(plugin, acc, opt, model, out, 0)
+    save_accelerator_state(out, [], [], [], [], rank, 1)
+    fm, _ = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        torch.save({k: v.clone() for k, v in fm.items()}, root / "acc_full.pt")
+        tiny_llama_config().save_pretrained(out)  # the user's config.json beside accelerate's output
     dist.barrier()

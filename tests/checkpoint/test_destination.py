@@ -188,6 +188,17 @@ def test_crash_during_an_overwrite_puts_the_user_entries_back(tmp_path, monkeypa
     assert tree(ck) == before and sorted(os.listdir(tmp_path)) == ["ck"]
 
 
+def _save_killed_at(module: str, attr: str, path: Path, state: str, *, overwrite: bool = False) -> None:
+    """``save_state_dict(STATE, path)`` in a fresh process (``state``: the Python text of STATE) that dies with
+    ``os._exit(9)`` when the save calls ``module.attr``: a writer SIGKILLed at that point."""
+    code = (f"import os, torch, {module} as s\n"
+            "from oarlock.checkpoint import save_state_dict\n"
+            f"s.{attr} = lambda *a, **k: os._exit(9)\n"
+            f"save_state_dict({state}, {str(path)!r}, overwrite={overwrite})\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    assert subprocess.run([sys.executable, "-c", code], env=env).returncode == 9
+
+
 def test_recovery_after_a_killed_overwrite_puts_the_user_entries_back(tmp_path):
     """The writer is SIGKILLed after moving the user's entry into its new directory: the next open restores the
     old checkpoint with the entry."""
@@ -195,13 +206,8 @@ def test_recovery_after_a_killed_overwrite_puts_the_user_entries_back(tmp_path):
     save_state_dict(state(1.0), ck)
     (ck / "note.txt").write_text("keep me")
     before = tree(ck)
-    code = (
-        "import os, torch, oarlock.checkpoint.storage as s\n"
-        "from oarlock.checkpoint import save_state_dict\n"
-        "s._exchange = lambda a, b: os._exit(9)\n"
-        f"save_state_dict({{'w': torch.ones(4, 3), 'b': torch.ones(5)}}, {str(ck)!r}, overwrite=True)\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    assert subprocess.run([sys.executable, "-c", code], env=env).returncode == 9
+    _save_killed_at("oarlock.checkpoint.storage", "_exchange", ck, "{'w': torch.ones(4, 3), 'b': torch.ones(5)}",
+                    overwrite=True)
     assert "note.txt" not in os.listdir(ck)  # it sits in the unpublished directory now
     assert torch.equal(loaded(ck)["w"], torch.full((4, 3), 1.0))  # the open recovers first
     assert tree(ck) == before and sorted(os.listdir(tmp_path)) == ["ck"]
@@ -211,13 +217,7 @@ def test_recovery_after_a_killed_overwrite_puts_the_user_entries_back(tmp_path):
 
 def _crashed_save(path: Path) -> None:
     """A save killed after writing its data file, before the commit (its temporary directory stays)."""
-    code = (
-        "import os, torch, oarlock.checkpoint.save as s\n"
-        "from oarlock.checkpoint import save_state_dict\n"
-        "s.publish_directory = lambda *a, **k: os._exit(7)\n"
-        f"save_state_dict({{'w': torch.ones(4, 3)}}, {str(path)!r})\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    assert subprocess.run([sys.executable, "-c", code], env=env).returncode == 7
+    _save_killed_at("oarlock.checkpoint.save", "publish_directory", path, "{'w': torch.ones(4, 3)}")
 
 
 def test_plain_save_removes_crashed_temporaries_but_not_a_live_one(tmp_path):

@@ -57,3 +57,31 @@ def test_parse_size():
     assert parse_size("5GB") == 5 * 10**9 and parse_size("500MiB") == 500 * 2**20 and parse_size(7) == 7
     with pytest.raises(CheckpointError, match="max_shard_size 'big'"):
         parse_size("big")
+
+
+def test_export_hf_sharded_writes_config_json(tmp_path):
+    """``export_hf_sharded(..., config=model.config)`` writes the ``config.json`` transformers reads: the export
+    loads with ``from_pretrained`` (no missing or unexpected key) and gives the model's own logits; a dict config
+    is written as JSON; without one there is no ``config.json``; a config of another type is refused before
+    anything is written."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from oarlock.checkpoint.convert import export_hf_sharded
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16)
+    model = LlamaForCausalLM(cfg).eval()
+    export_hf_sharded(model.state_dict(), tmp_path / "hf", config=model.config)
+    got, info = LlamaForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert info["missing_keys"] in ([], set()) and info["unexpected_keys"] in ([], set()), info
+    ids = torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(got.eval()(input_ids=ids).logits, model(input_ids=ids).logits)
+    export_hf_sharded(model.state_dict(), tmp_path / "hf_dict", config=cfg.to_dict())
+    assert json.loads((tmp_path / "hf_dict" / "config.json").read_text())["hidden_size"] == 16
+    export_hf_sharded(model.state_dict(), tmp_path / "bare")
+    assert not (tmp_path / "bare" / "config.json").exists()
+    with pytest.raises(CheckpointError, match="config: expected a dict or a transformers PretrainedConfig, got int"):
+        export_hf_sharded(model.state_dict(), tmp_path / "bad", config=3)
+    assert not (tmp_path / "bad").exists()

@@ -576,18 +576,45 @@ def test_a_load_racing_a_replacement_sees_one_save_or_fails(tmp_path, monkeypatc
 
 # ---------------------------------------------------------------- 8. bad inputs name the key or the file
 
-def test_reserved_tensor_name_is_refused_at_save(tmp_path):
-    from oarlock.checkpoint.convert import export_hf
+def test_key_named_like_the_safetensors_metadata_block_saves_and_loads(tmp_path):
+    """A key ``__metadata__`` is an ordinary key of an oarlock checkpoint: stored under another tensor name in the
+    data file (safetensors reserves the name for its header block), loaded back bit-exactly, also after ``convert
+    --to oarlock --tp 2``. A HuggingFace export, whose tensor names are the keys, refuses it before writing,
+    naming the key and the AOA rename that exports it."""
+    from safetensors import safe_open
+
+    from oarlock.checkpoint.convert import convert_checkpoint, export_hf
     from oarlock.checkpoint.hf import save_hf_checkpoint
 
-    with pytest.raises(CheckpointError, match="key '__metadata__': the name is reserved"):
-        save_state_dict({"__metadata__": torch.ones(2), "w": torch.ones(2)}, tmp_path / "ck")
-    with pytest.raises(CheckpointFormatError, match="tensor '__metadata__': the name is reserved"):
-        save_hf_checkpoint(iter([("__metadata__", torch.ones(2))]), tmp_path / "hf")
+    m = torch.arange(12, dtype=torch.float32).reshape(4, 3)
+    sd = {"__metadata__": m.clone(), "w": torch.full((2,), 7.0), "__metadata__.s": torch.tensor(3.5)}
+    save_state_dict(sd, tmp_path / "ck")
+    with safe_open(tmp_path / "ck" / "rank-00000.safetensors", "pt") as f:  # the safetensors library's view
+        stored = {n: f.get_tensor(n) for n in f.keys()}
+    assert "__metadata__" not in stored and any(torch.equal(t, m) for t in stored.values())
+    for src in ("ck", "tp2"):
+        if src == "tp2":
+            convert_checkpoint(tmp_path / "ck", tmp_path / "tp2", tp=2, tp_rules={"__metadata__": 0})
+        out = {k: torch.zeros_like(v) for k, v in sd.items()}
+        report = load_state_dict(out, tmp_path / src)
+        assert report.missing_keys == [] and report.unexpected_keys == []
+        for k, v in sd.items():
+            assert torch.equal(out[k], v), (src, k)
+    assert run_cli("verify", tmp_path / "tp2").returncode == 0
+    msg = r"key '__metadata__': a HuggingFace checkpoint stores each tensor under its key.*__metadata__ -> NEW_NAME"
+    with pytest.raises(CheckpointError, match=msg):
+        export_hf(tmp_path / "ck", tmp_path / "hf")
     save_state_dict({"w": torch.ones(2)}, tmp_path / "ok")
-    with pytest.raises(CheckpointFormatError, match="tensor '__metadata__': the name is reserved"):
+    with pytest.raises(CheckpointError, match=msg):  # a rename onto the name
         export_hf(tmp_path / "ok", tmp_path / "hf", aoa_config={"aoa_statements": ["w -> __metadata__"]})
-    assert sorted(os.listdir(tmp_path)) == ["ok"]
+    with pytest.raises(CheckpointError, match=msg):
+        save_hf_checkpoint(iter([("__metadata__", torch.ones(2))]), tmp_path / "hf")
+    r = run_cli("convert", tmp_path / "ck", tmp_path / "hf", "--to", "hf")
+    assert r.returncode == 2 and "key '__metadata__'" in r.stderr, r.stderr
+    assert sorted(os.listdir(tmp_path)) == ["ck", "ok", "tp2"]
+    export_hf(tmp_path / "ck", tmp_path / "hf", aoa_config={"aoa_statements": ["__metadata__ -> m"]})
+    with safe_open(tmp_path / "hf" / "model.safetensors", "pt") as f:
+        assert sorted(f.keys()) == ["__metadata__.s", "m", "w"] and torch.equal(f.get_tensor("m"), m)
 
 
 def test_unsupported_dtype_names_the_key(tmp_path):

@@ -8,23 +8,30 @@ load planner (:func:`plan_load`), the metadata model, readers for every source f
 :class:`CheckpointManager` (save every N steps, keep the last K, resume; :class:`RNGState`, :class:`RankLocal`, :class:`OptimizerState`), and errors.
 """
 
-from oarlock.checkpoint.api import LoadReport, load_state_dict, save_state_dict
-from oarlock.checkpoint.async_save import AsyncSaveHandle, async_save
-from oarlock.checkpoint.comm import COMM_METHODS
-from oarlock.checkpoint.convert import (ConversionLayout, ConversionPlan, ParallelLayout, convert_checkpoint,
-                                        export_hf, export_hf_sharded, iter_full_tensors, plan_conversion)
+# The names import their submodule on first use (PEP 562; see oarlock.lazy): the CLI's checkpoint commands
+# import oarlock.checkpoint.commands, and through it this package, so an eager import of torch here would make
+# `oarlock convert --help` wait seconds for it. The errors are light and stay eager.
 from oarlock.checkpoint.errors import (CheckpointDestinationError, CheckpointError, CheckpointFormatError,
                                        CheckpointMismatchError, CheckpointTilingError, UnsafePickleError)
-from oarlock.checkpoint.full import full_state_dict
-from oarlock.checkpoint.hf import save_hf_checkpoint
-from oarlock.checkpoint.manager import CheckpointManager, OptimizerState, RankLocal, RNGState
-from oarlock.checkpoint.mapping import IdentityProgram, MappingProgram, SliceMapping, TensorSpec
-from oarlock.checkpoint.metadata import CheckpointMetadata, ShardMeta, TensorMeta
-from oarlock.checkpoint.optim import (OptimizerHyperparameterWarning, OptimizerStateError,
-                                      load_sharded_optimizer_state_dict, sharded_optimizer_state_dict)
-from oarlock.checkpoint.plan import LoadPlan, ReadItem, plan_load
-from oarlock.checkpoint.sharded import ShardDesc, ShardedWeight, sharded_state_dict
-from oarlock.checkpoint.storage import CheckpointReader, detect_format, open_checkpoint, read_metadata
+from oarlock.lazy import lazy_exports
+
+_LAZY = {
+    **dict.fromkeys(("LoadReport", "load_state_dict", "save_state_dict"), "api"),
+    **dict.fromkeys(("AsyncSaveHandle", "async_save"), "async_save"),
+    "COMM_METHODS": "comm",
+    **dict.fromkeys(("ConversionLayout", "ConversionPlan", "ParallelLayout", "convert_checkpoint", "export_hf",
+                     "export_hf_sharded", "iter_full_tensors", "plan_conversion"), "convert"),
+    "full_state_dict": "full",
+    "save_hf_checkpoint": "hf",
+    **dict.fromkeys(("CheckpointManager", "OptimizerState", "RankLocal", "RNGState"), "manager"),
+    **dict.fromkeys(("IdentityProgram", "MappingProgram", "SliceMapping", "TensorSpec"), "mapping"),
+    **dict.fromkeys(("CheckpointMetadata", "ShardMeta", "TensorMeta"), "metadata"),
+    **dict.fromkeys(("OptimizerHyperparameterWarning", "OptimizerStateError", "load_sharded_optimizer_state_dict",
+                     "sharded_optimizer_state_dict"), "optim"),
+    **dict.fromkeys(("LoadPlan", "ReadItem", "plan_load"), "plan"),
+    **dict.fromkeys(("ShardDesc", "ShardedWeight", "sharded_state_dict"), "sharded"),
+    **dict.fromkeys(("CheckpointReader", "detect_format", "open_checkpoint", "read_metadata"), "storage"),
+}
 
 __all__ = [
     "save_state_dict", "load_state_dict", "LoadReport", "async_save", "AsyncSaveHandle", "COMM_METHODS",
@@ -41,3 +48,5 @@ __all__ = [
     "CheckpointReader", "detect_format", "open_checkpoint", "read_metadata",
     "CheckpointManager", "OptimizerState", "RankLocal", "RNGState",
 ]
+
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())

@@ -91,6 +91,11 @@ def load_state_dict(state_dict: Mapping[str, Any], path: str | os.PathLike, *, p
             (:attr:`~oarlock.checkpoint.metadata.CheckpointMetadata.non_model_keys`: Megatron-Core's ``common.*``
             values and ``*._extra_state*`` entries, DeepSpeed's engine counters) are not this load's: under
             ``strict`` they are not "unexpected". The way to load a model strictly from a training checkpoint.
+            The ``model`` wrapper is matched to the checkpoint (without ``aoa_config``/``program``): a
+            ``{"model": model.state_dict()}`` target loads from a checkpoint that stores the model's keys at the
+            top level (torchtitan's flattened model states), a plain ``model.state_dict()`` from torch's
+            ``{"model": ..., "optim": ...}`` layout, when none of the target's keys is stored as given and all
+            of them are stored the other way (:func:`oarlock.checkpoint.load.model_wrapper_fit`).
         ignore_unexpected: the general form of "the rest of the checkpoint is not mine": True (every stored key
             no rank requested), glob patterns (a string or a list, ``fnmatch`` syntax) or a predicate over stored
             keys. Matching keys do not fail ``strict`` (they are still listed in ``LoadReport.unexpected_keys``);

@@ -213,8 +213,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
         print("oarlock: error: --reverse needs --aoa CONFIG or --preset NAME", file=sys.stderr)
         return 2
     parallel = (args.tp, args.pp, args.dp) != (1, 1, 1)
-    to = args.to or ("oarlock" if parallel or args.tp_rules
-                     else "hf" if detect_format(args.src) in ("oarlock", "paddle", "dcp", "megatron", "deepspeed", "gguf")
+    trained = ("oarlock", "paddle", "dcp", "accelerate", "megatron", "deepspeed", "gguf")
+    to = args.to or ("oarlock" if parallel or args.tp_rules else "hf" if detect_format(args.src) in trained
                      else "oarlock")
     if to == "hf" and (parallel or args.tp_rules):
         print("oarlock: error: --tp/--pp/--dp/--tp-rules apply to --to oarlock; an HF export holds whole tensors",
@@ -437,8 +437,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     cv.add_argument("--to", choices=("hf", "oarlock", "dcp"),
                     help="output format: hf, oarlock, or dcp (a torch.distributed.checkpoint directory that "
                          "dcp.load reads; chunked by --tp/--pp/--dp like oarlock) (default: oarlock when "
-                         "--tp/--pp/--dp/--tp-rules is given, else hf for oarlock/Paddle/DCP/Megatron/DeepSpeed/"
-                         "GGUF sources and oarlock for HF/safetensors ones)")
+                         "--tp/--pp/--dp/--tp-rules is given, else hf for oarlock/Paddle/DCP/accelerate/Megatron/"
+                         "DeepSpeed/GGUF sources and oarlock for HF/safetensors ones)")
     cv.add_argument("--aoa", metavar="CONFIG", help="AOA config: text (one statement per line) or JSON "
                                                     "{\"aoa_statements\": [...], \"aoa_config_reverse\": bool}")
     cv.add_argument("--preset", metavar="NAME",

@@ -44,13 +44,14 @@ from oarlock.checkpoint.errors import CheckpointError
 from oarlock.checkpoint.executor import execute_items
 from oarlock.checkpoint.full import full_state_dict
 from oarlock.checkpoint.integrity import CHECKSUMS_KEY, BlockHasher, make_record, verify_all_blocks
-from oarlock.checkpoint.hf import HF_INDEX, HF_SINGLE, hf_shard_names, parse_size, save_hf_checkpoint, write_hf_index
+from oarlock.checkpoint.hf import (HF_INDEX, HF_SINGLE, hf_shard_names, parse_size, reserved_hf_key_message,
+                                   save_hf_checkpoint, write_hf_index)
 from oarlock.checkpoint.mapping import IdentityProgram, MappingProgram, TensorSpec
 from oarlock.checkpoint.metadata import (METADATA_FILE, OPTIMIZER_KEYS_EXTRA, CheckpointMetadata, key_selected,
                                          parse_json)
 from oarlock.checkpoint.plan import Planner, index_of, source_specs
 from oarlock.checkpoint.reader import CheckpointReader, checkpoint_file
-from oarlock.checkpoint.safetensors_io import SafetensorsWriter, contiguous_run
+from oarlock.checkpoint.safetensors_io import RESERVED_NAME, SafetensorsWriter, contiguous_run
 from oarlock.checkpoint.save import assign_writes, check_destination, data_file_name, new_save_id, shard_header
 from oarlock.checkpoint.sharded import ShardDesc
 from oarlock.checkpoint.storage import check_destination as storage_check_destination
@@ -402,6 +403,8 @@ def plan_conversion(source: str | os.PathLike, *, to: str = "oarlock", aoa_confi
             program, plan.dropped_optimizer_keys = select_keys(compile_program(meta, aoa_config), meta,
                                                                include=include, exclude=exclude,
                                                                optimizer_state=keep_opt)
+            if RESERVED_NAME in program.destination_keys():
+                raise CheckpointError(reserved_hf_key_message())
             limit = parse_size(max_shard_size)
             shards: list[list] = []  # [keys, bytes] per output file, packed greedily like save_hf_checkpoint
             for k in program.destination_keys():
@@ -563,7 +566,7 @@ def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike, *, aoa_conf
 def export_hf_sharded(sharded_state_dict: Mapping[str, Any], out_dir: str | os.PathLike, *, aoa_config: Any = None,
                       process_group: Any = None, max_shard_size: int | str = "5GB",
                       extra_files: Mapping[str, str | os.PathLike] | None = None,
-                      overwrite: bool = False) -> Path | None:
+                      overwrite: bool = False, config: Any = None) -> Path | None:
     """Export the model a running job holds (sharded over ``process_group``) to a HuggingFace directory written by
     group rank 0: the online merge of :func:`~oarlock.checkpoint.full.full_state_dict` with ``rank0_only=True``
     (each tensor gathered once, point to point to rank 0) streamed into
@@ -574,6 +577,9 @@ def export_hf_sharded(sharded_state_dict: Mapping[str, Any], out_dir: str | os.P
         aoa_config: e.g. the model's HF -> model statements with ``aoa_config_reverse: True``.
         extra_files: ``{name: path}`` copied into the export (``config.json``, tokenizer files).
         overwrite: as for :func:`~oarlock.checkpoint.hf.save_hf_checkpoint`.
+        config: the model's HF config (a dict, or a transformers ``PretrainedConfig``), written as ``config.json``
+            so that ``from_pretrained`` reads the export; without it (and without ``extra_files["config.json"]``)
+            the directory holds the weights only.
 
     Returns the directory on rank 0, None elsewhere. Peak memory on rank 0: about ``max_shard_size`` plus one
     full tensor; elsewhere, one piece at a time.
@@ -587,7 +593,7 @@ def export_hf_sharded(sharded_state_dict: Mapping[str, Any], out_dir: str | os.P
     def write() -> Path | None:
         if dist.is_coordinator:
             return save_hf_checkpoint(gen, out_dir, max_shard_size=max_shard_size, extra_files=extra_files,
-                                      overwrite=overwrite)
+                                      overwrite=overwrite, config=config)
         for _ in gen:  # sends this rank's pieces to rank 0, in the same order rank 0 receives them
             pass
         return None
@@ -707,14 +713,17 @@ def convert_checkpoint(source: str | os.PathLike, out_dir: str | os.PathLike, *,
             outs: dict[int, SafetensorsWriter] = {}
             try:
                 by_key: dict[str, list[tuple[int, tuple, tuple]]] = {}
+                # the stored tensor names assign_writes chose (the key, except for the reserved __metadata__)
+                name_of = {(s.file, k, tuple(s.global_offset)): s.name for k, t in tensors.items() for s in t.shards}
                 for rank in sorted(writes):
                     ids = sorted((i[0], i[1], i[2]) for i in writes[rank])
+                    f = data_file_name(rank)
                     # the shard records a same-layout restart checks, as save_state_dict writes them
-                    hdr = shard_header([(i[0], i[1], i[2], tensors[i[0]].global_shape, tensors[i[0]].dtype, i[3])
-                                        for i in sorted(writes[rank])], layout.world, meta.save_id)
-                    outs[rank] = SafetensorsWriter(tmp / data_file_name(rank), [(k, lshape, tensors[k].dtype)
-                                                                          for k, _, lshape in ids], hdr,
-                                                   hasher=BlockHasher())
+                    hdr = shard_header([(name_of[(f, i[0], i[1])], i[1], i[2], tensors[i[0]].global_shape,
+                                         tensors[i[0]].dtype, i[3]) for i in sorted(writes[rank])], layout.world,
+                                       meta.save_id)
+                    outs[rank] = SafetensorsWriter(tmp / f, [(name_of[(f, k, off)], lshape, tensors[k].dtype)
+                                                             for k, off, lshape in ids], hdr, hasher=BlockHasher())
                     for k, off, lshape in ids:
                         by_key.setdefault(k, []).append((rank, off, lshape))
                 # key by key over all rank files: a key whose shards are strided in the source (a row-parallel
@@ -731,7 +740,7 @@ def convert_checkpoint(source: str | os.PathLike, out_dir: str | os.PathLike, *,
                                 sg = whole[tuple(slice(o, o + n) for o, n in zip(off, lshape))]
                             else:
                                 sg = read_destination(reader, planner, k, offset=off, local_shape=lshape)
-                        n = outs[rank].put(k, sg)
+                        n = outs[rank].put(name_of[(data_file_name(rank), k, off)], sg)
                         if bar is not None:
                             bar.update(n)
                     del whole

@@ -14,17 +14,18 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 
 from oarlock.checkpoint.errors import CheckpointError
 from oarlock.checkpoint.formats.huggingface import HF_INDEX, HF_SINGLE
-from oarlock.checkpoint.safetensors_io import write_safetensors
+from oarlock.checkpoint.safetensors_io import RESERVED_NAME, write_safetensors
 from oarlock.checkpoint.storage import check_destination, publish_directory, staged_directory
 from oarlock.utils import progress
 
-__all__ = ["HF_INDEX", "HF_SINGLE", "hf_shard_names", "parse_size", "save_hf_checkpoint", "write_hf_index"]
+__all__ = ["HF_INDEX", "HF_SINGLE", "hf_config_text", "hf_shard_names", "parse_size", "reserved_hf_key_message", "save_hf_checkpoint",
+           "write_hf_index"]
 
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -56,10 +57,35 @@ def write_hf_index(directory: Path, weight_map: Mapping[str, str], total_size: i
                                                   "weight_map": dict(weight_map)}, indent=2))
 
 
+def reserved_hf_key_message() -> str:
+    """Why a key named ``__metadata__`` cannot go into a HuggingFace directory, and what to do instead."""
+    return (f"key {RESERVED_NAME!r}: a HuggingFace checkpoint stores each tensor under its key, and safetensors "
+            "reserves this name for the header's metadata block; rename it for the export (an AOA statement "
+            f"`{RESERVED_NAME} -> NEW_NAME`) or leave it out (--exclude {RESERVED_NAME})")
+
+
+def hf_config_text(config: Any) -> str:
+    """The ``config.json`` text of an HF model config: a mapping (written as JSON) or a transformers
+    ``PretrainedConfig`` (its own ``to_json_string()``, the text ``save_pretrained`` writes).
+
+    Raises:
+        CheckpointError: anything else, or a mapping that is not JSON-serialisable (naming the type).
+    """
+    if isinstance(config, Mapping):
+        try:
+            return json.dumps(dict(config), indent=2, sort_keys=True) + "\n"
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"config: not JSON-serialisable ({e})") from None
+    if callable(getattr(config, "to_json_string", None)):
+        return config.to_json_string()
+    raise CheckpointError(f"config: expected a dict or a transformers PretrainedConfig, got {type(config).__name__}")
+
+
 def save_hf_checkpoint(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str | Path, *,
                        max_shard_size: int | str = "5GB", total: int | None = None,
                        show_progress: bool | None = None,
-                       extra_files: Mapping[str, str | os.PathLike] | None = None, overwrite: bool = False) -> Path:
+                       extra_files: Mapping[str, str | os.PathLike] | None = None, overwrite: bool = False,
+                       config: Any = None) -> Path:
     """Stream ``(key, full_tensor)`` pairs into a HuggingFace safetensors directory.
 
     Args:
@@ -73,16 +99,21 @@ def save_hf_checkpoint(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str
         total: number of tensors, for the progress bar only.
         extra_files: ``{name: path}`` of side files (``config.json``, tokenizer files) copied into the directory
             before it is published.
+        config: the model's HF config (a dict or a transformers ``PretrainedConfig``, see
+            :func:`hf_config_text`), written as ``config.json`` (None: no ``config.json`` unless ``extra_files``
+            has one).
 
     Returns the directory.
 
     Raises:
-        CheckpointError: a key seen twice, an extra file named like a checkpoint file (nothing is published).
+        CheckpointError: a key seen twice or named ``__metadata__`` (:func:`reserved_hf_key_message`), an extra
+            file named like a checkpoint file (nothing is published).
         CheckpointDestinationError: ``out_dir`` refused by
             :func:`~oarlock.checkpoint.storage.check_destination` (nothing is written).
     """
     out_dir = Path(out_dir)
     limit = parse_size(max_shard_size)
+    config_text = hf_config_text(config) if config is not None else None  # a bad config fails before writing
     check_destination(out_dir, "huggingface", overwrite=overwrite)
     with staged_directory(out_dir) as tmp:
         shards: list[list[str]] = []
@@ -101,6 +132,8 @@ def save_hf_checkpoint(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str
         for key, t in progress(tensors, desc="export", total=total, disable=show_progress is False or None):
             if key in seen:
                 raise CheckpointError(f"tensor {key!r} was produced twice for the HF export")
+            if key == RESERVED_NAME:
+                raise CheckpointError(reserved_hf_key_message())
             seen.add(key)
             nbytes = t.numel() * t.element_size()
             if pending and pending_bytes + nbytes > limit:
@@ -121,5 +154,7 @@ def save_hf_checkpoint(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str
             if name in (HF_INDEX, HF_SINGLE) or name.startswith("model-"):
                 raise CheckpointError(f"extra file {name!r} would overwrite a checkpoint file of the export")
             shutil.copyfile(src, tmp / name)
+        if config_text is not None:
+            (tmp / "config.json").write_text(config_text)
         publish_directory(tmp, out_dir, overwrite=overwrite)
     return out_dir

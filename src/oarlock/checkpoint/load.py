@@ -27,6 +27,7 @@ from oarlock.checkpoint.metadata import ALGORITHM_KEY, PARAM_GROUPS_KEY, Checkpo
 from oarlock.checkpoint.plan import Planner, ReadItem, source_specs
 from oarlock.checkpoint.reader import CheckpointReader
 from oarlock.checkpoint.save import data_file_name
+from oarlock.checkpoint.sharded import ShardedWeight
 from oarlock.checkpoint.storage import gather_view, open_checkpoint, recover_publish
 from oarlock.checkpoint.traversal import Leaves, collect_leaves, set_path
 
@@ -82,6 +83,46 @@ def not_mine(meta: CheckpointMetadata, model_only: bool, ignore: Any) -> Callabl
         return lambda k: True
     pats = [ignore] if isinstance(ignore, str) else list(ignore or ())
     return lambda k: k in opt or any(fnmatch.fnmatchcase(k, p) for p in pats)
+
+
+def model_wrapper_fit(state_dict: Mapping[str, Any], meta: CheckpointMetadata, wrapper: str = "model"
+                      ) -> str | None:
+    """For a ``model_only`` load: whether the target must be adapted to where the checkpoint keeps the model.
+
+    ``"unwrap"``: the target is ``{"model": model.state_dict()}`` and the checkpoint stores the model's keys at
+    the top level beside its optimizer records (torchtitan's flattened model states, ``{**model_sd, "optim":
+    ...}``); ``"wrap"``: the target is a plain ``model.state_dict()`` and the checkpoint is torch's ``{"model":
+    ..., "optim": ...}`` layout. Only when none of the target's tensor keys is stored as given and every one of
+    them is stored the other way; None otherwise (the target is used as given)."""
+    from oarlock.checkpoint.traversal import iter_leaves, leaf_key
+
+    keys = [leaf_key(p, v) for p, v in iter_leaves(state_dict) if isinstance(v, (torch.Tensor, ShardedWeight))]
+    stored = meta.tensors
+    if not keys or any(k in stored for k in keys):
+        return None
+    pre = wrapper + "."
+    if list(state_dict) == [wrapper] and isinstance(state_dict[wrapper], Mapping) \
+            and all(k.startswith(pre) and k[len(pre):] in stored for k in keys):
+        return "unwrap"
+    return "wrap" if all(pre + k in stored for k in keys) else None
+
+
+def fit_model_wrapper(state_dict: Mapping[str, Any], path: str | os.PathLike, dist: DistWrapper, view: Any
+                      ) -> Mapping[str, Any]:
+    """``state_dict`` adapted as :func:`model_wrapper_fit` decides on rank 0 (one decision for the group, so
+    every rank requests the same keys); the target's tensors are the same objects (loaded in place)."""
+    fit = None
+    if dist.rank == 0:
+        try:
+            with open_checkpoint(path, view=view, rank=dist.rank) as r:
+                fit = model_wrapper_fit(state_dict, r.metadata)
+        except CheckpointError:
+            fit = None  # the load itself reports an unreadable checkpoint
+    if dist.active:
+        fit = dist.broadcast_object(fit, 0)
+    if fit == "unwrap":
+        return state_dict["model"]
+    return {"model": state_dict} if fit == "wrap" else state_dict
 
 
 def request_record(leaves: Leaves, dist: DistWrapper, with_offsets: bool = True) -> dict:
@@ -163,6 +204,8 @@ def run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process_
         if warm is not None:
             return warm
     view = gather_view(path, dist) if dist.active else None
+    if model_only and aoa_config is None and program is None:
+        state_dict = fit_model_wrapper(state_dict, path, dist, view)
     leaves = Leaves()
 
     def request() -> dict:

@@ -401,6 +401,8 @@ def mark_training_layout(meta: CheckpointMetadata) -> CheckpointMetadata:
       flattened) join :attr:`~CheckpointMetadata.optimizer_keys`;
     * entries (tensors or objects) under ``optim.param_groups`` / ``optimizer.param_groups`` and torchtitan's
       ``lr_scheduler``, ``dataloader`` and ``train_state`` join :attr:`~CheckpointMetadata.non_model_keys`;
+    * torch's flattened optimizer state merged with the model's keys (``state.<fqn>.<state>`` where ``<fqn>`` is a
+      stored tensor, beside ``param_groups``) is marked the same way (no prefix: the model's keys are its own);
     * in a checkpoint saved from a nested state dict (oarlock's own and torch DCP: :data:`WRAPPED_FORMATS`) that
       holds torch's optimizer entries (``optim.state.*``, ``optim.param_groups``, ``optimizer.state.*``) or
       torchtitan's, when every remaining tensor key starts with ``model.``,
@@ -428,6 +430,16 @@ def mark_training_layout(meta: CheckpointMetadata) -> CheckpointMetadata:
             marked.add(k)
             # oarlock's own optimizer checkpoint stores optimizer.param_groups beside <model key>.exp_avg tensors
             found = found or not _under(k, PARAM_GROUPS_KEY)
+    # torch's flattened optimizer state (StateDictOptions(flatten_optimizer_state_dict=True)) merged with the
+    # model's keys at the top level: state.<fqn>.<state> for a stored <fqn>, and its param_groups records
+    flat_state = [k for k in meta.tensors if k.startswith("state.") and k not in marked_opt and k not in marked
+                  and any(k.endswith(s) and k[len("state."):-len(s)] in meta.tensors for s in STATE_SUFFIXES)]
+    if flat_state:
+        meta.optimizer_keys += flat_state
+        marked_opt.update(flat_state)
+        groups = [k for k in (*meta.tensors, *meta.objects) if _under(k, "param_groups") and k not in marked]
+        meta.non_model_keys += groups
+        marked.update(groups)
     if found and meta.model_prefix is None and meta.format in WRAPPED_FORMATS:
         rest = [k for k in meta.tensors if k not in marked_opt and k not in marked]
         for w in MODEL_WRAPPERS:

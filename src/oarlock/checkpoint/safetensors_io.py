@@ -33,6 +33,10 @@ from oarlock.checkpoint.errors import CheckpointError, CheckpointFormatError
 from oarlock.utils import dtype_itemsize, dtype_name, numel, safetensors_code, torch_dtype
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+#: The header entry safetensors reserves for its metadata block: no tensor of a file can carry this name. An
+#: oarlock checkpoint stores a key spelled so under another name (metadata.json maps key -> name); formats whose
+#: tensor names are the keys (a HuggingFace directory, a single .safetensors file) cannot hold it.
+RESERVED_NAME = "__metadata__"
 SUPPORTED_CODES = "F64 F32 F16 BF16 F8_E4M3 F8_E5M2 I64 I32 I16 I8 U64 U32 U16 U8 BOOL C64"
 
 
@@ -419,7 +423,7 @@ class SafetensorsWriter:
         for group in (packed, entries):
             start = off
             for name, shape, dtype in group:
-                if name == "__metadata__" and group is entries:
+                if name == RESERVED_NAME and group is entries:
                     raise CheckpointFormatError(f"{self.path}: tensor {name!r}: the name is reserved by the "
                                                 "safetensors format for the header's metadata block; rename this key")
                 if name in self.where:

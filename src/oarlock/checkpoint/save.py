@@ -33,7 +33,7 @@ from oarlock.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from oarlock.checkpoint.integrity import CHECKSUMS_KEY, BlockHasher, make_record
 from oarlock.checkpoint.metadata import METADATA_FILE, SAVE_ID_HEADER, CheckpointMetadata, ShardMeta, TensorMeta
 from oarlock.checkpoint.plan import index_of
-from oarlock.checkpoint.safetensors_io import write_safetensors
+from oarlock.checkpoint.safetensors_io import RESERVED_NAME, write_safetensors
 from oarlock.checkpoint.sharded import ShardedWeight
 from oarlock.checkpoint.storage import (INCOMPLETE_MARKER, hold_staging, publish_directory, release_staging,
                                         remove_stale_staging, staging_path)
@@ -149,7 +149,7 @@ def assign_writes(per_rank: list[list[tuple]], replicas: bool = False
         key, off, lshape, fr = ident
         rep = [owner[ident]] + ([h for h in holders[ident] if h != owner[ident]] if replicas else [])
         for k, h in enumerate(rep):
-            name = stored_name(key, off, fr) if per_file[(h, key)] > 1 else key
+            name = stored_name(key, off, fr) if per_file[(h, key)] > 1 or key == RESERVED_NAME else key
             tensors[key].shards.append(ShardMeta(off, lshape, data_file_name(h), name, fr,
                                                  k if replicas else None))
     return tensors, writes
@@ -157,7 +157,9 @@ def assign_writes(per_rank: list[list[tuple]], replicas: bool = False
 
 def stored_name(key: str, offset: tuple[int, ...], flattened_range: tuple[int, int] | None) -> str:
     """Name of a shard's tensor in a data file that holds several shards of ``key`` (``key@o0,o1`` and
-    ``#start-stop`` for a flattened one); a file holding one shard of a key names it ``key``."""
+    ``#start-stop`` for a flattened one); a file holding one shard of a key names it ``key``, except for the key
+    ``__metadata__`` (:data:`~oarlock.checkpoint.safetensors_io.RESERVED_NAME`, which safetensors keeps for its
+    header block), always stored under this name."""
     name = f"{key}@{','.join(str(o) for o in offset)}"
     return name + (f"#{flattened_range[0]}-{flattened_range[1]}" if flattened_range is not None else "")
 
@@ -311,7 +313,7 @@ def describe_rank(leaves: Leaves, dist: DistWrapper, save_replicas: bool = False
     of its own cell). With ``save_replicas`` everything is listed (every holder writes its copy).
 
     Raises:
-        CheckpointError: a reserved key, or a shard held twice by this rank.
+        CheckpointError: a shard held twice by this rank.
     """
     rec = RankRecord(objects=leaves.objects, nested=leaves.nested)
     writes: list[tuple] = []
@@ -319,16 +321,14 @@ def describe_rank(leaves: Leaves, dist: DistWrapper, save_replicas: bool = False
     kinds: dict[str, bool] = {}  # key -> described by a grid
     cache: dict = {}
     for sw in leaves.shards:
-        if sw.key == "__metadata__":
-            raise CheckpointError(f"key {sw.key!r}: the name is reserved by the safetensors format (the header's "
-                                  "metadata block) and cannot be saved; rename this key")
         if shard_id(sw) in mine:
             raise CheckpointError(f"rank {dist.rank} holds the shard of key {sw.key!r} at offset "
                                   f"{list(sw.global_offset)} twice")
         mine.add(shard_id(sw))
         d = sw.desc
         grid = None
-        if not save_replicas and sw.placement_layout is not None and sw.key not in kinds:
+        # a grid names every stored tensor by its key: the reserved name needs listed shards (stored_name)
+        if not save_replicas and sw.placement_layout is not None and sw.key not in kinds and sw.key != RESERVED_NAME:
             grid = dtensor_grid(sw, dist, cache)
         if sw.key not in kinds:
             rec.tensors.append((d.key, tuple(d.global_shape), d.dtype, grid))

@@ -71,6 +71,29 @@ def test_void_destination_keeps_value_and_satisfies_strict(with_moments):
         load_state_dict({"rotary.inv_freq": buf.clone()}, path, aoa_config=["layers.*.w -> _"])
 
 
+def test_void_destination_over_a_stored_key_of_that_name(tmp_path):
+    """``_ -> lm_head.weight`` over a source that stores ``lm_head.weight`` (a tied-embedding model loading an
+    untied checkpoint): the stored tensor and its moments are deliberately skipped, so a strict load succeeds, the
+    target keeps its value and the rest is loaded; without the statement the load fills it from the source."""
+    sd = {"emb": rand(6, 4, seed=1), "lm_head.weight": rand(6, 4, seed=2),
+          "lm_head.weight.exp_avg": rand(6, 4, seed=3), "emb.exp_avg": rand(6, 4, seed=4)}
+    save_state_dict(sd, tmp_path / "ck")
+    keep = torch.full((6, 4), 9.0)
+    got = {"emb": torch.zeros(6, 4), "lm_head.weight": keep.clone()}
+    rep = load_state_dict(got, tmp_path / "ck", aoa_config=["_ -> lm_head.weight"], strict=True, model_only=True)
+    assert rep.unexpected_keys == ["emb.exp_avg"]  # optimizer state: reported, ignored by model_only
+    assert rep.missing_keys == [] and rep.skipped_keys == ["lm_head.weight"]
+    assert torch.equal(got["lm_head.weight"], keep) and torch.equal(got["emb"], sd["emb"])
+    got = {k: torch.zeros_like(v) for k, v in sd.items() if not k.startswith("lm_head")}
+    rep = load_state_dict(got, tmp_path / "ck", aoa_config=["_ -> lm_head.weight"], strict=True)
+    assert rep.unexpected_keys == [] and all(torch.equal(got[k], sd[k]) for k in got)
+    prog = compile_aoa(["_ -> lm_head.weight"], {k: spec(v) for k, v in sd.items()})
+    assert sorted(prog.deleted_keys) == ["lm_head.weight", "lm_head.weight.exp_avg"]
+    got = {"emb": torch.zeros(6, 4), "lm_head.weight": torch.zeros(6, 4)}
+    load_state_dict(got, tmp_path / "ck", model_only=True)
+    assert torch.equal(got["lm_head.weight"], sd["lm_head.weight"])
+
+
 def test_star_with_layer_id():
     src = {f"layers.{i}.experts.{e}.w": rand(2, 3, seed=10 * i + e) for i in range(2) for e in range(3)}
     prog = compile_aoa(["layers.$LAYER_ID.experts.*.w -> stacked.$LAYER_ID, axis=0"], {k: spec(v) for k, v in src.items()})

@@ -1140,6 +1140,10 @@ def _compile(aoa_config: object, source: Mapping[str, TensorSpec], destination: 
         prog._entries[key] = _Entry(d, suf, TensorSpec(tuple(d.shape), dtype), cast_all)
         for r in d.refs:
             reached.add(r.src_key)
-    prog.unused_sources = [k for k in model_src if k not in reached and k not in ex.deleted]
+    # '_ -> key' over a source that stores 'key' too: that stored tensor (and its optimizer states) is
+    # deliberately not loaded, which is what '_' says, so it is dropped rather than left "unexpected"
+    voided = [k for k in model_src if ex.env.get(k) is _VOID and k not in ex.read_sources and k not in ex.deleted]
+    prog.deleted += [n for k in voided for n in (k, *(k + s for s in states.get(k, ()))) if n not in prog.deleted]
+    prog.unused_sources = [k for k in model_src if k not in reached and k not in ex.deleted and k not in voided]
     prog.tp_layouts = {k: v for k, v in layouts.items() if k in prog._entries}
     return prog
