@@ -13,6 +13,7 @@ layout on disk is described in ``docs/checkpoint-format.md``. Errors are agreed 
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -21,7 +22,7 @@ import uuid
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -212,6 +213,15 @@ class RankRecord:
         doc = [self.listed, self.objects]
         return hashlib.sha256(json.dumps(doc, sort_keys=True, default=list).encode()).hexdigest()[:32]
 
+    def listed_fingerprint(self) -> str:
+        """Of the rank's listed shards only (what the write assignment depends on; JSON values such as a step
+        counter change every save without changing the plan)."""
+        return hashlib.sha256(json.dumps(self.listed, sort_keys=True, default=list).encode()).hexdigest()[:32]
+
+    def objects_fingerprint(self) -> str:
+        """Of the rank's JSON values."""
+        return hashlib.sha256(json.dumps(self.objects, sort_keys=True, default=list).encode()).hexdigest()[:32]
+
 
 @dataclass
 class SavePlan:
@@ -235,6 +245,7 @@ class SavePlan:
     nested: dict[str, list] | None = None
     tp_layouts: dict[str, dict] | None = None  # key -> TP-dependent layout record (metadata extra["tp_layouts"])
     overwrite: bool = False  # write into a destination holding entries oarlock did not write (they are kept)
+    reused: bool = False  # the layout is the previous save's (see :func:`prepare_save`)
 
 
 def _mesh_affine(mesh: Any, dist: DistWrapper) -> tuple[tuple[int, ...], int, tuple[int, ...]] | None:
@@ -437,6 +448,67 @@ def build_layout(classes: Sequence[tuple[RankRecord, Sequence[int]]], world: int
                       skip)
 
 
+@dataclass
+class _CachedPlan:
+    """What a save may reuse from the previous save over the same group (:func:`prepare_save`)."""
+
+    fps: list[tuple[str, str]]  # every rank's (spec, listed) fingerprints, in group-rank order
+    token: str  # the save id of the save that built the plan: every rank must hold the same one
+    listed: list  # this rank's listed writes ``[(shard identity, stored name)]``
+    skipped: list  # grid keys this rank holds but does not write
+    layout: SaveLayout | None  # rank 0 only
+    objects_fps: list[str]  # every rank's JSON-values fingerprint at that save
+    objects: dict[str, Any] | None  # rank 0: the merged JSON values at that save
+
+
+class PlanCache:
+    """The plans of the last saves, by process group and ``save_replicas`` (a handful of entries).
+
+    ``hits`` and ``misses`` count the saves that reused a plan or built one (observable by tests and
+    benchmarks); :meth:`clear` forgets every plan."""
+
+    MAX_ENTRIES = 8
+
+    def __init__(self) -> None:
+        self.entries: dict[tuple, _CachedPlan] = {}
+        self.hits = 0
+        self.misses = 0
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+    def put(self, key: tuple, plan: _CachedPlan) -> None:
+        self.entries.pop(key, None)
+        while len(self.entries) >= self.MAX_ENTRIES:
+            self.entries.pop(next(iter(self.entries)))
+        self.entries[key] = plan
+
+
+plan_cache = PlanCache()
+
+
+def _cache_key(process_group: Any, dist: DistWrapper, save_replicas: bool) -> tuple:
+    """The plan cache's key: the group object itself (a new group with the same ranks is a new group; the default
+    group is named by its current object, so a re-initialised world never meets an old plan) and ``save_replicas``
+    (it changes the write assignment for equal records)."""
+    group = process_group
+    if group is None and dist.active:
+        import torch.distributed as tdist
+
+        group = tdist.group.WORLD
+    return (group, dist.size, bool(save_replicas))
+
+
+def _merge_objects(parts: Mapping[int, dict[str, Any]]) -> dict[str, Any]:
+    """JSON values of several ranks merged, the lowest rank's value winning for each key; a deep copy, so the
+    values written at commit are those of the save call even when the caller's containers change later (an
+    asynchronous save commits after the training went on)."""
+    out: dict[str, Any] = {}
+    for r in sorted(parts, reverse=True):
+        out.update(parts[r])
+    return copy.deepcopy(out)
+
+
 def prepare_save(state_dict: Mapping[str, Any], path: str | os.PathLike, process_group: Any,
                  save_replicas: bool, overwrite: bool = False) -> SavePlan:
     """The collective half of a save: describe, agree, plan the writes (raises on every rank alike). Tensor data is
@@ -447,40 +519,56 @@ def prepare_save(state_dict: Mapping[str, Any], path: str | os.PathLike, process
     layout (:func:`build_layout`) and scatters to each rank its listed writes with the temporary path and the save
     id. Grid shards need no message: each rank knows from its placements whether it writes its own cell. A rank
     receives O(world) bytes of fingerprints and its own writes, never the other ranks' shard lists.
+
+    Plan reuse: when every rank's fingerprints (tensor specs and grids, nesting, TP layouts, listed shards) equal
+    those of the previous save over the same group and every rank holds that save's plan (its token travels with
+    the fingerprint), the previous plan is reused and only the JSON values that changed travel (one message per
+    distinct changed record), followed by one broadcast of the temporary path and save id. ``SavePlan.reused``
+    tells which path was taken; :data:`plan_cache` counts them.
     """
     path = Path(path)
     dist = DistWrapper(process_group)
     leaves = Leaves()
     record, grid_writes, err, fps = None, [], None, None
+    ckey = _cache_key(process_group, dist, save_replicas)
+    cached = plan_cache.entries.get(ckey)
     try:
         leaves = collect_leaves(state_dict)
         record, grid_writes = describe_rank(leaves, dist, save_replicas)
-        fps = (record.spec_fingerprint(), record.data_fingerprint())
+        fps = (record.spec_fingerprint(), record.listed_fingerprint(), record.objects_fingerprint(),
+               cached.token if cached is not None else None)
     except Exception as e:  # reported to every rank in the exchange below
         err = e
     both = dist.all_gather_object((None if err is None else error_report(err, dist.rank), fps))
     dist.raise_reports([b[0] for b in both], err)
+    if cached is not None and all(b[1][3] == cached.token for b in both) \
+            and [tuple(b[1][:2]) for b in both] == cached.fps:
+        return _reuse_plan(cached, both, record, grid_writes, leaves, path, dist, overwrite)
     first_spec: dict[str, int] = {}
-    first_data: dict[str, int] = {}
-    for r, (_, (fs, fd)) in enumerate(both):
+    first_listed: dict[str, int] = {}
+    first_objects: dict[str, int] = {}
+    for r, (_, (fs, fl, fo, _)) in enumerate(both):
         first_spec.setdefault(fs, r)
-        first_data.setdefault(fd, r)
-    # the first rank of each distinct spec sends its tensor list, the first of each distinct data part its listed
-    # shards and objects: rank 0 receives each distinct part once
+        first_listed.setdefault(fl, r)
+        first_objects.setdefault(fo, r)
+    # the first rank of each distinct spec sends its tensor list, the first of each distinct listed part its listed
+    # shards, the first of each distinct JSON part its values: rank 0 receives each distinct part once
     mine = ((record.tensors, record.nested, record.tp_layouts) if first_spec[fps[0]] == dist.rank else None,
-            (record.listed, record.objects) if first_data[fps[1]] == dist.rank else None)
-    parts = dist.gather_from(mine, set(first_spec.values()) | set(first_data.values()))
+            record.listed if first_listed[fps[1]] == dist.rank else None,
+            record.objects if first_objects[fps[2]] == dist.rank else None)
+    parts = dist.gather_from(mine, set(first_spec.values()) | set(first_listed.values())
+                             | set(first_objects.values()))
     layout, out, cerr = None, None, None
     if dist.is_coordinator:
         try:
             classes: dict[tuple[str, str], tuple[RankRecord, list[int]]] = {}
-            for r, (_, (fs, fd)) in enumerate(both):
-                if (fs, fd) not in classes:
-                    spec_rec, data_rec = parts[first_spec[fs]][0], parts[first_data[fd]][1]
-                    classes[(fs, fd)] = (RankRecord(spec_rec[0], data_rec[0], data_rec[1], spec_rec[1], spec_rec[2]),
-                                         [])
-                classes[(fs, fd)][1].append(r)
+            for r, (_, (fs, fl, _, _)) in enumerate(both):
+                if (fs, fl) not in classes:
+                    spec_rec, listed_rec = parts[first_spec[fs]][0], parts[first_listed[fl]][1]
+                    classes[(fs, fl)] = (RankRecord(spec_rec[0], listed_rec, {}, spec_rec[1], spec_rec[2]), [])
+                classes[(fs, fl)][1].append(r)
             layout = build_layout(list(classes.values()), dist.size, save_replicas)
+            layout.objects = _merge_objects({r: parts[r][2] for r in set(first_objects.values())})
             check_destination(path, overwrite=overwrite)
             tmp, save_id = staging_path(path), new_save_id()
             out = [(None, tmp, save_id, layout.listed_writes.get(r, []), layout.grid_skip.get(r, []))
@@ -491,6 +579,51 @@ def prepare_save(state_dict: Mapping[str, Any], path: str | os.PathLike, process
     rep, tmp, save_id, listed, skipped = dist.scatter_from(out)
     if rep is not None:
         dist.raise_reports([rep], cerr)
+    plan_cache.misses += 1
+    plan_cache.put(ckey, _CachedPlan([tuple(b[1][:2]) for b in both], save_id, listed, skipped, layout,
+                                     [b[1][2] for b in both], layout.objects if layout is not None else None))
+    return _make_plan(path, dist, tmp, save_id, grid_writes, listed, skipped, leaves, layout, overwrite)
+
+
+def _reuse_plan(cached: _CachedPlan, both: list, record: RankRecord, grid_writes: list, leaves: Leaves, path: Path,
+                dist: DistWrapper, overwrite: bool) -> SavePlan:
+    """The reuse path of :func:`prepare_save`: only JSON values that changed since the cached save travel (from the
+    first rank of each changed record), then rank 0 checks the destination and broadcasts the temporary path and
+    save id."""
+    ofps = [b[1][2] for b in both]
+    objects = cached.objects
+    if ofps != cached.objects_fps:
+        first: dict[str, int] = {}
+        for r, fo in enumerate(ofps):
+            first.setdefault(fo, r)
+        senders = set(first.values())
+        parts = dist.gather_from(record.objects if dist.rank in senders else None, senders)
+        objects = _merge_objects(parts) if dist.is_coordinator else None
+    msg, cerr = None, None
+    if dist.is_coordinator:
+        try:
+            check_destination(path, overwrite=overwrite)
+            msg = (None, staging_path(path), new_save_id())
+        except Exception as e:
+            cerr = e
+            msg = (error_report(e, 0), None, None)
+    rep, tmp, save_id = dist.broadcast_object(msg)
+    if rep is not None:
+        dist.raise_reports([rep], cerr)
+    layout = None
+    if cached.layout is not None:
+        layout = SaveLayout(cached.layout.tensors, cached.layout.listed_writes, objects or {}, cached.layout.nested,
+                            cached.layout.tp_layouts, cached.layout.grid_skip)
+    cached.objects_fps, cached.objects = ofps, objects
+    plan_cache.hits += 1
+    plan = _make_plan(path, dist, tmp, save_id, grid_writes, cached.listed, cached.skipped, leaves, layout,
+                      overwrite)
+    plan.reused = True
+    return plan
+
+
+def _make_plan(path: Path, dist: DistWrapper, tmp: Path, save_id: str, grid_writes: list, listed: list,
+               skipped: list, leaves: Leaves, layout: SaveLayout | None, overwrite: bool) -> SavePlan:
     if skipped:
         grid_writes = [i for i in grid_writes if i[0] not in set(skipped)]
     own = list(grid_writes) + [i for i, _ in listed]
@@ -531,11 +664,23 @@ def _desc_tuple(sw: ShardedWeight) -> tuple:
     return (d.global_offset, d.local_shape, d.global_shape, d.dtype, d.flattened_range)
 
 
-def write_and_commit(plan: SavePlan, local: dict[Any, torch.Tensor], process_group: Any) -> None:
+def write_order(plan: SavePlan) -> list[tuple]:
+    """The :func:`shard_id` s this rank writes, in the order of its data file (an asynchronous save stages them
+    in this order, so the writer can start on the first tensor while the next are being copied)."""
+    return sorted({(i[0], i[1], i[3]) for i in plan.writes.get(plan.rank, [])},
+                  key=lambda i: (i[0], i[1], i[2] or ()))
+
+
+def write_and_commit(plan: SavePlan, local: Mapping[Any, torch.Tensor], process_group: Any,
+                     ready: Callable[[tuple], torch.Tensor] | None = None) -> None:
     """The data half of a save: write this rank's file from ``local`` (:func:`shard_id` -> tensor, see
     :func:`local_tensors`; a plain key -> tensor dict is accepted when the rank holds one shard per key), then
     commit (rank 0). Collective over ``process_group``: an agreement on the writes (one all-reduce of a flag), the
-    block checksums gathered to rank 0 only, and an agreement on the commit."""
+    block checksums gathered to rank 0 only, and an agreement on the commit.
+
+    ``ready(shard_id)``, when given, is called just before each tensor's bytes are written and returns the tensor
+    to write in place of ``local[shard_id]`` (same shape and dtype: the pipelined snapshot of an asynchronous
+    save, ``local`` then only giving shapes and dtypes); an exception it raises fails the save on every rank."""
     dist = DistWrapper(process_group)
     tmp = plan.tmp
     held: list[int] = []
@@ -543,17 +688,17 @@ def write_and_commit(plan: SavePlan, local: dict[Any, torch.Tensor], process_gro
     def write() -> dict[str, Any]:
         held.append(hold_staging(tmp))  # locked until committed: a cleanup of stale directories skips it
         (tmp / INCOMPLETE_MARKER).touch()  # before any data file: a partial directory must never load
-        ids = sorted({(i[0], i[1], i[3]) for i in plan.writes.get(plan.rank, [])},
-                     key=lambda i: (i[0], i[1], i[2] or ()))
+        ids = write_order(plan)
         if not ids:
             return {}
         mine = {shard_id(sw): sw for sw in plan.leaves.shards}
         file = data_file_name(plan.rank)
         out = {plan.names[i]: local[i] if i in local else local[i[0]] for i in ids}
+        by_name = {plan.names[i]: i for i in ids}
         hasher = BlockHasher()
         write_safetensors(tmp / file, out, metadata=shard_header(
             [(plan.names[i], *_desc_tuple(mine[i])) for i in ids], plan.world, plan.save_id),
-            hasher=hasher)
+            hasher=hasher, ready=None if ready is None else (lambda name: ready(by_name[name])))
         return {file: hasher.record}  # block checksums, recorded in the metadata
 
     def commit(records: list[dict[str, Any]]) -> None:
