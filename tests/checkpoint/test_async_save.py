@@ -98,6 +98,28 @@ def test_reused_plan_writes_the_same_files_as_a_fresh_plan(tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(_bits(a[k]), _bits(b[k])) for k in a)
 
 
+def test_reused_plan_still_refuses_a_foreign_destination(tmp_path):
+    """A reused plan checks the destination when rank 0 writes: the refusal names the entry, the destination is
+    untouched and no temporary directory is left (sync and async)."""
+    from oarlock.checkpoint import CheckpointDestinationError
+
+    sd = _state()
+    plan_cache.clear()
+    save_state_dict(sd, tmp_path / "a")
+    for mode in ("sync", "async"):
+        dest = tmp_path / f"mine-{mode}"
+        dest.mkdir()
+        (dest / "notes.txt").write_text("keep me")
+        with pytest.raises(CheckpointDestinationError, match="notes.txt"):
+            if mode == "sync":
+                save_state_dict(sd, dest)
+            else:
+                async_save(sd, dest).wait()
+        assert os.listdir(dest) == ["notes.txt"] and (dest / "notes.txt").read_text() == "keep me"
+        assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]
+    assert plan_cache.hits >= 2
+
+
 # ---------------------------------------------------------------- the background snapshot
 
 def test_values_are_those_at_the_snapshot(tmp_path):

@@ -246,6 +246,7 @@ class SavePlan:
     tp_layouts: dict[str, dict] | None = None  # key -> TP-dependent layout record (metadata extra["tp_layouts"])
     overwrite: bool = False  # write into a destination holding entries oarlock did not write (they are kept)
     reused: bool = False  # the layout is the previous save's (see :func:`prepare_save`)
+    check_on_write: bool = False  # the coordinator checks the destination in write_and_commit (reused plans)
 
 
 def _mesh_affine(mesh: Any, dist: DistWrapper) -> tuple[tuple[int, ...], int, tuple[int, ...]] | None:
@@ -536,18 +537,17 @@ def prepare_save(state_dict: Mapping[str, Any], path: str | os.PathLike, process
         leaves = collect_leaves(state_dict)
         record, grid_writes = describe_rank(leaves, dist, save_replicas)
         fps = (record.spec_fingerprint(), record.listed_fingerprint(), record.objects_fingerprint(),
-               cached.token if cached is not None else None)
+               cached.token if cached is not None else None, uuid.uuid4().hex)
     except Exception as e:  # reported to every rank in the exchange below
         err = e
-    both = dist.all_gather_object((None if err is None else error_report(err, dist.rank), fps))
-    dist.raise_reports([b[0] for b in both], err)
+    both = exchange_fingerprints(dist, err, fps)
     if cached is not None and all(b[1][3] == cached.token for b in both) \
             and [tuple(b[1][:2]) for b in both] == cached.fps:
         return _reuse_plan(cached, both, record, grid_writes, leaves, path, dist, overwrite)
     first_spec: dict[str, int] = {}
     first_listed: dict[str, int] = {}
     first_objects: dict[str, int] = {}
-    for r, (_, (fs, fl, fo, _)) in enumerate(both):
+    for r, (_, (fs, fl, fo, _, _)) in enumerate(both):
         first_spec.setdefault(fs, r)
         first_listed.setdefault(fl, r)
         first_objects.setdefault(fo, r)
@@ -562,7 +562,7 @@ def prepare_save(state_dict: Mapping[str, Any], path: str | os.PathLike, process
     if dist.is_coordinator:
         try:
             classes: dict[tuple[str, str], tuple[RankRecord, list[int]]] = {}
-            for r, (_, (fs, fl, _, _)) in enumerate(both):
+            for r, (_, (fs, fl, _, _, _)) in enumerate(both):
                 if (fs, fl) not in classes:
                     spec_rec, listed_rec = parts[first_spec[fs]][0], parts[first_listed[fl]][1]
                     classes[(fs, fl)] = (RankRecord(spec_rec[0], listed_rec, {}, spec_rec[1], spec_rec[2]), [])
@@ -599,17 +599,10 @@ def _reuse_plan(cached: _CachedPlan, both: list, record: RankRecord, grid_writes
         senders = set(first.values())
         parts = dist.gather_from(record.objects if dist.rank in senders else None, senders)
         objects = _merge_objects(parts) if dist.is_coordinator else None
-    msg, cerr = None, None
-    if dist.is_coordinator:
-        try:
-            check_destination(path, overwrite=overwrite)
-            msg = (None, staging_path(path), new_save_id())
-        except Exception as e:
-            cerr = e
-            msg = (error_report(e, 0), None, None)
-    rep, tmp, save_id = dist.broadcast_object(msg)
-    if rep is not None:
-        dist.raise_reports([rep], cerr)
+    # the save id and the temporary directory come from rank 0's nonce, which every rank already has: no further
+    # message; rank 0 checks the destination when it writes (:func:`write_and_commit`, agreed like a write error)
+    save_id = both[0][1][4]
+    tmp = staging_path(path, save_id)
     layout = None
     if cached.layout is not None:
         layout = SaveLayout(cached.layout.tensors, cached.layout.listed_writes, objects or {}, cached.layout.nested,
@@ -619,7 +612,43 @@ def _reuse_plan(cached: _CachedPlan, both: list, record: RankRecord, grid_writes
     plan = _make_plan(path, dist, tmp, save_id, grid_writes, cached.listed, cached.skipped, leaves, layout,
                       overwrite)
     plan.reused = True
+    plan.check_on_write = True
     return plan
+
+
+_FP_FIELDS = 5  # spec, listed, objects, cached plan token, nonce: 32 hex digits each
+_FP_BYTES = 1 + 32 * _FP_FIELDS
+
+
+def exchange_fingerprints(dist: DistWrapper, err: BaseException | None, fps: tuple | None) -> list[tuple]:
+    """The fixed-size exchange that opens every save: one all-gather of ``1 + 5 x 32`` bytes per rank (a failure
+    flag and the fingerprints of :func:`prepare_save`); only when some rank failed, a second exchange of the error
+    reports, raised alike on every rank. Returns ``[(None, fps)]`` per rank in group-rank order (a missing token is
+    ``None``)."""
+    row = bytearray(_FP_BYTES)
+    if err is None:
+        row[1:] = "".join((f or "").ljust(32, "-")[:32] for f in fps).encode("ascii")
+    else:
+        row[0] = 1
+    if not dist.active:
+        rows = [bytes(row)]
+    else:
+        import torch.distributed as tdist
+
+        dev = dist.comm_device()
+        mine = torch.frombuffer(row, dtype=torch.uint8).to(dev)
+        out = [torch.empty(_FP_BYTES, dtype=torch.uint8, device=dev) for _ in range(dist.size)]
+        tdist.all_gather(out, mine, group=dist.group)
+        rows = [bytes(t.cpu().numpy().tobytes()) for t in out]
+    if any(r[0] for r in rows):
+        reports = dist.all_gather_object(None if err is None else error_report(err, dist.rank))
+        dist.raise_reports(reports, err)
+    both = []
+    for r in rows:
+        text = r[1:].decode("ascii")
+        f = [text[32 * k:32 * (k + 1)] for k in range(_FP_FIELDS)]
+        both.append((None, tuple(None if x == "-" * 32 else x for x in f)))
+    return both
 
 
 def _make_plan(path: Path, dist: DistWrapper, tmp: Path, save_id: str, grid_writes: list, listed: list,
@@ -688,6 +717,8 @@ def write_and_commit(plan: SavePlan, local: Mapping[Any, torch.Tensor], process_
     def write() -> dict[str, Any]:
         held.append(hold_staging(tmp))  # locked until committed: a cleanup of stale directories skips it
         (tmp / INCOMPLETE_MARKER).touch()  # before any data file: a partial directory must never load
+        if plan.check_on_write and dist.is_coordinator:  # a reused plan: the check planning did not make
+            check_destination(plan.path, overwrite=plan.overwrite)
         ids = write_order(plan)
         if not ids:
             return {}
