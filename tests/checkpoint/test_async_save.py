@@ -140,6 +140,28 @@ def test_values_are_those_at_the_snapshot(tmp_path):
     assert h.staged_bytes == sum(v.numel() * v.element_size() for v in sd.values() if isinstance(v, torch.Tensor))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned staging on a side stream)")
+def test_cuda_snapshot_in_reused_pinned_buffers(tmp_path):
+    g = torch.Generator().manual_seed(4)
+    dev = {"w": torch.randn(1024, 512, generator=g).cuda(), "b": torch.randn(64, generator=g).cuda().half()}
+    kept = None
+    for i in range(3):
+        dev["w"].add_(i)  # queued on the current stream before the call: in the snapshot
+        before = {k: v.cpu() for k, v in dev.items()}
+        h = async_save(dev, tmp_path / f"g{i}")
+        h.wait_staged()
+        for v in dev.values():
+            v.mul_(-2)
+        h.wait()
+        assert h.pinned_bytes == h.staged_bytes == sum(v.numel() * v.element_size() for v in dev.values())
+        got = {k: torch.zeros_like(v) for k, v in before.items()}
+        load_state_dict(got, tmp_path / f"g{i}")
+        assert all(torch.equal(_bits(got[k]), _bits(before[k])) for k in before)
+        ptrs = sorted(b.data_ptr() for b in async_mod._buffers.values())
+        assert kept is None or ptrs == kept  # the same pinned buffers every save
+        kept = ptrs
+
+
 def test_the_stall_ends_before_the_snapshot_and_a_premature_update_fails_the_save(tmp_path, monkeypatch):
     """async_save returns while the snapshot is held back; an in-place update before wait_staged() fails the save
     (nothing is published) instead of writing a torn state; the next save works."""
