@@ -5,7 +5,7 @@ fixed-size fingerprint exchange and, when the keys, shapes, dtypes, placements a
 previous save, the reuse of its plan) on the caller's process group *before it returns*, so it is ordered with
 the training's own collectives like any synchronous call. Then it returns: the caller's stall is the planning.
 
-In the background, two threads per save (never more):
+In the background, two long-lived threads serve every save of the process (never more):
 
 * the **stager** copies the tensors this rank writes, in the order of its data file, into buffers kept from the
   previous save of the same shard, shape and dtype (page-locked on CUDA: device-to-host copies with
@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import queue
 import sys
 import threading
 from typing import Any, Mapping
@@ -67,14 +68,14 @@ class AsyncSaveHandle:
         self.pinned_bytes = 0
         self.staged_bytes = 0
         self.plan_reused = False
-        self._thread: threading.Thread | None = None
+        self._finished = threading.Event()  # set by the writer when committed or failed
         self._stager: "_Stager | None" = None
         self._error: BaseException | None = None
         self._reported = False  # the error reached the caller (wait) or stderr (exit)
 
     def done(self) -> bool:
         """True once the background write has finished (committed or failed)."""
-        return self._thread is None or not self._thread.is_alive()
+        return self._finished.is_set()
 
     def staged(self) -> bool:
         """True once the snapshot is taken (or staging gave up on an error, reported by :meth:`wait`)."""
@@ -97,10 +98,8 @@ class AsyncSaveHandle:
         Raises:
             TimeoutError: still running after ``timeout``. CheckpointError: the save failed.
         """
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                raise TimeoutError(f"async save to {self.path} still running after {timeout} s")
+        if not self._finished.wait(timeout):
+            raise TimeoutError(f"async save to {self.path} still running after {timeout} s")
         if self._error is not None:
             self._reported = True
             raise self._error
@@ -150,14 +149,12 @@ def async_save(state_dict: Mapping[str, Any], path: str | os.PathLike, *, proces
 
     def run() -> None:
         try:
-            stage_thread = threading.Thread(target=stager.run, name="oarlock-async-stage", daemon=True)
-            stage_thread.start()
             try:
                 # the live tensors give the writer shapes and dtypes up front; ``ready`` swaps in each snapshot
                 write_and_commit(plan, dict(stager.items), group, ready=stager.ready)
             finally:
                 stager.abort()  # a write that failed early releases the stager
-                stage_thread.join()
+                stager.finished.wait()
                 handle.pinned_bytes, handle.staged_bytes = stager.pinned_bytes, stager.staged_bytes
             if stager.error is not None:  # pragma: no cover - ready() raised it inside the write already
                 raise stager.error
@@ -165,13 +162,44 @@ def async_save(state_dict: Mapping[str, Any], path: str | os.PathLike, *, proces
             handle._error = e
         finally:
             stager.snapshot.clear()
+            handle._finished.set()
 
     global _pending
     with _lock:
-        handle._thread = threading.Thread(target=run, name="oarlock-async-save", daemon=True)
-        handle._thread.start()
         _pending = handle
+    # two long-lived threads serve every async save of the process: handing work over is a queue put, the caller
+    # never waits for a thread to start
+    _STAGE_WORKER.submit(stager.run)
+    _WRITE_WORKER.submit(run)
     return handle
+
+
+class _Worker:
+    """One long-lived daemon thread running submitted functions in order (started on first use, and again in a
+    forked child, where the parent's thread does not exist)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._pid = -1
+
+    def submit(self, fn: Any) -> None:
+        if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
+            self._queue = queue.SimpleQueue()
+            self._pid = os.getpid()
+            self._thread = threading.Thread(target=self._loop, args=(self._queue,), name=self.name, daemon=True)
+            self._thread.start()
+        self._queue.put(fn)
+
+    @staticmethod
+    def _loop(q: queue.SimpleQueue) -> None:
+        while True:
+            q.get()()  # the functions catch their own errors
+
+
+_STAGE_WORKER = _Worker("oarlock-async-stage")
+_WRITE_WORKER = _Worker("oarlock-async-save")
 
 
 # ---------------------------------------------------------------- staging
@@ -209,7 +237,9 @@ class _Stager:
         self.items = [(i, t.detach()) for i, t in items]
         self.versions = [_version(t) for _, t in items]
         self.snapshot: dict[tuple, torch.Tensor] = {}
-        self.done = {i: threading.Event() for i, _ in items}
+        self.position = {i: n for n, (i, _) in enumerate(items)}
+        self.landed = 0  # the first ``landed`` items are staged
+        self._cond = threading.Condition()
         self.finished = threading.Event()
         self.error: BaseException | None = None
         self.pinned_bytes = 0
@@ -230,7 +260,9 @@ class _Stager:
 
     def ready(self, ident: tuple) -> torch.Tensor:
         """Block until the snapshot of ``ident`` is complete and return it. Raises the staging error, if any."""
-        self.done[ident].wait()
+        n = self.position[ident]
+        with self._cond:
+            self._cond.wait_for(lambda: self.landed > n or self.finished.is_set())
         if self.error is not None:
             raise self.error
         return self.snapshot[ident]
@@ -259,7 +291,7 @@ class _Stager:
                     else:
                         _copy_cpu(buf, t)
                         self._check_version(n)
-                        self.done[ident].set()
+                        self._advance(n)
                     while pending and (pending[0][2].query() or len(pending) > 4):
                         self._land(*pending.pop(0))
                 for p in pending:
@@ -271,9 +303,9 @@ class _Stager:
             if self.error is None and len(self.snapshot) < len(self.items):
                 self.error = CheckpointError("async save: the snapshot was abandoned (the write failed first)")
             _buffers = kept if self.error is None else {**_buffers, **kept}
-            self.finished.set()
-            for ev in self.done.values():  # a writer waiting for a tensor never staged sees the error
-                ev.set()
+            with self._cond:  # a writer waiting for a tensor never staged sees the error
+                self.finished.set()
+                self._cond.notify_all()
 
     def _copy_cuda(self, buf: torch.Tensor, t: torch.Tensor) -> Any:
         """Queue the copy of CUDA tensor ``t`` into ``buf`` on the device's side stream; returns its event."""
@@ -290,7 +322,12 @@ class _Stager:
     def _land(self, ident: tuple, n: int, event: Any) -> None:
         event.synchronize()
         self._check_version(n)
-        self.done[ident].set()
+        self._advance(n)
+
+    def _advance(self, n: int) -> None:
+        with self._cond:
+            self.landed = n + 1  # items land in order
+            self._cond.notify_all()
 
     def _check_version(self, n: int) -> None:
         ident, t = self.items[n]
@@ -337,8 +374,8 @@ def _wait_at_exit() -> None:
     report its failure if ``wait()`` was never called."""
     with _lock:
         h = _pending
-    if h is not None and h._thread is not None:
-        h._thread.join()
+    if h is not None:
+        h._finished.wait()
         _report_unseen(h)
 
 
@@ -349,6 +386,6 @@ def wait_pending() -> None:
     with _lock:
         h = _pending
         _pending = None
-    if h is not None and h._thread is not None:
-        h._thread.join()
+    if h is not None:
+        h._finished.wait()
         _report_unseen(h)

@@ -281,7 +281,26 @@ def _mesh_affine(mesh: Any, dist: DistWrapper) -> tuple[tuple[int, ...], int, tu
 
 def dtensor_grid(sw: ShardedWeight, dist: DistWrapper, cache: dict) -> GridLayout | None:
     """The grid rule of a DTensor shard, cross-checked against the box torch gave this rank; None when the layout
-    is not a grid (the shard is then listed)."""
+    is not a grid (the shard is then listed). Remembered per (mesh, group, placements, box): a training loop saves
+    the same DTensors again and again, and the answer depends on nothing else."""
+    mesh, placements = sw.placement_layout
+    d = sw.desc
+    memo_key = (id(mesh), id(dist.group), dist.rank, tuple(placements), d.global_shape, d.global_offset,
+                d.local_shape)
+    hit = _GRID_MEMO.get(memo_key)
+    if hit is not None and hit[0][0] is mesh and hit[0][1] is dist.group:  # the objects themselves, not an old id
+        return hit[1]
+    grid = _dtensor_grid(sw, dist, cache)
+    if len(_GRID_MEMO) >= 8192:
+        _GRID_MEMO.clear()
+    _GRID_MEMO[memo_key] = ((mesh, dist.group), grid)
+    return grid
+
+
+_GRID_MEMO: dict[tuple, tuple[tuple, GridLayout | None]] = {}
+
+
+def _dtensor_grid(sw: ShardedWeight, dist: DistWrapper, cache: dict) -> GridLayout | None:
     mesh, placements = sw.placement_layout
     aff = cache.get(id(mesh), False)
     if aff is False:

@@ -268,12 +268,25 @@ class ShardedWeight:
                 raise CheckpointError(f"DTensor {key!r} has a Partial placement ({placements}); reduce it "
                                       "(e.g. redistribute to Replicate) before saving or loading")
         gshape = tuple(dtensor.shape)
-        local_shape, offset = compute_local_shape_and_global_offset(gshape, mesh, placements)
+        memo_key = (id(mesh), tuple(placements), gshape)
+        hit = _BOX_MEMO.get(memo_key)
+        if hit is not None and hit[0] is mesh:  # the box depends only on these (and this rank, fixed)
+            local_shape, offset = hit[1]
+        else:
+            local_shape, offset = compute_local_shape_and_global_offset(gshape, mesh, placements)
+            if len(_BOX_MEMO) >= 8192:
+                _BOX_MEMO.clear()
+            _BOX_MEMO[memo_key] = (mesh, (tuple(local_shape), tuple(offset)))
         local = dtensor.to_local()
         if tuple(local.shape) != tuple(local_shape):
             raise CheckpointError(f"DTensor {key!r}: local tensor has shape {tuple(local.shape)} but placements "
                                   f"{placements} on mesh {tuple(mesh.shape)} give {tuple(local_shape)}")
         return cls(key, local, tuple(local_shape), gshape, tuple(offset), placement_layout=(mesh, tuple(placements)))
+
+
+# (id(mesh), placements, global shape) -> (mesh, (local shape, offset)) of this rank: repeated saves of the same
+# DTensors skip torch's box computation (the mesh is kept so that its id cannot be reused while remembered)
+_BOX_MEMO: dict[tuple, tuple[Any, tuple]] = {}
 
 
 def is_dtensor(x: Any) -> bool:
