@@ -4,12 +4,13 @@ sizes the workload is built from add up. Nothing is timed or compared for speed.
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from testkit import load_benchmark
 
 pytest.importorskip("torch.distributed.checkpoint.staging")
 
@@ -18,11 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_async_save", ROOT / "benchmarks" / "async_save.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_async_save"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("async_save")
 
 
 def test_workload_sizes(bench):

@@ -272,7 +272,9 @@ class _Stager:
         kept: dict[tuple, torch.Tensor] = {}
         try:
             with torch.no_grad():
-                pending: list[tuple[tuple, int, Any]] = []  # CUDA copies queued, not yet landed
+                # copies done or queued, not yet announced to the writer, in file order (CUDA copies with their
+                # event, CPU copies with None: announced only after every earlier one, so the order holds)
+                pending: list[tuple[tuple, int, Any]] = []
                 for n, (ident, t) in enumerate(self.items):
                     if self._abort:
                         break
@@ -290,9 +292,8 @@ class _Stager:
                         pending.append((ident, n, self._copy_cuda(buf, t)))
                     else:
                         _copy_cpu(buf, t)
-                        self._check_version(n)
-                        self._advance(n)
-                    while pending and (pending[0][2].query() or len(pending) > 4):
+                        pending.append((ident, n, None))
+                    while pending and (pending[0][2] is None or pending[0][2].query() or len(pending) > 4):
                         self._land(*pending.pop(0))
                 for p in pending:
                     self._land(*p)
@@ -320,7 +321,8 @@ class _Stager:
         return e
 
     def _land(self, ident: tuple, n: int, event: Any) -> None:
-        event.synchronize()
+        if event is not None:
+            event.synchronize()
         self._check_version(n)
         self._advance(n)
 
