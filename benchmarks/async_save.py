@@ -3,7 +3,8 @@
 Workload: 4 gloo ranks, ``--size-mib`` (default 512) MiB of fp32 DTensors ``[Shard(0)]`` on a 1-D mesh of the 4
 ranks (tensors of 8 MiB each, at least 4 tensors). Every launch warms each library up with one unmeasured save
 (oarlock then reuses its plan and staging buffers; DCP its stager's cached storages), times a compute loop alone,
-then for each library one measured save into a fresh directory, all in the same processes:
+then for each library one measured save into a fresh directory, all in the same processes (the order of the
+libraries rotates from launch to launch):
 
 * **stall**: time until the save call returns (slowest rank);
 * **snapshot wait**: the loop's first step waits for the snapshot before it updates the saved state in place
@@ -87,7 +88,7 @@ class Loop:
 
 
 def rank_main(rank: int, world: int, port: int, root: str, size_mib: int, device_kind: str, steps: int,
-              matmul: int, check: bool) -> None:
+              matmul: int, check: bool, order: tuple[str, ...] = LIBS) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
@@ -155,7 +156,7 @@ def rank_main(rank: int, world: int, port: int, root: str, size_mib: int, device
     dist.barrier()
     alone = [loop.step() for _ in range(steps)]
     res: dict = {"alone": statistics.mean(alone), "libs": {}}
-    for lib in LIBS:
+    for lib in order:
         path = root / f"{lib}"
         before = {k: v.to_local().clone() for k, v in state.items()} if check else None
         dist.barrier()
@@ -196,14 +197,15 @@ def rank_main(rank: int, world: int, port: int, root: str, size_mib: int, device
     dist.destroy_process_group()
 
 
-def launch(size_mib: int, device: str, steps: int, matmul: int, scratch: Path, check: bool) -> list[dict]:
+def launch(size_mib: int, device: str, steps: int, matmul: int, scratch: Path, check: bool,
+           order: tuple[str, ...] = LIBS) -> list[dict]:
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     scratch.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(rank_main, args=(WORLD, port, str(scratch), size_mib, device, steps, matmul, check),
+    mp.start_processes(rank_main, args=(WORLD, port, str(scratch), size_mib, device, steps, matmul, check, order),
                        nprocs=WORLD, start_method="spawn")
     return [json.loads((scratch / f"result-{r}.json").read_text()) for r in range(WORLD)]
 
@@ -268,8 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for i in range(args.launches):
             d = scratch / f"launch{i}"
+            order = LIBS[i % len(LIBS):] + LIBS[:i % len(LIBS)]  # each library goes first in some launch
             launches.append(summarize(launch(args.size_mib, device, args.steps, args.matmul, d,
-                                             not args.no_check)))
+                                             not args.no_check, order)))
             shutil.rmtree(d, ignore_errors=True)
     finally:
         if not args.dir:
