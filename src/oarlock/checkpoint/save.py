@@ -542,9 +542,10 @@ def prepare_save(state_dict: Mapping[str, Any], path: str | os.PathLike, process
 
     Plan reuse: when every rank's fingerprints (tensor specs and grids, nesting, TP layouts, listed shards) equal
     those of the previous save over the same group and every rank holds that save's plan (its token travels with
-    the fingerprint), the previous plan is reused and only the JSON values that changed travel (one message per
-    distinct changed record), followed by one broadcast of the temporary path and save id. ``SavePlan.reused``
-    tells which path was taken; :data:`plan_cache` counts them.
+    the fingerprint), the previous plan is reused: JSON values travel only when some rank's changed (from the
+    first rank of each distinct set), the save id and temporary directory come from rank 0's nonce, and rank 0
+    checks the destination when it writes. ``SavePlan.reused`` tells which path was taken; :data:`plan_cache`
+    counts them.
     """
     path = Path(path)
     dist = DistWrapper(process_group)
