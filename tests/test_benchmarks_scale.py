@@ -4,26 +4,19 @@ and select the same bytes as DCP's planner for the same request."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import pickle
-import sys
-from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torch.distributed.checkpoint")
+from testkit import load_benchmark
 
-ROOT = Path(__file__).resolve().parents[1]
+pytest.importorskip("torch.distributed.checkpoint")
 
 
 @pytest.fixture(scope="module")
 def scale():
-    spec = importlib.util.spec_from_file_location("bench_scale", ROOT / "benchmarks" / "scale.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_scale"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("scale")
 
 
 def _covered_once(items, reqs) -> bool:

@@ -20,6 +20,18 @@ def run_cli(*args: object, cwd: str | Path | None = None, timeout: float = 300) 
                           text=True, timeout=timeout)
 
 
+def load_benchmark(name: str) -> types.ModuleType:
+    """The script ``benchmarks/<name>.py`` imported as module ``bench_<name>`` (benchmarks are not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", Path(__file__).resolve().parents[1]
+                                                  / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[f"bench_{name}"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def tree_digest(root: Path) -> dict[str, str]:
     """Every file under ``root``: relative path -> sha256 hex digest (to show a command wrote nothing there)."""
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()

@@ -315,6 +315,7 @@ def scenario_async_save_while_training_goes_on(ctx):
     try:
         live = build(src, zeros=False)
         h = save_state_dict(live, ctx.root / "async", async_save=True)
+        h.wait_staged()  # the snapshot is taken while the write is held back
         for _ in range(3):  # training steps
             for name in ("w", "b", "e"):
                 live[name].to_local().add_(1)

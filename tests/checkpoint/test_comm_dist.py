@@ -29,7 +29,8 @@ def test_single_process_warm_and_async(tmp_path):
     sd = {"a": torch.arange(6.0).reshape(2, 3), "n": 5}
     h = save_state_dict(sd, tmp_path / "c", async_save=True)
     assert isinstance(h, AsyncSaveHandle)
-    sd["a"].add_(100)  # after the call: not in the checkpoint
+    h.wait_staged()
+    sd["a"].add_(100)  # after the snapshot: not in the checkpoint
     h.wait()
     got = {"a": torch.zeros(2, 3), "n": 0}
     rep = load_state_dict(got, tmp_path / "c")

@@ -282,10 +282,11 @@ def test_async_save_stages_cuda_tensors_in_pinned_memory(tmp_path):
     dev = {k: v.cuda() for k, v in ref.items()}
     for i in range(2):  # the second save reuses the pinned buffers
         h = async_save(dev, tmp_path / f"ck{i}")
+        h.wait_staged()
         for v in dev.values():
-            v.mul_(3.0).add_(1.0)  # queued after the copies on the same stream: must not reach the file
-        assert h.pinned_bytes == sum(v.numel() * 4 for v in ref.values())
+            v.mul_(3.0).add_(1.0)  # after the snapshot: must not reach the file
         h.wait()
+        assert h.pinned_bytes == sum(v.numel() * 4 for v in ref.values())
         got = {k: torch.zeros_like(v) for k, v in ref.items()}
         load_state_dict(got, tmp_path / f"ck{i}")
         assert all(torch.equal(got[k], ref[k]) for k in ref)

@@ -1,27 +1,43 @@
-"""Asynchronous checkpoint saves: snapshot, return, write in the background.
+"""Asynchronous checkpoint saves: plan, return, snapshot and write in the background.
 
 :func:`async_save` runs the collective planning of a save (:func:`oarlock.checkpoint.save.prepare_save`: a
-fixed-size fingerprint exchange, one record per class of ranks to rank 0, validation, write assignment) on the caller's process group *before it returns*, so it is ordered with the
-training's own collectives like any synchronous call. It then copies the tensors this rank writes into CPU
-memory (the snapshot: later in-place updates of the training state do not reach the file) and hands the
-writing to a background thread. The thread's own collectives (two small all-gathers of error reports around the
-commit) run on a *separate* gloo process group created for this purpose on the first async save, so they never
-interleave with collectives of the training on the caller's group. The commit protocol is the synchronous one:
-every rank writes and fsyncs its file into a hidden temporary directory, rank 0 writes ``metadata.json`` last
-and renames the directory into place.
+fixed-size fingerprint exchange and, when the keys, shapes, dtypes, placements and group equal those of the
+previous save, the reuse of its plan) on the caller's process group *before it returns*, so it is ordered with
+the training's own collectives like any synchronous call. Then it returns: the caller's stall is the planning.
 
-A new save (async or not) first waits for the previous one
-to finish, so saves never overlap; :meth:`AsyncSaveHandle.wait` re-raises the background error, if any.
+In the background, two long-lived threads serve every save of the process (never more):
 
-A save still running when the interpreter exits is not lost: an ``atexit`` hook waits for it to commit, and a
-save that failed without anyone calling ``wait()`` is reported on stderr (and the ``oarlock`` logger) naming its
-path and error, so a script whose last line is an async save leaves a loadable checkpoint or a loud message.
+* the **stager** copies the tensors this rank writes, in the order of its data file, into buffers kept from the
+  previous save of the same shard, shape and dtype (page-locked on CUDA: device-to-host copies with
+  ``non_blocking=True`` on a side stream that first waits for the work queued on the caller's stream before the
+  call; on CPU: one single-threaded ``numpy.copyto`` per tensor, which releases the GIL and does not compete with
+  the training's intra-op thread pool). When the last copy has landed, :meth:`AsyncSaveHandle.wait_staged`
+  returns: from then on the training state may change.
+* the **writer** writes each tensor as soon as it is staged (the copy of the next tensor overlaps the write of
+  this one), hashing its blocks on the way, with writeback to disk started every 16 MiB; then the commit
+  protocol of the synchronous save: every rank's file fsynced in a hidden temporary directory holding an
+  incomplete-marker, rank 0 writes ``metadata.json`` last and renames the directory into place. Its collectives
+  (small agreements around the commit) run on a *separate* gloo group created on the first async save, so they
+  never interleave with the training's collectives on the caller's group.
+
+The caller must not update the saved tensors in place before ``wait_staged()`` returns. That is checked: the
+version counter of every saved tensor (bumped by every in-place operation, ``optimizer.step()`` included) is
+compared after its copy with its value at the call; a tensor changed in between fails the save (its error
+raised by ``handle.wait()``; nothing is published). Writes the counter does not see (through ``.data`` or a numpy
+view) are not caught. :class:`~oarlock.checkpoint.manager.CheckpointManager` waits for the snapshot before its
+``save`` returns, so a loop using the manager needs nothing else.
+
+A new save (async or not) first waits for the previous one to finish, so saves never overlap and the staging
+buffers are free again; :meth:`AsyncSaveHandle.wait` re-raises the background error, if any. A save still
+running when the interpreter exits is not lost: an ``atexit`` hook waits for it to commit, and a save that failed
+without anyone calling ``wait()`` is reported on stderr (and the ``oarlock`` logger) naming its path and error.
 """
 
 from __future__ import annotations
 
 import atexit
 import os
+import queue
 import sys
 import threading
 from typing import Any, Mapping
@@ -29,7 +45,8 @@ from typing import Any, Mapping
 import torch
 
 from oarlock.checkpoint.dist import DistWrapper
-from oarlock.checkpoint.save import local_tensors, prepare_save, write_and_commit
+from oarlock.checkpoint.errors import CheckpointError
+from oarlock.checkpoint.save import local_tensors, prepare_save, write_and_commit, write_order
 from oarlock.utils import logger
 
 _lock = threading.Lock()
@@ -38,19 +55,42 @@ _side_groups: dict[Any, Any] = {}
 
 
 class AsyncSaveHandle:
-    """A save running in the background. ``wait()`` blocks until the checkpoint is committed (or failed) and
-    re-raises the error of the background write (a :class:`~oarlock.checkpoint.errors.CheckpointError`)."""
+    """A save running in the background.
+
+    ``wait_staged()`` blocks until the snapshot of the tensors is taken (the state may be updated after it);
+    ``wait()`` until the checkpoint is committed (or failed), re-raising the error of the background work (a
+    :class:`~oarlock.checkpoint.errors.CheckpointError`). ``plan_reused`` tells whether the save reused the
+    previous save's plan; ``pinned_bytes`` is the size of the snapshot staged in page-locked memory (CUDA
+    tensors), set once staged; ``staged_bytes`` the size of the whole snapshot."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = path
-        self.pinned_bytes = 0  # bytes of the snapshot staged in pinned memory (CUDA tensors)
-        self._thread: threading.Thread | None = None
+        self.pinned_bytes = 0
+        self.staged_bytes = 0
+        self.plan_reused = False
+        self._finished = threading.Event()  # set by the writer when committed or failed
+        self._stager: "_Stager | None" = None
         self._error: BaseException | None = None
         self._reported = False  # the error reached the caller (wait) or stderr (exit)
 
     def done(self) -> bool:
         """True once the background write has finished (committed or failed)."""
-        return self._thread is None or not self._thread.is_alive()
+        return self._finished.is_set()
+
+    def staged(self) -> bool:
+        """True once the snapshot is taken (or staging gave up on an error, reported by :meth:`wait`)."""
+        return self._stager is None or self._stager.finished.is_set()
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """Block until the background no longer reads the saved tensors: their snapshot is taken, or staging
+        failed (the error is raised by :meth:`wait`). Call it before updating the saved state in place
+        (``optimizer.step()``). ``timeout`` in seconds (None waits forever).
+
+        Raises:
+            TimeoutError: still staging after ``timeout``.
+        """
+        if self._stager is not None and not self._stager.finished.wait(timeout):
+            raise TimeoutError(f"async save to {self.path}: snapshot still being taken after {timeout} s")
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the save is committed (``timeout`` in seconds; None waits forever).
@@ -58,10 +98,8 @@ class AsyncSaveHandle:
         Raises:
             TimeoutError: still running after ``timeout``. CheckpointError: the save failed.
         """
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                raise TimeoutError(f"async save to {self.path} still running after {timeout} s")
+        if not self._finished.wait(timeout):
+            raise TimeoutError(f"async save to {self.path} still running after {timeout} s")
         if self._error is not None:
             self._reported = True
             raise self._error
@@ -82,81 +120,245 @@ def _side_group(process_group: Any) -> Any:
 
 def async_save(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process_group: Any = None,
                save_replicas: bool = False, overwrite: bool = False) -> AsyncSaveHandle:
-    """Save like :func:`~oarlock.checkpoint.api.save_state_dict`, returning as soon as the tensors this rank
-    writes are copied to CPU memory -- or, for CUDA tensors, as soon as their copies into reused pinned buffers are
-    queued (see :func:`stage`). Collective over ``process_group`` (the planning step, before returning).
+    """Save like :func:`~oarlock.checkpoint.api.save_state_dict`, returning as soon as the save is planned;
+    the snapshot and the write run in the background (module docstring). Collective over ``process_group`` (the
+    planning step, before returning).
+
+    Call ``handle.wait_staged()`` before updating the saved tensors in place (a tensor updated before its copy
+    fails the save), and ``handle.wait()`` before relying on the checkpoint.
 
     Args:
         state_dict, path, process_group, save_replicas, overwrite: as for ``save_state_dict``.
 
     Returns:
-        An :class:`AsyncSaveHandle`; call ``wait()`` before relying on the checkpoint.
+        An :class:`AsyncSaveHandle`.
 
     Raises:
         CheckpointError: planning errors (bad leaves, disagreeing shapes, bad tiling) at once, on every rank;
-            write and commit errors from ``handle.wait()``.
+            staging, write and commit errors from ``handle.wait()``.
     """
-    wait_pending()  # saves never overlap: the previous one commits first
+    wait_pending()  # saves never overlap: the previous one commits first and its staging buffers are free
     plan = prepare_save(state_dict, path, process_group, save_replicas, overwrite)
-    ids = {(i[0], i[1], i[3]) for i in plan.writes.get(plan.rank, [])}
-    # the snapshot: a CPU copy of only what this rank writes (pinned and asynchronous for CUDA tensors)
-    snap, copied = stage({i: t for i, t in local_tensors(plan.leaves).items() if i in ids})
+    live = local_tensors(plan.leaves)
+    order = [i for i in write_order(plan) if i in live or i[0] in live]
+    stager = _Stager([(i, live[i] if i in live else live[i[0]]) for i in order])
     group = _side_group(process_group) if DistWrapper(process_group).active else None
     handle = AsyncSaveHandle(path)
-    handle.pinned_bytes = sum(t.numel() * t.element_size() for t in snap.values() if t.is_pinned())
+    handle.plan_reused = plan.reused
+    handle._stager = stager
 
     def run() -> None:
         try:
-            for e in copied:
-                e.synchronize()  # the device-to-host copies have landed in the pinned buffers
-            write_and_commit(plan, snap, group)
+            try:
+                # the live tensors give the writer shapes and dtypes up front; ``ready`` swaps in each snapshot
+                write_and_commit(plan, dict(stager.items), group, ready=stager.ready)
+            finally:
+                stager.abort()  # a write that failed early releases the stager
+                stager.finished.wait()
+                handle.pinned_bytes, handle.staged_bytes = stager.pinned_bytes, stager.staged_bytes
+            if stager.error is not None:  # pragma: no cover - ready() raised it inside the write already
+                raise stager.error
         except BaseException as e:  # re-raised by wait()
             handle._error = e
         finally:
-            snap.clear()
+            stager.snapshot.clear()
+            handle._finished.set()
 
     global _pending
     with _lock:
-        handle._thread = threading.Thread(target=run, name="oarlock-async-save", daemon=True)
-        handle._thread.start()
         _pending = handle
+    # two long-lived threads serve every async save of the process: handing work over is a queue put, the caller
+    # never waits for a thread to start
+    _STAGE_WORKER.submit(stager.run)
+    _WRITE_WORKER.submit(run)
     return handle
 
 
-_pinned: dict[tuple, torch.Tensor] = {}  # (key, shape, dtype, device) -> pinned staging buffer, reused
+class _Worker:
+    """One long-lived daemon thread running submitted functions in order (started on first use, and again in a
+    forked child, where the parent's thread does not exist)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._pid = -1
+
+    def submit(self, fn: Any) -> None:
+        if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
+            self._queue = queue.SimpleQueue()
+            self._pid = os.getpid()
+            self._thread = threading.Thread(target=self._loop, args=(self._queue,), name=self.name, daemon=True)
+            self._thread.start()
+        self._queue.put(fn)
+
+    @staticmethod
+    def _loop(q: queue.SimpleQueue) -> None:
+        while True:
+            q.get()()  # the functions catch their own errors
 
 
-def stage(tensors: Mapping[Any, torch.Tensor]) -> tuple[dict[Any, torch.Tensor], list[Any]]:
-    """The snapshot of an async save: CPU copies of ``tensors`` that later in-place updates do not reach.
+_STAGE_WORKER = _Worker("oarlock-async-stage")
+_WRITE_WORKER = _Worker("oarlock-async-save")
 
-    CUDA tensors are copied with ``non_blocking=True`` into page-locked (pinned) buffers that are kept and reused
-    by the next save of the same key, shape and dtype (saves never overlap, so a buffer is free again by then);
-    the copies are queued on each tensor's current stream and this function returns without waiting for them:
-    kernels queued later on the same stream (an optimizer step) run after the copy. Work on other streams that
-    updates a saved tensor must synchronize with the current stream first. CPU tensors are cloned. Returns
-    ``(snapshot, events)``: one CUDA event per device involved (none without CUDA tensors); ``synchronize()`` on
-    each waits for the copies.
-    """
-    snap: dict[Any, torch.Tensor] = {}
-    events: list[Any] = []
-    with torch.no_grad():
-        for k, t in tensors.items():
-            t = t.detach()
-            if t.device.type == "cuda":
-                ident = (k, tuple(t.shape), t.dtype, t.device)
-                buf = _pinned.get(ident)
-                if buf is None:
-                    buf = _pinned[ident] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                buf.copy_(t, non_blocking=True)
-                snap[k] = buf
-            else:
-                snap[k] = t.to("cpu", copy=True)
-        for dev in sorted({t.device.index or 0 for t in tensors.values() if t.device.type == "cuda"}):
-            with torch.cuda.device(dev):  # the copies were queued on each device's current stream
-                e = torch.cuda.Event()
-                e.record()
-                events.append(e)
-    return snap, events
+
+# ---------------------------------------------------------------- staging
+
+# (shard id, shape, dtype, pinned) -> buffer of the last save; saves never overlap, so a buffer is free again
+# when the next save stages. Only the buffers the latest save used are kept.
+_buffers: dict[tuple, torch.Tensor] = {}
+_side_streams: dict[int, Any] = {}
+
+
+def release_staging_buffers() -> int:
+    """Drop the snapshot buffers kept for the next async save (waits for a save in flight first); returns the
+    bytes released. The next async save allocates them again."""
+    wait_pending()
+    n = sum(b.numel() * b.element_size() for b in _buffers.values())
+    _buffers.clear()
+    return n
+
+
+def _side_stream(device: torch.device) -> Any:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _side_streams:
+        _side_streams[idx] = torch.cuda.Stream(device=idx)
+    return _side_streams[idx]
+
+
+class _Stager:
+    """The snapshot of one async save: ``(shard id, live tensor)`` in file order, copied by :meth:`run` (the
+    stager thread) into reused buffers; :meth:`ready` (the writer thread) waits for one of them.
+
+    Built in the caller's thread: it records there, per CUDA device, an event on the current stream (the copies
+    wait for the work queued before the call) and every tensor's version counter (checked after its copy)."""
+
+    def __init__(self, items: list[tuple[tuple, torch.Tensor]]):
+        self.items = [(i, t.detach()) for i, t in items]
+        self.versions = [_version(t) for _, t in items]
+        self.snapshot: dict[tuple, torch.Tensor] = {}
+        self.position = {i: n for n, (i, _) in enumerate(items)}
+        self.landed = 0  # the first ``landed`` items are staged
+        self._cond = threading.Condition()
+        self.finished = threading.Event()
+        self.error: BaseException | None = None
+        self.pinned_bytes = 0
+        self.staged_bytes = 0
+        self._abort = False
+        self._starts: dict[int, Any] = {}
+        if any(t.device.type == "cuda" for _, t in self.items):
+            for t in (t for _, t in self.items if t.device.type == "cuda"):
+                idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
+                if idx not in self._starts:
+                    with torch.cuda.device(idx):
+                        e = torch.cuda.Event()
+                        e.record()  # on the caller's current stream of that device
+                        self._starts[idx] = e
+
+    def abort(self) -> None:
+        self._abort = True
+
+    def ready(self, ident: tuple) -> torch.Tensor:
+        """Block until the snapshot of ``ident`` is complete and return it. Raises the staging error, if any."""
+        n = self.position[ident]
+        with self._cond:
+            self._cond.wait_for(lambda: self.landed > n or self.finished.is_set())
+        if self.error is not None:
+            raise self.error
+        return self.snapshot[ident]
+
+    def run(self) -> None:
+        global _buffers
+        kept: dict[tuple, torch.Tensor] = {}
+        try:
+            with torch.no_grad():
+                # copies done or queued, not yet announced to the writer, in file order (CUDA copies with their
+                # event, CPU copies with None: announced only after every earlier one, so the order holds)
+                pending: list[tuple[tuple, int, Any]] = []
+                for n, (ident, t) in enumerate(self.items):
+                    if self._abort:
+                        break
+                    pinned = t.device.type == "cuda"
+                    key = (ident, tuple(t.shape), t.dtype, pinned)
+                    buf = _buffers.get(key)
+                    if buf is None:
+                        buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned and torch.cuda.is_available())
+                    kept[key] = buf
+                    self.snapshot[ident] = buf
+                    nbytes = buf.numel() * buf.element_size()
+                    self.staged_bytes += nbytes
+                    if pinned:
+                        self.pinned_bytes += nbytes if buf.is_pinned() else 0
+                        pending.append((ident, n, self._copy_cuda(buf, t)))
+                    else:
+                        _copy_cpu(buf, t)
+                        pending.append((ident, n, None))
+                    while pending and (pending[0][2] is None or pending[0][2].query() or len(pending) > 4):
+                        self._land(*pending.pop(0))
+                for p in pending:
+                    self._land(*p)
+        except BaseException as e:
+            self.error = e if isinstance(e, CheckpointError) else CheckpointError(
+                f"async save: taking the snapshot failed: {type(e).__name__}: {e}")
+        finally:
+            if self.error is None and len(self.snapshot) < len(self.items):
+                self.error = CheckpointError("async save: the snapshot was abandoned (the write failed first)")
+            _buffers = kept if self.error is None else {**_buffers, **kept}
+            with self._cond:  # a writer waiting for a tensor never staged sees the error
+                self.finished.set()
+                self._cond.notify_all()
+
+    def _copy_cuda(self, buf: torch.Tensor, t: torch.Tensor) -> Any:
+        """Queue the copy of CUDA tensor ``t`` into ``buf`` on the device's side stream; returns its event."""
+        idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
+        side = _side_stream(t.device)
+        with torch.cuda.device(idx), torch.cuda.stream(side):
+            side.wait_event(self._starts[idx])
+            t.record_stream(side)  # the caching allocator keeps its memory until the copy ran
+            buf.copy_(t, non_blocking=True)
+            e = torch.cuda.Event()
+            e.record(side)
+        return e
+
+    def _land(self, ident: tuple, n: int, event: Any) -> None:
+        if event is not None:
+            event.synchronize()
+        self._check_version(n)
+        self._advance(n)
+
+    def _advance(self, n: int) -> None:
+        with self._cond:
+            self.landed = n + 1  # items land in order
+            self._cond.notify_all()
+
+    def _check_version(self, n: int) -> None:
+        ident, t = self.items[n]
+        if self.versions[n] is not None and _version(t) != self.versions[n]:
+            raise CheckpointError(f"async save: key {ident[0]!r} (offset {list(ident[1])}) was updated in place "
+                                  "before its snapshot was taken; call handle.wait_staged() before changing the "
+                                  "saved state (optimizer.step())")
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """``t``'s version counter (bumped by every in-place update); None for inference tensors, which have none."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
+def _copy_cpu(buf: torch.Tensor, t: torch.Tensor) -> None:
+    """``buf[...] = t`` for a CPU ``t``: a single-threaded memcpy that releases the GIL (``numpy.copyto`` on the
+    bytes) for contiguous tensors, torch's copy otherwise."""
+    import numpy as np
+
+    t = t.resolve_conj().resolve_neg()
+    if t.numel() == 0:
+        return
+    if t.is_contiguous() and t.device.type == "cpu":
+        np.copyto(buf.reshape(-1).view(torch.uint8).numpy(), t.reshape(-1).view(torch.uint8).numpy())
+    else:
+        buf.copy_(t)
 
 
 def _report_unseen(h: AsyncSaveHandle) -> None:
@@ -174,8 +376,8 @@ def _wait_at_exit() -> None:
     report its failure if ``wait()`` was never called."""
     with _lock:
         h = _pending
-    if h is not None and h._thread is not None:
-        h._thread.join()
+    if h is not None:
+        h._finished.wait()
         _report_unseen(h)
 
 
@@ -186,6 +388,6 @@ def wait_pending() -> None:
     with _lock:
         h = _pending
         _pending = None
-    if h is not None and h._thread is not None:
-        h._thread.join()
+    if h is not None:
+        h._finished.wait()
         _report_unseen(h)

@@ -280,9 +280,11 @@ class CheckpointManager:
             state: a dict of tensors, DTensors, ShardedWeights, JSON values and stateful objects (module
                 docstring), e.g. ``{"model": sharded_state_dict(model), "optim": sharded_optimizer_state_dict(
                 opt, msd), "scheduler": sched, "rng": RNGState(), "step": step}``.
-            async_save: return once this rank's tensors are copied to CPU memory; the write, the commit, the
-                pointer and the deletion of old steps run in the background (:meth:`wait` blocks for them and
-                re-raises their error; the next ``save`` waits first).
+            async_save: plan the save, take the snapshot of this rank's tensors in the background (into reused
+                buffers, pinned for CUDA tensors, see :mod:`oarlock.checkpoint.async_save`) and return once it
+                is taken, so the loop may update the state right after; the write, the commit, the pointer and
+                the deletion of old steps run in the background (:meth:`wait` blocks for them and re-raises their
+                error; the next ``save`` waits first). A plan equal to the previous save's is reused.
             overwrite: replace the step's directory even when it holds entries oarlock did not write (they are
                 kept; only files oarlock wrote are replaced).
 
@@ -317,6 +319,8 @@ class CheckpointManager:
                 err = e
             dist.check(err)  # every rank returns after the pointer is replaced (or raises alike)
             return
+
+        handle.wait_staged()  # the loop's next in-place update must not reach the snapshot
 
         def finish() -> None:
             try:

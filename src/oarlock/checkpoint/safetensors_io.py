@@ -25,7 +25,7 @@ import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -450,8 +450,8 @@ class SafetensorsWriter:
         hb += b" " * (-len(hb) % 8)  # the data section starts 8-byte aligned
         self.base = 8 + len(hb)
         self.nbytes = self.base + off
-        self._flushed = 0
-        self._written = 0
+        self._pending: list[tuple[int, int]] = []  # byte ranges written since the last writeback started
+        self._unflushed = 0
         self.fd = -1
         try:
             mode = os.O_RDWR if hasher is not None else os.O_WRONLY  # the hasher may read blocks back
@@ -479,8 +479,11 @@ class SafetensorsWriter:
     def __enter__(self) -> "SafetensorsWriter":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, *exc: object) -> None:
+        if exc_type is not None:  # the file is abandoned: no hashing or fsync that could mask the error
+            self._abandon()
+        else:
+            self.close()
 
     def put(self, name: str, data: torch.Tensor | list[tuple[int, int, int]]) -> int:
         """Write tensor ``name`` from a tensor of its shape and dtype or from byte runs ``[(fd, offset, nbytes)]``
@@ -512,10 +515,19 @@ class SafetensorsWriter:
                     self._hasher.feed(pos, mv)
                 pos = _write_all(self.fd, mv, pos)
         n = numel(shape) * dtype_itemsize(dtype)
-        self._written += n
-        if self.fsync and self._written - self._flushed >= _WRITEBACK_BYTES:
-            _start_writeback(self.fd, self.base + self._flushed, self._written - self._flushed)
-            self._flushed = self._written
+        if self.fsync and n:
+            # the byte range just written; tensors may be put in any order (convert writes key by key over
+            # several files), so the ranges are kept rather than assumed to follow one another
+            start = self.base + off
+            if self._pending and self._pending[-1][1] == start:
+                self._pending[-1] = (self._pending[-1][0], start + n)
+            else:
+                self._pending.append((start, start + n))
+            self._unflushed += n
+            if self._unflushed >= _WRITEBACK_BYTES:
+                for a, b in self._pending:
+                    _start_writeback(self.fd, a, b - a)
+                self._pending, self._unflushed = [], 0
         return n
 
     def close(self) -> None:
@@ -532,14 +544,17 @@ class SafetensorsWriter:
                 self.fd = -1
 
 
-def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], *, fsync: bool = True,
+def write_safetensors(path: str | Path, tensors: Mapping[str, torch.Tensor], *, fsync: bool = True,
                       metadata: dict[str, str] | None = None, hasher: Any = None,
-                      packed: dict[str, torch.Tensor] | None = None) -> int:
+                      ready: Callable[[str], torch.Tensor] | None = None,
+                      packed: Mapping[str, torch.Tensor] | None = None) -> int:
     """Write ``tensors`` (CPU or device, any layout, storage shared or not) as one safetensors file in the given
     order with :class:`SafetensorsWriter`, and fsync it. Returns the bytes written. ``metadata`` (str -> str) is
     added to the header's ``__metadata__`` block. ``hasher``: see :class:`SafetensorsWriter` (its ``finish``
-    result is then in ``hasher.record``). ``packed``: pieces written back to back, in the given order, into the
-    file's one :data:`~oarlock.checkpoint.grid.PACKED_ENTRY` before ``tensors`` (oarlock data files).
+    result is then in ``hasher.record``). ``ready(name)``, when given, is called before each tensor's bytes are
+    written and returns the tensor to write instead (same shape and dtype; ``tensors`` then only gives the header).
+    ``packed``: pieces written back to back, in the given order, into the file's one
+    :data:`~oarlock.checkpoint.grid.PACKED_ENTRY`, before ``tensors`` (oarlock data files); ``ready`` covers them too.
 
     Raises:
         CheckpointFormatError: a dtype that safetensors cannot store (naming the tensor).
@@ -555,7 +570,7 @@ def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], *, fsy
                            fsync=fsync, hasher=hasher,
                            packed=[(k, tuple(t.shape), t.dtype) for k, t in packed.items()]) as w:
         for k, t in (*packed.items(), *tensors.items()):
-            w.put(k, t)
+            w.put(k, t if ready is None else ready(k))
     return w.nbytes
 
 

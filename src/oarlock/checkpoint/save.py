@@ -13,6 +13,7 @@ layout on disk is described in ``docs/checkpoint-format.md``. Errors are agreed 
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -21,7 +22,7 @@ import uuid
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -226,6 +227,15 @@ class RankRecord:
         doc = [self.listed, self.objects]
         return hashlib.sha256(json.dumps(doc, sort_keys=True, default=list).encode()).hexdigest()[:32]
 
+    def listed_fingerprint(self) -> str:
+        """Of the rank's listed shards only (what the write assignment depends on; JSON values such as a step
+        counter change every save without changing the plan)."""
+        return hashlib.sha256(json.dumps(self.listed, sort_keys=True, default=list).encode()).hexdigest()[:32]
+
+    def objects_fingerprint(self) -> str:
+        """Of the rank's JSON values."""
+        return hashlib.sha256(json.dumps(self.objects, sort_keys=True, default=list).encode()).hexdigest()[:32]
+
 
 @dataclass
 class SavePlan:
@@ -249,6 +259,8 @@ class SavePlan:
     nested: dict[str, list] | None = None
     tp_layouts: dict[str, dict] | None = None  # key -> TP-dependent layout record (metadata extra["tp_layouts"])
     overwrite: bool = False  # write into a destination holding entries oarlock did not write (they are kept)
+    reused: bool = False  # the layout is the previous save's (see :func:`prepare_save`)
+    check_on_write: bool = False  # the coordinator checks the destination in write_and_commit (reused plans)
 
 
 def _mesh_affine(mesh: Any, dist: DistWrapper) -> tuple[tuple[int, ...], int, tuple[int, ...]] | None:
@@ -283,7 +295,26 @@ def _mesh_affine(mesh: Any, dist: DistWrapper) -> tuple[tuple[int, ...], int, tu
 
 def dtensor_grid(sw: ShardedWeight, dist: DistWrapper, cache: dict) -> GridLayout | None:
     """The grid rule of a DTensor shard, cross-checked against the box torch gave this rank; None when the layout
-    is not a grid (the shard is then listed)."""
+    is not a grid (the shard is then listed). Remembered per (mesh, group, placements, box): a training loop saves
+    the same DTensors again and again, and the answer depends on nothing else."""
+    mesh, placements = sw.placement_layout
+    d = sw.desc
+    memo_key = (id(mesh), id(dist.group), dist.rank, tuple(placements), d.global_shape, d.global_offset,
+                d.local_shape)
+    hit = _GRID_MEMO.get(memo_key)
+    if hit is not None and hit[0][0] is mesh and hit[0][1] is dist.group:  # the objects themselves, not an old id
+        return hit[1]
+    grid = _dtensor_grid(sw, dist, cache)
+    if len(_GRID_MEMO) >= 8192:
+        _GRID_MEMO.clear()
+    _GRID_MEMO[memo_key] = ((mesh, dist.group), grid)
+    return grid
+
+
+_GRID_MEMO: dict[tuple, tuple[tuple, GridLayout | None]] = {}
+
+
+def _dtensor_grid(sw: ShardedWeight, dist: DistWrapper, cache: dict) -> GridLayout | None:
     mesh, placements = sw.placement_layout
     aff = cache.get(id(mesh), False)
     if aff is False:
@@ -449,6 +480,67 @@ def build_layout(classes: Sequence[tuple[RankRecord, Sequence[int]]], world: int
                       skip)
 
 
+@dataclass
+class _CachedPlan:
+    """What a save may reuse from the previous save over the same group (:func:`prepare_save`)."""
+
+    fps: list[tuple[str, str]]  # every rank's (spec, listed) fingerprints, in group-rank order
+    token: str  # the save id of the save that built the plan: every rank must hold the same one
+    listed: list  # this rank's listed writes ``[(shard identity, stored name)]``
+    skipped: list  # grid keys this rank holds but does not write
+    layout: SaveLayout | None  # rank 0 only
+    objects_fps: list[str]  # every rank's JSON-values fingerprint at that save
+    objects: dict[str, Any] | None  # rank 0: the merged JSON values at that save
+
+
+class PlanCache:
+    """The plans of the last saves, by process group and ``save_replicas`` (a handful of entries).
+
+    ``hits`` and ``misses`` count the saves that reused a plan or built one (observable by tests and
+    benchmarks); :meth:`clear` forgets every plan."""
+
+    MAX_ENTRIES = 8
+
+    def __init__(self) -> None:
+        self.entries: dict[tuple, _CachedPlan] = {}
+        self.hits = 0
+        self.misses = 0
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+    def put(self, key: tuple, plan: _CachedPlan) -> None:
+        self.entries.pop(key, None)
+        while len(self.entries) >= self.MAX_ENTRIES:
+            self.entries.pop(next(iter(self.entries)))
+        self.entries[key] = plan
+
+
+plan_cache = PlanCache()
+
+
+def _cache_key(process_group: Any, dist: DistWrapper, save_replicas: bool) -> tuple:
+    """The plan cache's key: the group object itself (a new group with the same ranks is a new group; the default
+    group is named by its current object, so a re-initialised world never meets an old plan) and ``save_replicas``
+    (it changes the write assignment for equal records)."""
+    group = process_group
+    if group is None and dist.active:
+        import torch.distributed as tdist
+
+        group = tdist.group.WORLD
+    return (group, dist.size, bool(save_replicas))
+
+
+def _merge_objects(parts: Mapping[int, dict[str, Any]]) -> dict[str, Any]:
+    """JSON values of several ranks merged, the lowest rank's value winning for each key; a deep copy, so the
+    values written at commit are those of the save call even when the caller's containers change later (an
+    asynchronous save commits after the training went on)."""
+    out: dict[str, Any] = {}
+    for r in sorted(parts, reverse=True):
+        out.update(parts[r])
+    return copy.deepcopy(out)
+
+
 def prepare_save(state_dict: Mapping[str, Any], path: str | os.PathLike, process_group: Any,
                  save_replicas: bool, overwrite: bool = False) -> SavePlan:
     """The collective half of a save: describe, agree, plan the writes (raises on every rank alike). Tensor data is
@@ -459,40 +551,56 @@ def prepare_save(state_dict: Mapping[str, Any], path: str | os.PathLike, process
     layout (:func:`build_layout`) and scatters to each rank its listed writes with the temporary path and the save
     id. Grid shards need no message: each rank knows from its placements whether it writes its own cell. A rank
     receives O(world) bytes of fingerprints and its own writes, never the other ranks' shard lists.
+
+    Plan reuse: when every rank's fingerprints (tensor specs and grids, nesting, TP layouts, listed shards) equal
+    those of the previous save over the same group and every rank holds that save's plan (its token travels with
+    the fingerprint), the previous plan is reused: JSON values travel only when some rank's changed (from the
+    first rank of each distinct set), the save id and temporary directory come from rank 0's nonce, and rank 0
+    checks the destination when it writes. ``SavePlan.reused`` tells which path was taken; :data:`plan_cache`
+    counts them.
     """
     path = Path(path)
     dist = DistWrapper(process_group)
     leaves = Leaves()
     record, grid_writes, err, fps = None, [], None, None
+    ckey = _cache_key(process_group, dist, save_replicas)
+    cached = plan_cache.entries.get(ckey)
     try:
         leaves = collect_leaves(state_dict)
         record, grid_writes = describe_rank(leaves, dist, save_replicas)
-        fps = (record.spec_fingerprint(), record.data_fingerprint())
+        fps = (record.spec_fingerprint(), record.listed_fingerprint(), record.objects_fingerprint(),
+               cached.token if cached is not None else None, uuid.uuid4().hex)
     except Exception as e:  # reported to every rank in the exchange below
         err = e
-    both = dist.all_gather_object((None if err is None else error_report(err, dist.rank), fps))
-    dist.raise_reports([b[0] for b in both], err)
+    both = exchange_fingerprints(dist, err, fps)
+    if cached is not None and all(b[1][3] == cached.token for b in both) \
+            and [tuple(b[1][:2]) for b in both] == cached.fps:
+        return _reuse_plan(cached, both, record, grid_writes, leaves, path, dist, overwrite)
     first_spec: dict[str, int] = {}
-    first_data: dict[str, int] = {}
-    for r, (_, (fs, fd)) in enumerate(both):
+    first_listed: dict[str, int] = {}
+    first_objects: dict[str, int] = {}
+    for r, (_, (fs, fl, fo, _, _)) in enumerate(both):
         first_spec.setdefault(fs, r)
-        first_data.setdefault(fd, r)
-    # the first rank of each distinct spec sends its tensor list, the first of each distinct data part its listed
-    # shards and objects: rank 0 receives each distinct part once
+        first_listed.setdefault(fl, r)
+        first_objects.setdefault(fo, r)
+    # the first rank of each distinct spec sends its tensor list, the first of each distinct listed part its listed
+    # shards, the first of each distinct JSON part its values: rank 0 receives each distinct part once
     mine = ((record.tensors, record.nested, record.tp_layouts) if first_spec[fps[0]] == dist.rank else None,
-            (record.listed, record.objects) if first_data[fps[1]] == dist.rank else None)
-    parts = dist.gather_from(mine, set(first_spec.values()) | set(first_data.values()))
+            record.listed if first_listed[fps[1]] == dist.rank else None,
+            record.objects if first_objects[fps[2]] == dist.rank else None)
+    parts = dist.gather_from(mine, set(first_spec.values()) | set(first_listed.values())
+                             | set(first_objects.values()))
     layout, out, cerr = None, None, None
     if dist.is_coordinator:
         try:
             classes: dict[tuple[str, str], tuple[RankRecord, list[int]]] = {}
-            for r, (_, (fs, fd)) in enumerate(both):
-                if (fs, fd) not in classes:
-                    spec_rec, data_rec = parts[first_spec[fs]][0], parts[first_data[fd]][1]
-                    classes[(fs, fd)] = (RankRecord(spec_rec[0], data_rec[0], data_rec[1], spec_rec[1], spec_rec[2]),
-                                         [])
-                classes[(fs, fd)][1].append(r)
+            for r, (_, (fs, fl, _, _, _)) in enumerate(both):
+                if (fs, fl) not in classes:
+                    spec_rec, listed_rec = parts[first_spec[fs]][0], parts[first_listed[fl]][1]
+                    classes[(fs, fl)] = (RankRecord(spec_rec[0], listed_rec, {}, spec_rec[1], spec_rec[2]), [])
+                classes[(fs, fl)][1].append(r)
             layout = build_layout(list(classes.values()), dist.size, save_replicas)
+            layout.objects = _merge_objects({r: parts[r][2] for r in set(first_objects.values())})
             check_destination(path, overwrite=overwrite)
             tmp, save_id = staging_path(path), new_save_id()
             out = [(None, tmp, save_id, layout.listed_writes.get(r, []), layout.grid_skip.get(r, []))
@@ -503,6 +611,80 @@ def prepare_save(state_dict: Mapping[str, Any], path: str | os.PathLike, process
     rep, tmp, save_id, listed, skipped = dist.scatter_from(out)
     if rep is not None:
         dist.raise_reports([rep], cerr)
+    plan_cache.misses += 1
+    plan_cache.put(ckey, _CachedPlan([tuple(b[1][:2]) for b in both], save_id, listed, skipped, layout,
+                                     [b[1][2] for b in both], layout.objects if layout is not None else None))
+    return _make_plan(path, dist, tmp, save_id, grid_writes, listed, skipped, leaves, layout, overwrite)
+
+
+def _reuse_plan(cached: _CachedPlan, both: list, record: RankRecord, grid_writes: list, leaves: Leaves, path: Path,
+                dist: DistWrapper, overwrite: bool) -> SavePlan:
+    """The reuse path of :func:`prepare_save`: only JSON values that changed since the cached save travel (from the
+    first rank of each changed record), then rank 0 checks the destination and broadcasts the temporary path and
+    save id."""
+    ofps = [b[1][2] for b in both]
+    objects = cached.objects
+    if ofps != cached.objects_fps:
+        first: dict[str, int] = {}
+        for r, fo in enumerate(ofps):
+            first.setdefault(fo, r)
+        senders = set(first.values())
+        parts = dist.gather_from(record.objects if dist.rank in senders else None, senders)
+        objects = _merge_objects(parts) if dist.is_coordinator else None
+    # the save id and the temporary directory come from rank 0's nonce, which every rank already has: no further
+    # message; rank 0 checks the destination when it writes (:func:`write_and_commit`, agreed like a write error)
+    save_id = both[0][1][4]
+    tmp = staging_path(path, save_id)
+    layout = None
+    if cached.layout is not None:
+        layout = SaveLayout(cached.layout.tensors, cached.layout.listed_writes, objects or {}, cached.layout.nested,
+                            cached.layout.tp_layouts, cached.layout.grid_skip)
+    cached.objects_fps, cached.objects = ofps, objects
+    plan_cache.hits += 1
+    plan = _make_plan(path, dist, tmp, save_id, grid_writes, cached.listed, cached.skipped, leaves, layout,
+                      overwrite)
+    plan.reused = True
+    plan.check_on_write = True
+    return plan
+
+
+_FP_FIELDS = 5  # spec, listed, objects, cached plan token, nonce: 32 hex digits each
+_FP_BYTES = 1 + 32 * _FP_FIELDS
+
+
+def exchange_fingerprints(dist: DistWrapper, err: BaseException | None, fps: tuple | None) -> list[tuple]:
+    """The fixed-size exchange that opens every save: one all-gather of ``1 + 5 x 32`` bytes per rank (a failure
+    flag and the fingerprints of :func:`prepare_save`); only when some rank failed, a second exchange of the error
+    reports, raised alike on every rank. Returns ``[(None, fps)]`` per rank in group-rank order (a missing token is
+    ``None``)."""
+    row = bytearray(_FP_BYTES)
+    if err is None:
+        row[1:] = "".join((f or "").ljust(32, "-")[:32] for f in fps).encode("ascii")
+    else:
+        row[0] = 1
+    if not dist.active:
+        rows = [bytes(row)]
+    else:
+        import torch.distributed as tdist
+
+        dev = dist.comm_device()
+        mine = torch.frombuffer(row, dtype=torch.uint8).to(dev)
+        out = [torch.empty(_FP_BYTES, dtype=torch.uint8, device=dev) for _ in range(dist.size)]
+        tdist.all_gather(out, mine, group=dist.group)
+        rows = [bytes(t.cpu().numpy().tobytes()) for t in out]
+    if any(r[0] for r in rows):
+        reports = dist.all_gather_object(None if err is None else error_report(err, dist.rank))
+        dist.raise_reports(reports, err)
+    both = []
+    for r in rows:
+        text = r[1:].decode("ascii")
+        f = [text[32 * k:32 * (k + 1)] for k in range(_FP_FIELDS)]
+        both.append((None, tuple(None if x == "-" * 32 else x for x in f)))
+    return both
+
+
+def _make_plan(path: Path, dist: DistWrapper, tmp: Path, save_id: str, grid_writes: list, listed: list,
+               skipped: list, leaves: Leaves, layout: SaveLayout | None, overwrite: bool) -> SavePlan:
     if skipped:
         grid_writes = [i for i in grid_writes if i[0] not in set(skipped)]
     own = list(grid_writes) + [i for i, _ in listed]
@@ -543,11 +725,24 @@ def _desc_tuple(sw: ShardedWeight) -> tuple:
     return (d.global_offset, d.local_shape, d.global_shape, d.dtype, d.flattened_range)
 
 
-def write_and_commit(plan: SavePlan, local: dict[Any, torch.Tensor], process_group: Any) -> None:
+def write_order(plan: SavePlan) -> list[tuple]:
+    """The :func:`shard_id` s this rank writes, in the order of its data file (an asynchronous save stages them
+    in this order, so the writer can start on the first tensor while the next are being copied)."""
+    ids = sorted({(i[0], i[1], i[3]) for i in plan.writes.get(plan.rank, [])}, key=lambda i: (i[0], i[1], i[2] or ()))
+    # the packed pieces (grid shards, by key) come first in the file, then the named entries
+    return [i for i in ids if plan.names.get(i) is None] + [i for i in ids if plan.names.get(i) is not None]
+
+
+def write_and_commit(plan: SavePlan, local: Mapping[Any, torch.Tensor], process_group: Any,
+                     ready: Callable[[tuple], torch.Tensor] | None = None) -> None:
     """The data half of a save: write this rank's file from ``local`` (:func:`shard_id` -> tensor, see
     :func:`local_tensors`; a plain key -> tensor dict is accepted when the rank holds one shard per key), then
     commit (rank 0). Collective over ``process_group``: an agreement on the writes (one all-reduce of a flag), the
-    block checksums gathered to rank 0 only, and an agreement on the commit."""
+    block checksums gathered to rank 0 only, and an agreement on the commit.
+
+    ``ready(shard_id)``, when given, is called just before each tensor's bytes are written and returns the tensor
+    to write in place of ``local[shard_id]`` (same shape and dtype: the pipelined snapshot of an asynchronous
+    save, ``local`` then only giving shapes and dtypes); an exception it raises fails the save on every rank."""
     dist = DistWrapper(process_group)
     tmp = plan.tmp
     held: list[int] = []
@@ -555,22 +750,25 @@ def write_and_commit(plan: SavePlan, local: dict[Any, torch.Tensor], process_gro
     def write() -> dict[str, Any]:
         held.append(hold_staging(tmp))  # locked until committed: a cleanup of stale directories skips it
         (tmp / INCOMPLETE_MARKER).touch()  # before any data file: a partial directory must never load
-        ids = sorted({(i[0], i[1], i[3]) for i in plan.writes.get(plan.rank, [])},
-                     key=lambda i: (i[0], i[1], i[2] or ()))
+        if plan.check_on_write and dist.is_coordinator:  # a reused plan: the check planning did not make
+            check_destination(plan.path, overwrite=plan.overwrite)
+        ids = write_order(plan)
         if not ids:
             return {}
         mine = {shard_id(sw): sw for sw in plan.leaves.shards}
         file = data_file_name(plan.rank)
         # grid shards go into the packed entry in key order (located from the grid records, so the file's header
         # stays a few hundred bytes whatever the number of tensors); listed shards keep named entries
-        packed = sorted((i for i in ids if plan.names[i] is None), key=lambda i: i[0])
+        packed = [i for i in ids if plan.names[i] is None]
         named = [i for i in ids if plan.names[i] is not None]
         data = {i: local[i] if i in local else local[i[0]] for i in ids}
+        by_name = {i[0] if plan.names[i] is None else plan.names[i]: i for i in ids}
         hasher = BlockHasher()
         header = shard_header([(i[0] if plan.names[i] is None else plan.names[i], *_desc_tuple(mine[i]))
                                for i in ids], plan.world, plan.save_id, digest=bool(packed))
         write_safetensors(tmp / file, {plan.names[i]: data[i] for i in named}, metadata=header, hasher=hasher,
-                          packed={i[0]: data[i] for i in packed})
+                          packed={i[0]: data[i] for i in packed},
+                          ready=None if ready is None else (lambda name: ready(by_name[name])))
         return {file: hasher.record}  # block checksums, recorded in the metadata
 
     def commit(records: list[dict[str, Any]]) -> None:

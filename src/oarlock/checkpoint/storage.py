@@ -193,9 +193,10 @@ def read_metadata(path: str | os.PathLike, *, view: View | None = None, rank: in
 
 # ---------------------------------------------------------------- the commit protocol of every writer
 
-def staging_path(final: Path) -> Path:
-    """A fresh hidden temporary sibling of ``final`` (``.NAME.tmp-XXXXXXXXXXXX``)."""
-    return final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:12]}"
+def staging_path(final: Path, token: str | None = None) -> Path:
+    """A fresh hidden temporary sibling of ``final`` (``.NAME.tmp-XXXXXXXXXXXX``; the X from ``token``, a random
+    hex string the ranks of a save agreed on, else fresh)."""
+    return final.parent / f".{final.name}.tmp-{(token or uuid.uuid4().hex)[:12]}"
 
 
 def hold_staging(tmp: Path) -> int:
