@@ -205,7 +205,9 @@ def run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process_
             return warm
     view = gather_view(path, dist) if dist.active else None
     if model_only and aoa_config is None and program is None:
-        state_dict = fit_model_wrapper(state_dict, path, dist, view)
+        fitted = fit_model_wrapper(state_dict, path, dist, view)
+        if fitted is not state_dict:  # keys re-wrapped: the leaves are collected again
+            state_dict, first = fitted, None
     leaves = Leaves()
 
     def request() -> dict:
