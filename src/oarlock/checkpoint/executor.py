@@ -17,7 +17,6 @@ import torch
 
 from oarlock.checkpoint.mapping import box_extent, box_slices, cast_tensor
 from oarlock.checkpoint.reader import CheckpointReader
-from oarlock.checkpoint.safetensors_io import pread_into
 from oarlock.utils import dtype_itemsize, numel
 
 
@@ -194,7 +193,7 @@ def execute_file(reader: CheckpointReader, file: str, work: list[tuple[Any, torc
         if hi - lo > COALESCE_MAX_BYTES or hi - lo > COALESCE_MAX_WASTE * need or need > len(fast) * (256 << 10):
             return sum(execute_items(reader, t, [it]) for it, t in work)
         buf = np.empty(hi - lo, dtype=np.uint8)
-        pread_into(f.fd, memoryview(buf), lo, f.path)
+        f.read_into(memoryview(buf), lo)  # os.preadv locally, ranged GETs of exactly the span in a store
         for it, dst, start, strides in fast:
             # the box as a strided view of the buffer (numpy accepts unaligned items), copied into the target
             src = np.ndarray(tuple(y - x for x, y in it.src_box), dtype=dst.dtype, buffer=buf, offset=start - lo,

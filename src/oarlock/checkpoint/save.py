@@ -35,8 +35,10 @@ from oarlock.checkpoint.metadata import METADATA_FILE, SAVE_ID_HEADER, Checkpoin
 from oarlock.checkpoint.plan import index_of
 from oarlock.checkpoint.safetensors_io import write_safetensors
 from oarlock.checkpoint.sharded import ShardedWeight
-from oarlock.checkpoint.storage import (INCOMPLETE_MARKER, hold_staging, publish_directory, release_staging,
-                                        remove_stale_staging, staging_path)
+from oarlock.checkpoint.objectstore import is_object_path, location
+from oarlock.checkpoint.storage import (INCOMPLETE_MARKER, hold_staging, prepare_object_destination,
+                                        publish_directory, publish_objects, release_staging,
+                                        remove_stale_staging, remove_uncommitted_objects, staging_path)
 from oarlock.checkpoint.storage import check_destination as storage_check_destination
 from oarlock.checkpoint.traversal import Leaves, collect_leaves
 from oarlock.utils import dtype_itemsize
@@ -169,7 +171,10 @@ def check_destination(path: Path, sources: Sequence[str | os.PathLike] = (), *, 
     Raises:
         CheckpointDestinationError: ``path`` is, contains or is inside one of ``sources``, or exists and is not
             an oarlock checkpoint holding only files oarlock wrote (nor an empty directory) and ``overwrite`` is
-            not given."""
+            not given. A prefix in an object store is checked when the save starts
+            (:func:`~oarlock.checkpoint.storage.prepare_object_destination`)."""
+    if is_object_path(location(path)):
+        return
     storage_check_destination(path, "oarlock", sources, overwrite=overwrite)
     remove_stale_staging(path)
 
@@ -448,7 +453,7 @@ def prepare_save(state_dict: Mapping[str, Any], path: str | os.PathLike, process
     id. Grid shards need no message: each rank knows from its placements whether it writes its own cell. A rank
     receives O(world) bytes of fingerprints and its own writes, never the other ranks' shard lists.
     """
-    path = Path(path)
+    path = location(path)
     dist = DistWrapper(process_group)
     leaves = Leaves()
     record, grid_writes, err, fps = None, [], None, None
@@ -481,8 +486,11 @@ def prepare_save(state_dict: Mapping[str, Any], path: str | os.PathLike, process
                                          [])
                 classes[(fs, fd)][1].append(r)
             layout = build_layout(list(classes.values()), dist.size, save_replicas)
-            check_destination(path, overwrite=overwrite)
             tmp, save_id = staging_path(path), new_save_id()
+            if is_object_path(path):  # no rename: the marker first, data objects under the final prefix
+                prepare_object_destination(path, dist.size, save_id, overwrite=overwrite)
+            else:
+                check_destination(path, overwrite=overwrite)
             out = [(None, tmp, save_id, layout.listed_writes.get(r, []), layout.grid_skip.get(r, []))
                    for r in range(dist.size)]
         except Exception as e:
@@ -540,9 +548,12 @@ def write_and_commit(plan: SavePlan, local: dict[Any, torch.Tensor], process_gro
     tmp = plan.tmp
     held: list[int] = []
 
+    remote = is_object_path(tmp)
+
     def write() -> dict[str, Any]:
-        held.append(hold_staging(tmp))  # locked until committed: a cleanup of stale directories skips it
-        (tmp / INCOMPLETE_MARKER).touch()  # before any data file: a partial directory must never load
+        if not remote:  # in an object store the coordinator wrote the marker object before this (prepare_save)
+            held.append(hold_staging(tmp))  # locked until committed: a cleanup of stale directories skips it
+            (tmp / INCOMPLETE_MARKER).touch()  # before any data file: a partial directory must never load
         ids = sorted({(i[0], i[1], i[3]) for i in plan.writes.get(plan.rank, [])},
                      key=lambda i: (i[0], i[1], i[2] or ()))
         if not ids:
@@ -562,11 +573,12 @@ def write_and_commit(plan: SavePlan, local: dict[Any, torch.Tensor], process_gro
             extra: dict[str, Any] = {CHECKSUMS_KEY: make_record(files)}
             if plan.tp_layouts:  # a load at another TP degree re-lays these keys out
                 extra[TP_LAYOUTS_KEY] = plan.tp_layouts
-            publish_directory(tmp, plan.path, CheckpointMetadata("oarlock", tensors=plan.tensors,
-                                                                 objects=plan.objects or {},
-                                                                 nested=plan.nested or {}, save_id=plan.save_id,
-                                                                 extra=extra),
-                              fsync_files=False, overwrite=plan.overwrite)
+            meta = CheckpointMetadata("oarlock", tensors=plan.tensors, objects=plan.objects or {},
+                                      nested=plan.nested or {}, save_id=plan.save_id, extra=extra)
+            if remote:
+                publish_objects(plan.path, meta, files)
+            else:
+                publish_directory(tmp, plan.path, meta, fsync_files=False, overwrite=plan.overwrite)
 
     try:
         rec = dist.run(write)
@@ -574,7 +586,10 @@ def write_and_commit(plan: SavePlan, local: dict[Any, torch.Tensor], process_gro
         dist.run(commit, records)
     except BaseException:
         if dist.is_coordinator:
-            shutil.rmtree(tmp, ignore_errors=True)
+            if remote:
+                remove_uncommitted_objects(tmp)
+            else:
+                shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
         for fd in held:

@@ -36,10 +36,11 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from oarlock.checkpoint.dist import DistWrapper
-from oarlock.checkpoint.errors import CheckpointFormatError
+from oarlock.checkpoint.errors import CheckpointError, CheckpointFormatError
 from oarlock.checkpoint.formats import load_formats
 from oarlock.checkpoint.formats.huggingface import HF_INDEX, HF_SINGLE, PADDLE_HF_CACHE
 from oarlock.checkpoint.metadata import METADATA_FILE, CheckpointMetadata
+from oarlock.checkpoint.objectstore import ObjectPath, is_object_path, location
 from oarlock.checkpoint.reader import CheckpointReader, checkpoint_file
 from oarlock.checkpoint.safetensors_io import (SafetensorsFile, contiguous_run, np_prod, safetensors_header,
                                                write_safetensors)
@@ -62,7 +63,9 @@ def detect_format(path: str | os.PathLike) -> str:
         CheckpointFormatError: path missing, or a directory that holds no checkpoint, an unfinished save, or
             mixes formats.
     """
-    p = Path(path)
+    p = location(path)
+    if is_object_path(p):
+        return _detect_object_format(p)
     recover_publish(p)  # a replacement of this checkpoint interrupted by a crash is completed first
     if not p.exists():
         raise CheckpointFormatError(f"{p}: no such file or directory")
@@ -106,10 +109,13 @@ def gather_view(path: str | os.PathLike, dist: DistWrapper) -> View:
     """Collective: all-gather each rank's listing of ``path`` and detected format; ship the format's metadata
     files to ranks lacking them. Never raises (problems surface when the checkpoint is opened, on every rank
     alike)."""
-    p = Path(path)
+    p = location(path)
     try:
-        names = sorted(os.listdir(p)) if p.is_dir() else ([p.name] if p.exists() else [])
-    except OSError:
+        if is_object_path(p):
+            names = sorted(p.storage.list(p.key))
+        else:
+            names = sorted(os.listdir(p)) if p.is_dir() else ([p.name] if p.exists() else [])
+    except (OSError, CheckpointError):
         names = []
     try:
         fmt: str | None = detect_format(p)
@@ -159,7 +165,7 @@ def open_checkpoint(path: str | os.PathLike, *, view: View | None = None, rank: 
         CheckpointFormatError: naming the file and problem (missing shard file, truncated header, a tensor
             listed twice, unsafe pickle, mixed formats, data files visible to no rank, ...). Nothing is written.
     """
-    p = Path(path)
+    p = location(path)
     formats = load_formats()
     if view is not None and view.shipped is not None and view.format in formats:
         if INCOMPLETE_MARKER in view.visible.get(rank, set()):
@@ -194,7 +200,10 @@ def read_metadata(path: str | os.PathLike, *, view: View | None = None, rank: in
 # ---------------------------------------------------------------- the commit protocol of every writer
 
 def staging_path(final: Path) -> Path:
-    """A fresh hidden temporary sibling of ``final`` (``.NAME.tmp-XXXXXXXXXXXX``)."""
+    """A fresh hidden temporary sibling of ``final`` (``.NAME.tmp-XXXXXXXXXXXX``); in an object store, ``final``
+    itself (no rename there: see :func:`prepare_object_destination`)."""
+    if is_object_path(final):
+        return final
     return final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:12]}"
 
 
@@ -470,7 +479,9 @@ def recover_publish(final: str | os.PathLike) -> None:
     import fcntl
     import json
 
-    final = Path(final)
+    final = location(final)
+    if is_object_path(final):
+        return  # nothing is renamed in an object store
     intent = _intent_path(final)
     if not os.path.lexists(intent):
         return
@@ -665,3 +676,127 @@ def resolve_manager_root(path: str | os.PathLike) -> tuple[Path, str | None]:
         return p, None
     name = max(steps)[1]
     return p / name, name
+
+
+# ---------------------------------------------------------------- the commit protocol in object stores
+
+def _detect_object_format(p: ObjectPath) -> str:
+    """:func:`detect_format` of a prefix in an object store: ``metadata.json`` is the commit record (a prefix
+    without it holds no checkpoint, whatever else is there). Object stores hold oarlock checkpoints only."""
+    names = p.storage.list(p.key)
+    if METADATA_FILE in names:
+        head = (p / METADATA_FILE).read_bytes()[:4096]
+        if b'"sharded_backend"' not in head:
+            return "oarlock"
+    if INCOMPLETE_MARKER in names or any(_DATA_OBJECT.fullmatch(n) for n in names):
+        raise CheckpointFormatError(f"{p}: incomplete checkpoint (a save to this prefix did not finish: no "
+                                    f"{METADATA_FILE} commit record; it holds no usable data)")
+    shown = sorted(names)[:12]
+    raise CheckpointFormatError(f"{p}: no oarlock checkpoint found (looked for {METADATA_FILE}; found "
+                                f"{', '.join(shown) or 'no objects'}); object stores hold oarlock checkpoints "
+                                "only: convert other formats on a local disk first")
+
+
+_DATA_OBJECT = re.compile(r"rank-\d{5,}\.safetensors")
+
+
+def _object_record(p: ObjectPath, name: str) -> dict:
+    import json
+
+    try:
+        rec = json.loads((p / name).read_bytes())
+    except (ValueError, CheckpointFormatError):
+        return {}
+    return rec if isinstance(rec, dict) else {}
+
+
+def object_entries(p: ObjectPath, names: Iterable[str]) -> set[str]:
+    """The objects directly under prefix ``p`` (of its listing ``names``) that this protocol wrote: the commit
+    record, the manifest and the marker, the files a committed save's manifest lists, and the data objects
+    ``rank-XXXXX.safetensors`` of ranks below the world size an unfinished save's marker records."""
+    names = set(names)
+    own = {METADATA_FILE, WRITTEN_MANIFEST, INCOMPLETE_MARKER}
+    if WRITTEN_MANIFEST in names:
+        files = _object_record(p, WRITTEN_MANIFEST).get("files")
+        own |= {f for f in files if isinstance(f, str)} if isinstance(files, list) else set()
+    if INCOMPLETE_MARKER in names:
+        world = _object_record(p, INCOMPLETE_MARKER).get("world")
+        if type(world) is int and world > 0:
+            own |= {n for n in names if _DATA_OBJECT.fullmatch(n) and int(n[5:-12]) < world}
+    return names & own
+
+
+def prepare_object_destination(final: ObjectPath, world: int, save_id: str, *, overwrite: bool = False,
+                               sources: Iterable[Any] = ()) -> None:
+    """The destination rule and the first step of a save into an object store (``docs/checkpoint-format.md``,
+    "Object stores"), run by the coordinator before any data object is written:
+
+    1. the prefix is refused when it is a source being read, or holds objects this protocol did not write
+       (:func:`object_entries`: another tool's files, a sub-prefix) unless ``overwrite`` (they are kept, and a
+       kept object under a name this save writes is still refused);
+    2. the marker object ``.oarlock-incomplete`` (``{"save_id", "world"}``) is written;
+    3. the previous commit record ``metadata.json`` is deleted (from here the old checkpoint at this prefix
+       no longer loads: stores without rename cannot replace a checkpoint atomically; the manager writes each
+       step to its own prefix), then every other object an earlier save wrote, a killed save's included.
+
+    Raises:
+        CheckpointDestinationError: naming the prefix and the objects oarlock did not write.
+    """
+    import json
+
+    from oarlock.checkpoint.errors import CheckpointDestinationError
+    from oarlock.checkpoint.grid import data_file_name
+
+    for src in sources:
+        s = location(src)
+        if is_object_path(s) and s.bucket == final.bucket and (
+                s.key == final.key or s.key.startswith(final.key + "/") or final.key.startswith(s.key + "/")):
+            raise CheckpointDestinationError(f"{final}: the destination overlaps the source checkpoint {s}; write "
+                                             "to another prefix")
+    st = final.storage
+    names = st.list(final.key)
+    ours = object_entries(final, names)
+    foreign = set(names) - ours
+    hint = ("; pass --overwrite (overwrite=True) to write the checkpoint there anyway: only objects oarlock wrote "
+            "are replaced, the others stay")
+    if foreign and not overwrite:
+        raise CheckpointDestinationError(f"{final}: holds objects oarlock did not write: {_describe(foreign)}; "
+                                         f"refusing to write a checkpoint there{hint}")
+    clash = foreign & ({data_file_name(r) for r in range(world)} | {METADATA_FILE})
+    if clash:
+        raise CheckpointDestinationError(f"{final}: holds {_describe(clash)}, which oarlock did not write, under "
+                                         "a name the new checkpoint writes; refusing to replace it")
+    st.put_bytes(f"{final.key}/{INCOMPLETE_MARKER}", json.dumps({"save_id": save_id, "world": world}).encode())
+    if METADATA_FILE in ours:
+        st.delete([f"{final.key}/{METADATA_FILE}"])  # uncommit first: never old metadata over new data
+    st.delete(f"{final.key}/{n}" for n in ours - {METADATA_FILE, INCOMPLETE_MARKER})
+
+
+def publish_objects(final: ObjectPath, metadata: CheckpointMetadata, files: Iterable[str]) -> None:
+    """The commit of a save into an object store, once every data object is complete (their uploads finished):
+    the manifest ``.oarlock-files`` (the objects written), then ``metadata.json``, the commit record (from this
+    request on the checkpoint loads), then the marker is deleted.
+
+    Raises:
+        ObjectStoreError: a request failed (naming the object); the checkpoint is then not committed.
+    """
+    import json
+
+    st = final.storage
+    listed = sorted(set(files) | {METADATA_FILE, WRITTEN_MANIFEST})
+    st.put_bytes(f"{final.key}/{WRITTEN_MANIFEST}",
+                 (json.dumps({"written_by": "oarlock", "files": listed}, indent=1) + "\n").encode())
+    st.put_bytes(f"{final.key}/{METADATA_FILE}", metadata.dumps().encode())
+    st.delete([f"{final.key}/{INCOMPLETE_MARKER}"])
+
+
+def remove_uncommitted_objects(final: ObjectPath) -> None:
+    """Delete what an unfinished save wrote under ``final`` (after a failed save; never raises). A committed
+    checkpoint there (``metadata.json``) is left alone."""
+    try:
+        names = final.storage.list(final.key)
+        if METADATA_FILE in names:
+            return
+        final.storage.delete(f"{final.key}/{n}" for n in object_entries(final, names))
+    except CheckpointError:
+        pass
