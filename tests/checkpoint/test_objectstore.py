@@ -105,6 +105,7 @@ def test_multipart_upload_and_partial_ranged_reads(s3, monkeypatch):
     assert 0 < rep.bytes_hashed <= 2 * 4 * 1024 * 1024
 
 
+@pytest.mark.multiproc
 def test_multirank_save_and_resharded_load(s3, multirank):
     out = multirank("_objectstore_scenarios", 3, env={**s3.env, "OARLOCK_TEST_S3_URL": s3.url})
     out.check()
@@ -216,3 +217,69 @@ def test_retries_through_a_proxy_that_drops_connections(s3, monkeypatch):
         assert dead.accepted == 2
     finally:
         dead.close()
+
+
+def test_manager_keep_last_and_load_latest(s3):
+    from oarlock.checkpoint.manager import CheckpointManager
+
+    root = s3.url + "/run"
+    m = CheckpointManager(root, keep_last=2)
+    states = {s: _state(10 + s) for s in (1, 2, 3)}
+    for step, st in states.items():
+        m.save(step, st)
+    assert m.steps() == [2, 3] and m.latest() == 3
+    c = s3.client()
+    assert c.get_object(Bucket=s3.bucket, Key=f"{s3.prefix}/run/latest")["Body"].read() == b"step-00000003\n"
+    left = c.list_objects_v2(Bucket=s3.bucket, Prefix=f"{s3.prefix}/run/step-00000001/").get("Contents", [])
+    assert left == []  # the deleted step: every object gone
+    out = _empty_like(states[3])
+    assert CheckpointManager(root).load_latest(out) == 3
+    _assert_equal(out, states[3])
+    # a killed save of step 4 (data uploaded, no commit record): not the latest; the next save cleans it
+    c.put_object(Bucket=s3.bucket, Key=f"{s3.prefix}/run/step-00000004/.oarlock-incomplete",
+                 Body=b'{"save_id": "x", "world": 1}')
+    c.put_object(Bucket=s3.bucket, Key=f"{s3.prefix}/run/step-00000004/rank-00000.safetensors", Body=b"partial")
+    assert m.latest() == 3
+    m.save(5, states[1])
+    assert m.steps() == [3, 5]
+    assert c.list_objects_v2(Bucket=s3.bucket, Prefix=f"{s3.prefix}/run/step-00000004/").get("Contents", []) == []
+
+
+@pytest.mark.slow
+def test_cli_inspect_verify_diff_convert(s3, tmp_path):
+    env = {**os.environ, **s3.env}
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "oarlock.cli", *args], env=env, capture_output=True,
+                              text=True, timeout=300)
+
+    state = _state(7)
+    del state["n"]  # conversions carry tensors only
+    url = s3.url + "/ckpt"
+    save_state_dict(state, url)
+    r = cli("inspect", url, "--json")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert {t["key"]: t["shape"] for t in info["tensors"]} == {"a": [64, 33], "b": [129], "h": [5, 7]}
+    r = cli("verify", url)
+    assert r.returncode == 0, r.stdout + r.stderr
+    # convert: from the bucket to a local directory, then from there back into the bucket at TP 2
+    r = cli("convert", url, str(tmp_path / "local"))
+    assert r.returncode == 0, r.stderr
+    r = cli("convert", str(tmp_path / "local"), s3.url + "/tp2", "--tp", "2")
+    assert r.returncode == 0, r.stderr
+    out = _empty_like(state)
+    load_state_dict(out, s3.url + "/tp2")
+    _assert_equal(out, state)
+    r = cli("diff", url, s3.url + "/tp2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    save_state_dict({**state, "a": state["a"] + 1}, s3.url + "/other")
+    r = cli("diff", url, s3.url + "/other")
+    assert r.returncode != 0 and "a" in r.stdout
+    # export_hf into the bucket: the files, the index last
+    from oarlock.checkpoint.convert import export_hf
+
+    export_hf(url, s3.url + "/hf")
+    names = {o["Key"].rsplit("/", 1)[1] for o in s3.client().list_objects_v2(
+        Bucket=s3.bucket, Prefix=s3.prefix + "/hf/")["Contents"]}
+    assert any(n.endswith(".safetensors") for n in names), names

@@ -18,6 +18,7 @@ from typing import Iterable, Mapping
 
 import torch
 
+from oarlock.checkpoint.objectstore import location
 from oarlock.checkpoint.errors import CheckpointError
 from oarlock.checkpoint.formats.huggingface import HF_INDEX, HF_SINGLE
 from oarlock.checkpoint.safetensors_io import write_safetensors
@@ -81,7 +82,7 @@ def save_hf_checkpoint(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str
         CheckpointDestinationError: ``out_dir`` refused by
             :func:`~oarlock.checkpoint.storage.check_destination` (nothing is written).
     """
-    out_dir = Path(out_dir)
+    out_dir = location(out_dir)  # a local directory or an s3:// prefix (other schemes refused)
     limit = parse_size(max_shard_size)
     check_destination(out_dir, "huggingface", overwrite=overwrite)
     with staged_directory(out_dir) as tmp:

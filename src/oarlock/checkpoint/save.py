@@ -174,6 +174,9 @@ def check_destination(path: Path, sources: Sequence[str | os.PathLike] = (), *, 
             not given. A prefix in an object store is checked when the save starts
             (:func:`~oarlock.checkpoint.storage.prepare_object_destination`)."""
     if is_object_path(location(path)):
+        from oarlock.checkpoint.storage import check_object_destination
+
+        check_object_destination(location(path), (), sources, overwrite=overwrite)
         return
     storage_check_destination(path, "oarlock", sources, overwrite=overwrite)
     remove_stale_staging(path)

@@ -296,7 +296,16 @@ def staged_directory(final: str | os.PathLike, *, incomplete_marker: bool = True
     (:func:`remove_stale_staging`). ``incomplete_marker`` puts the marker file in first, so a directory left by a
     crash never loads (:func:`publish_directory` removes it). Publish with :func:`publish_directory` inside the
     block."""
-    final = Path(final)
+    final = location(final)
+    if is_object_path(final):  # written locally, uploaded by publish_directory (stores have no rename)
+        import tempfile
+
+        tmp = Path(tempfile.mkdtemp(prefix=".oarlock-upload-"))
+        try:
+            yield tmp
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return
     final.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_staging(final)
     tmp = tmp or staging_path(final)
@@ -395,7 +404,11 @@ def check_destination(final: str | os.PathLike, fmt: str, sources: Iterable[str 
     """
     from oarlock.checkpoint.errors import CheckpointDestinationError
 
-    final = Path(final)
+    final = location(final)
+    if is_object_path(final):
+        check_object_destination(final, (), sources, overwrite=overwrite)
+        return set()
+    sources = [s for s in sources if not is_object_path(location(s))]
     fmt = FORMAT_ALIASES.get(fmt, fmt)
     dst = os.path.realpath(final)
     for src in sources:
@@ -577,6 +590,9 @@ def publish_directory(tmp: Path, final: Path, metadata: CheckpointMetadata | Non
             raise CheckpointError(f"{final / METADATA_FILE}: cannot write: {e.strerror or e} (nothing was "
                                   "published)") from None
         os.replace(part, tmp / METADATA_FILE)
+    if is_object_path(final):
+        upload_directory(tmp, final, overwrite=overwrite)
+        return
     _write_manifest(tmp)
     marker = tmp / INCOMPLETE_MARKER
     if marker.exists():
@@ -649,12 +665,23 @@ def resolve_manager_root(path: str | os.PathLike) -> tuple[Path, str | None]:
     (the one its ``latest`` pointer names when that is a committed checkpoint, else the committed step directory
     with the highest number); any other path is returned as it is, with None. Never raises (opening the returned
     path reports what is wrong)."""
-    p = Path(path)
+    p = location(path)
     try:
         detect_format(p)
         return p, None
-    except CheckpointFormatError:
+    except CheckpointError:
         pass
+    if is_object_path(p):
+        try:
+            names = p.storage.list(p.key)
+            pointer = (p / "latest").read_text().strip() if "latest" in names else ""
+            steps = sorted((int(m.group(2)), n) for n, size in names.items() if size < 0
+                           and (m := _STEP_DIR.fullmatch(n)) and (p / n / METADATA_FILE).is_file())
+        except CheckpointError:
+            return p, None
+        if pointer and "/" not in pointer and any(n == pointer for _, n in steps):
+            return p / pointer, pointer
+        return (p / steps[-1][1], steps[-1][1]) if steps else (p, None)
     if not p.is_dir():
         return p, None
 
@@ -747,14 +774,33 @@ def prepare_object_destination(final: ObjectPath, world: int, save_id: str, *, o
     from oarlock.checkpoint.errors import CheckpointDestinationError
     from oarlock.checkpoint.grid import data_file_name
 
+    ours = check_object_destination(final, {data_file_name(r) for r in range(world)} | {METADATA_FILE},
+                                    sources, overwrite=overwrite)
+    st = final.storage
+    st.put_bytes(f"{final.key}/{INCOMPLETE_MARKER}", json.dumps({"save_id": save_id, "world": world}).encode())
+    if METADATA_FILE in ours:
+        st.delete([f"{final.key}/{METADATA_FILE}"])  # uncommit first: never old metadata over new data
+    st.delete(f"{final.key}/{n}" for n in ours - {METADATA_FILE, INCOMPLETE_MARKER})
+
+
+def check_object_destination(final: ObjectPath, writes: Iterable[str] = (), sources: Iterable[Any] = (), *,
+                             overwrite: bool = False) -> set[str]:
+    """The destination rule in an object store (see :func:`prepare_object_destination`; nothing is written):
+    returns the objects under ``final`` that oarlock wrote. ``writes``: names the new checkpoint writes (a kept
+    foreign object under one of them is refused even with ``overwrite``).
+
+    Raises:
+        CheckpointDestinationError: naming the prefix and the objects oarlock did not write.
+    """
+    from oarlock.checkpoint.errors import CheckpointDestinationError
+
     for src in sources:
         s = location(src)
         if is_object_path(s) and s.bucket == final.bucket and (
                 s.key == final.key or s.key.startswith(final.key + "/") or final.key.startswith(s.key + "/")):
             raise CheckpointDestinationError(f"{final}: the destination overlaps the source checkpoint {s}; write "
                                              "to another prefix")
-    st = final.storage
-    names = st.list(final.key)
+    names = final.storage.list(final.key)
     ours = object_entries(final, names)
     foreign = set(names) - ours
     hint = ("; pass --overwrite (overwrite=True) to write the checkpoint there anyway: only objects oarlock wrote "
@@ -762,14 +808,48 @@ def prepare_object_destination(final: ObjectPath, world: int, save_id: str, *, o
     if foreign and not overwrite:
         raise CheckpointDestinationError(f"{final}: holds objects oarlock did not write: {_describe(foreign)}; "
                                          f"refusing to write a checkpoint there{hint}")
-    clash = foreign & ({data_file_name(r) for r in range(world)} | {METADATA_FILE})
+    clash = foreign & set(writes)
     if clash:
         raise CheckpointDestinationError(f"{final}: holds {_describe(clash)}, which oarlock did not write, under "
                                          "a name the new checkpoint writes; refusing to replace it")
-    st.put_bytes(f"{final.key}/{INCOMPLETE_MARKER}", json.dumps({"save_id": save_id, "world": world}).encode())
-    if METADATA_FILE in ours:
-        st.delete([f"{final.key}/{METADATA_FILE}"])  # uncommit first: never old metadata over new data
-    st.delete(f"{final.key}/{n}" for n in ours - {METADATA_FILE, INCOMPLETE_MARKER})
+    return ours
+
+
+#: The commit record of a directory uploaded by :func:`upload_directory`, by format: written last.
+_COMMIT_FILES = (METADATA_FILE, HF_INDEX, ".metadata")
+
+
+def upload_directory(tmp: Path, final: ObjectPath, *, overwrite: bool = False) -> None:
+    """Publish a checkpoint directory written locally (``convert``, ``export_hf``, ``convert --to dcp`` into an
+    object store: their writers are not sequential) under prefix ``final``: the destination rule and the marker
+    as for a save (:func:`prepare_object_destination`), every file streamed up (bounded memory, multipart), the
+    manifest, then the format's commit record (``metadata.json``, the HF index, DCP's ``.metadata``) last, then
+    the marker deleted.
+
+    Raises:
+        CheckpointDestinationError: see :func:`check_object_destination`. ObjectStoreError: a failed request.
+    """
+    import json
+
+    names = sorted(n for n in os.listdir(tmp) if n != INCOMPLETE_MARKER and (tmp / n).is_file())
+    world = sum(1 for n in names if _DATA_OBJECT.fullmatch(n))
+    ours = check_object_destination(final, names, overwrite=overwrite)
+    st = final.storage
+    st.put_bytes(f"{final.key}/{INCOMPLETE_MARKER}",
+                 json.dumps({"save_id": uuid.uuid4().hex, "world": max(world, 1)}).encode())
+    st.delete(f"{final.key}/{n}" for n in sorted(ours & set(_COMMIT_FILES)))
+    st.delete(f"{final.key}/{n}" for n in ours - set(_COMMIT_FILES) - {INCOMPLETE_MARKER})
+    commit = [n for n in names if n in _COMMIT_FILES]
+    for n in [n for n in names if n not in _COMMIT_FILES and n != WRITTEN_MANIFEST]:
+        with open(tmp / n, "rb") as f, st.open_writer(f"{final.key}/{n}") as w:
+            while chunk := f.read(st.part_bytes):
+                w.write(chunk)
+    listed = sorted(set(names) | {WRITTEN_MANIFEST})
+    st.put_bytes(f"{final.key}/{WRITTEN_MANIFEST}",
+                 (json.dumps({"written_by": "oarlock", "files": listed}, indent=1) + "\n").encode())
+    for n in commit:
+        st.put_bytes(f"{final.key}/{n}", (tmp / n).read_bytes())
+    st.delete([f"{final.key}/{INCOMPLETE_MARKER}"])
 
 
 def publish_objects(final: ObjectPath, metadata: CheckpointMetadata, files: Iterable[str]) -> None:
