@@ -81,6 +81,12 @@ def test_save_load_roundtrip_writes_nothing_locally(s3, tmp_path, monkeypatch):
     rep = load_state_dict(out, url)
     _assert_equal(out, state)
     assert rep.bytes_hashed > 0
+    # an async save to the bucket
+    state3 = _state(9)
+    save_state_dict(state3, s3.url + "/async", async_save=True).wait()
+    out = _empty_like(state3)
+    load_state_dict(out, s3.url + "/async")
+    _assert_equal(out, state3)
     # saving again replaces it (the old commit record first)
     state2 = _state(2)
     save_state_dict(state2, url)
