@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from oarlock.checkpoint.mapping import box_extent, box_slices, cast_tensor
+from oarlock.checkpoint.objectstore import is_object_path, s3_concurrency
 from oarlock.checkpoint.reader import CheckpointReader
 from oarlock.utils import dtype_itemsize, numel
 
@@ -231,6 +232,8 @@ def execute_work(reader: CheckpointReader, work: list[tuple[Any, torch.Tensor]],
     override ``read_box`` (their own data files) always read in the calling thread.
     """
     n = threads or io_threads()
+    if threads is None and is_object_path(reader.root):  # an object store: latency-bound GETs in flight together
+        n = max(n, s3_concurrency())
     total = sum(it.numel * dtype_itemsize(reader.metadata.tensors[it.src_key].dtype) for it, _ in work)
     # only the base class's safetensors byte-range reads are known to be thread safe (formats may cache state)
     base_reads = type(reader).read_box is CheckpointReader.read_box

@@ -31,6 +31,7 @@ is used then). Tuning: ``OARLOCK_S3_PART_BYTES`` (multipart part size, default 1
 from __future__ import annotations
 
 import functools
+import io
 import os
 import random
 import re
@@ -311,6 +312,12 @@ _THROTTLE = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExcee
              "RequestThrottled", "RequestTimeout", "InternalError", "ServiceUnavailable"}
 
 
+def s3_concurrency() -> int:
+    """Requests to an object store one process keeps in flight (``OARLOCK_S3_CONCURRENCY``, default 8): the pool
+    of split ranged GETs, and the reader threads of a load from a store."""
+    return _env_int("OARLOCK_S3_CONCURRENCY", 8)
+
+
 def _retryable(e: BaseException) -> bool:
     """Throttling, 5xx answers and dropped or timed-out connections: worth another attempt."""
     from botocore import exceptions as bx
@@ -360,7 +367,7 @@ def _read_pool() -> ThreadPoolExecutor:
     global _pool, _pool_pid
     with _clients_lock:
         if _pool is None or _pool_pid != os.getpid():
-            _pool = ThreadPoolExecutor(max_workers=_env_int("OARLOCK_S3_CONCURRENCY", 8),
+            _pool = ThreadPoolExecutor(max_workers=s3_concurrency(),
                                        thread_name_prefix="oarlock-s3")
             _pool_pid = os.getpid()
         return _pool
@@ -390,7 +397,7 @@ class S3Storage(Storage):
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
         region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or None
         profile = os.environ.get("AWS_PROFILE") or None
-        conc = _env_int("OARLOCK_S3_CONCURRENCY", 8)
+        conc = s3_concurrency()
         k = (os.getpid(), endpoint, region, profile, os.environ.get("AWS_ACCESS_KEY_ID"), conc)
         c = _clients.get(k)
         if c is None:
@@ -406,7 +413,7 @@ class S3Storage(Storage):
                     cfg = Config(
                         # retries are ours (below): they also cover a response body cut off while being read
                         retries={"mode": "standard", "total_max_attempts": 1},
-                        max_pool_connections=conc + 8, connect_timeout=10, read_timeout=120,
+                        max_pool_connections=2 * conc + 8, connect_timeout=10, read_timeout=120,
                         s3={"addressing_style": "path"} if endpoint else None,
                         # data integrity is the checkpoint's own block checksums (verified at load)
                         request_checksum_calculation="when_required", response_checksum_validation="when_required")
@@ -547,52 +554,113 @@ class S3Storage(Storage):
                                        f"{e.get('Message', '')}")
 
 
+class _ViewBody(io.RawIOBase):
+    """A seekable, readable file over a memoryview (a request body sent without copying the bytes)."""
+
+    def __init__(self, mv: memoryview):
+        super().__init__()
+        self.mv, self.pos = mv, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        n = min(len(b), len(self.mv) - self.pos)
+        memoryview(b).cast("B")[:n] = self.mv[self.pos:self.pos + n]
+        self.pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.pos = max(0, min(len(self.mv), offset + (0, self.pos, len(self.mv))[whence]))
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def __len__(self) -> int:
+        return len(self.mv)
+
+
 class S3Writer(ObjectWriter):
-    """A streamed object upload with bounded memory: bytes are gathered into parts of ``part_bytes``; a full
-    part is uploaded (``UploadPart``) in the background while the next one fills, so at most two parts are held.
-    An object smaller than one part is sent with one ``PutObject`` at :meth:`close`. Nothing is visible under the
-    key before :meth:`close` completes the upload; :meth:`abort` (or an error) aborts it, so the store drops its
-    parts."""
+    """A streamed object upload with bounded memory. A part that lies inside one written buffer (a tensor's
+    bytes) is uploaded straight from that memory, without a copy, up to ``OARLOCK_S3_CONCURRENCY`` parts in
+    flight; the bytes around them (the header, small tensors, the ends of large ones) are gathered into a part
+    buffer, of which one uploads while the next fills: a writer holds at most two parts of its own memory. The
+    written buffers must stay unchanged until :meth:`close` returns (a save's tensors do). An object smaller
+    than one part is sent with one ``PutObject`` at :meth:`close`. Nothing is visible under the key before
+    :meth:`close` completes the upload; :meth:`abort` (or an error) aborts it, so the store drops its parts."""
 
     def __init__(self, store: S3Storage, key: str):
         self.store, self.key = store, key
         self.part = bytearray()
         self.upload_id: str | None = None
         self.parts: list[dict] = []
-        self.pending: Future | None = None
+        self.pending: list[Future] = []
+        self.copied: Future | None = None  # the part buffer in flight
         self._exec: ThreadPoolExecutor | None = None
         self.nbytes = 0
         self.count = 0  # parts submitted
+        self.limit = s3_concurrency()
 
-    def _upload(self, number: int, data: bytearray) -> None:
+    def _upload(self, number: int, data: Any) -> None:
         st = self.store
-        r = st.call(f"UploadPart {number}", self.key, lambda: st.client.upload_part(
-            Bucket=st.bucket, Key=self.key, UploadId=self.upload_id, PartNumber=number, Body=data))
+        body = data if isinstance(data, (bytes, bytearray)) else None
+
+        def put() -> Any:
+            b = body if body is not None else _ViewBody(data)  # a fresh stream per attempt
+            return st.client.upload_part(Bucket=st.bucket, Key=self.key, UploadId=self.upload_id,
+                                         PartNumber=number, Body=b, ContentLength=len(data))
+
+        r = st.call(f"UploadPart {number}", self.key, put)
         self.parts.append({"PartNumber": number, "ETag": r["ETag"]})
 
-    def _flush_part(self) -> None:
+    def _submit(self, data: Any, copied: bool) -> None:
         st = self.store
         if self.upload_id is None:
             r = st.call("CreateMultipartUpload", self.key,
                         lambda: st.client.create_multipart_upload(Bucket=st.bucket, Key=self.key))
             self.upload_id = r["UploadId"]
-            self._exec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="oarlock-s3-put")
-        if self.pending is not None:
-            self.pending.result()  # one part in flight at a time: memory stays at two parts
-        data, self.part = self.part, bytearray()
+            self._exec = ThreadPoolExecutor(max_workers=self.limit, thread_name_prefix="oarlock-s3-put")
+        if copied and self.copied is not None:
+            self.copied.result()  # one copied part in flight: two part buffers at most
+        while len(self.pending) >= self.limit:
+            self.pending.pop(0).result()
         self.count += 1
-        self.pending = self._exec.submit(self._upload, self.count, data)
+        f = self._exec.submit(self._upload, self.count, data)
+        self.pending.append(f)
+        if copied:
+            self.copied = f
 
     def write(self, data: Any) -> None:
         mv = memoryview(data).cast("B")
         self.nbytes += len(mv)
         size = self.store.part_bytes
-        while len(mv):
+        if self.part:  # complete the part being gathered
             take = min(len(mv), size - len(self.part))
             self.part += mv[:take]
             mv = mv[take:]
             if len(self.part) >= size:
-                self._flush_part()
+                data, self.part = self.part, bytearray()
+                self._submit(data, copied=True)
+        while len(mv) >= size:  # whole parts straight from the caller's memory
+            self._submit(mv[:size], copied=False)
+            mv = mv[size:]
+        if len(mv):
+            self.part += mv
+
+    def _wait_all(self) -> None:
+        err = None
+        for f in self.pending:
+            try:
+                f.result()
+            except BaseException as e:
+                err = err or e
+        self.pending = []
+        if err is not None:
+            raise err
 
     def close(self) -> None:
         st = self.store
@@ -603,8 +671,9 @@ class S3Writer(ObjectWriter):
                                                                             Body=data))
                 return
             if self.part:
-                self._flush_part()
-            self.pending.result()
+                data, self.part = self.part, bytearray()
+                self._submit(data, copied=True)
+            self._wait_all()
             parts = sorted(self.parts, key=lambda p: p["PartNumber"])
             st.call("CompleteMultipartUpload", self.key, lambda: st.client.complete_multipart_upload(
                 Bucket=st.bucket, Key=self.key, UploadId=self.upload_id, MultipartUpload={"Parts": parts}))
@@ -618,11 +687,10 @@ class S3Writer(ObjectWriter):
 
     def abort(self) -> None:
         st = self.store
-        if self.pending is not None:
-            try:
-                self.pending.result()
-            except BaseException:
-                pass
+        try:
+            self._wait_all()
+        except BaseException:
+            pass
         if self.upload_id is not None:
             uid, self.upload_id = self.upload_id, None
             try:
