@@ -289,3 +289,26 @@ def test_cli_inspect_verify_diff_convert(s3, tmp_path):
     names = {o["Key"].rsplit("/", 1)[1] for o in s3.client().list_objects_v2(
         Bucket=s3.bucket, Prefix=s3.prefix + "/hf/")["Contents"]}
     assert any(n.endswith(".safetensors") for n in names), names
+
+
+def test_storage_protocol_local_and_s3_agree(s3, tmp_path, monkeypatch):
+    from oarlock.checkpoint.objectstore import LocalStorage, S3Storage
+
+    monkeypatch.setenv("OARLOCK_S3_PART_BYTES", str(5 * 1024 * 1024))
+    payload = os.urandom(11 * 1024 * 1024 + 3)  # three parts: two from memory, one gathered
+    results = []
+    for st, base in ((LocalStorage(), str(tmp_path)), (S3Storage(s3.bucket), s3.prefix + "/proto")):
+        with st.open_writer(f"{base}/big") as w:
+            w.write(payload[:100])
+            w.write(memoryview(payload)[100:])
+        st.put_bytes(f"{base}/small", b"abc")
+        buf = bytearray(9 * 1024 * 1024)  # a ranged read split into parallel GETs on S3
+        st.read_into(f"{base}/big", 12345, memoryview(buf))
+        assert bytes(buf) == payload[12345:12345 + len(buf)]
+        with pytest.raises(CheckpointFormatError):
+            st.read_into(f"{base}/small", 1, memoryview(bytearray(10)))  # past the end
+        listing = st.list(base)
+        results.append((listing, st.size(f"{base}/big"), st.exists(f"{base}/small"), st.read_bytes(f"{base}/small")))
+        st.delete([f"{base}/small", f"{base}/missing"])
+        assert not st.exists(f"{base}/small")
+    assert results[0] == results[1] == ({"big": len(payload), "small": 3}, len(payload), True, b"abc")

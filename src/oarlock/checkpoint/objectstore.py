@@ -432,6 +432,8 @@ class S3Storage(Storage):
         for attempt in range(1, self.attempts + 1):
             try:
                 return fn()
+            except CheckpointError:
+                raise  # a verdict on the bytes (a short object), not a failed request
             except Exception as e:
                 if missing_ok and _not_found(e):
                     return None
