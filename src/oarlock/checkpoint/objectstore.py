@@ -527,6 +527,22 @@ class S3Storage(Storage):
         if err is not None:
             raise err
 
+    def read_head(self, key: str, n: int) -> tuple[bytes, int]:
+        """The first ``n`` bytes of ``key`` (fewer when it is shorter) and its size, in one ranged GET."""
+        def get() -> tuple[bytes, int]:
+            r = self.client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes=0-{n - 1}")
+            with r["Body"] as b:
+                data = b.read()
+            total = str(r.get("ContentRange", "")).rpartition("/")[2]
+            return data, int(total) if total.isdigit() else len(data)
+
+        try:
+            return self.call("GetObject bytes 0-", key, get)
+        except ObjectStoreError as e:
+            if "InvalidRange" in str(e):  # an empty object
+                return b"", 0
+            raise
+
     def read_bytes(self, key: str) -> bytes:
         def get() -> bytes:
             r = self.client.get_object(Bucket=self.bucket, Key=key)

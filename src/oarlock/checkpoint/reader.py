@@ -243,6 +243,11 @@ class CheckpointReader:
 
     def visible_files(self) -> set[str]:
         """The metadata's data files this rank can open."""
+        if is_object_path(self.root):  # one listing instead of a request per file
+            for f in self.metadata.files:
+                self.path_of(f)  # the key rule, before anything is asked of the store
+            names = self.root.storage.list(self.root.key)
+            return {f for f in self.metadata.files if names.get(f, -1) >= 0}
         return {f for f in self.metadata.files if self.path_of(f).is_file()}
 
     def safetensors_file(self, file: str) -> SafetensorsFile:

@@ -172,9 +172,7 @@ def _object_reader(path: Any) -> tuple[int, Any]:
     """``(size, pread)`` of an object (:class:`~oarlock.checkpoint.objectstore.ObjectPath`): its first 64 KiB
     (where the header of most files ends) come in one ranged GET, later bytes in one GET each."""
     st = path.storage
-    size = st.size(path.key)
-    first = bytearray(min(size, 64 * 1024))
-    st.read_into(path.key, 0, memoryview(first))
+    first, size = st.read_head(path.key, 64 * 1024)
 
     def pread(n: int, off: int) -> bytes:
         n = max(0, min(n, size - off))

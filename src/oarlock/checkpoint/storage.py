@@ -711,10 +711,8 @@ def _detect_object_format(p: ObjectPath) -> str:
     """:func:`detect_format` of a prefix in an object store: ``metadata.json`` is the commit record (a prefix
     without it holds no checkpoint, whatever else is there). Object stores hold oarlock checkpoints only."""
     names = p.storage.list(p.key)
-    if METADATA_FILE in names:
-        head = (p / METADATA_FILE).read_bytes()[:4096]
-        if b'"sharded_backend"' not in head:
-            return "oarlock"
+    if METADATA_FILE in names:  # read once, by the reader (another tool's metadata.json fails its parse there)
+        return "oarlock"
     if INCOMPLETE_MARKER in names or any(_DATA_OBJECT.fullmatch(n) for n in names):
         raise CheckpointFormatError(f"{p}: incomplete checkpoint (a save to this prefix did not finish: no "
                                     f"{METADATA_FILE} commit record; it holds no usable data)")

@@ -52,7 +52,7 @@ class OarlockReader(CheckpointReader):
             text, source = shipped[METADATA_FILE], f"{METADATA_FILE} (received from another rank)"
         else:
             source = str(root / METADATA_FILE)
-            if not (root / METADATA_FILE).exists():
+            if not is_object_path(root) and not (root / METADATA_FILE).exists():  # a store answers the GET below
                 raise CheckpointFormatError(f"{source}: missing; the oarlock data files in {root} cannot be loaded "
                                             "without it (an incomplete or damaged checkpoint)")
             try:
