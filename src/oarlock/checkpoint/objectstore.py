@@ -172,6 +172,17 @@ def storage_for(p: "Path | ObjectPath") -> "Storage":
 
 # ---------------------------------------------------------------- the protocol
 
+def pread_into(fd: int, buf: memoryview, offset: int, path: Path) -> None:
+    """Fill ``buf`` from ``fd`` at ``offset`` (``os.preadv`` until full; the local data path); a short file raises
+    :class:`CheckpointFormatError` naming ``path`` and the missing bytes."""
+    n = 0
+    while n < len(buf):
+        got = os.preadv(fd, [buf[n:]], offset + n)
+        if got <= 0:
+            raise CheckpointFormatError(f"{path}: file ends at byte {offset + n}, expected {len(buf) - n} more")
+        n += got
+
+
 class ObjectWriter:
     """A streamed write of one object: :meth:`write` bytes in order, :meth:`close` to make the object appear
     (on an object store nothing is visible before), :meth:`abort` to drop it."""
@@ -272,8 +283,6 @@ class LocalStorage(Storage):
         return os.path.exists(key)
 
     def read_into(self, key: str, offset: int, buf: memoryview) -> None:
-        from oarlock.checkpoint.safetensors_io import pread_into
-
         fd = os.open(key, os.O_RDONLY)
         try:
             pread_into(fd, buf, offset, Path(key))

@@ -30,7 +30,7 @@ from typing import Any, Sequence
 import torch
 
 from oarlock.checkpoint.errors import CheckpointError, CheckpointFormatError
-from oarlock.checkpoint.objectstore import is_object_path
+from oarlock.checkpoint.objectstore import is_object_path, pread_into
 from oarlock.utils import dtype_itemsize, dtype_name, numel, safetensors_code, torch_dtype
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -197,17 +197,6 @@ def safetensors_header(path: str | Path) -> dict[str, tuple[tuple[int, ...], str
 
 
 # ---------------------------------------------------------------- byte-range reads
-
-def pread_into(fd: int, buf: memoryview, offset: int, path: Path) -> None:
-    """Fill ``buf`` from ``fd`` at ``offset`` (``os.preadv`` until full); a short file raises
-    :class:`CheckpointFormatError` naming ``path`` and the missing bytes."""
-    n = 0
-    while n < len(buf):
-        got = os.preadv(fd, [buf[n:]], offset + n)
-        if got <= 0:
-            raise CheckpointFormatError(f"{path}: file ends at byte {offset + n}, expected {len(buf) - n} more")
-        n += got
-
 
 _RUN_BYTES = 256 * 1024  # contiguous runs at least this long are read one pread each
 _CHUNK_BYTES = 64 * 1024 * 1024  # bound on the staging buffer of a strided read
