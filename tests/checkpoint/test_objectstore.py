@@ -312,3 +312,42 @@ def test_storage_protocol_local_and_s3_agree(s3, tmp_path, monkeypatch):
         st.delete([f"{base}/small", f"{base}/missing"])
         assert not st.exists(f"{base}/small")
     assert results[0] == results[1] == ({"big": len(payload), "small": 3}, len(payload), True, b"abc")
+
+
+def test_retry_policy_throttling_and_5xx_retried_4xx_not(monkeypatch):
+    from botocore.exceptions import ClientError, EndpointConnectionError
+
+    from oarlock.checkpoint.objectstore import S3Storage
+
+    def answer(code: str, status: int) -> ClientError:
+        return ClientError({"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}},
+                           "GetObject")
+
+    monkeypatch.setenv("OARLOCK_S3_MAX_ATTEMPTS", "4")
+    st = S3Storage("some-bucket")
+    for failures in ([answer("SlowDown", 503)] * 3, [answer("InternalError", 500)],
+                     [answer("TooManyRequests", 429)], [EndpointConnectionError(endpoint_url="http://x")]):
+        left = list(failures)
+
+        def fn():
+            if left:
+                raise left.pop(0)
+            return "ok"
+
+        assert st.call("GetObject", "k", fn) == "ok" and not left
+    calls = []
+
+    def denied():
+        calls.append(1)
+        raise answer("AccessDenied", 403)
+
+    with pytest.raises(ObjectStoreError, match=r"s3://some-bucket/run/k: PutObject failed after 1 attempt: "
+                                               r"AccessDenied \(HTTP 403\)"):
+        st.call("PutObject", "run/k", denied)
+    assert len(calls) == 1  # a refusal is not retried
+
+    def always():
+        raise answer("SlowDown", 503)
+
+    with pytest.raises(ObjectStoreError, match="UploadPart 3 failed after 4 attempts: SlowDown"):
+        st.call("UploadPart 3", "run/k", always)

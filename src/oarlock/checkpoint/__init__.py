@@ -20,6 +20,7 @@ from oarlock.checkpoint.hf import save_hf_checkpoint
 from oarlock.checkpoint.manager import CheckpointManager, OptimizerState, RankLocal, RNGState
 from oarlock.checkpoint.mapping import IdentityProgram, MappingProgram, SliceMapping, TensorSpec
 from oarlock.checkpoint.metadata import CheckpointMetadata, ShardMeta, TensorMeta
+from oarlock.checkpoint.objectstore import ObjectPath, ObjectStoreError, UnsupportedLocationError, location
 from oarlock.checkpoint.optim import (OptimizerHyperparameterWarning, OptimizerStateError,
                                       load_sharded_optimizer_state_dict, sharded_optimizer_state_dict)
 from oarlock.checkpoint.plan import LoadPlan, ReadItem, plan_load
@@ -36,7 +37,8 @@ __all__ = [
     "convert_checkpoint", "plan_conversion", "ConversionPlan", "ConversionLayout", "ParallelLayout",
     "MappingProgram", "IdentityProgram", "SliceMapping", "TensorSpec",
     "CheckpointError", "CheckpointFormatError", "CheckpointMismatchError", "CheckpointTilingError",
-    "UnsafePickleError", "CheckpointDestinationError",
+    "UnsafePickleError", "CheckpointDestinationError", "ObjectStoreError", "UnsupportedLocationError",
+    "ObjectPath", "location",
     "CheckpointMetadata", "ShardMeta", "TensorMeta",
     "CheckpointReader", "detect_format", "open_checkpoint", "read_metadata",
     "CheckpointManager", "OptimizerState", "RankLocal", "RNGState",

@@ -21,6 +21,11 @@ and :func:`publish_directory` makes it appear under its final name in one rename
 the destination rule: nothing oarlock did not write (:func:`written_entries`, :data:`WRITTEN_MANIFEST`) is ever
 deleted; :func:`remove_stale_staging` removes the temporary directories of crashed writes, never a live one's
 (:func:`hold_staging`).
+
+Every path here may also be ``s3://bucket/prefix`` (:func:`oarlock.checkpoint.objectstore.location`; other URL
+schemes are refused). Object stores have no rename: their commit protocol (:func:`prepare_object_destination`,
+:func:`publish_objects`, :func:`upload_directory`, ``docs/checkpoint-format.md`` "Object stores") writes the
+data objects under the final prefix and ``metadata.json`` last as the commit record.
 """
 
 from __future__ import annotations
@@ -49,7 +54,8 @@ __all__ = ["CheckpointReader", "SafetensorsFile", "View", "contiguous_run", "det
            "gather_view", "np_prod", "open_checkpoint", "publish_directory", "check_destination", "recover_publish", "read_metadata", "safetensors_header",
            "staged_directory", "staging_path", "hold_staging", "release_staging", "remove_stale_staging",
            "written_entries", "WRITTEN_MANIFEST", "write_safetensors", "HF_INDEX", "HF_SINGLE", "INCOMPLETE_MARKER",
-           "PADDLE_HF_CACHE"]
+           "PADDLE_HF_CACHE", "check_object_destination", "object_entries", "prepare_object_destination",
+           "publish_objects", "remove_uncommitted_objects", "upload_directory"]
 
 INCOMPLETE_MARKER = ".oarlock-incomplete"  # present in a save's temporary directory until it is committed
 
