@@ -73,8 +73,8 @@ class S3Server:
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
+            try:  # its data is a throw-away directory: no need to wait for a graceful shutdown
+                self.proc.wait(timeout=3)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
@@ -100,7 +100,7 @@ def start_server(root: Path, timeout_s: float = 90.0) -> S3Server:
     log = root / "weed.log"
     cmd = [weed, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={root / 'data'}",
            f"-master.port={master}", f"-master.port.grpc={master_g}", "-master.volumeSizeLimitMB=512",
-           f"-volume.port={vol}", f"-volume.port.grpc={vol_g}", "-volume.max=0",
+           f"-volume.port={vol}", f"-volume.port.grpc={vol_g}", "-volume.max=0", "-volume.preStopSeconds=0",
            "-filer", f"-filer.port={filer}", f"-filer.port.grpc={filer_g}",
            "-s3", f"-s3.port={s3}", f"-s3.port.grpc={s3_g}", "-s3.port.iceberg=0", "-s3.port.lance=0",
            f"-s3.config={cfg}"]
