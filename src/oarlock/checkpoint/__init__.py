@@ -31,6 +31,7 @@ _LAZY = {
     **dict.fromkeys(("LoadPlan", "ReadItem", "plan_load"), "plan"),
     **dict.fromkeys(("ShardDesc", "ShardedWeight", "sharded_state_dict"), "sharded"),
     **dict.fromkeys(("CheckpointReader", "detect_format", "open_checkpoint", "read_metadata"), "storage"),
+    **dict.fromkeys(("ObjectPath", "ObjectStoreError", "UnsupportedLocationError", "location"), "objectstore"),
 }
 
 __all__ = [
@@ -43,7 +44,8 @@ __all__ = [
     "convert_checkpoint", "plan_conversion", "ConversionPlan", "ConversionLayout", "ParallelLayout",
     "MappingProgram", "IdentityProgram", "SliceMapping", "TensorSpec",
     "CheckpointError", "CheckpointFormatError", "CheckpointMismatchError", "CheckpointTilingError",
-    "UnsafePickleError", "CheckpointDestinationError",
+    "UnsafePickleError", "CheckpointDestinationError", "ObjectStoreError", "UnsupportedLocationError",
+    "ObjectPath", "location",
     "CheckpointMetadata", "ShardMeta", "TensorMeta",
     "CheckpointReader", "detect_format", "open_checkpoint", "read_metadata",
     "CheckpointManager", "OptimizerState", "RankLocal", "RNGState",

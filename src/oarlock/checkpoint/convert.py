@@ -39,6 +39,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
+from oarlock.checkpoint.objectstore import is_object_path, location
 from oarlock.checkpoint.dist import DistWrapper
 from oarlock.checkpoint.errors import CheckpointError
 from oarlock.checkpoint.executor import execute_items
@@ -477,6 +478,8 @@ _SIDE_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".md", ".py", ".tiktoken"
 def side_files(source: str | os.PathLike) -> dict[str, Path]:
     """Non-checkpoint files next to a checkpoint that a model directory needs (``config.json``, tokenizer
     files, ...): top-level regular files with a text-like suffix, except checkpoint indexes and metadata."""
+    if is_object_path(location(source)):
+        return {}  # object stores hold oarlock checkpoints only (no model directories around them)
     p = Path(source)
     if not p.is_dir():
         return {}
@@ -530,7 +533,7 @@ def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike, *, aoa_conf
     if not plan.keys:
         raise CheckpointError(f"{source}: no tensor left to export after filtering "
                               f"(include={include}, exclude={exclude}, optimizer_state={optimizer_state})")
-    out_dir = Path(out_dir)
+    out_dir = location(out_dir)  # a local directory or an s3:// prefix (other schemes refused)
     storage_check_destination(out_dir, "huggingface", [source], overwrite=overwrite)
     with staged_directory(out_dir) as tmp:
         with open_checkpoint(source) as reader, single_threaded_copies():
@@ -688,7 +691,7 @@ def convert_checkpoint(source: str | os.PathLike, out_dir: str | os.PathLike, *,
             published). CheckpointDestinationError: an ``out_dir`` that is, contains or is inside ``source``, or
             is refused by :func:`~oarlock.checkpoint.storage.check_destination` (nothing is written).
     """
-    out_dir = Path(out_dir)
+    out_dir = location(out_dir)  # a local directory or an s3:// prefix (other schemes refused)
     layout = ConversionLayout(tp, pp, dp, tuple(resolve_tp_rules(tp_rules)))
     check_destination(out_dir, [source], overwrite=overwrite)
     with open_checkpoint(source) as reader, single_threaded_copies():
@@ -778,7 +781,7 @@ def convert_to_dcp(source: str | os.PathLike, out_dir: str | os.PathLike, *, aoa
     """
     from oarlock.checkpoint.formats.dcp import DcpWriter
 
-    out_dir = Path(out_dir)
+    out_dir = location(out_dir)  # a local directory or an s3:// prefix (other schemes refused)
     storage_check_destination(out_dir, "dcp", [source], overwrite=overwrite)
     layout = ConversionLayout(tp, pp, dp, tuple(resolve_tp_rules(tp_rules)))
     with open_checkpoint(source) as reader, single_threaded_copies():

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from oarlock.checkpoint.mapping import box_extent, box_slices, cast_tensor
+from oarlock.checkpoint.objectstore import is_object_path, s3_concurrency
 from oarlock.checkpoint.reader import CheckpointReader
-from oarlock.checkpoint.safetensors_io import pread_into
 from oarlock.utils import dtype_itemsize, numel
 
 
@@ -194,7 +194,7 @@ def execute_file(reader: CheckpointReader, file: str, work: list[tuple[Any, torc
         if hi - lo > COALESCE_MAX_BYTES or hi - lo > COALESCE_MAX_WASTE * need or need > len(fast) * (256 << 10):
             return sum(execute_items(reader, t, [it]) for it, t in work)
         buf = np.empty(hi - lo, dtype=np.uint8)
-        pread_into(f.fd, memoryview(buf), lo, f.path)
+        f.read_into(memoryview(buf), lo)  # os.preadv locally, ranged GETs of exactly the span in a store
         for it, dst, start, strides in fast:
             # the box as a strided view of the buffer (numpy accepts unaligned items), copied into the target
             src = np.ndarray(tuple(y - x for x, y in it.src_box), dtype=dst.dtype, buffer=buf, offset=start - lo,
@@ -232,6 +232,8 @@ def execute_work(reader: CheckpointReader, work: list[tuple[Any, torch.Tensor]],
     override ``read_box`` (their own data files) always read in the calling thread.
     """
     n = threads or io_threads()
+    if threads is None and is_object_path(reader.root):  # an object store: latency-bound GETs in flight together
+        n = max(n, s3_concurrency())
     total = sum(it.numel * dtype_itemsize(reader.metadata.tensors[it.src_key].dtype) for it, _ in work)
     # only the base class's safetensors byte-range reads are known to be thread safe (formats may cache state)
     base_reads = type(reader).read_box is CheckpointReader.read_box

@@ -18,6 +18,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
+from oarlock.checkpoint.objectstore import location
 from oarlock.checkpoint.errors import CheckpointError
 from oarlock.checkpoint.formats.huggingface import HF_INDEX, HF_SINGLE
 from oarlock.checkpoint.safetensors_io import RESERVED_NAME, write_safetensors
@@ -111,7 +112,7 @@ def save_hf_checkpoint(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str
         CheckpointDestinationError: ``out_dir`` refused by
             :func:`~oarlock.checkpoint.storage.check_destination` (nothing is written).
     """
-    out_dir = Path(out_dir)
+    out_dir = location(out_dir)  # a local directory or an s3:// prefix (other schemes refused)
     limit = parse_size(max_shard_size)
     config_text = hf_config_text(config) if config is not None else None  # a bad config fails before writing
     check_destination(out_dir, "huggingface", overwrite=overwrite)

@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from oarlock.checkpoint import comm
+from oarlock.checkpoint.objectstore import is_object_path, location
 from oarlock.checkpoint.dist import DistWrapper
 from oarlock.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from oarlock.checkpoint.executor import LoadReport, execute_work, read_order
@@ -191,10 +192,11 @@ def run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process_
     if aoa_config is not None and program is not None:
         raise CheckpointError("pass either aoa_config or program to load_state_dict, not both")
     comm.check_comm_method(comm_method)
+    path = location(path)  # an unsupported URL scheme is refused here, never read as a local path
     dist = DistWrapper(process_group)
     recover_publish(path)  # an interrupted replacement of this checkpoint is completed first (the warm path too)
     first: Leaves | None = None  # the state's leaves, collected once for the warm check and the normal path
-    if aoa_config is None and program is None:
+    if aoa_config is None and program is None and not is_object_path(path):
         try:
             first = collect_leaves(state_dict)
         except Exception:  # reported by the normal path, on every rank alike

@@ -48,6 +48,8 @@ from typing import Any, Mapping
 
 import torch
 
+from oarlock.checkpoint.objectstore import is_object_path, location
+from oarlock.checkpoint.storage import object_entries
 from oarlock.checkpoint.api import load_state_dict, save_state_dict
 from oarlock.checkpoint.dist import DistWrapper
 from oarlock.checkpoint.errors import CheckpointError
@@ -212,7 +214,8 @@ class CheckpointManager:
             raise CheckpointError(f"keep_last must be >= 1 (or None to keep every step), got {keep_last}")
         if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", prefix):
             raise CheckpointError(f"prefix {prefix!r} must be a plain file-name prefix (letters, digits, _ . -)")
-        self.root = Path(root)
+        self.root = location(root)  # a local directory or an s3:// prefix (docs/checkpoint-format.md)
+        self.remote = is_object_path(self.root)
         self.keep_last = None if keep_last is None else int(keep_last)
         self.process_group = process_group
         self.save_replicas = save_replicas
@@ -230,6 +233,9 @@ class CheckpointManager:
 
     def steps(self) -> list[int]:
         """Committed steps under ``root`` (directories with ``metadata.json`` and no incomplete marker), ascending."""
+        if self.remote:
+            return sorted(int(m.group(1)) for n, size in self.root.storage.list(self.root.key).items()
+                          if size < 0 and (m := self._step_re.fullmatch(n)) and self._committed(self.root / n))
         if not self.root.is_dir():
             return []
         out = []
@@ -241,6 +247,8 @@ class CheckpointManager:
 
     @staticmethod
     def _committed(p: Path) -> bool:
+        if is_object_path(p):  # the commit record alone decides in an object store
+            return (p / METADATA_FILE).is_file()
         return p.is_dir() and (p / METADATA_FILE).is_file() and not (p / INCOMPLETE_MARKER).exists()
 
     def latest(self) -> int | None:
@@ -250,7 +258,7 @@ class CheckpointManager:
         ptr = self.root / LATEST_FILE
         try:
             name = ptr.read_text().strip()
-        except OSError:
+        except (OSError, CheckpointError):
             name = ""
         m = self._step_re.fullmatch(name)
         if m and self._committed(self.root / name):
@@ -301,9 +309,10 @@ class CheckpointManager:
         err = None
         if dist.is_coordinator:
             try:
-                self.root.mkdir(parents=True, exist_ok=True)
+                if not self.remote:
+                    self.root.mkdir(parents=True, exist_ok=True)
                 self.clean_stale()
-            except OSError as e:
+            except (OSError, CheckpointError) as e:
                 err = CheckpointError(f"{self.root}: cannot prepare the checkpoint root: {e}")
         dist.check(err)
         flat = self._to_saveable(state)
@@ -336,6 +345,12 @@ class CheckpointManager:
         """Rank 0: replace the pointer atomically, then delete steps beyond ``keep_last``."""
         if not DistWrapper(self.process_group).is_coordinator:
             return
+        if self.remote:  # one PUT replaces the pointer object whole: readers see the old or the new name
+            st = self.root.storage
+            st.put_bytes((self.root / LATEST_FILE).key, (self.path(step).name + "\n").encode())
+            _crash_point("after_pointer")
+            self._delete_old(step)
+            return
         tmp = self.root / f".{LATEST_FILE}.tmp-{uuid.uuid4().hex[:12]}"
         with open(tmp, "w") as f:
             f.write(self.path(step).name + "\n")
@@ -345,6 +360,10 @@ class CheckpointManager:
         os.replace(tmp, self.root / LATEST_FILE)
         fsync_dir(self.root)
         _crash_point("after_pointer")
+        self._delete_old(step)
+
+    def _delete_old(self, step: int) -> None:
+        """Delete the steps beyond ``keep_last`` (after the pointer names ``step``)."""
         if self.keep_last is not None:
             others = [s for s in self.steps() if s != step]
             keep = {step, *others[len(others) - (self.keep_last - 1):]} if self.keep_last > 1 else {step}
@@ -355,6 +374,12 @@ class CheckpointManager:
 
     def _delete(self, step: int) -> None:
         p = self.path(step)
+        if self.remote:  # the commit record first: a half-deleted step never loads; others' objects stay
+            st = p.storage
+            own = object_entries(p, st.list(p.key))
+            st.delete([(p / METADATA_FILE).key])
+            st.delete((p / n).key for n in own - {METADATA_FILE})
+            return
         names = set(os.listdir(p))
         own = written_entries(p, names)
         if names - own:  # the user's entries stay: remove only what oarlock wrote, metadata.json first
@@ -378,6 +403,16 @@ class CheckpointManager:
         kept entries go back into the step) and the temporary directory of a save still running is skipped
         (it holds a lock, see :func:`~oarlock.checkpoint.storage.hold_staging`). Returns the removed names."""
         removed = []
+        if self.remote:  # step prefixes of killed saves (no commit record): the objects oarlock wrote there
+            st = self.root.storage
+            for name, size in st.list(self.root.key).items():
+                p = self.root / name
+                if size < 0 and self._step_re.fullmatch(name) and not self._committed(p):
+                    own = object_entries(p, st.list(p.key))
+                    if own:
+                        st.delete((p / n).key for n in own)
+                        removed.append(name)
+            return sorted(removed)
         if not self.root.is_dir():
             return removed
         for p in list(self.root.iterdir()):

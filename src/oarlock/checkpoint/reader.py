@@ -57,6 +57,7 @@ On-disk formats are described in ``docs/checkpoint-format.md``.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -64,6 +65,7 @@ import torch
 
 from oarlock.checkpoint.errors import CheckpointFormatError
 from oarlock.checkpoint.grid import rank_of_file
+from oarlock.checkpoint.objectstore import is_object_path
 from oarlock.checkpoint.metadata import SAVE_ID_HEADER, CheckpointMetadata, ShardMeta
 from oarlock.checkpoint.safetensors_io import SafetensorsFile, contiguous_run, np_prod
 from oarlock.utils import error_reason, torch_dtype
@@ -94,10 +96,13 @@ def _within(path: str, directory: str) -> bool:
     return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
 
 
-def checkpoint_file(root: str | os.PathLike, name: Any, entry: str) -> Path:
+def checkpoint_file(root: Any, name: Any, entry: str) -> Path:
     """The path of file ``name`` named by the checkpoint directory ``root`` (in ``entry``, e.g.
     ``"metadata.json: tensor 'w'"``), after checking that it stays inside ``root``: a non-empty relative name
-    without ``..`` components whose real path (symlinks resolved) lies inside the real path of ``root``. Files of
+    without ``..`` components whose real path (symlinks resolved) lies inside the real path of ``root``. For a
+    checkpoint in an object store (``root`` an :class:`~oarlock.checkpoint.objectstore.ObjectPath`) the name must
+    also not be a URL (another bucket) nor hold empty, ``.`` or ``\\`` components; the result is then the
+    object under ``root``'s prefix. Files of
     a HuggingFace hub cache snapshot (``.../snapshots/REV/``) may also resolve into the repository's ``blobs/``.
     Only the name and symlinks are examined; nothing is opened.
 
@@ -113,6 +118,14 @@ def checkpoint_file(root: str | os.PathLike, name: Any, entry: str) -> Path:
         raise refuse("is an absolute path, outside the checkpoint directory")
     if ".." in name.replace("\\", "/").split("/"):
         raise refuse("leaves the checkpoint directory (a '..' component)")
+    if is_object_path(root):
+        # an object key: no other bucket or scheme, no '.' or empty components (keys are compared as strings,
+        # so 'a//b' and 'a/./b' would name objects outside the names the checkpoint lists)
+        if re.match(r"^[A-Za-z][A-Za-z0-9+.\-]*:", name):
+            raise refuse("is a URL (another bucket or store), outside the checkpoint prefix")
+        if "\\" in name or any(p in ("", ".") for p in name.split("/")):
+            raise refuse("is not a plain relative object key (empty, '.' or '\\' components)")
+        return root / name
     root = Path(root)
     path = root / name
     real_root = os.path.realpath(root)
@@ -175,7 +188,7 @@ class CheckpointReader:
     hint: ClassVar[str] = ""  # what identifies the format, for "no checkpoint found" messages
 
     def __init__(self, root: Path, metadata: CheckpointMetadata):
-        self.root = Path(root)
+        self.root = root if is_object_path(root) else Path(root)
         self.metadata = metadata
         self._st_files: dict[str, SafetensorsFile] = {}
         self.files_opened: list[str] = []  # instrumentation: one entry per data file actually opened
@@ -231,6 +244,11 @@ class CheckpointReader:
 
     def visible_files(self) -> set[str]:
         """The metadata's data files this rank can open."""
+        if is_object_path(self.root):  # one listing instead of a request per file
+            for f in self.metadata.files:
+                self.path_of(f)  # the key rule, before anything is asked of the store
+            names = self.root.storage.list(self.root.key)
+            return {f for f in self.metadata.files if names.get(f, -1) >= 0}
         return {f for f in self.metadata.files if self.path_of(f).is_file()}
 
     def safetensors_file(self, file: str) -> SafetensorsFile:
@@ -302,6 +320,8 @@ class CheckpointReader:
         if run is None:
             return None
         f = self.safetensors_file(file)
+        if f.fd < 0:  # an object in a store: no descriptor for kernel copies (read_box fetches it)
+            return None
         e = f.entries.get(name)
         dtype = self.metadata.tensors[key].dtype
         if e is None or e[0] != dtype or flat_start + np_prod(shape) > np_prod(e[1]):

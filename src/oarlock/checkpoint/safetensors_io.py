@@ -30,6 +30,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from oarlock.checkpoint.errors import CheckpointError, CheckpointFormatError
+from oarlock.checkpoint.objectstore import is_object_path, pread_into
 from oarlock.utils import dtype_itemsize, dtype_name, numel, safetensors_code, torch_dtype
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -91,24 +92,30 @@ def read_header(path: str | Path, fd: int | None = None) -> SafetensorsHeader:
         CheckpointFormatError: ``"{path}: invalid safetensors file: ..."`` or ``"{path}: tensor ...``" naming the
             file and the tensor at fault; a missing file.
     """
-    path = Path(path)
-    own = fd is None
-    if own:
-        if not path.is_file():
-            raise CheckpointFormatError(f"{path}: file not found")
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError as e:
-            raise CheckpointFormatError(f"{path}: cannot open: {e.strerror or e}") from None
-    try:
+    remote = is_object_path(path)
+    path = path if remote else Path(path)
+    if remote:
+        size, pread = _object_reader(path)
+        own = False
+    else:
+        own = fd is None
+        if own:
+            if not path.is_file():
+                raise CheckpointFormatError(f"{path}: file not found")
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError as e:
+                raise CheckpointFormatError(f"{path}: cannot open: {e.strerror or e}") from None
         size = os.fstat(fd).st_size
+        pread = lambda n, off: os.pread(fd, n, off)  # noqa: E731
+    try:
         raw: Any = None
-        head = os.pread(fd, 8, 0)
+        head = pread(8, 0)
         if len(head) == 8:
             (n,) = struct.unpack("<Q", head)
             if n <= min(size - 8, MAX_HEADER_BYTES):
                 try:
-                    raw = json.loads(os.pread(fd, n, 8))
+                    raw = json.loads(pread(n, 8))
                 except (ValueError, UnicodeDecodeError):
                     raw = None
     finally:
@@ -131,7 +138,8 @@ def read_header(path: str | Path, fd: int | None = None) -> SafetensorsHeader:
             raise CheckpointFormatError(f"{path}: invalid safetensors file: the header's data offsets run to byte "
                                         f"{8 + n + max(ends)}, the file has only {size} bytes (truncated, or a "
                                         "corrupt header)")
-    _library_check(path)
+    if not remote:  # the library reads files by path; an object's header is checked by the code below alone
+        _library_check(path)
     if not isinstance(raw, dict):
         raise CheckpointFormatError(f"{path}: invalid safetensors file: unreadable header")
     hdr = SafetensorsHeader(data_start=8 + n)
@@ -164,6 +172,23 @@ def read_header(path: str | Path, fd: int | None = None) -> SafetensorsHeader:
     return hdr
 
 
+def _object_reader(path: Any) -> tuple[int, Any]:
+    """``(size, pread)`` of an object (:class:`~oarlock.checkpoint.objectstore.ObjectPath`): its first 64 KiB
+    (where the header of most files ends) come in one ranged GET, later bytes in one GET each."""
+    st = path.storage
+    first, size = st.read_head(path.key, 64 * 1024)
+
+    def pread(n: int, off: int) -> bytes:
+        n = max(0, min(n, size - off))
+        if off + n <= len(first):
+            return bytes(first[off:off + n])
+        out = bytearray(n)
+        st.read_into(path.key, off, memoryview(out))
+        return bytes(out)
+
+    return size, pread
+
+
 def safetensors_header(path: str | Path) -> dict[str, tuple[tuple[int, ...], str]]:
     """Validated header of one safetensors file: ``{tensor name: (shape, dtype name)}`` sorted by name (the
     order the safetensors library lists them in).
@@ -176,17 +201,6 @@ def safetensors_header(path: str | Path) -> dict[str, tuple[tuple[int, ...], str
 
 
 # ---------------------------------------------------------------- byte-range reads
-
-def pread_into(fd: int, buf: memoryview, offset: int, path: Path) -> None:
-    """Fill ``buf`` from ``fd`` at ``offset`` (``os.preadv`` until full); a short file raises
-    :class:`CheckpointFormatError` naming ``path`` and the missing bytes."""
-    n = 0
-    while n < len(buf):
-        got = os.preadv(fd, [buf[n:]], offset + n)
-        if got <= 0:
-            raise CheckpointFormatError(f"{path}: file ends at byte {offset + n}, expected {len(buf) - n} more")
-        n += got
-
 
 _RUN_BYTES = 256 * 1024  # contiguous runs at least this long are read one pread each
 _CHUNK_BYTES = 64 * 1024 * 1024  # bound on the staging buffer of a strided read
@@ -202,7 +216,12 @@ class SafetensorsFile:
         CheckpointFormatError: naming the file and tensor at fault.
     """
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: Any):
+        if is_object_path(path):  # an object in a store: ranged GETs through the storage layer, no descriptor
+            self.path, self.fd = path, -1
+            hdr = read_header(path)
+            self.data_start, self.header_metadata, self.entries = hdr.data_start, hdr.metadata, hdr.entries
+            return
         self.path = Path(path)
         try:
             self.fd = os.open(self.path, os.O_RDONLY)
@@ -251,6 +270,14 @@ class SafetensorsFile:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+    def read_into(self, buf: memoryview, offset: int) -> None:
+        """Fill ``buf`` with the file's bytes at ``offset``: ``os.preadv`` on a local file, ranged GETs of exactly
+        those bytes on an object (:meth:`oarlock.checkpoint.objectstore.S3Storage.read_into`)."""
+        if self.fd >= 0:
+            pread_into(self.fd, buf, offset, self.path)
+        else:
+            self.path.storage.read_into(self.path.key, offset, buf)
 
     def check_array(self, name: str, flat_start: int, shape: tuple[int, ...], dtype: str) -> int:
         """Check that stored tensor ``name`` has ``dtype`` and holds the C-contiguous ``shape`` array starting
@@ -329,7 +356,7 @@ class SafetensorsFile:
         while r < box[0][1]:
             r2 = min(box[0][1], r + rows_per_chunk)
             buf = torch.empty((r2 - r, *shape[1:]), dtype=tdt)
-            pread_into(self.fd, tensor_bytes(buf), base + r * row * isz, self.path)
+            self.read_into(tensor_bytes(buf), base + r * row * isz)
             out[r - box[0][0]:r2 - box[0][0]].copy_(buf[(slice(None), *inner)])
             r = r2
         return out
@@ -341,7 +368,7 @@ class SafetensorsFile:
         mv = tensor_bytes(dst)
         pos = 0
         for off in offsets:
-            pread_into(self.fd, mv[pos:pos + run_bytes], off, self.path)
+            self.read_into(mv[pos:pos + run_bytes], off)
             pos += run_bytes
         if not direct:
             out.copy_(dst)
@@ -402,6 +429,10 @@ class SafetensorsWriter:
     :class:`oarlock.checkpoint.integrity.BlockHasher`) is fed the bytes as they are written, and its record of the
     file (``hasher.finish(fd, size)`` at close) is left in ``checksum_record``.
 
+    ``path`` may be an :class:`~oarlock.checkpoint.objectstore.ObjectPath`: the file is then streamed as a
+    multipart upload with bounded memory (tensors must be put in file order), and appears only at :meth:`close`;
+    leaving the context with an exception aborts the upload.
+
     Raises:
         CheckpointFormatError: a dtype safetensors cannot store, or the name ``__metadata__`` (reserved by the
             format for the header's metadata block), naming the tensor.
@@ -411,7 +442,7 @@ class SafetensorsWriter:
     def __init__(self, path: str | Path, entries: Sequence[tuple[str, Sequence[int], Any]],
                  metadata: dict[str, str] | None = None, *, fsync: bool = True, hasher: Any = None,
                  packed: Sequence[tuple[str, Sequence[int], Any]] = ()):
-        self.path = Path(path)
+        self.path = path if is_object_path(path) else Path(path)
         self.fsync = fsync
         self.checksum_record: dict[str, Any] | None = None
         self._hasher = hasher
@@ -453,11 +484,17 @@ class SafetensorsWriter:
         self._pending: list[tuple[int, int]] = []  # byte ranges written since the last writeback started
         self._unflushed = 0
         self.fd = -1
+        self._sink = None  # the streamed upload of an object (sequential writes), else None
+        self._pos = 0
         try:
-            mode = os.O_RDWR if hasher is not None else os.O_WRONLY  # the hasher may read blocks back
-            self.fd = os.open(self.path, mode | os.O_CREAT | os.O_TRUNC, 0o644)
             head = memoryview(struct.pack("<Q", len(hb)) + hb)
-            _write_all(self.fd, head, 0)
+            if is_object_path(path):
+                self.path = path
+                self._sink = path.storage.open_writer(path.key)
+            else:
+                mode = os.O_RDWR if hasher is not None else os.O_WRONLY  # the hasher may read blocks back
+                self.fd = os.open(self.path, mode | os.O_CREAT | os.O_TRUNC, 0o644)
+            self._write(head, 0)
             if self._hasher is not None:
                 self._hasher.feed(0, head)
         except OSError as e:
@@ -475,12 +512,27 @@ class SafetensorsWriter:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+        if self._sink is not None:
+            sink, self._sink = self._sink, None
+            sink.abort()
+
+    def _write(self, mv: memoryview, pos: int) -> int:
+        """Write ``mv`` at ``pos``; returns the end position. An object is written as a stream: in file order."""
+        if self._sink is None:
+            return _write_all(self.fd, mv, pos)
+        if pos != self._pos:
+            raise CheckpointError(f"{self.path}: object data must be written in file order (at byte {self._pos}, "
+                                  f"got a write at {pos})")
+        self._sink.write(mv)
+        self._pos = pos + len(mv)
+        return self._pos
 
     def __enter__(self) -> "SafetensorsWriter":
         return self
 
     def __exit__(self, exc_type: Any, *exc: object) -> None:
-        if exc_type is not None:  # the file is abandoned: no hashing or fsync that could mask the error
+        if exc_type is not None:  # the file is abandoned (an object upload is aborted): no hashing or fsync
+            # that could mask the error
             self._abandon()
         else:
             self.close()
@@ -497,10 +549,19 @@ class SafetensorsWriter:
         off, shape, dtype = self.where[name]
         pos = self.base + off
         if isinstance(data, list):
-            if self._hasher is not None:
+            if self._hasher is not None and self._sink is None:
                 self._hasher.feed(pos, None)  # kernel copies: hashed from the file at close
             for src_fd, src_off, n in data:
-                pos = copy_run(src_fd, src_off, n, self.fd, pos)
+                if self._sink is None:
+                    pos = copy_run(src_fd, src_off, n, self.fd, pos)
+                    continue
+                for a in range(0, n, 1 << 24):  # into an object: through a bounded buffer
+                    chunk = os.pread(src_fd, min(n - a, 1 << 24), src_off + a)
+                    if not chunk:
+                        raise CheckpointError(f"source file ends {n - a} bytes early while copying")
+                    if self._hasher is not None:
+                        self._hasher.feed(pos, chunk)
+                    pos = self._write(memoryview(chunk), pos)
         else:
             t = data.detach()
             if tuple(t.shape) != shape or t.dtype != torch_dtype(dtype):
@@ -513,9 +574,9 @@ class SafetensorsWriter:
                 mv = tensor_bytes(t.resolve_conj().resolve_neg().contiguous())
                 if self._hasher is not None:
                     self._hasher.feed(pos, mv)
-                pos = _write_all(self.fd, mv, pos)
+                pos = self._write(mv, pos)
         n = numel(shape) * dtype_itemsize(dtype)
-        if self.fsync and n:
+        if self.fsync and n and self._sink is None:
             # the byte range just written; tensors may be put in any order (convert writes key by key over
             # several files), so the ranges are kept rather than assumed to follow one another
             start = self.base + off
@@ -531,6 +592,12 @@ class SafetensorsWriter:
         return n
 
     def close(self) -> None:
+        if self._sink is not None:
+            if self._hasher is not None:
+                self.checksum_record = self._hasher.finish(-1, self.nbytes)  # streamed in order: no read-back
+            sink, self._sink = self._sink, None
+            sink.close()  # completes the upload: the object appears now
+            return
         if self.fd >= 0:
             try:
                 if self._hasher is not None:

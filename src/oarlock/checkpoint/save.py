@@ -36,8 +36,10 @@ from oarlock.checkpoint.metadata import METADATA_FILE, SAVE_ID_HEADER, Checkpoin
 from oarlock.checkpoint.plan import index_of
 from oarlock.checkpoint.safetensors_io import RESERVED_NAME, write_safetensors
 from oarlock.checkpoint.sharded import ShardedWeight
-from oarlock.checkpoint.storage import (INCOMPLETE_MARKER, hold_staging, publish_directory, release_staging,
-                                        remove_stale_staging, staging_path)
+from oarlock.checkpoint.objectstore import is_object_path, location
+from oarlock.checkpoint.storage import (INCOMPLETE_MARKER, hold_staging, prepare_object_destination,
+                                        publish_directory, publish_objects, release_staging,
+                                        remove_stale_staging, remove_uncommitted_objects, staging_path)
 from oarlock.checkpoint.storage import check_destination as storage_check_destination
 from oarlock.checkpoint.traversal import Leaves, collect_leaves
 from oarlock.utils import dtype_itemsize
@@ -184,7 +186,13 @@ def check_destination(path: Path, sources: Sequence[str | os.PathLike] = (), *, 
     Raises:
         CheckpointDestinationError: ``path`` is, contains or is inside one of ``sources``, or exists and is not
             an oarlock checkpoint holding only files oarlock wrote (nor an empty directory) and ``overwrite`` is
-            not given."""
+            not given. A prefix in an object store is checked when the save starts
+            (:func:`~oarlock.checkpoint.storage.prepare_object_destination`)."""
+    if is_object_path(location(path)):
+        from oarlock.checkpoint.storage import check_object_destination
+
+        check_object_destination(location(path), (), sources, overwrite=overwrite)
+        return
     storage_check_destination(path, "oarlock", sources, overwrite=overwrite)
     remove_stale_staging(path)
 
@@ -559,7 +567,7 @@ def prepare_save(state_dict: Mapping[str, Any], path: str | os.PathLike, process
     checks the destination when it writes. ``SavePlan.reused`` tells which path was taken; :data:`plan_cache`
     counts them.
     """
-    path = Path(path)
+    path = location(path)
     dist = DistWrapper(process_group)
     leaves = Leaves()
     record, grid_writes, err, fps = None, [], None, None
@@ -573,7 +581,8 @@ def prepare_save(state_dict: Mapping[str, Any], path: str | os.PathLike, process
     except Exception as e:  # reported to every rank in the exchange below
         err = e
     both = exchange_fingerprints(dist, err, fps)
-    if cached is not None and all(b[1][3] == cached.token for b in both) \
+    # (object stores take the full path: their destination protocol runs at planning, see storage.py)
+    if cached is not None and not is_object_path(path) and all(b[1][3] == cached.token for b in both) \
             and [tuple(b[1][:2]) for b in both] == cached.fps:
         return _reuse_plan(cached, both, record, grid_writes, leaves, path, dist, overwrite)
     first_spec: dict[str, int] = {}
@@ -601,8 +610,11 @@ def prepare_save(state_dict: Mapping[str, Any], path: str | os.PathLike, process
                 classes[(fs, fl)][1].append(r)
             layout = build_layout(list(classes.values()), dist.size, save_replicas)
             layout.objects = _merge_objects({r: parts[r][2] for r in set(first_objects.values())})
-            check_destination(path, overwrite=overwrite)
             tmp, save_id = staging_path(path), new_save_id()
+            if is_object_path(path):  # no rename: the marker first, data objects under the final prefix
+                prepare_object_destination(path, dist.size, save_id, overwrite=overwrite)
+            else:
+                check_destination(path, overwrite=overwrite)
             out = [(None, tmp, save_id, layout.listed_writes.get(r, []), layout.grid_skip.get(r, []))
                    for r in range(dist.size)]
         except Exception as e:
@@ -747,9 +759,12 @@ def write_and_commit(plan: SavePlan, local: Mapping[Any, torch.Tensor], process_
     tmp = plan.tmp
     held: list[int] = []
 
+    remote = is_object_path(tmp)
+
     def write() -> dict[str, Any]:
-        held.append(hold_staging(tmp))  # locked until committed: a cleanup of stale directories skips it
-        (tmp / INCOMPLETE_MARKER).touch()  # before any data file: a partial directory must never load
+        if not remote:  # in an object store the coordinator wrote the marker object before this (prepare_save)
+            held.append(hold_staging(tmp))  # locked until committed: a cleanup of stale directories skips it
+            (tmp / INCOMPLETE_MARKER).touch()  # before any data file: a partial directory must never load
         if plan.check_on_write and dist.is_coordinator:  # a reused plan: the check planning did not make
             check_destination(plan.path, overwrite=plan.overwrite)
         ids = write_order(plan)
@@ -777,11 +792,12 @@ def write_and_commit(plan: SavePlan, local: Mapping[Any, torch.Tensor], process_
             extra: dict[str, Any] = {CHECKSUMS_KEY: make_record(files)}
             if plan.tp_layouts:  # a load at another TP degree re-lays these keys out
                 extra[TP_LAYOUTS_KEY] = plan.tp_layouts
-            publish_directory(tmp, plan.path, CheckpointMetadata("oarlock", tensors=plan.tensors,
-                                                                 objects=plan.objects or {},
-                                                                 nested=plan.nested or {}, save_id=plan.save_id,
-                                                                 extra=extra),
-                              fsync_files=False, overwrite=plan.overwrite)
+            meta = CheckpointMetadata("oarlock", tensors=plan.tensors, objects=plan.objects or {},
+                                      nested=plan.nested or {}, save_id=plan.save_id, extra=extra)
+            if remote:
+                publish_objects(plan.path, meta, files)
+            else:
+                publish_directory(tmp, plan.path, meta, fsync_files=False, overwrite=plan.overwrite)
 
     try:
         rec = dist.run(write)
@@ -789,7 +805,10 @@ def write_and_commit(plan: SavePlan, local: Mapping[Any, torch.Tensor], process_
         dist.run(commit, records)
     except BaseException:
         if dist.is_coordinator:
-            shutil.rmtree(tmp, ignore_errors=True)
+            if remote:
+                remove_uncommitted_objects(tmp)
+            else:
+                shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
         for fd in held:

@@ -21,6 +21,11 @@ and :func:`publish_directory` makes it appear under its final name in one rename
 the destination rule: nothing oarlock did not write (:func:`written_entries`, :data:`WRITTEN_MANIFEST`) is ever
 deleted; :func:`remove_stale_staging` removes the temporary directories of crashed writes, never a live one's
 (:func:`hold_staging`).
+
+Every path here may also be ``s3://bucket/prefix`` (:func:`oarlock.checkpoint.objectstore.location`; other URL
+schemes are refused). Object stores have no rename: their commit protocol (:func:`prepare_object_destination`,
+:func:`publish_objects`, :func:`upload_directory`, ``docs/checkpoint-format.md`` "Object stores") writes the
+data objects under the final prefix and ``metadata.json`` last as the commit record.
 """
 
 from __future__ import annotations
@@ -36,10 +41,11 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from oarlock.checkpoint.dist import DistWrapper
-from oarlock.checkpoint.errors import CheckpointFormatError
+from oarlock.checkpoint.errors import CheckpointError, CheckpointFormatError
 from oarlock.checkpoint.formats import load_formats
 from oarlock.checkpoint.formats.huggingface import HF_INDEX, HF_SINGLE, PADDLE_HF_CACHE
 from oarlock.checkpoint.metadata import METADATA_FILE, CheckpointMetadata
+from oarlock.checkpoint.objectstore import ObjectPath, is_object_path, location
 from oarlock.checkpoint.reader import CheckpointReader, checkpoint_file
 from oarlock.checkpoint.safetensors_io import (SafetensorsFile, contiguous_run, np_prod, safetensors_header,
                                                write_safetensors)
@@ -48,7 +54,8 @@ __all__ = ["CheckpointReader", "SafetensorsFile", "View", "contiguous_run", "det
            "gather_view", "np_prod", "open_checkpoint", "publish_directory", "check_destination", "recover_publish", "read_metadata", "safetensors_header",
            "staged_directory", "staging_path", "hold_staging", "release_staging", "remove_stale_staging",
            "written_entries", "WRITTEN_MANIFEST", "write_safetensors", "HF_INDEX", "HF_SINGLE", "INCOMPLETE_MARKER",
-           "PADDLE_HF_CACHE"]
+           "PADDLE_HF_CACHE", "check_object_destination", "object_entries", "prepare_object_destination",
+           "publish_objects", "remove_uncommitted_objects", "upload_directory"]
 
 INCOMPLETE_MARKER = ".oarlock-incomplete"  # present in a save's temporary directory until it is committed
 
@@ -62,7 +69,9 @@ def detect_format(path: str | os.PathLike) -> str:
         CheckpointFormatError: path missing, or a directory that holds no checkpoint, an unfinished save, or
             mixes formats.
     """
-    p = Path(path)
+    p = location(path)
+    if is_object_path(p):
+        return _detect_object_format(p)
     recover_publish(p)  # a replacement of this checkpoint interrupted by a crash is completed first
     if not p.exists():
         raise CheckpointFormatError(f"{p}: no such file or directory")
@@ -106,10 +115,13 @@ def gather_view(path: str | os.PathLike, dist: DistWrapper) -> View:
     """Collective: all-gather each rank's listing of ``path`` and detected format; ship the format's metadata
     files to ranks lacking them. Never raises (problems surface when the checkpoint is opened, on every rank
     alike)."""
-    p = Path(path)
+    p = location(path)
     try:
-        names = sorted(os.listdir(p)) if p.is_dir() else ([p.name] if p.exists() else [])
-    except OSError:
+        if is_object_path(p):
+            names = sorted(p.storage.list(p.key))
+        else:
+            names = sorted(os.listdir(p)) if p.is_dir() else ([p.name] if p.exists() else [])
+    except (OSError, CheckpointError):
         names = []
     try:
         fmt: str | None = detect_format(p)
@@ -159,7 +171,7 @@ def open_checkpoint(path: str | os.PathLike, *, view: View | None = None, rank: 
         CheckpointFormatError: naming the file and problem (missing shard file, truncated header, a tensor
             listed twice, unsafe pickle, mixed formats, data files visible to no rank, ...). Nothing is written.
     """
-    p = Path(path)
+    p = location(path)
     formats = load_formats()
     if view is not None and view.shipped is not None and view.format in formats:
         if INCOMPLETE_MARKER in view.visible.get(rank, set()):
@@ -195,7 +207,10 @@ def read_metadata(path: str | os.PathLike, *, view: View | None = None, rank: in
 
 def staging_path(final: Path, token: str | None = None) -> Path:
     """A fresh hidden temporary sibling of ``final`` (``.NAME.tmp-XXXXXXXXXXXX``; the X from ``token``, a random
-    hex string the ranks of a save agreed on, else fresh)."""
+    hex string the ranks of a save agreed on, else fresh); in an object store, ``final`` itself (no rename there:
+    see :func:`prepare_object_destination`)."""
+    if is_object_path(final):
+        return final
     return final.parent / f".{final.name}.tmp-{(token or uuid.uuid4().hex)[:12]}"
 
 
@@ -288,7 +303,16 @@ def staged_directory(final: str | os.PathLike, *, incomplete_marker: bool = True
     (:func:`remove_stale_staging`). ``incomplete_marker`` puts the marker file in first, so a directory left by a
     crash never loads (:func:`publish_directory` removes it). Publish with :func:`publish_directory` inside the
     block."""
-    final = Path(final)
+    final = location(final)
+    if is_object_path(final):  # written locally, uploaded by publish_directory (stores have no rename)
+        import tempfile
+
+        tmp = Path(tempfile.mkdtemp(prefix=".oarlock-upload-"))
+        try:
+            yield tmp
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return
     final.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_staging(final)
     tmp = tmp or staging_path(final)
@@ -387,7 +411,11 @@ def check_destination(final: str | os.PathLike, fmt: str, sources: Iterable[str 
     """
     from oarlock.checkpoint.errors import CheckpointDestinationError
 
-    final = Path(final)
+    final = location(final)
+    if is_object_path(final):
+        check_object_destination(final, (), sources, overwrite=overwrite)
+        return set()
+    sources = [s for s in sources if not is_object_path(location(s))]
     fmt = FORMAT_ALIASES.get(fmt, fmt)
     dst = os.path.realpath(final)
     for src in sources:
@@ -471,7 +499,9 @@ def recover_publish(final: str | os.PathLike) -> None:
     import fcntl
     import json
 
-    final = Path(final)
+    final = location(final)
+    if is_object_path(final):
+        return  # nothing is renamed in an object store
     intent = _intent_path(final)
     if not os.path.lexists(intent):
         return
@@ -567,6 +597,9 @@ def publish_directory(tmp: Path, final: Path, metadata: CheckpointMetadata | Non
             raise CheckpointError(f"{final / METADATA_FILE}: cannot write: {e.strerror or e} (nothing was "
                                   "published)") from None
         os.replace(part, tmp / METADATA_FILE)
+    if is_object_path(final):
+        upload_directory(tmp, final, overwrite=overwrite)
+        return
     _write_manifest(tmp)
     marker = tmp / INCOMPLETE_MARKER
     if marker.exists():
@@ -639,12 +672,23 @@ def resolve_manager_root(path: str | os.PathLike) -> tuple[Path, str | None]:
     (the one its ``latest`` pointer names when that is a committed checkpoint, else the committed step directory
     with the highest number); any other path is returned as it is, with None. Never raises (opening the returned
     path reports what is wrong)."""
-    p = Path(path)
+    p = location(path)
     try:
         detect_format(p)
         return p, None
-    except CheckpointFormatError:
+    except CheckpointError:
         pass
+    if is_object_path(p):
+        try:
+            names = p.storage.list(p.key)
+            pointer = (p / "latest").read_text().strip() if "latest" in names else ""
+            steps = sorted((int(m.group(2)), n) for n, size in names.items() if size < 0
+                           and (m := _STEP_DIR.fullmatch(n)) and (p / n / METADATA_FILE).is_file())
+        except CheckpointError:
+            return p, None
+        if pointer and "/" not in pointer and any(n == pointer for _, n in steps):
+            return p / pointer, pointer
+        return (p / steps[-1][1], steps[-1][1]) if steps else (p, None)
     if not p.is_dir():
         return p, None
 
@@ -666,3 +710,178 @@ def resolve_manager_root(path: str | os.PathLike) -> tuple[Path, str | None]:
         return p, None
     name = max(steps)[1]
     return p / name, name
+
+
+# ---------------------------------------------------------------- the commit protocol in object stores
+
+def _detect_object_format(p: ObjectPath) -> str:
+    """:func:`detect_format` of a prefix in an object store: ``metadata.json`` is the commit record (a prefix
+    without it holds no checkpoint, whatever else is there). Object stores hold oarlock checkpoints only."""
+    names = p.storage.list(p.key)
+    if METADATA_FILE in names:  # read once, by the reader (another tool's metadata.json fails its parse there)
+        return "oarlock"
+    if INCOMPLETE_MARKER in names or any(_DATA_OBJECT.fullmatch(n) for n in names):
+        raise CheckpointFormatError(f"{p}: incomplete checkpoint (a save to this prefix did not finish: no "
+                                    f"{METADATA_FILE} commit record; it holds no usable data)")
+    shown = sorted(names)[:12]
+    raise CheckpointFormatError(f"{p}: no oarlock checkpoint found (looked for {METADATA_FILE}; found "
+                                f"{', '.join(shown) or 'no objects'}); object stores hold oarlock checkpoints "
+                                "only: convert other formats on a local disk first")
+
+
+_DATA_OBJECT = re.compile(r"rank-\d{5,}\.safetensors")
+
+
+def _object_record(p: ObjectPath, name: str) -> dict:
+    import json
+
+    try:
+        rec = json.loads((p / name).read_bytes())
+    except (ValueError, CheckpointFormatError):
+        return {}
+    return rec if isinstance(rec, dict) else {}
+
+
+def object_entries(p: ObjectPath, names: Iterable[str]) -> set[str]:
+    """The objects directly under prefix ``p`` (of its listing ``names``) that this protocol wrote: the commit
+    record, the manifest and the marker, the files a committed save's manifest lists, and the data objects
+    ``rank-XXXXX.safetensors`` of ranks below the world size an unfinished save's marker records."""
+    names = set(names)
+    own = {METADATA_FILE, WRITTEN_MANIFEST, INCOMPLETE_MARKER}
+    if WRITTEN_MANIFEST in names:
+        files = _object_record(p, WRITTEN_MANIFEST).get("files")
+        own |= {f for f in files if isinstance(f, str)} if isinstance(files, list) else set()
+    if INCOMPLETE_MARKER in names:
+        world = _object_record(p, INCOMPLETE_MARKER).get("world")
+        if type(world) is int and world > 0:
+            own |= {n for n in names if _DATA_OBJECT.fullmatch(n) and int(n[5:-12]) < world}
+    return names & own
+
+
+def prepare_object_destination(final: ObjectPath, world: int, save_id: str, *, overwrite: bool = False,
+                               sources: Iterable[Any] = ()) -> None:
+    """The destination rule and the first step of a save into an object store (``docs/checkpoint-format.md``,
+    "Object stores"), run by the coordinator before any data object is written:
+
+    1. the prefix is refused when it is a source being read, or holds objects this protocol did not write
+       (:func:`object_entries`: another tool's files, a sub-prefix) unless ``overwrite`` (they are kept, and a
+       kept object under a name this save writes is still refused);
+    2. the marker object ``.oarlock-incomplete`` (``{"save_id", "world"}``) is written;
+    3. the previous commit record ``metadata.json`` is deleted (from here the old checkpoint at this prefix
+       no longer loads: stores without rename cannot replace a checkpoint atomically; the manager writes each
+       step to its own prefix), then every other object an earlier save wrote, a killed save's included.
+
+    Raises:
+        CheckpointDestinationError: naming the prefix and the objects oarlock did not write.
+    """
+    import json
+
+    from oarlock.checkpoint.errors import CheckpointDestinationError
+    from oarlock.checkpoint.grid import data_file_name
+
+    ours = check_object_destination(final, {data_file_name(r) for r in range(world)} | {METADATA_FILE},
+                                    sources, overwrite=overwrite)
+    st = final.storage
+    st.put_bytes(f"{final.key}/{INCOMPLETE_MARKER}", json.dumps({"save_id": save_id, "world": world}).encode())
+    if METADATA_FILE in ours:
+        st.delete([f"{final.key}/{METADATA_FILE}"])  # uncommit first: never old metadata over new data
+    st.delete(f"{final.key}/{n}" for n in ours - {METADATA_FILE, INCOMPLETE_MARKER})
+
+
+def check_object_destination(final: ObjectPath, writes: Iterable[str] = (), sources: Iterable[Any] = (), *,
+                             overwrite: bool = False) -> set[str]:
+    """The destination rule in an object store (see :func:`prepare_object_destination`; nothing is written):
+    returns the objects under ``final`` that oarlock wrote. ``writes``: names the new checkpoint writes (a kept
+    foreign object under one of them is refused even with ``overwrite``).
+
+    Raises:
+        CheckpointDestinationError: naming the prefix and the objects oarlock did not write.
+    """
+    from oarlock.checkpoint.errors import CheckpointDestinationError
+
+    for src in sources:
+        s = location(src)
+        if is_object_path(s) and s.bucket == final.bucket and (
+                s.key == final.key or s.key.startswith(final.key + "/") or final.key.startswith(s.key + "/")):
+            raise CheckpointDestinationError(f"{final}: the destination overlaps the source checkpoint {s}; write "
+                                             "to another prefix")
+    names = final.storage.list(final.key)
+    ours = object_entries(final, names)
+    foreign = set(names) - ours
+    hint = ("; pass --overwrite (overwrite=True) to write the checkpoint there anyway: only objects oarlock wrote "
+            "are replaced, the others stay")
+    if foreign and not overwrite:
+        raise CheckpointDestinationError(f"{final}: holds objects oarlock did not write: {_describe(foreign)}; "
+                                         f"refusing to write a checkpoint there{hint}")
+    clash = foreign & set(writes)
+    if clash:
+        raise CheckpointDestinationError(f"{final}: holds {_describe(clash)}, which oarlock did not write, under "
+                                         "a name the new checkpoint writes; refusing to replace it")
+    return ours
+
+
+#: The commit record of a directory uploaded by :func:`upload_directory`, by format: written last.
+_COMMIT_FILES = (METADATA_FILE, HF_INDEX, ".metadata")
+
+
+def upload_directory(tmp: Path, final: ObjectPath, *, overwrite: bool = False) -> None:
+    """Publish a checkpoint directory written locally (``convert``, ``export_hf``, ``convert --to dcp`` into an
+    object store: their writers are not sequential) under prefix ``final``: the destination rule and the marker
+    as for a save (:func:`prepare_object_destination`), every file streamed up (bounded memory, multipart), the
+    manifest, then the format's commit record (``metadata.json``, the HF index, DCP's ``.metadata``) last, then
+    the marker deleted.
+
+    Raises:
+        CheckpointDestinationError: see :func:`check_object_destination`. ObjectStoreError: a failed request.
+    """
+    import json
+
+    names = sorted(n for n in os.listdir(tmp) if n != INCOMPLETE_MARKER and (tmp / n).is_file())
+    world = sum(1 for n in names if _DATA_OBJECT.fullmatch(n))
+    ours = check_object_destination(final, names, overwrite=overwrite)
+    st = final.storage
+    st.put_bytes(f"{final.key}/{INCOMPLETE_MARKER}",
+                 json.dumps({"save_id": uuid.uuid4().hex, "world": max(world, 1)}).encode())
+    st.delete(f"{final.key}/{n}" for n in sorted(ours & set(_COMMIT_FILES)))
+    st.delete(f"{final.key}/{n}" for n in ours - set(_COMMIT_FILES) - {INCOMPLETE_MARKER})
+    commit = [n for n in names if n in _COMMIT_FILES]
+    for n in [n for n in names if n not in _COMMIT_FILES and n != WRITTEN_MANIFEST]:
+        with open(tmp / n, "rb") as f, st.open_writer(f"{final.key}/{n}") as w:
+            while chunk := f.read(st.part_bytes):
+                w.write(chunk)
+    listed = sorted(set(names) | {WRITTEN_MANIFEST})
+    st.put_bytes(f"{final.key}/{WRITTEN_MANIFEST}",
+                 (json.dumps({"written_by": "oarlock", "files": listed}, indent=1) + "\n").encode())
+    for n in commit:
+        st.put_bytes(f"{final.key}/{n}", (tmp / n).read_bytes())
+    st.delete([f"{final.key}/{INCOMPLETE_MARKER}"])
+
+
+def publish_objects(final: ObjectPath, metadata: CheckpointMetadata, files: Iterable[str]) -> None:
+    """The commit of a save into an object store, once every data object is complete (their uploads finished):
+    the manifest ``.oarlock-files`` (the objects written), then ``metadata.json``, the commit record (from this
+    request on the checkpoint loads), then the marker is deleted.
+
+    Raises:
+        ObjectStoreError: a request failed (naming the object); the checkpoint is then not committed.
+    """
+    import json
+
+    st = final.storage
+    listed = sorted(set(files) | {METADATA_FILE, WRITTEN_MANIFEST})
+    st.put_bytes(f"{final.key}/{WRITTEN_MANIFEST}",
+                 (json.dumps({"written_by": "oarlock", "files": listed}, indent=1) + "\n").encode())
+    st.put_bytes(f"{final.key}/{METADATA_FILE}", metadata.dumps().encode())
+    st.delete([f"{final.key}/{INCOMPLETE_MARKER}"])
+
+
+def remove_uncommitted_objects(final: ObjectPath) -> None:
+    """Delete what an unfinished save wrote under ``final`` (after a failed save; never raises). A committed
+    checkpoint there (``metadata.json``) is left alone."""
+    try:
+        names = final.storage.list(final.key)
+        if METADATA_FILE in names:
+            return
+        final.storage.delete(f"{final.key}/{n}" for n in object_entries(final, names))
+    except CheckpointError:
+        pass

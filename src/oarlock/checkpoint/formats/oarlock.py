@@ -6,7 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from oarlock.checkpoint.errors import CheckpointFormatError
+from oarlock.checkpoint.errors import CheckpointError, CheckpointFormatError
+from oarlock.checkpoint.objectstore import is_object_path
 from oarlock.checkpoint.metadata import METADATA_FILE, CheckpointMetadata, parse_json
 from oarlock.checkpoint.reader import CheckpointReader, checkpoint_file, register_format
 
@@ -33,9 +34,13 @@ class OarlockReader(CheckpointReader):
             return 1 if any(DATA_FILE.match(n) for n in names) else 0
         try:  # Megatron-Core writes a metadata.json of its own ({"sharded_backend": ...})
             # the path-safety rule first: a metadata.json linking outside is refused by open(), never read here
-            with open(checkpoint_file(path, METADATA_FILE, METADATA_FILE), "rb") as f:
-                head = f.read(4096)
-        except (OSError, CheckpointFormatError):
+            meta = checkpoint_file(path, METADATA_FILE, METADATA_FILE)
+            if is_object_path(meta):
+                head = meta.read_bytes()[:4096]
+            else:
+                with open(meta, "rb") as f:
+                    head = f.read(4096)
+        except (OSError, CheckpointError):
             return 2
         return 0 if b'"sharded_backend"' in head else 2
 
@@ -47,7 +52,7 @@ class OarlockReader(CheckpointReader):
             text, source = shipped[METADATA_FILE], f"{METADATA_FILE} (received from another rank)"
         else:
             source = str(root / METADATA_FILE)
-            if not (root / METADATA_FILE).exists():
+            if not is_object_path(root) and not (root / METADATA_FILE).exists():  # a store answers the GET below
                 raise CheckpointFormatError(f"{source}: missing; the oarlock data files in {root} cannot be loaded "
                                             "without it (an incomplete or damaged checkpoint)")
             try:

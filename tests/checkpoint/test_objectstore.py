@@ -1,0 +1,353 @@
+"""Checkpoints in an S3-compatible object store (``s3://bucket/prefix``), against a real SeaweedFS server
+started by the ``s3_server`` fixture (tests/s3server.py): save and resharded load on several ranks, the commit
+protocol (a killed save never loads, the next save cleans it), checksums, hostile keys, retries through a
+proxy that drops connections, the CLI and the manager. Expected values come from the saved tensors
+themselves (independent of the loader)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from oarlock.checkpoint import load_state_dict, save_state_dict
+from oarlock.checkpoint.errors import CheckpointDestinationError, CheckpointFormatError
+from oarlock.checkpoint.objectstore import ObjectPath, ObjectStoreError, UnsupportedLocationError, location
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"a": torch.randn(64, 33, generator=g), "b": torch.randint(0, 1000, (129,), generator=g),
+            "h": torch.randn(5, 7, generator=g).to(torch.float16), "n": 3}
+
+
+def _empty_like(state: dict) -> dict:
+    return {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in state.items()}
+
+
+def _assert_equal(got: dict, want: dict) -> None:
+    for k, v in want.items():
+        if isinstance(v, torch.Tensor):
+            assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+        else:
+            assert got[k] == v, k
+
+
+# ---------------------------------------------------------------- locations (no server)
+
+def test_location_parsing():
+    assert location("s3://my-bucket/run/ckpt/") == ObjectPath("my-bucket", "run/ckpt")
+    assert str(location("s3://my-bucket/run//ckpt")) == "s3://my-bucket/run/ckpt"
+    assert location("relative/dir") == Path("relative/dir")
+    assert location("ckpt:v1") == Path("ckpt:v1")  # a colon in a local name is not a scheme
+    for bad, words in [("gs://b/x", "scheme 'gs'"), ("http://host/x", "scheme 'http'"),
+                       ("file:///tmp/x", "scheme 'file'"), ("file:x", "scheme 'file'"),
+                       ("az://c/x", "scheme 'az'"), ("s3:/b/x", "lost a slash"),
+                       ("s3://B_ad/x", "not a valid S3 bucket"), ("s3://bucket/a/../b", "'..'")]:
+        with pytest.raises(UnsupportedLocationError, match=words):
+            location(bad)
+
+
+@pytest.mark.parametrize("url", ["gs://bucket/run/ckpt", "http://127.0.0.1:1/x", "file:///tmp/x", "s3:/b/x"])
+def test_other_schemes_never_write_locally(tmp_path, monkeypatch, url):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UnsupportedLocationError):
+        save_state_dict(_state(), url)
+    with pytest.raises(UnsupportedLocationError):
+        load_state_dict(_empty_like(_state()), url)
+    assert list(tmp_path.iterdir()) == []  # no 'gs:' or 's3:' directory appeared
+
+
+# ---------------------------------------------------------------- against the server
+
+def test_save_load_roundtrip_writes_nothing_locally(s3, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    state = _state(1)
+    url = s3.url + "/ckpt"
+    save_state_dict(state, url)
+    assert list(tmp_path.iterdir()) == []  # the old bug: a local 's3:/bucket/...' directory
+    names = {o["Key"].rsplit("/", 1)[1] for o in s3.client().list_objects_v2(
+        Bucket=s3.bucket, Prefix=s3.prefix + "/ckpt/")["Contents"]}
+    assert names == {"metadata.json", ".oarlock-files", "rank-00000.safetensors"}
+    out = _empty_like(state)
+    rep = load_state_dict(out, url)
+    _assert_equal(out, state)
+    assert rep.bytes_hashed > 0
+    # an async save to the bucket
+    state3 = _state(9)
+    save_state_dict(state3, s3.url + "/async", async_save=True).wait()
+    out = _empty_like(state3)
+    load_state_dict(out, s3.url + "/async")
+    _assert_equal(out, state3)
+    # saving again replaces it (the old commit record first)
+    state2 = _state(2)
+    save_state_dict(state2, url)
+    out = _empty_like(state)
+    load_state_dict(out, url)
+    _assert_equal(out, state2)
+
+
+def test_multipart_upload_and_partial_ranged_reads(s3, monkeypatch):
+    monkeypatch.setenv("OARLOCK_S3_PART_BYTES", str(5 * 1024 * 1024))
+    g = torch.Generator().manual_seed(5)
+    big = torch.randn(3 * 1024 * 1024 + 17, generator=g)  # 12 MiB: three parts of 5 MiB
+    url = s3.url + "/big"
+    save_state_dict({"big": big}, url)
+    from oarlock.checkpoint import ShardedWeight
+
+    # a slice in the middle: only the blocks it touches are hashed, only its bytes read
+    part = ShardedWeight("big", torch.zeros(1000), (1000,), tuple(big.shape), (2_000_000,))
+    rep = load_state_dict({"big": part}, url)
+    assert torch.equal(part.local_tensor, big[2_000_000:2_001_000])
+    assert rep.bytes_read == 4000
+    assert 0 < rep.bytes_hashed <= 2 * 4 * 1024 * 1024
+
+
+@pytest.mark.multiproc
+def test_multirank_save_and_resharded_load(s3, multirank):
+    out = multirank("_objectstore_scenarios", 3, env={**s3.env, "OARLOCK_TEST_S3_URL": s3.url})
+    out.check()
+
+
+def test_flipped_byte_is_a_checksum_error(s3):
+    from oarlock.checkpoint.integrity import ChecksumError, verify_checkpoint
+
+    state = _state(3)
+    url = s3.url + "/ckpt"
+    save_state_dict(state, url)
+    c = s3.client()
+    key = f"{s3.prefix}/ckpt/rank-00000.safetensors"
+    data = bytearray(c.get_object(Bucket=s3.bucket, Key=key)["Body"].read())
+    data[-100] ^= 0x01  # in the data section (the last tensor)
+    c.put_object(Bucket=s3.bucket, Key=key, Body=bytes(data))
+    with pytest.raises(ChecksumError, match=r"rank-00000\.safetensors: checksum mismatch"):
+        load_state_dict(_empty_like(state), url)
+    rep = verify_checkpoint(url)
+    assert not rep.intact and any("checksum mismatch" in p.message for p in rep.problems)
+
+
+def test_killed_save_never_loads_and_is_cleaned_by_the_next(s3, tmp_path):
+    good = _state(4)
+    save_state_dict(good, s3.url + "/old")
+    script = textwrap.dedent(f"""
+        import os, signal, torch
+        import oarlock.checkpoint.save as save
+        from oarlock.checkpoint import save_state_dict
+        # die as a killed job would: after every data object is uploaded, before the commit record
+        save.publish_objects = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+        save_state_dict({{"x": torch.ones(1000)}}, {s3.url + '/new'!r})
+    """)
+    env = {**os.environ, **s3.env}
+    p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, timeout=120)
+    assert p.returncode == -9, p.stderr.decode()[-2000:]
+    c = s3.client()
+    left = {o["Key"].rsplit("/", 1)[1] for o in c.list_objects_v2(Bucket=s3.bucket,
+                                                                 Prefix=s3.prefix + "/new/")["Contents"]}
+    assert left == {".oarlock-incomplete", "rank-00000.safetensors"}
+    with pytest.raises(CheckpointFormatError, match="incomplete checkpoint"):
+        load_state_dict({"x": torch.zeros(1000)}, s3.url + "/new")
+    out = _empty_like(good)
+    load_state_dict(out, s3.url + "/old")  # the previous checkpoint is intact
+    _assert_equal(out, good)
+    save_state_dict({"y": torch.full((3,), 2.0)}, s3.url + "/new")  # cleans the killed save's objects
+    left = {o["Key"].rsplit("/", 1)[1] for o in c.list_objects_v2(Bucket=s3.bucket,
+                                                                 Prefix=s3.prefix + "/new/")["Contents"]}
+    assert left == {"metadata.json", ".oarlock-files", "rank-00000.safetensors"}
+    y = {"y": torch.zeros(3)}
+    load_state_dict(y, s3.url + "/new")
+    assert torch.equal(y["y"], torch.full((3,), 2.0))
+
+
+def test_foreign_objects_are_refused_and_kept(s3):
+    c = s3.client()
+    c.put_object(Bucket=s3.bucket, Key=f"{s3.prefix}/ckpt/notes.txt", Body=b"mine")
+    with pytest.raises(CheckpointDestinationError, match="notes.txt"):
+        save_state_dict(_state(), s3.url + "/ckpt")
+    save_state_dict(_state(), s3.url + "/ckpt", overwrite=True)
+    assert c.get_object(Bucket=s3.bucket, Key=f"{s3.prefix}/ckpt/notes.txt")["Body"].read() == b"mine"
+
+
+@pytest.mark.parametrize("bad, why", [("../other/rank-00000.safetensors", "'..'"),
+                                      ("/abs/rank-00000.safetensors", "absolute"),
+                                      ("s3://other-bucket/rank-00000.safetensors", "another bucket"),
+                                      ("sub//rank-00000.safetensors", "plain relative object key")])
+def test_hostile_metadata_key_is_refused_before_reading(s3, bad, why):
+    state = {"a": torch.arange(6.0)}
+    url = s3.url + "/ckpt"
+    save_state_dict(state, url)
+    c = s3.client()
+    # an object the hostile entry would reach, outside the checkpoint's prefix
+    c.put_object(Bucket=s3.bucket, Key=f"{s3.prefix}/other/rank-00000.safetensors", Body=b"secret")
+    mkey = f"{s3.prefix}/ckpt/metadata.json"
+    meta = json.loads(c.get_object(Bucket=s3.bucket, Key=mkey)["Body"].read())
+    meta["tensors"]["a"] = {"global_shape": [6], "dtype": "float32",
+                            "shards": [{"global_offset": [0], "local_shape": [6], "file": bad, "name": "a"}]}
+    c.put_object(Bucket=s3.bucket, Key=mkey, Body=json.dumps(meta).encode())
+    with pytest.raises(CheckpointFormatError, match=f"refusing to open it"):
+        load_state_dict({"a": torch.zeros(6)}, url)
+    with pytest.raises(CheckpointFormatError, match=why):
+        load_state_dict({"a": torch.zeros(6)}, url)
+
+
+def test_retries_through_a_proxy_that_drops_connections(s3, monkeypatch):
+    from s3server import DroppingProxy
+
+    host, port = s3.endpoint.rsplit(":", 1)
+    proxy = DroppingProxy(("127.0.0.1", int(port)), drop=3)
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        state = _state(6)
+        save_state_dict(state, s3.url + "/ckpt")
+        out = _empty_like(state)
+        load_state_dict(out, s3.url + "/ckpt")
+        _assert_equal(out, state)
+        assert proxy.accepted > 3
+    finally:
+        proxy.close()
+    dead = DroppingProxy(("127.0.0.1", int(port)), drop=10 ** 9)  # every connection drops
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", dead.endpoint)
+        monkeypatch.setenv("OARLOCK_S3_MAX_ATTEMPTS", "2")
+        # the error names the bucket, the object key and the operation
+        with pytest.raises(ObjectStoreError, match=rf"s3://{s3.bucket}/{s3.prefix}/ckpt\S*: \w+ failed after 2 "
+                                                   "attempts"):
+            load_state_dict(_empty_like(state), s3.url + "/ckpt")
+        assert dead.accepted == 2
+    finally:
+        dead.close()
+
+
+def test_manager_keep_last_and_load_latest(s3):
+    from oarlock.checkpoint.manager import CheckpointManager
+
+    root = s3.url + "/run"
+    m = CheckpointManager(root, keep_last=2)
+    states = {s: _state(10 + s) for s in (1, 2, 3)}
+    for step, st in states.items():
+        m.save(step, st)
+    assert m.steps() == [2, 3] and m.latest() == 3
+    c = s3.client()
+    assert c.get_object(Bucket=s3.bucket, Key=f"{s3.prefix}/run/latest")["Body"].read() == b"step-00000003\n"
+    left = c.list_objects_v2(Bucket=s3.bucket, Prefix=f"{s3.prefix}/run/step-00000001/").get("Contents", [])
+    assert left == []  # the deleted step: every object gone
+    out = _empty_like(states[3])
+    assert CheckpointManager(root).load_latest(out) == 3
+    _assert_equal(out, states[3])
+    # a killed save of step 4 (data uploaded, no commit record): not the latest; the next save cleans it
+    c.put_object(Bucket=s3.bucket, Key=f"{s3.prefix}/run/step-00000004/.oarlock-incomplete",
+                 Body=b'{"save_id": "x", "world": 1}')
+    c.put_object(Bucket=s3.bucket, Key=f"{s3.prefix}/run/step-00000004/rank-00000.safetensors", Body=b"partial")
+    assert m.latest() == 3
+    m.save(5, states[1])
+    assert m.steps() == [3, 5]
+    assert c.list_objects_v2(Bucket=s3.bucket, Prefix=f"{s3.prefix}/run/step-00000004/").get("Contents", []) == []
+
+
+@pytest.mark.slow
+def test_cli_inspect_verify_diff_convert(s3, tmp_path):
+    env = {**os.environ, **s3.env}
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "oarlock.cli", *args], env=env, capture_output=True,
+                              text=True, timeout=300)
+
+    state = _state(7)
+    del state["n"]  # conversions carry tensors only
+    url = s3.url + "/ckpt"
+    save_state_dict(state, url)
+    r = cli("inspect", url, "--json")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert {t["key"]: t["shape"] for t in info["tensors"]} == {"a": [64, 33], "b": [129], "h": [5, 7]}
+    r = cli("verify", url)
+    assert r.returncode == 0, r.stdout + r.stderr
+    # convert: from the bucket to a local directory, then from there back into the bucket at TP 2
+    r = cli("convert", url, str(tmp_path / "local"))
+    assert r.returncode == 0, r.stderr
+    r = cli("convert", str(tmp_path / "local"), s3.url + "/tp2", "--tp", "2")
+    assert r.returncode == 0, r.stderr
+    out = _empty_like(state)
+    load_state_dict(out, s3.url + "/tp2")
+    _assert_equal(out, state)
+    r = cli("diff", url, s3.url + "/tp2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    save_state_dict({**state, "a": state["a"] + 1}, s3.url + "/other")
+    r = cli("diff", url, s3.url + "/other")
+    assert r.returncode != 0 and "a" in r.stdout
+    # export_hf into the bucket: the files, the index last
+    from oarlock.checkpoint.convert import export_hf
+
+    export_hf(url, s3.url + "/hf")
+    names = {o["Key"].rsplit("/", 1)[1] for o in s3.client().list_objects_v2(
+        Bucket=s3.bucket, Prefix=s3.prefix + "/hf/")["Contents"]}
+    assert any(n.endswith(".safetensors") for n in names), names
+
+
+def test_storage_protocol_local_and_s3_agree(s3, tmp_path, monkeypatch):
+    from oarlock.checkpoint.objectstore import LocalStorage, S3Storage
+
+    monkeypatch.setenv("OARLOCK_S3_PART_BYTES", str(5 * 1024 * 1024))
+    payload = os.urandom(11 * 1024 * 1024 + 3)  # three parts: two from memory, one gathered
+    results = []
+    for st, base in ((LocalStorage(), str(tmp_path)), (S3Storage(s3.bucket), s3.prefix + "/proto")):
+        with st.open_writer(f"{base}/big") as w:
+            w.write(payload[:100])
+            w.write(memoryview(payload)[100:])
+        st.put_bytes(f"{base}/small", b"abc")
+        buf = bytearray(9 * 1024 * 1024)  # a ranged read split into parallel GETs on S3
+        st.read_into(f"{base}/big", 12345, memoryview(buf))
+        assert bytes(buf) == payload[12345:12345 + len(buf)]
+        with pytest.raises(CheckpointFormatError):
+            st.read_into(f"{base}/small", 1, memoryview(bytearray(10)))  # past the end
+        listing = st.list(base)
+        results.append((listing, st.size(f"{base}/big"), st.exists(f"{base}/small"), st.read_bytes(f"{base}/small")))
+        st.delete([f"{base}/small", f"{base}/missing"])
+        assert not st.exists(f"{base}/small")
+    assert results[0] == results[1] == ({"big": len(payload), "small": 3}, len(payload), True, b"abc")
+
+
+def test_retry_policy_throttling_and_5xx_retried_4xx_not(monkeypatch):
+    from botocore.exceptions import ClientError, EndpointConnectionError
+
+    from oarlock.checkpoint.objectstore import S3Storage
+
+    def answer(code: str, status: int) -> ClientError:
+        return ClientError({"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}},
+                           "GetObject")
+
+    monkeypatch.setenv("OARLOCK_S3_MAX_ATTEMPTS", "4")
+    st = S3Storage("some-bucket")
+    for failures in ([answer("SlowDown", 503)] * 3, [answer("InternalError", 500)],
+                     [answer("TooManyRequests", 429)], [EndpointConnectionError(endpoint_url="http://x")]):
+        left = list(failures)
+
+        def fn():
+            if left:
+                raise left.pop(0)
+            return "ok"
+
+        assert st.call("GetObject", "k", fn) == "ok" and not left
+    calls = []
+
+    def denied():
+        calls.append(1)
+        raise answer("AccessDenied", 403)
+
+    with pytest.raises(ObjectStoreError, match=r"s3://some-bucket/run/k: PutObject failed after 1 attempt: "
+                                               r"AccessDenied \(HTTP 403\)"):
+        st.call("PutObject", "run/k", denied)
+    assert len(calls) == 1  # a refusal is not retried
+
+    def always():
+        raise answer("SlowDown", 503)
+
+    with pytest.raises(ObjectStoreError, match="UploadPart 3 failed after 4 attempts: SlowDown"):
+        st.call("UploadPart 3", "run/k", always)
