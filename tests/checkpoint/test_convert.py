@@ -348,3 +348,17 @@ def test_bad_source_is_one_line_and_writes_nothing(tmp_path, kind, capsys):
         assert not dst.exists()
     assert tree_digest(src) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no temporary directory left behind
+
+
+def test_convert_of_metadata_with_an_edited_dtype_reports_the_tensor_not_a_checksum(tmp_path, capsys):
+    """A source whose metadata.json says float16 for a float32 tensor: the conversion fails naming the file and
+    the tensor (before the fix its own half-written output's checksum error masked it), and leaves nothing."""
+    src = tmp_path / "ck"
+    save_state_dict({"a": torch.ones(2, 3), "b": torch.arange(4)}, src)
+    meta = json.loads((src / "metadata.json").read_text())
+    meta["tensors"]["a"]["dtype"] = "float16"
+    (src / "metadata.json").write_text(json.dumps(meta))
+    assert main(["convert", str(src), str(tmp_path / "out"), "--to", "oarlock"]) == 2
+    err = capsys.readouterr().err
+    assert "rank-00000.safetensors: tensor 'a' is float32, metadata says float16" in err, err
+    assert sorted(os.listdir(tmp_path)) == ["ck"]

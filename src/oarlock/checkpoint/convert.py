@@ -747,9 +747,12 @@ def convert_checkpoint(source: str | os.PathLike, out_dir: str | os.PathLike, *,
                         if bar is not None:
                             bar.update(n)
                     del whole
-            finally:
-                for o in outs.values():
-                    o.close()
+            except BaseException:
+                for o in outs.values():  # abandoned: closing would hash a half-written file and mask the error
+                    o.abandon()
+                raise
+            for o in outs.values():
+                o.close()
             if bar is not None:
                 bar.close()
             meta.extra[CHECKSUMS_KEY] = make_record({data_file_name(r): o.checksum_record for r, o in outs.items()})

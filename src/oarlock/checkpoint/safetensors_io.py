@@ -508,6 +508,11 @@ class SafetensorsWriter:
         return CheckpointError(f"{self.path}: cannot write {what}: {e.strerror or e}"
                                + (" (the disk is full)" if e.errno == errno.ENOSPC else ""))
 
+    def abandon(self) -> None:
+        """Give the file up after an error: close it without hashing or fsync (which could only mask the error;
+        the caller removes it), abort an object upload."""
+        self._abandon()
+
     def _abandon(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
