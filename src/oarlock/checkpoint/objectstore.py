@@ -362,7 +362,8 @@ def _not_found(e: BaseException) -> bool:
     if not isinstance(e, bx.ClientError):
         return False
     status = int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
-    return status == 404 or e.response.get("Error", {}).get("Code") in ("NoSuchKey", "NotFound", "404")
+    return status == 404 or e.response.get("Error", {}).get("Code") in ("NoSuchKey", "NoSuchBucket", "NotFound",
+                                                                        "404")
 
 
 _clients: dict[tuple, Any] = {}
@@ -448,7 +449,10 @@ class S3Storage(Storage):
                     return None
                 if attempt == self.attempts or not _retryable(e):
                     if _not_found(e):
-                        raise CheckpointFormatError(f"{self.url(key)}: {op}: no such object") from None
+                        code = getattr(e, "response", {}).get("Error", {}).get("Code")
+                        what = (f"bucket {self.bucket!r} does not exist" if code == "NoSuchBucket"
+                                else "no such object")
+                        raise CheckpointFormatError(f"{self.url(key)}: {op}: {what}") from None
                     raise ObjectStoreError(f"{self.url(key)}: {op} failed after {attempt} attempt"
                                            f"{'s' if attempt > 1 else ''}: {_reason(e)}") from e
             time.sleep(random.uniform(0, delay))
