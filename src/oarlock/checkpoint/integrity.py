@@ -37,7 +37,7 @@ import xxhash
 from oarlock.checkpoint.errors import CheckpointError, CheckpointFormatError
 from oarlock.checkpoint.executor import io_threads
 from oarlock.checkpoint.metadata import METADATA_FILE
-from oarlock.checkpoint.objectstore import is_object_path
+from oarlock.checkpoint.objectstore import is_object_path, remember_verified_block
 from oarlock.checkpoint.plan import index_of
 from oarlock.checkpoint.safetensors_io import read_header
 from oarlock.checkpoint.storage import detect_format, open_checkpoint
@@ -291,7 +291,10 @@ class BlockVerifier:
             lo, hi = b * fc.block_size, min(size, (b + 1) * fc.block_size)
             buf = bytearray(hi - lo)
             st.read_into(path.key, lo, memoryview(buf))
-            return _digest(buf) == fc.blocks[b]
+            good = _digest(buf) == fc.blocks[b]
+            if good:  # the load's reads of this block copy these bytes instead of fetching them again
+                remember_verified_block(st.bucket, path.key, lo, fc.block_size, buf)
+            return good
 
         n = min(io_threads() * 2, len(todo))
         if n > 1:

@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from oarlock.checkpoint import comm
-from oarlock.checkpoint.objectstore import is_object_path, location
+from oarlock.checkpoint.objectstore import is_object_path, keep_verified_blocks, location
 from oarlock.checkpoint.dist import DistWrapper
 from oarlock.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from oarlock.checkpoint.executor import LoadReport, execute_work, read_order
@@ -185,6 +185,21 @@ def gather_requests(request: Callable[[], dict], dist: DistWrapper) -> list[dict
 
 
 def run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process_group: Any = None,
+             aoa_config: Any = None, strict: bool = True, program: MappingProgram | None = None,
+             comm_method: str = "auto", model_only: bool = False, ignore_unexpected: Any = False,
+             verify_checksums: bool = True) -> LoadReport:
+    """The body of :func:`oarlock.checkpoint.load_state_dict` (see there for arguments and errors). From an object
+    store, the blocks this rank verifies are kept for the load's reads (fetched once, not twice)."""
+    kw = dict(process_group=process_group, aoa_config=aoa_config, strict=strict, program=program,
+              comm_method=comm_method, model_only=model_only, ignore_unexpected=ignore_unexpected,
+              verify_checksums=verify_checksums)
+    if is_object_path(location(path)):
+        with keep_verified_blocks():
+            return _run_load(state_dict, path, **kw)
+    return _run_load(state_dict, path, **kw)
+
+
+def _run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process_group: Any = None,
              aoa_config: Any = None, strict: bool = True, program: MappingProgram | None = None,
              comm_method: str = "auto", model_only: bool = False, ignore_unexpected: Any = False,
              verify_checksums: bool = True) -> LoadReport:

@@ -30,6 +30,7 @@ is used then). Tuning: ``OARLOCK_S3_PART_BYTES`` (multipart part size, default 1
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import os
@@ -40,7 +41,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 from oarlock.checkpoint.errors import CheckpointError, CheckpointFormatError
 
@@ -309,6 +310,48 @@ class LocalStorage(Storage):
 
 # ---------------------------------------------------------------- S3
 
+class _VerifiedBlocks:
+    """Block bytes that this process hashed and found correct during the current load, by ``(bucket, key)``
+    then block start: a verified load over the network fetches each block it owns once (to hash), and its reads
+    of that block copy from here. Held only while a load runs (:func:`keep_verified_blocks`), so at most the
+    blocks this rank verifies, which are blocks it reads."""
+
+    def __init__(self) -> None:
+        self.active = 0
+        self.block_size = 0
+        self.blocks: dict[tuple[str, str], dict[int, Any]] = {}
+        self.lock = threading.Lock()
+
+
+_verified = _VerifiedBlocks()
+
+
+@contextlib.contextmanager
+def keep_verified_blocks() -> Iterator[None]:
+    """While active, :func:`remember_verified_block` keeps block bytes and :meth:`S3Storage.read_into` serves
+    reads from them; everything is dropped when the outermost use ends."""
+    with _verified.lock:
+        _verified.active += 1
+    try:
+        yield
+    finally:
+        with _verified.lock:
+            _verified.active -= 1
+            if not _verified.active:
+                _verified.blocks.clear()
+                _verified.block_size = 0
+
+
+def remember_verified_block(bucket: str, key: str, lo: int, block_size: int, data: Any) -> None:
+    """Keep the verified bytes of the block starting at ``lo`` (a no-op outside :func:`keep_verified_blocks`)."""
+    if not _verified.active:
+        return
+    with _verified.lock:
+        if _verified.block_size not in (0, block_size):
+            return  # one block size per load (a checkpoint's); another's blocks are simply fetched again
+        _verified.block_size = block_size
+        _verified.blocks.setdefault((bucket, key), {})[lo] = data  # the hashed buffer itself: no copy
+
 def _env_int(name: str, default: int, lo: int = 1) -> int:
     try:
         return max(lo, int(os.environ.get(name, default)))
@@ -520,11 +563,34 @@ class S3Storage(Storage):
 
     def read_into(self, key: str, offset: int, buf: memoryview) -> None:
         """Ranged GETs of exactly ``[offset, offset + len(buf))``, straight into ``buf``: one request up to
-        :attr:`READ_PART` bytes, else parts of that size in flight together (bounded by the process pool)."""
+        :attr:`READ_PART` bytes, else parts of that size in flight together (bounded by the process pool). Bytes
+        of blocks this process verified during the current load (:func:`keep_verified_blocks`) are copied from
+        the verified copy instead of being fetched again."""
         buf = memoryview(buf).cast("B")
-        n = len(buf)
-        if n == 0:
+        if not len(buf):
             return
+        kept = _verified.blocks.get((self.bucket, key)) if _verified.active else None
+        if not kept:
+            self._fetch_into(key, offset, buf)
+            return
+        bs, end, off = _verified.block_size, offset + len(buf), offset
+        miss: list[list[int]] = []
+        while off < end:
+            lo = off // bs * bs
+            stop = min(end, lo + bs)
+            data = kept.get(lo)
+            if data is not None and len(data) >= stop - lo:
+                buf[off - offset:stop - offset] = data[off - lo:stop - lo]
+            elif miss and miss[-1][1] == off:
+                miss[-1][1] = stop
+            else:
+                miss.append([off, stop])
+            off = stop
+        for a, b in miss:
+            self._fetch_into(key, a, buf[a - offset:b - offset])
+
+    def _fetch_into(self, key: str, offset: int, buf: memoryview) -> None:
+        n = len(buf)
         if n <= self.READ_PART or threading.current_thread().name.startswith("oarlock-s3"):
             self._get_range(key, offset, buf)
             return
