@@ -561,6 +561,7 @@ class FlatIndex:
 PACKED_ENTRY = "oarlock.packed"
 
 
+@functools.lru_cache(maxsize=4096)
 def _pieces_of_rank(global_shape: tuple[int, ...], grid: Any) -> dict[int, tuple[int, ...]]:
     """rank -> shape of the piece it writes of a tensor recorded by ``grid`` (a :class:`GridLayout`: the cell's
     shape; a :class:`FlatGrid`: ``(elements,)``). Empty cells write nothing.
@@ -583,9 +584,6 @@ def _pieces_of_rank(global_shape: tuple[int, ...], grid: Any) -> dict[int, tuple
     return out
 
 
-_pieces_cached = functools.lru_cache(maxsize=4096)(_pieces_of_rank)
-
-
 class PackedLayout:
     """Where each grid- or flat-recorded tensor's piece lies inside the :data:`PACKED_ENTRY` of a data file, from
     the metadata alone: the pieces a rank writes, ordered by key (code-point order), back to back, leaving out the
@@ -605,7 +603,6 @@ class PackedLayout:
         geoms: dict[tuple, int] = {}
         self.gid = [geoms.setdefault((s, g, dtype_itemsize(d)), len(geoms)) for _, s, d, g in rows]
         self.geoms = list(geoms)
-        self._files: dict[int, "PackedEntries"] = {}
 
     def entries(self, rank: int, region_begin: int, region_bytes: int, source: str, named: dict | None = None
                 ) -> "PackedEntries":
@@ -621,7 +618,7 @@ class PackedLayout:
         shapes = []
         sizes_g = np.zeros(len(self.geoms), dtype=np.int64)
         for j, (gshape, grid, isz) in enumerate(self.geoms):
-            shape = _pieces_cached(gshape, grid).get(rank)
+            shape = _pieces_of_rank(gshape, grid).get(rank)
             shapes.append(shape)
             if shape is not None:
                 sizes_g[j] = math.prod(shape) * isz

@@ -252,7 +252,6 @@ class BlockVerifier:
         if is_object_path(path):
             return self._bad_object_blocks(path, fc, todo)
         path = Path(path)
-        bad = []
         with open(path, "rb") as fh:
             size = os.fstat(fh.fileno()).st_size
             if size != fc.size:
@@ -265,17 +264,25 @@ class BlockVerifier:
                 return _digest_block(fd, lo, hi - lo) == fc.blocks[b]
 
             n = io_threads()
-            if n > 1 and len(todo) > 2:  # xxhash releases the GIL on large inputs: blocks hash in parallel
-                with ThreadPoolExecutor(max_workers=min(n, len(todo)), thread_name_prefix="oarlock-hash") as pool:
-                    ok = list(pool.map(check, todo))
+            # xxhash releases the GIL on large inputs: blocks hash in parallel
+            return self._run_checks(fc, size, todo, check, min(n, len(todo)), n > 1 and len(todo) > 2)
+
+    def _run_checks(self, fc: FileChecksums, size: int, todo: list[int], check: Any, workers: int,
+                    parallel: bool) -> list[int]:
+        """Run ``check(block) -> bool`` over ``todo`` (on ``workers`` threads when ``parallel``), record the good
+        blocks and the bytes hashed; returns the bad blocks."""
+        if parallel:
+            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="oarlock-hash") as pool:
+                ok = list(pool.map(check, todo))
+        else:
+            ok = [check(b) for b in todo]
+        bad = []
+        for b, good in zip(todo, ok):
+            if good:
+                self.verified.add((fc.file, b))
             else:
-                ok = [check(b) for b in todo]
-            for b, good in zip(todo, ok):
-                if good:
-                    self.verified.add((file, b))
-                else:
-                    bad.append(b)
-                self.bytes_verified += min(size, (b + 1) * fc.block_size) - b * fc.block_size
+                bad.append(b)
+            self.bytes_verified += min(size, (b + 1) * fc.block_size) - b * fc.block_size
         return bad
 
     def _bad_object_blocks(self, path: Any, fc: FileChecksums, todo: list[int]) -> list[int]:
@@ -297,19 +304,7 @@ class BlockVerifier:
             return good
 
         n = min(io_threads() * 2, len(todo))
-        if n > 1:
-            with ThreadPoolExecutor(max_workers=n, thread_name_prefix="oarlock-hash") as pool:
-                ok = list(pool.map(check, todo))
-        else:
-            ok = [check(b) for b in todo]
-        bad = []
-        for b, good in zip(todo, ok):
-            if good:
-                self.verified.add((fc.file, b))
-            else:
-                bad.append(b)
-            self.bytes_verified += min(size, (b + 1) * fc.block_size) - b * fc.block_size
-        return bad
+        return self._run_checks(fc, size, todo, check, n, n > 1)
 
 
 def _read_layout(reader: Any, file: str, name: str, flat_start: int, shape: Sequence[int],

@@ -239,9 +239,9 @@ class SafetensorsFile:
     @property
     def packed(self) -> bool:
         """True for a packed oarlock data file (:data:`~oarlock.checkpoint.grid.PACKED_ENTRY`)."""
-        from oarlock.checkpoint.grid import PACKED_ENTRY
+        from oarlock.checkpoint.grid import PACKED_ENTRY, PackedEntries
 
-        return PACKED_ENTRY in self.entries and not hasattr(self.entries, "_layout")
+        return PACKED_ENTRY in self.entries and not isinstance(self.entries, PackedEntries)  # not yet resolved
 
     def use_packed(self, layout: Any, rank: int | None) -> None:
         """Resolve a packed data file's pieces from the checkpoint's metadata (``layout``, a

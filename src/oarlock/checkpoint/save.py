@@ -774,15 +774,16 @@ def write_and_commit(plan: SavePlan, local: Mapping[Any, torch.Tensor], process_
         file = data_file_name(plan.rank)
         # grid shards go into the packed entry in key order (located from the grid records, so the file's header
         # stays a few hundred bytes whatever the number of tensors); listed shards keep named entries
+        stored = {i: i[0] if plan.names[i] is None else plan.names[i] for i in ids}  # packed pieces: the key
         packed = [i for i in ids if plan.names[i] is None]
         named = [i for i in ids if plan.names[i] is not None]
         data = {i: local[i] if i in local else local[i[0]] for i in ids}
-        by_name = {i[0] if plan.names[i] is None else plan.names[i]: i for i in ids}
+        by_name = {stored[i]: i for i in ids}
         hasher = BlockHasher()
-        header = shard_header([(i[0] if plan.names[i] is None else plan.names[i], *_desc_tuple(mine[i]))
-                               for i in ids], plan.world, plan.save_id, digest=bool(packed))
-        write_safetensors(tmp / file, {plan.names[i]: data[i] for i in named}, metadata=header, hasher=hasher,
-                          packed={i[0]: data[i] for i in packed},
+        header = shard_header([(stored[i], *_desc_tuple(mine[i])) for i in ids], plan.world, plan.save_id,
+                              digest=bool(packed))
+        write_safetensors(tmp / file, {stored[i]: data[i] for i in named}, metadata=header, hasher=hasher,
+                          packed={stored[i]: data[i] for i in packed},
                           ready=None if ready is None else (lambda name: ready(by_name[name])))
         return {file: hasher.record}  # block checksums, recorded in the metadata
 
