@@ -193,7 +193,8 @@ def run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process_
     kw = dict(process_group=process_group, aoa_config=aoa_config, strict=strict, program=program,
               comm_method=comm_method, model_only=model_only, ignore_unexpected=ignore_unexpected,
               verify_checksums=verify_checksums)
-    if is_object_path(location(path)):
+    path = location(path)  # an unsupported URL scheme is refused here, never read as a local path
+    if is_object_path(path):
         with keep_verified_blocks():
             return _run_load(state_dict, path, **kw)
     return _run_load(state_dict, path, **kw)
@@ -207,7 +208,6 @@ def _run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process
     if aoa_config is not None and program is not None:
         raise CheckpointError("pass either aoa_config or program to load_state_dict, not both")
     comm.check_comm_method(comm_method)
-    path = location(path)  # an unsupported URL scheme is refused here, never read as a local path
     dist = DistWrapper(process_group)
     recover_publish(path)  # an interrupted replacement of this checkpoint is completed first (the warm path too)
     first: Leaves | None = None  # the state's leaves, collected once for the warm check and the normal path
