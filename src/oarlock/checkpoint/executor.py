@@ -154,27 +154,38 @@ def execute_file(reader: CheckpointReader, file: str, work: list[tuple[Any, torc
     small shards), read the span they cover once (one ``preadv``) and copy every box out of that buffer; else
     item by item (:func:`execute_items`). Returns the bytes the items need."""
     tensors = reader.metadata.tensors
-    nbytes = sum(it.numel * dtype_itemsize(tensors[it.src_key].dtype) for it, _ in work)
     if len(work) < 4 or type(reader).read_box is not CheckpointReader.read_box or not file.endswith(".safetensors"):
         return sum(execute_items(reader, t, [it]) for it, t in work)
     f = reader.safetensors_file(file)
     cache = {} if cache is None else cache  # target -> numpy view, shared by the files of one load
     fast, slow = [], []
+    # per key and per stored array: thousands of items share them (many shards of one file, many tensors)
+    dtypes: dict[str, tuple[str, int]] = {}
     strides_of: dict[tuple, list[int]] = {}
-    checked: set[tuple] = set()
-    lo, hi, need = None, 0, 0
+    begins: dict[tuple, int] = {}
+    lo, hi, need, nbytes = None, 0, 0, 0
+    data_start = f.data_start
     for it, target in work:
-        dtype = tensors[it.src_key].dtype
-        isz = dtype_itemsize(dtype)
+        dt = dtypes.get(it.src_key)
+        if dt is None:
+            dtype = tensors[it.src_key].dtype
+            dt = dtypes[it.src_key] = (dtype, dtype_itemsize(dtype))
+        dtype, isz = dt
+        src_box = it.src_box
+        n = 1
+        for a, b in src_box:
+            n *= b - a
+        nbytes += n * isz
         arr = _np_target(target, cache) if it.permute is None and it.dtype is None else None
         dst = _np_destination(it, arr) if arr is not None and arr.itemsize == isz else None
         if dst is None:
             slow.append((it, target))
             continue
         ck = (it.name, it.src_flat_start, it.src_shape)
-        if ck not in checked:
-            f.check_array(it.name, it.src_flat_start, it.src_shape, dtype)
-            checked.add(ck)
+        begin = begins.get(ck)
+        if begin is None:
+            begin = begins[ck] = data_start + f.check_array(it.name, it.src_flat_start, it.src_shape, dtype) \
+                + int(it.src_flat_start) * isz
         sk = (it.src_shape, isz)
         strides = strides_of.get(sk)
         if strides is None:
@@ -182,12 +193,16 @@ def execute_file(reader: CheckpointReader, file: str, work: list[tuple[Any, torc
             for d in range(len(it.src_shape) - 2, -1, -1):
                 strides[d] = strides[d + 1] * int(it.src_shape[d + 1])
             strides_of[sk] = strides
-        start = f.data_start + f.entries[it.name][2] + int(it.src_flat_start) * isz \
-            + sum(x * st for (x, _), st in zip(it.src_box, strides))
-        stop = start + sum((y - x - 1) * st for (x, y), st in zip(it.src_box, strides)) + isz
+        start = stop = begin
+        for (x, y), st in zip(src_box, strides):
+            start += x * st
+            stop += (y - 1) * st
+        stop += isz
         fast.append((it, dst, start, strides))
-        lo = start if lo is None else min(lo, start)
-        hi = max(hi, stop)
+        if lo is None or start < lo:
+            lo = start
+        if stop > hi:
+            hi = stop
         need += stop - start
     if fast:
         # worth it only for many small reads: large ones go straight into their targets with no extra copy
@@ -234,7 +249,17 @@ def execute_work(reader: CheckpointReader, work: list[tuple[Any, torch.Tensor]],
     n = threads or io_threads()
     if threads is None and is_object_path(reader.root):  # an object store: latency-bound GETs in flight together
         n = max(n, s3_concurrency())
-    total = sum(it.numel * dtype_itemsize(reader.metadata.tensors[it.src_key].dtype) for it, _ in work)
+    tensors = reader.metadata.tensors
+    sizes: dict[str, int] = {}  # item size per key: a load has thousands of items per key
+    total = 0
+    for it, _ in work:
+        isz = sizes.get(it.src_key)
+        if isz is None:
+            isz = sizes[it.src_key] = dtype_itemsize(tensors[it.src_key].dtype)
+        n = isz
+        for a, b in it.src_box:
+            n *= b - a
+        total += n
     # only the base class's safetensors byte-range reads are known to be thread safe (formats may cache state)
     base_reads = type(reader).read_box is CheckpointReader.read_box
     if n <= 1 or len(work) < 2 or total < PARALLEL_MIN_BYTES or not base_reads:
