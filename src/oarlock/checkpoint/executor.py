@@ -18,6 +18,7 @@ import torch
 from oarlock.checkpoint.mapping import box_extent, box_slices, cast_tensor
 from oarlock.checkpoint.objectstore import is_object_path, s3_concurrency
 from oarlock.checkpoint.reader import CheckpointReader
+from oarlock.checkpoint.sharded import box_volume
 from oarlock.utils import dtype_itemsize, numel
 
 
@@ -172,10 +173,7 @@ def execute_file(reader: CheckpointReader, file: str, work: list[tuple[Any, torc
             dt = dtypes[it.src_key] = (dtype, dtype_itemsize(dtype))
         dtype, isz = dt
         src_box = it.src_box
-        n = 1
-        for a, b in src_box:
-            n *= b - a
-        nbytes += n * isz
+        nbytes += box_volume(src_box) * isz
         arr = _np_target(target, cache) if it.permute is None and it.dtype is None else None
         dst = _np_destination(it, arr) if arr is not None and arr.itemsize == isz else None
         if dst is None:
@@ -256,10 +254,7 @@ def execute_work(reader: CheckpointReader, work: list[tuple[Any, torch.Tensor]],
         isz = sizes.get(it.src_key)
         if isz is None:
             isz = sizes[it.src_key] = dtype_itemsize(tensors[it.src_key].dtype)
-        n = isz
-        for a, b in it.src_box:
-            n *= b - a
-        total += n
+        total += box_volume(it.src_box) * isz
     # only the base class's safetensors byte-range reads are known to be thread safe (formats may cache state)
     base_reads = type(reader).read_box is CheckpointReader.read_box
     if n <= 1 or len(work) < 2 or total < PARALLEL_MIN_BYTES or not base_reads:
