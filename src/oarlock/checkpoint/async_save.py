@@ -192,10 +192,24 @@ class _Worker:
             self._thread.start()
         self._queue.put(fn)
 
+    def stop(self) -> None:
+        """Let the thread finish what was submitted, then end, and join it (at interpreter exit: a daemon thread
+        still unwinding torch's C++ frames when finalization stops it with ``pthread_exit`` aborts the process,
+        "terminate called without an active exception")."""
+        t = self._thread
+        if t is not None and self._pid == os.getpid() and t.is_alive():
+            self._queue.put(None)
+            t.join()
+        self._thread = None
+
     @staticmethod
     def _loop(q: queue.SimpleQueue) -> None:
         while True:
-            q.get()()  # the functions catch their own errors
+            fn = q.get()
+            if fn is None:
+                return
+            fn()  # the functions catch their own errors
+            del fn  # the finished save's closure (plan, tensors) is freed here, not at the next get
 
 
 _STAGE_WORKER = _Worker("oarlock-async-stage")
@@ -379,6 +393,9 @@ def _wait_at_exit() -> None:
     if h is not None:
         h._finished.wait()
         _report_unseen(h)
+    # after the commit the threads still free the save's objects: end them before finalization does
+    _WRITE_WORKER.stop()
+    _STAGE_WORKER.stop()
 
 
 def wait_pending() -> None:

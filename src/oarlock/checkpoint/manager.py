@@ -338,7 +338,9 @@ class CheckpointManager:
             except BaseException as e:  # re-raised by wait()
                 self._error = e
 
-        self._thread = threading.Thread(target=finish, name="oarlock-manager-commit", daemon=True)
+        # not a daemon: a script ending right after ``save`` still gets its pointer replaced (the interpreter
+        # joins the thread before exiting)
+        self._thread = threading.Thread(target=finish, name="oarlock-manager-commit")
         self._thread.start()
 
     def _publish(self, step: int) -> None:
