@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from oarlock.checkpoint import load_state_dict, save_state_dict
+from oarlock.checkpoint import ShardedWeight, load_state_dict, save_state_dict
 from oarlock.checkpoint.errors import CheckpointError, CheckpointFormatError
 from testkit import listed_metadata, run_cli
 
@@ -662,3 +662,32 @@ def test_hub_cache_snapshot_links_into_blobs_are_allowed(tmp_path):
     os.symlink(tmp_path / "elsewhere.safetensors", snap / "model.safetensors")
     with pytest.raises(CheckpointFormatError, match="'model.safetensors' resolves to .*outside the checkpoint"):
         load_state_dict(out, snap)
+
+
+def test_a_missing_array_among_many_small_reads_is_found_before_any_target_byte_is_written(tmp_path):
+    """A reshard of many small listed shards reads each file as one span: every item of every file is checked
+    (here one stored array is gone from the file) before the first copy into a target."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    ck = tmp_path / "ck"
+    full = {f"k{i}": torch.arange(32, dtype=torch.float32).reshape(8, 4) + 100 * i for i in range(8)}
+    # uneven row halves, given as two ShardedWeights of one key: listed shards, named entries of one file
+    save_state_dict({k: [ShardedWeight(k, t[:3].clone(), (3, 4), (8, 4), (0, 0)),
+                         ShardedWeight(k, t[3:].clone(), (5, 4), (8, 4), (3, 0))]
+                     for k, t in full.items()}, ck)
+    files = sorted(p.name for p in ck.glob("*.safetensors"))
+    assert files == ["rank-00000.safetensors"]
+    out = {k: ShardedWeight(k, torch.zeros(8, 2), (8, 2), (8, 4), (0, 2)) for k in full}
+    load_state_dict(out, ck)  # the intact checkpoint: 16 items, one file, read as one span
+    assert all(torch.equal(out[k].local_tensor, t[:, 2:]) for k, t in full.items())
+    f = ck / files[0]
+    with safe_open(str(f), "pt") as fh:
+        meta = fh.metadata()
+        kept = {n: fh.get_tensor(n) for n in fh.keys() if n != "k5@3,0"}
+    assert len(kept) == 15
+    save_file(kept, str(f), metadata=meta)  # the same save id, one array less
+    out = {k: ShardedWeight(k, torch.zeros(8, 2), (8, 2), (8, 4), (0, 2)) for k in full}
+    with pytest.raises(CheckpointFormatError, match=r"rank-00000\.safetensors: tensor 'k5@3,0' is missing"):
+        load_state_dict(out, ck)
+    assert all(torch.equal(sw.local_tensor, torch.zeros(8, 2)) for sw in out.values())

@@ -149,73 +149,147 @@ def _np_destination(it: Any, arr: np.ndarray) -> np.ndarray | None:
     return view
 
 
-def execute_file(reader: CheckpointReader, file: str, work: list[tuple[Any, torch.Tensor]],
-                 cache: dict | None = None) -> int:
-    """Run the items of one data file: when they are many small reads of a dense region (a reshard across many
-    small shards), read the span they cover once (one ``preadv``) and copy every box out of that buffer; else
-    item by item (:func:`execute_items`). Returns the bytes the items need."""
-    tensors = reader.metadata.tensors
+@dataclass
+class FileReads:
+    """The checked reads of one data file's items, worked out before anything is written (:func:`prepare_file`).
+
+    ``fast``: ``(destination array, first byte, geometry)`` of the items that can be copied out of one read of the
+    span ``[lo, hi)`` of the file (``need`` bytes of it used); ``slow``: ``(item, target)`` pairs read item by item
+    (a permutation, a cast, a target numpy cannot view); ``coalesce``: whether the fast items are read as one span
+    (many small reads of a dense region) or item by item; ``nbytes``: the bytes all the items need."""
+
+    fast: list = field(default_factory=list)
+    slow: list = field(default_factory=list)
+    lo: int = 0
+    hi: int = 0
+    need: int = 0
+    nbytes: int = 0
+    coalesce: bool = False
+
+
+def prepare_file(reader: CheckpointReader, file: str, work: list[tuple[Any, torch.Tensor]],
+                 cache: dict | None = None) -> FileReads | None:
+    """Check the items of one data file (the file opens and belongs to this save, each stored array is there with
+    its key's dtype and holds the array the item reads from) and work out where each item's bytes are, without
+    reading data; None for files read item by item (few items, formats with data files of their own), whose items
+    are checked with :meth:`~oarlock.checkpoint.reader.CheckpointReader.check_read`.
+
+    Raises:
+        CheckpointFormatError: naming the file and tensor.
+    """
     if len(work) < 4 or type(reader).read_box is not CheckpointReader.read_box or not file.endswith(".safetensors"):
-        return sum(execute_items(reader, t, [it]) for it, t in work)
+        done = set()
+        for it, _ in work:
+            k = (it.src_key, it.file, it.name, it.src_flat_start, tuple(it.src_shape))
+            if k not in done:
+                done.add(k)
+                reader.check_read(*k)
+        return None
+    tensors = reader.metadata.tensors
     f = reader.safetensors_file(file)
     cache = {} if cache is None else cache  # target -> numpy view, shared by the files of one load
-    fast, slow = [], []
-    # per key and per stored array: thousands of items share them (many shards of one file, many tensors)
+    out = FileReads()
+    fast, slow = out.fast, out.slow
+    # Thousands of items share a key's dtype, a stored array, a box shape: each is worked out once (a reshard of
+    # many small shards spends its time here, per item, not in the reads).
     dtypes: dict[str, tuple[str, int]] = {}
-    strides_of: dict[tuple, list[int]] = {}
-    begins: dict[tuple, int] = {}
+    geometry: dict[tuple, tuple] = {}  # (stored shape, box, item size) -> (first byte, last byte + 1, extent, strides)
+    slices: dict[tuple, tuple] = {}  # destination box -> slices
     lo, hi, need, nbytes = None, 0, 0, 0
     data_start = f.data_start
+    check_array = f.check_array
     for it, target in work:
         dt = dtypes.get(it.src_key)
         if dt is None:
             dtype = tensors[it.src_key].dtype
             dt = dtypes[it.src_key] = (dtype, dtype_itemsize(dtype))
         dtype, isz = dt
-        src_box = it.src_box
-        nbytes += box_volume(src_box) * isz
-        arr = _np_target(target, cache) if it.permute is None and it.dtype is None else None
-        dst = _np_destination(it, arr) if arr is not None and arr.itemsize == isz else None
+        src_box, src_shape = it.src_box, it.src_shape
+        # the check of every item, fast or slow, before anything is written
+        begin = data_start + check_array(it.name, it.src_flat_start, src_shape, dtype) + int(it.src_flat_start) * isz
+        gk = (src_shape, src_box, isz)
+        geo = geometry.get(gk)
+        if geo is None:
+            strides = [isz] * len(src_shape)
+            for d in range(len(src_shape) - 2, -1, -1):
+                strides[d] = strides[d + 1] * int(src_shape[d + 1])
+            first = last = 0
+            for (x, y), st in zip(src_box, strides):
+                first += x * st
+                last += (y - 1) * st
+            geo = geometry[gk] = (first, last + isz, tuple(y - x for x, y in src_box), tuple(strides),
+                                  box_volume(src_box) * isz)
+        nbytes += geo[4]
+        dst = None
+        if it.permute is None and it.dtype is None:
+            arr = cache.get(id(target))
+            arr = arr[1] if arr is not None else _np_target(target, cache)
+            if arr is not None and arr.itemsize == isz:
+                if not it.dst_flat_start and arr.ndim == len(it.dst_shape):
+                    sl = slices.get(it.dst_box)
+                    if sl is None:
+                        sl = slices[it.dst_box] = tuple(slice(a, b) for a, b in it.dst_box)
+                    dst = arr[sl] if sl else arr[...]  # 0-d: a view, not a scalar
+                    if dst.shape != geo[2]:
+                        dst = _np_destination(it, arr)
+                else:
+                    dst = _np_destination(it, arr)
         if dst is None:
             slow.append((it, target))
             continue
-        ck = (it.name, it.src_flat_start, it.src_shape)
-        begin = begins.get(ck)
-        if begin is None:
-            begin = begins[ck] = data_start + f.check_array(it.name, it.src_flat_start, it.src_shape, dtype) \
-                + int(it.src_flat_start) * isz
-        sk = (it.src_shape, isz)
-        strides = strides_of.get(sk)
-        if strides is None:
-            strides = [isz] * len(it.src_shape)
-            for d in range(len(it.src_shape) - 2, -1, -1):
-                strides[d] = strides[d + 1] * int(it.src_shape[d + 1])
-            strides_of[sk] = strides
-        start = stop = begin
-        for (x, y), st in zip(src_box, strides):
-            start += x * st
-            stop += (y - 1) * st
-        stop += isz
-        fast.append((it, dst, start, strides))
+        start, stop = begin + geo[0], begin + geo[1]
+        fast.append((dst, start, geo))
         if lo is None or start < lo:
             lo = start
         if stop > hi:
             hi = stop
         need += stop - start
+    out.nbytes = nbytes
     if fast:
+        out.lo, out.hi, out.need = lo, hi, need
         # worth it only for many small reads: large ones go straight into their targets with no extra copy
-        if hi - lo > COALESCE_MAX_BYTES or hi - lo > COALESCE_MAX_WASTE * need or need > len(fast) * (256 << 10):
-            return sum(execute_items(reader, t, [it]) for it, t in work)
-        buf = np.empty(hi - lo, dtype=np.uint8)
-        f.read_into(memoryview(buf), lo)  # os.preadv locally, ranged GETs of exactly the span in a store
-        for it, dst, start, strides in fast:
+        out.coalesce = not (hi - lo > COALESCE_MAX_BYTES or hi - lo > COALESCE_MAX_WASTE * need
+                            or need > len(fast) * (256 << 10))
+    return out
+
+
+def prepare_work(reader: CheckpointReader, work: list[tuple[Any, torch.Tensor]], files: set[str] | None = None
+                 ) -> dict[str, FileReads | None]:
+    """:func:`prepare_file` of every data file of ``work`` (``(read item, target)`` pairs), or of those in
+    ``files``: the load calls it on everything a rank reads itself before the first target byte is written and
+    keeps the files open, so that the reads see the files it checked; :func:`execute_work` then reuses the result.
+
+    Raises:
+        CheckpointFormatError: naming the file and tensor.
+    """
+    by_file: dict[str, list] = {}
+    for it, target in work:
+        if files is None or it.file in files:
+            by_file.setdefault(it.file, []).append((it, target))
+    views: dict = {}
+    return {f: prepare_file(reader, f, w, views) for f, w in by_file.items()}
+
+
+def execute_file(reader: CheckpointReader, file: str, work: list[tuple[Any, torch.Tensor]],
+                 cache: dict | None = None, prepared: FileReads | None = None) -> int:
+    """Run the items of one data file: when they are many small reads of a dense region (a reshard across many
+    small shards), read the span they cover once (one ``preadv``) and copy every box out of that buffer; else
+    item by item (:func:`execute_items`). ``prepared``: this file's :func:`prepare_file` (worked out here when
+    None). Returns the bytes the items need."""
+    p = prepared if prepared is not None else prepare_file(reader, file, work, cache)
+    if p is None or (p.fast and not p.coalesce):
+        return sum(execute_items(reader, t, [it]) for it, t in work)
+    if p.fast:
+        buf = np.empty(p.hi - p.lo, dtype=np.uint8)
+        reader.safetensors_file(file).read_into(memoryview(buf), p.lo)  # os.preadv; ranged GETs in a store
+        lo, ndarray, copyto = p.lo, np.ndarray, np.copyto
+        for dst, start, (_, _, ext, strides, _) in p.fast:
             # the box as a strided view of the buffer (numpy accepts unaligned items), copied into the target
-            src = np.ndarray(tuple(y - x for x, y in it.src_box), dtype=dst.dtype, buffer=buf, offset=start - lo,
-                             strides=strides)
-            np.copyto(dst, src.reshape(dst.shape) if src.shape != dst.shape else src)
-    for it, target in slow:
+            src = ndarray(ext, dtype=dst.dtype, buffer=buf, offset=start - lo, strides=strides)
+            copyto(dst, src if src.shape == dst.shape else src.reshape(dst.shape))
+    for it, target in p.slow:
         execute_items(reader, target, [it])
-    return nbytes
+    return p.nbytes
 
 
 #: Loads moving less than this read in the calling thread only (a pool costs more than it saves).
@@ -234,7 +308,8 @@ def io_threads() -> int:
     return max(1, min(4, os.cpu_count() or 1))
 
 
-def execute_work(reader: CheckpointReader, work: list[tuple[Any, torch.Tensor]], threads: int | None = None) -> int:
+def execute_work(reader: CheckpointReader, work: list[tuple[Any, torch.Tensor]], threads: int | None = None,
+                 prepared: dict[str, FileReads | None] | None = None) -> int:
     """Run ``(read item, target)`` pairs; returns the bytes read.
 
     Large loads (at least :data:`PARALLEL_MIN_BYTES`) run on a small pool of reader threads (``threads``, default
@@ -242,27 +317,40 @@ def execute_work(reader: CheckpointReader, work: list[tuple[Any, torch.Tensor]],
     reads of different byte ranges overlap. The work is cut into contiguous runs of the given order (one file
     read front to back per thread where possible); items write disjoint parts of their targets, so the result is
     the same as a sequential run. Every data file is opened before the threads start. Readers of formats that
-    override ``read_box`` (their own data files) always read in the calling thread.
+    override ``read_box`` (their own data files) always read in the calling thread. ``prepared``: the
+    :func:`prepare_work` of ``work`` (checked and located before anything was written), reused by the reads.
     """
     n = threads or io_threads()
     if threads is None and is_object_path(reader.root):  # an object store: latency-bound GETs in flight together
         n = max(n, s3_concurrency())
     tensors = reader.metadata.tensors
+    prepared = prepared or {}
+    by_file: dict[str, list] = {}
+    for it, target in work:
+        by_file.setdefault(it.file, []).append((it, target))
     sizes: dict[str, int] = {}  # item size per key: a load has thousands of items per key
+    volumes: dict[tuple, int] = {}  # ... and they share a few box shapes
     total = 0
-    for it, _ in work:
-        isz = sizes.get(it.src_key)
-        if isz is None:
-            isz = sizes[it.src_key] = dtype_itemsize(tensors[it.src_key].dtype)
-        total += box_volume(it.src_box) * isz
+    for f, w in by_file.items():
+        p = prepared.get(f)
+        if p is not None:  # summed when it was prepared
+            total += p.nbytes
+            continue
+        for it, _ in w:
+            isz = sizes.get(it.src_key)
+            if isz is None:
+                isz = sizes[it.src_key] = dtype_itemsize(tensors[it.src_key].dtype)
+            v = volumes.get(it.src_box)
+            if v is None:
+                v = volumes[it.src_box] = box_volume(it.src_box)
+            total += v * isz
     # only the base class's safetensors byte-range reads are known to be thread safe (formats may cache state)
     base_reads = type(reader).read_box is CheckpointReader.read_box
     if n <= 1 or len(work) < 2 or total < PARALLEL_MIN_BYTES or not base_reads:
-        by_file: dict[str, list] = {}
-        for it, target in work:
-            by_file.setdefault(it.file, []).append((it, target))
         views: dict = {}
-        return sum(execute_file(reader, f, w, views) for f, w in by_file.items())
+        return sum(execute_file(reader, f, w, views, prepared[f]) if prepared.get(f) is not None
+                   else sum(execute_items(reader, t, [it]) for it, t in w) if f in prepared  # checked, item by item
+                   else execute_file(reader, f, w, views) for f, w in by_file.items())
     for f in sorted({it.file for it, _ in work}):
         reader.safetensors_file(f)  # open (and cache) here: the cache is not shared-write safe
     chunks: list[list[tuple[Any, torch.Tensor]]] = [[]]

@@ -642,7 +642,8 @@ class PackedEntries:
     packed entry, computed on lookup; a read-only mapping."""
 
     def __init__(self, layout: PackedLayout, shapes: list, sizes: Any, ends: Any, named: dict | None = None):
-        self._layout, self._shapes, self._sizes, self._ends = layout, shapes, sizes, ends
+        # Python ints: one lookup per piece, and numpy's scalar indexing costs more than the rest of it
+        self._layout, self._shapes, self._sizes, self._ends = layout, shapes, sizes.tolist(), ends.tolist()
         self._named = {k: v for k, v in (named or {}).items() if k != PACKED_ENTRY}
 
     def get(self, name: str, default: Any = None) -> Any:
@@ -652,10 +653,9 @@ class PackedEntries:
         i = self._layout.pos.get(name)
         if i is None or not self._sizes[i]:
             return default
-        end = int(self._ends[i])
+        end = self._ends[i]
         # remembered as a named entry: a load looks each piece up several times (check, verify, read)
-        e = self._named[name] = (self._layout.dtypes[i], self._shapes[self._layout.gid[i]], end - int(self._sizes[i]),
-                                 end)
+        e = self._named[name] = (self._layout.dtypes[i], self._shapes[self._layout.gid[i]], end - self._sizes[i], end)
         return e
 
     def __getitem__(self, name: str) -> Any:

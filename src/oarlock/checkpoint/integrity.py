@@ -40,6 +40,7 @@ from oarlock.checkpoint.metadata import METADATA_FILE
 from oarlock.checkpoint.objectstore import is_object_path, remember_verified_block
 from oarlock.checkpoint.plan import index_of
 from oarlock.checkpoint.safetensors_io import read_header
+from oarlock.checkpoint.sharded import box_volume
 from oarlock.checkpoint.storage import detect_format, open_checkpoint
 from oarlock.utils import dtype_itemsize
 
@@ -402,22 +403,40 @@ def _shard_words(metadata: Any, key: str, file: str, name: str) -> str:
     return f"stored tensor {name!r}"
 
 
-def touched_blocks(reader: Any, items: Iterable[Any], checksums: dict[str, FileChecksums]
-                   ) -> dict[str, dict[int, int]]:
+def touched_blocks(reader: Any, items: Iterable[Any], checksums: dict[str, FileChecksums],
+                   file_bytes: dict[str, int] | None = None) -> dict[str, dict[int, int]]:
     """The blocks this rank's read items touch in the data files it can see, with the bytes it reads from each:
     file -> block index -> bytes (summed over items, at most the block's length). Items are
     :class:`~oarlock.checkpoint.plan.ReadItem` s (``file``, ``name``, ``src_flat_start``, ``src_shape``,
-    ``src_box``); files without recorded checksums and files this rank cannot see are left out."""
+    ``src_box``); files without recorded checksums and files this rank cannot see are left out. ``file_bytes``:
+    the bytes the items need per file where already summed (the load's prepared reads), used for one-block
+    files instead of summing the items again."""
     visible = reader.visible_files()
     out: dict[str, dict[int, int]] = {}
+    files: dict[str, tuple | None] = {}  # file -> (checksums, per-block bytes, one block?) or None: not summed here
+    sizes: dict[str, int] = {}  # item size per key
+    tensors = reader.metadata.tensors
+    file_bytes = file_bytes or {}
     for it in items:
-        fc = checksums.get(it.file)
-        if fc is None or it.file not in visible:
+        entry = files.get(it.file, False)
+        if entry is False:
+            fc = checksums.get(it.file)
+            one_block = fc is not None and fc.size <= fc.block_size and it.file.endswith(".safetensors")
+            entry = files[it.file] = None if fc is None or it.file not in visible else \
+                (fc, out.setdefault(it.file, {}), one_block)
+            if entry is not None and one_block and it.file in file_bytes:
+                if file_bytes[it.file]:
+                    out[it.file][0] = min(file_bytes[it.file], fc.size)
+                entry = files[it.file] = None  # summed already
+        if entry is None:
             continue
-        per = out.setdefault(it.file, {})
-        if fc.size <= fc.block_size and it.file.endswith(".safetensors"):
+        fc, per, one_block = entry
+        if one_block:
             # a one-block file (many small shards): every byte read is in block 0, no layout needed
-            n = it.numel * dtype_itemsize(reader.metadata.tensors[it.src_key].dtype)
+            isz = sizes.get(it.src_key)
+            if isz is None:
+                isz = sizes[it.src_key] = dtype_itemsize(tensors[it.src_key].dtype)
+            n = box_volume(it.src_box) * isz
             if n:
                 per[0] = min(per.get(0, 0) + n, fc.size)
             continue
@@ -483,15 +502,16 @@ def block_owners(touched: dict[str, dict[int, int]], checksums: dict[str, FileCh
     return out
 
 
-def verify_group(reader: Any, items: Iterable[Any], dist: Any) -> int:
+def verify_group(reader: Any, items: Iterable[Any], dist: Any, file_bytes: dict[str, int] | None = None) -> int:
     """Collective over ``dist`` (a :class:`~oarlock.checkpoint.dist.DistWrapper`; every rank of the load calls
     it, also one with no items): verify every block that the group's read items touch, each block hashed by one
     rank, before anything is written. This rank's ``items`` are
     :class:`~oarlock.checkpoint.plan.ReadItem` s; :func:`block_owners` picks, for each touched block, the rank
     that reads the largest share of it; each rank hashes the blocks it owns (:class:`BlockVerifier`), and one
     :meth:`~oarlock.checkpoint.dist.DistWrapper.check` shares the verdicts. Files a rank cannot see are skipped
-    by it (another rank reads them). Returns the bytes this rank hashed; 0 when the checkpoint records no
-    checksums (then no collective runs: every rank reads the same metadata).
+    by it (another rank reads them). ``file_bytes``: see :func:`touched_blocks`. Returns the bytes this rank
+    hashed; 0 when the checkpoint records no checksums (then no collective runs: every rank reads the same
+    metadata).
 
     Raises:
         ChecksumError: on every rank (prefixed ``"rank R: "`` on ranks other than the one that found it): a
@@ -504,7 +524,7 @@ def verify_group(reader: Any, items: Iterable[Any], dist: Any) -> int:
     err: BaseException | None = None
     touched: dict[str, dict[int, int]] = {}
     try:
-        touched = touched_blocks(reader, items, checksums)
+        touched = touched_blocks(reader, items, checksums, file_bytes)
     except Exception as e:  # reported in the check below, after this rank has joined the exchange
         err = e
     owned = block_owners(touched, checksums, dist)

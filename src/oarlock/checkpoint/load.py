@@ -12,7 +12,6 @@ file is read once and slices are shipped between ranks, and a same-layout restar
 
 from __future__ import annotations
 
-import gc
 import os
 from typing import Any, Callable, Mapping
 
@@ -22,7 +21,7 @@ from oarlock.checkpoint import comm
 from oarlock.checkpoint.objectstore import is_object_path, keep_verified_blocks, location
 from oarlock.checkpoint.dist import DistWrapper
 from oarlock.checkpoint.errors import CheckpointError, CheckpointMismatchError
-from oarlock.checkpoint.executor import LoadReport, execute_work, read_order
+from oarlock.checkpoint.executor import LoadReport, execute_work, prepare_work, read_order
 from oarlock.checkpoint.integrity import verify_group
 from oarlock.checkpoint.mapping import MappingProgram, TensorSpec
 from oarlock.checkpoint.metadata import ALGORITHM_KEY, PARAM_GROUPS_KEY, CheckpointMetadata
@@ -32,6 +31,7 @@ from oarlock.checkpoint.save import data_file_name
 from oarlock.checkpoint.sharded import ShardedWeight
 from oarlock.checkpoint.storage import gather_view, open_checkpoint, recover_publish
 from oarlock.checkpoint.traversal import Leaves, collect_leaves, set_path
+from oarlock.utils import gc_paused
 
 
 def compile_aoa_for_load(aoa_config: Any, source: dict[str, TensorSpec], destination: dict[str, TensorSpec],
@@ -197,16 +197,11 @@ def run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process_
     path = location(path)  # an unsupported URL scheme is refused here, never read as a local path
     # A load of many shards makes tens of thousands of short-lived plan objects: the cyclic collector's passes
     # over them showed as a large share of the executor's time in a profile of the 16 -> 8 scale_ranks load.
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with gc_paused():
         if is_object_path(path):
             with keep_verified_blocks():
                 return _run_load(state_dict, path, **kw)
         return _run_load(state_dict, path, **kw)
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def _run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process_group: Any = None,
@@ -244,6 +239,8 @@ def _run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process
     gathered = gather_requests(request, dist)
     reader: CheckpointReader | None = None
     plans: list[list[ReadItem]] = []
+    work: list[tuple[ReadItem, torch.Tensor]] = []  # (read item, target), in read order
+    prepared: dict = {}  # data file -> its checked reads (executor.prepare_work)
     unexpected: list[str] = []
     used: set[str] = set()
 
@@ -289,10 +286,11 @@ def _run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process
         wanted_objects = {k for g in gathered for k in g["objects"]}
         unexpected = sorted([k for k in meta.tensors if k not in used]
                             + [k for k in meta.objects if k not in wanted_objects and k not in dest_all])
-        # every item this rank reads itself is checked (file opens, same save, tensor holds the array) before
-        # the first target byte is written; the files stay open, so the reads see what was checked
-        visible = reader.visible_files()
-        reader.check_items(it for items in plans for it in items if it.file in visible)
+        # every item this rank reads itself is checked (file opens, same save, tensor holds the array) and located
+        # before the first target byte is written; the files stay open, so the reads see what was checked
+        work.extend((it, sw.local_tensor) for sw, items in zip(leaves.shards, plans)
+                    for it in sorted(items, key=read_order))
+        prepared.update(prepare_work(reader, work, reader.visible_files()))
         return {"missing": sorted(missing), "skipped": sorted(skipped)}
 
     try:
@@ -332,12 +330,11 @@ def _run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process
     report = LoadReport(all_missing, unexpected, skipped_keys=sorted({k for s in status for k in s["skipped"]}))
     with reader, torch.no_grad():
         if verify_checksums:  # collective, before any target is written: each touched block hashed by one rank
-            report.bytes_hashed = verify_group(reader, [it for items in plans for it in items], dist)
-        work = [(it, sw.local_tensor) for sw, items in zip(leaves.shards, plans)
-                for it in sorted(items, key=read_order)]
+            report.bytes_hashed = verify_group(reader, [it for items in plans for it in items], dist,
+                                               {f: p.nbytes for f, p in prepared.items() if p is not None})
         # one rank's read error reaches every rank (they would otherwise run into their next collective)
         st = dist.run(comm.execute, reader, work, comm_method=comm_method, view=view, dist=dist,
-                      direct=execute_work)
+                      direct=lambda r, w: execute_work(r, w, prepared=prepared if w is work else None))
         report.bytes_read, report.comm_method, report.files_read = st.bytes_read, st.method, st.files_read
         report.bytes_sent, report.bytes_received, report.messages_sent = st.bytes_sent, st.bytes_received, st.messages_sent
         for k, value in ((k, reader.metadata.objects[k]) for k in leaves.objects if k in reader.metadata.objects):

@@ -28,7 +28,7 @@ from oarlock.checkpoint.mapping import Box, IdentityProgram, MappingProgram, Sli
 from oarlock.checkpoint.metadata import CheckpointMetadata, TensorMeta
 from oarlock.checkpoint.sharded import (ShardDesc, box_intersection, box_volume, flat_range_boxes,
                                         make_box)
-from oarlock.utils import numel
+from oarlock.utils import gc_paused, numel
 
 
 class StoredPiece(NamedTuple):
@@ -303,6 +303,10 @@ class Planner:
             CheckpointMismatchError: a requested global shape or dtype differs from what the program gives.
             CheckpointTilingError: the stored shards of a key read from do not tile its global box.
         """
+        with gc_paused():
+            return self._plan_rank(requests)
+
+    def _plan_rank(self, requests: Sequence[ShardDesc]) -> LoadPlan:
         plan = LoadPlan()
         for req in requests:
             if req.key not in self._dest_keys:
@@ -415,8 +419,11 @@ class Planner:
             if tmpl is None:
                 tmpl = self._templates[sig] = []
                 self._grid_items(tmpl, sub, torigin, idx)
-            out.extend([ReadItem(key, tflat, tshape, f[0], src_key, f[1], src_key, f[2], f[3], f[4], None, dtype)
-                        for f in tmpl])
+            # tuple.__new__ is ReadItem(...) without the Python frame of the named tuple's constructor: a template
+            # of a few thousand cells is re-labelled for every key of its geometry
+            new = tuple.__new__
+            out.extend([new(ReadItem, (key, tflat, tshape, f[0], src_key, f[1], src_key, f[2], f[3], f[4], None,
+                                       dtype)) for f in tmpl])
             return
         found: list[tuple] = []
         self._grid_items(found, sub, torigin, idx)

@@ -286,8 +286,11 @@ class SafetensorsFile:
         Raises:
             CheckpointFormatError: naming the file and tensor (missing, other dtype, array not inside it).
         """
-        ck = (name, int(flat_start), tuple(shape), dtype)
-        memo = self.__dict__.setdefault("_checked", {})  # subclasses for other containers skip __init__
+        ck = (name, flat_start if type(flat_start) is int else int(flat_start),
+              shape if type(shape) is tuple else tuple(shape), dtype)
+        memo = self.__dict__.get("_checked")  # subclasses for other containers skip __init__
+        if memo is None:
+            memo = self.__dict__["_checked"] = {}
         begin = memo.get(ck)
         if begin is not None:  # a load checks every item before reading, then reads it: check once
             return begin
@@ -297,9 +300,9 @@ class SafetensorsFile:
         sdt, sshape, begin, _ = e
         if sdt != dtype:
             raise CheckpointFormatError(f"{self.path}: tensor {name!r} is {sdt}, metadata says {dtype}")
-        count = int(np_prod(shape))
-        if flat_start < 0 or flat_start + count > int(np_prod(sshape)) or (flat_start == 0 and len(sshape) > 1
-                                                                          and tuple(sshape) != tuple(shape)):
+        if (flat_start or sshape != shape) and (  # the stored tensor is the array itself: nothing to count
+                flat_start < 0 or flat_start + int(np_prod(shape)) > int(np_prod(sshape))
+                or (flat_start == 0 and len(sshape) > 1 and tuple(sshape) != tuple(shape))):
             raise CheckpointFormatError(f"{self.path}: tensor {name!r} of shape {list(sshape)} does not hold the "
                                         f"{list(shape)} array at element {flat_start} that the metadata describes")
         memo[ck] = begin
