@@ -178,12 +178,7 @@ def prepare_file(reader: CheckpointReader, file: str, work: list[tuple[Any, torc
         CheckpointFormatError: naming the file and tensor.
     """
     if len(work) < 4 or type(reader).read_box is not CheckpointReader.read_box or not file.endswith(".safetensors"):
-        done = set()
-        for it, _ in work:
-            k = (it.src_key, it.file, it.name, it.src_flat_start, tuple(it.src_shape))
-            if k not in done:
-                done.add(k)
-                reader.check_read(*k)
+        reader.check_items(it for it, _ in work)
         return None
     tensors = reader.metadata.tensors
     f = reader.safetensors_file(file)

@@ -413,25 +413,28 @@ def touched_blocks(reader: Any, items: Iterable[Any], checksums: dict[str, FileC
     files instead of summing the items again."""
     visible = reader.visible_files()
     out: dict[str, dict[int, int]] = {}
-    files: dict[str, tuple | None] = {}  # file -> (checksums, per-block bytes, one block?) or None: not summed here
+    files: dict[str, tuple | None] = {}  # file -> (checksums, per-block bytes, one block?); None: not summed here
     sizes: dict[str, int] = {}  # item size per key
     tensors = reader.metadata.tensors
-    file_bytes = file_bytes or {}
+
+    def one_block(f: str, fc: FileChecksums) -> bool:
+        return fc.size <= fc.block_size and f.endswith(".safetensors")
+
+    for f, n in (file_bytes or {}).items():
+        fc = checksums.get(f)
+        if fc is not None and f in visible and one_block(f, fc):
+            out[f] = {0: min(n, fc.size)}
+            files[f] = None  # summed already: its items are skipped below
     for it in items:
         entry = files.get(it.file, False)
         if entry is False:
             fc = checksums.get(it.file)
-            one_block = fc is not None and fc.size <= fc.block_size and it.file.endswith(".safetensors")
             entry = files[it.file] = None if fc is None or it.file not in visible else \
-                (fc, out.setdefault(it.file, {}), one_block)
-            if entry is not None and one_block and it.file in file_bytes:
-                if file_bytes[it.file]:
-                    out[it.file][0] = min(file_bytes[it.file], fc.size)
-                entry = files[it.file] = None  # summed already
+                (fc, out.setdefault(it.file, {}), one_block(it.file, fc))
         if entry is None:
             continue
-        fc, per, one_block = entry
-        if one_block:
+        fc, per, single = entry
+        if single:
             # a one-block file (many small shards): every byte read is in block 0, no layout needed
             isz = sizes.get(it.src_key)
             if isz is None:

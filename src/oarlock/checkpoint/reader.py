@@ -296,29 +296,15 @@ class CheckpointReader:
 
     def check_items(self, items: Any) -> None:
         """:meth:`check_read` of every read item (``src_key``, ``file``, ``name``, ``src_flat_start``,
-        ``src_shape``): the load calls it on everything a rank reads before the first target byte is written,
-        and keeps the files open, so that the reads see the files it checked."""
-        if type(self).read_box is not CheckpointReader.read_box or type(self).check_read is not CheckpointReader.check_read:
-            done = set()
-            for it in items:
-                k = (it.src_key, it.file, it.name, it.src_flat_start, tuple(it.src_shape))
-                if k not in done:
-                    done.add(k)
-                    self.check_read(*k)
-            return
-        # the safetensors case inline, with the file and dtype looked up once per file and key: a reshard of many
-        # small shards checks tens of thousands of items (``check_array`` remembers each array it checked)
-        files: dict[str, Any] = {}
-        dtypes: dict[str, str] = {}
-        tensors = self.metadata.tensors
+        ``src_shape``): the load calls it (through :func:`oarlock.checkpoint.executor.prepare_work`) on the items
+        of files read item by item before the first target byte is written, and keeps the files open, so that the
+        reads see the files it checked."""
+        done = set()
         for it in items:
-            f = files.get(it.file)
-            if f is None:
-                f = files[it.file] = self.safetensors_file(it.file)
-            dt = dtypes.get(it.src_key)
-            if dt is None:
-                dt = dtypes[it.src_key] = tensors[it.src_key].dtype
-            f.check_array(it.name, it.src_flat_start, tuple(it.src_shape), dt)
+            k = (it.src_key, it.file, it.name, it.src_flat_start, tuple(it.src_shape))
+            if k not in done:
+                done.add(k)
+                self.check_read(*k)
 
     # ------------------------------------------------------------ data
 
