@@ -150,6 +150,21 @@ def _np_destination(it: Any, arr: np.ndarray) -> np.ndarray | None:
 
 
 @dataclass
+class Lookups:
+    """What the files of one load share while their items are prepared: thousands of items share a key's dtype, a
+    box shape, a target (a reshard of many small shards spends its time per item, not in the reads).
+
+    ``views``: target id -> (target, numpy view) (:func:`_np_target`); ``dtypes``: key -> (dtype, item size);
+    ``geometry``: (stored shape, box, item size) -> (first byte, last byte + 1, extent, byte strides, bytes);
+    ``slices``: destination box -> slices."""
+
+    views: dict = field(default_factory=dict)
+    dtypes: dict = field(default_factory=dict)
+    geometry: dict = field(default_factory=dict)
+    slices: dict = field(default_factory=dict)
+
+
+@dataclass
 class FileReads:
     """The checked reads of one data file's items, worked out before anything is written (:func:`prepare_file`).
 
@@ -168,11 +183,12 @@ class FileReads:
 
 
 def prepare_file(reader: CheckpointReader, file: str, work: list[tuple[Any, torch.Tensor]],
-                 cache: dict | None = None) -> FileReads | None:
+                 cache: Lookups | None = None) -> FileReads | None:
     """Check the items of one data file (the file opens and belongs to this save, each stored array is there with
     its key's dtype and holds the array the item reads from) and work out where each item's bytes are, without
     reading data; None for files read item by item (few items, formats with data files of their own), whose items
-    are checked with :meth:`~oarlock.checkpoint.reader.CheckpointReader.check_read`.
+    are checked with :meth:`~oarlock.checkpoint.reader.CheckpointReader.check_read`. ``cache``: the
+    :class:`Lookups` shared by the files of one load.
 
     Raises:
         CheckpointFormatError: naming the file and tensor.
@@ -182,17 +198,14 @@ def prepare_file(reader: CheckpointReader, file: str, work: list[tuple[Any, torc
         return None
     tensors = reader.metadata.tensors
     f = reader.safetensors_file(file)
-    cache = {} if cache is None else cache  # target -> numpy view, shared by the files of one load
+    cache = Lookups() if cache is None else cache
+    views, dtypes, geometry, slices = cache.views, cache.dtypes, cache.geometry, cache.slices
     out = FileReads()
     fast, slow = out.fast, out.slow
-    # Thousands of items share a key's dtype, a stored array, a box shape: each is worked out once (a reshard of
-    # many small shards spends its time here, per item, not in the reads).
-    dtypes: dict[str, tuple[str, int]] = {}
-    geometry: dict[tuple, tuple] = {}  # (stored shape, box, item size) -> (first byte, last byte + 1, extent, strides)
-    slices: dict[tuple, tuple] = {}  # destination box -> slices
     lo, hi, need, nbytes = None, 0, 0, 0
     data_start = f.data_start
     check_array = f.check_array
+    packed_begin = getattr(f.entries, "packed_begin", None)  # packed data files: pieces located arithmetically
     for it, target in work:
         dt = dtypes.get(it.src_key)
         if dt is None:
@@ -201,7 +214,9 @@ def prepare_file(reader: CheckpointReader, file: str, work: list[tuple[Any, torc
         dtype, isz = dt
         src_box, src_shape = it.src_box, it.src_shape
         # the check of every item, fast or slow, before anything is written
-        begin = data_start + check_array(it.name, it.src_flat_start, src_shape, dtype) + int(it.src_flat_start) * isz
+        flat = it.src_flat_start
+        b = packed_begin(it.name, dtype, src_shape) if packed_begin is not None and not flat else None
+        begin = data_start + (b if b is not None else check_array(it.name, flat, src_shape, dtype)) + int(flat) * isz
         gk = (src_shape, src_box, isz)
         geo = geometry.get(gk)
         if geo is None:
@@ -217,8 +232,8 @@ def prepare_file(reader: CheckpointReader, file: str, work: list[tuple[Any, torc
         nbytes += geo[4]
         dst = None
         if it.permute is None and it.dtype is None:
-            arr = cache.get(id(target))
-            arr = arr[1] if arr is not None else _np_target(target, cache)
+            arr = views.get(id(target))
+            arr = arr[1] if arr is not None else _np_target(target, views)
             if arr is not None and arr.itemsize == isz:
                 if not it.dst_flat_start and arr.ndim == len(it.dst_shape):
                     sl = slices.get(it.dst_box)
@@ -261,12 +276,12 @@ def prepare_work(reader: CheckpointReader, work: list[tuple[Any, torch.Tensor]],
     for it, target in work:
         if files is None or it.file in files:
             by_file.setdefault(it.file, []).append((it, target))
-    views: dict = {}
-    return {f: prepare_file(reader, f, w, views) for f, w in by_file.items()}
+    shared = Lookups()
+    return {f: prepare_file(reader, f, w, shared) for f, w in by_file.items()}
 
 
 def execute_file(reader: CheckpointReader, file: str, work: list[tuple[Any, torch.Tensor]],
-                 cache: dict | None = None, prepared: FileReads | None = None) -> int:
+                 cache: Lookups | None = None, prepared: FileReads | None = None) -> int:
     """Run the items of one data file: when they are many small reads of a dense region (a reshard across many
     small shards), read the span they cover once (one ``preadv``) and copy every box out of that buffer; else
     item by item (:func:`execute_items`). ``prepared``: this file's :func:`prepare_file` (worked out here when
@@ -342,10 +357,10 @@ def execute_work(reader: CheckpointReader, work: list[tuple[Any, torch.Tensor]],
     # only the base class's safetensors byte-range reads are known to be thread safe (formats may cache state)
     base_reads = type(reader).read_box is CheckpointReader.read_box
     if n <= 1 or len(work) < 2 or total < PARALLEL_MIN_BYTES or not base_reads:
-        views: dict = {}
-        return sum(execute_file(reader, f, w, views, prepared[f]) if prepared.get(f) is not None
+        shared = Lookups()
+        return sum(execute_file(reader, f, w, shared, prepared[f]) if prepared.get(f) is not None
                    else sum(execute_items(reader, t, [it]) for it, t in w) if f in prepared  # checked, item by item
-                   else execute_file(reader, f, w, views) for f, w in by_file.items())
+                   else execute_file(reader, f, w, shared) for f, w in by_file.items())
     for f in sorted({it.file for it, _ in work}):
         reader.safetensors_file(f)  # open (and cache) here: the cache is not shared-write safe
     chunks: list[list[tuple[Any, torch.Tensor]]] = [[]]

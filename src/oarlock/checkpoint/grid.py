@@ -658,6 +658,19 @@ class PackedEntries:
         e = self._named[name] = (self._layout.dtypes[i], self._shapes[self._layout.gid[i]], end - self._sizes[i], end)
         return e
 
+    def packed_begin(self, name: str, dtype: str, shape: tuple) -> int | None:
+        """Where packed piece ``name`` begins in the data section when it is one, of ``dtype`` and of exactly
+        ``shape`` (what :meth:`~oarlock.checkpoint.safetensors_io.SafetensorsFile.check_array` accepts for a whole
+        piece); None otherwise, for the full check and its error. The cheap path of a load that reads thousands of
+        pieces: nothing is built or remembered per piece."""
+        if name in self._named:
+            return None
+        lay = self._layout
+        i = lay.pos.get(name)
+        if i is None or not self._sizes[i] or lay.dtypes[i] != dtype or self._shapes[lay.gid[i]] != shape:
+            return None
+        return self._ends[i] - self._sizes[i]
+
     def __getitem__(self, name: str) -> Any:
         e = self.get(name)
         if e is None:

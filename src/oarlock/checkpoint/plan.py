@@ -18,6 +18,7 @@ flat tensor (:func:`~oarlock.checkpoint.sharded.flat_range_boxes`), so they plan
 from __future__ import annotations
 
 import bisect
+import gc
 import itertools
 from dataclasses import dataclass, field
 from typing import Mapping, NamedTuple, Sequence
@@ -303,6 +304,8 @@ class Planner:
             CheckpointMismatchError: a requested global shape or dtype differs from what the program gives.
             CheckpointTilingError: the stored shards of a key read from do not tile its global box.
         """
+        if not gc.isenabled():  # a load pauses it for its whole run: no context to enter per request
+            return self._plan_rank(requests)
         with gc_paused():
             return self._plan_rank(requests)
 

@@ -269,7 +269,8 @@ class ShardedWeight:
             raise CheckpointError(f"DTensor {key!r} has a Partial placement ({placements}); reduce it "
                                   "(e.g. redistribute to Replicate) before saving or loading")
         local_shape, offset = box
-        local = dtensor.to_local()
+        with torch.no_grad():  # the local tensor itself, not a view through autograd (half of this call's time)
+            local = dtensor.to_local()
         if tuple(local.shape) != tuple(local_shape):
             raise CheckpointError(f"DTensor {key!r}: local tensor has shape {tuple(local.shape)} but placements "
                                   f"{placements} on mesh {tuple(mesh.shape)} give {tuple(local_shape)}")
