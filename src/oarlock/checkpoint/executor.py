@@ -235,6 +235,7 @@ def prepare_file(reader: CheckpointReader, file: str, work: list[tuple[Any, torc
             arr = views.get(id(target))
             arr = arr[1] if arr is not None else _np_target(target, views)
             if arr is not None and arr.itemsize == isz:
+                # the common case of _np_destination inline (a box of a regular target), its slices cached by box
                 if not it.dst_flat_start and arr.ndim == len(it.dst_shape):
                     sl = slices.get(it.dst_box)
                     if sl is None:
