@@ -185,3 +185,44 @@ def test_hostile_flat_record_and_mixed_entry_are_refused():
                                      "grid": {"chunks": [[]], "writers": {"base": 0, "strides": []}}}})
     with pytest.raises(CheckpointFormatError, match="key 'w'.*exactly one of"):
         CheckpointMetadata.from_json(both)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 9), st.integers(1, 7), st.integers(4, 7), st.integers(0, 2**31))
+def test_many_small_reads_of_one_file_equal_dense_slicing(rows, cols, nkeys, seed):
+    """A load whose items share one data file is checked and located once, then read as one span and copied box
+    by box (executor.prepare_work): every target equals dense slicing of the saved tensor, for listed row pieces
+    of random extents, regular, flattened and non-contiguous targets."""
+    import random
+    import tempfile
+
+    from oarlock.checkpoint import ShardedWeight, load_state_dict, save_state_dict
+
+    rnd = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    full = {f"k{i}": torch.randn(rows, cols, generator=g) for i in range(nkeys)}
+    state = {}
+    for k, t in full.items():  # random row cuts: listed shards, all in rank-00000.safetensors
+        cuts = sorted({0, rows, *(rnd.randrange(1, rows) for _ in range(rnd.randrange(0, 3)) if rows > 1)})
+        state[k] = [ShardedWeight(k, t[a:b].clone(), (b - a, cols), (rows, cols), (a, 0))
+                    for a, b in zip(cuts, cuts[1:])]
+    with tempfile.TemporaryDirectory() as d:
+        save_state_dict(state, d)
+        targets, want = {}, {}
+        for k, t in full.items():
+            r0, r1 = sorted(rnd.sample(range(rows + 1), 2)) if rows > 1 else (0, 1)
+            c0, c1 = sorted(rnd.sample(range(cols + 1), 2)) if cols > 1 else (0, 1)
+            kind = rnd.choice(["regular", "strided", "flat"])
+            if kind == "flat":  # a ZeRO-style flat range of the whole tensor
+                a, b = sorted(rnd.sample(range(rows * cols + 1), 2))
+                targets[k] = ShardedWeight(k, torch.zeros(b - a), (rows, cols), (rows, cols), (0, 0),
+                                           flattened_range=(a, b))
+                want[k] = t.reshape(-1)[a:b]
+            else:
+                buf = torch.zeros(r1 - r0, c1 - c0 + (3 if kind == "strided" else 0))
+                local = buf[:, : c1 - c0]  # strided: a column slice of a wider buffer
+                targets[k] = ShardedWeight(k, local, (r1 - r0, c1 - c0), (rows, cols), (r0, c0))
+                want[k] = t[r0:r1, c0:c1]
+        load_state_dict(targets, d)
+    for k, sw in targets.items():
+        assert torch.equal(sw.local_tensor, want[k]), k
