@@ -171,7 +171,8 @@ class FileReads:
     ``fast``: ``(destination array, first byte, geometry)`` of the items that can be copied out of one read of the
     span ``[lo, hi)`` of the file (``need`` bytes of it used); ``slow``: ``(item, target)`` pairs read item by item
     (a permutation, a cast, a target numpy cannot view); ``coalesce``: whether the fast items are read as one span
-    (many small reads of a dense region) or item by item; ``nbytes``: the bytes all the items need."""
+    (many small reads of a dense region), else every item is read by itself and ``fast``/``slow`` are left empty
+    (nothing per item is held until the reads); ``nbytes``: the bytes all the items need."""
 
     fast: list = field(default_factory=list)
     slow: list = field(default_factory=list)
@@ -261,6 +262,8 @@ def prepare_file(reader: CheckpointReader, file: str, work: list[tuple[Any, torc
         # worth it only for many small reads: large ones go straight into their targets with no extra copy
         out.coalesce = not (hi - lo > COALESCE_MAX_BYTES or hi - lo > COALESCE_MAX_WASTE * need
                             or need > len(fast) * (256 << 10))
+    if not out.coalesce:  # read item by item: the views are not kept until the reads (millions at scale)
+        out.fast, out.slow = [], []
     return out
 
 
@@ -288,16 +291,15 @@ def execute_file(reader: CheckpointReader, file: str, work: list[tuple[Any, torc
     item by item (:func:`execute_items`). ``prepared``: this file's :func:`prepare_file` (worked out here when
     None). Returns the bytes the items need."""
     p = prepared if prepared is not None else prepare_file(reader, file, work, cache)
-    if p is None or (p.fast and not p.coalesce):
+    if p is None or not p.coalesce:
         return sum(execute_items(reader, t, [it]) for it, t in work)
-    if p.fast:
-        buf = np.empty(p.hi - p.lo, dtype=np.uint8)
-        reader.safetensors_file(file).read_into(memoryview(buf), p.lo)  # os.preadv; ranged GETs in a store
-        lo, ndarray, copyto = p.lo, np.ndarray, np.copyto
-        for dst, start, (_, _, ext, strides, _) in p.fast:
-            # the box as a strided view of the buffer (numpy accepts unaligned items), copied into the target
-            src = ndarray(ext, dtype=dst.dtype, buffer=buf, offset=start - lo, strides=strides)
-            copyto(dst, src if src.shape == dst.shape else src.reshape(dst.shape))
+    buf = np.empty(p.hi - p.lo, dtype=np.uint8)
+    reader.safetensors_file(file).read_into(memoryview(buf), p.lo)  # os.preadv; ranged GETs in a store
+    lo, ndarray, copyto = p.lo, np.ndarray, np.copyto
+    for dst, start, (_, _, ext, strides, _) in p.fast:
+        # the box as a strided view of the buffer (numpy accepts unaligned items), copied into the target
+        src = ndarray(ext, dtype=dst.dtype, buffer=buf, offset=start - lo, strides=strides)
+        copyto(dst, src if src.shape == dst.shape else src.reshape(dst.shape))
     for it, target in p.slow:
         execute_items(reader, target, [it])
     return p.nbytes
