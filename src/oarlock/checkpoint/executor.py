@@ -171,8 +171,9 @@ class FileReads:
     ``fast``: ``(destination array, first byte, geometry)`` of the items that can be copied out of one read of the
     span ``[lo, hi)`` of the file (``need`` bytes of it used); ``slow``: ``(item, target)`` pairs read item by item
     (a permutation, a cast, a target numpy cannot view); ``coalesce``: whether the fast items are read as one span
-    (many small reads of a dense region), else every item is read by itself and ``fast``/``slow`` are left empty
-    (nothing per item is held until the reads); ``nbytes``: the bytes all the items need."""
+    (many small reads of a dense region), else every item is read by itself (:func:`execute_items`) and
+    ``fast``/``slow`` are left empty (nothing per item is held until the reads); ``nbytes``: the bytes all the
+    items need."""
 
     fast: list = field(default_factory=list)
     slow: list = field(default_factory=list)
@@ -184,19 +185,21 @@ class FileReads:
 
 
 def prepare_file(reader: CheckpointReader, file: str, work: list[tuple[Any, torch.Tensor]],
-                 cache: Lookups | None = None) -> FileReads | None:
+                 cache: Lookups | None = None) -> FileReads:
     """Check the items of one data file (the file opens and belongs to this save, each stored array is there with
     its key's dtype and holds the array the item reads from) and work out where each item's bytes are, without
-    reading data; None for files read item by item (few items, formats with data files of their own), whose items
-    are checked with :meth:`~oarlock.checkpoint.reader.CheckpointReader.check_read`. ``cache``: the
-    :class:`Lookups` shared by the files of one load.
+    reading data. Files read item by item whatever their items (few items, formats with data files of their own)
+    have their items checked with :meth:`~oarlock.checkpoint.reader.CheckpointReader.check_read` and only their
+    bytes counted. ``cache``: the :class:`Lookups` shared by the files of one load.
 
     Raises:
         CheckpointFormatError: naming the file and tensor.
     """
     if len(work) < 4 or type(reader).read_box is not CheckpointReader.read_box or not file.endswith(".safetensors"):
         reader.check_items(it for it, _ in work)
-        return None
+        tensors = reader.metadata.tensors
+        return FileReads(nbytes=sum(box_volume(it.src_box) * dtype_itemsize(tensors[it.src_key].dtype)
+                                    for it, _ in work))
     tensors = reader.metadata.tensors
     f = reader.safetensors_file(file)
     cache = Lookups() if cache is None else cache
@@ -268,7 +271,7 @@ def prepare_file(reader: CheckpointReader, file: str, work: list[tuple[Any, torc
 
 
 def prepare_work(reader: CheckpointReader, work: list[tuple[Any, torch.Tensor]], files: set[str] | None = None
-                 ) -> dict[str, FileReads | None]:
+                 ) -> dict[str, FileReads]:
     """:func:`prepare_file` of every data file of ``work`` (``(read item, target)`` pairs), or of those in
     ``files``: the load calls it on everything a rank reads itself before the first target byte is written and
     keeps the files open, so that the reads see the files it checked; :func:`execute_work` then reuses the result.
@@ -291,7 +294,7 @@ def execute_file(reader: CheckpointReader, file: str, work: list[tuple[Any, torc
     item by item (:func:`execute_items`). ``prepared``: this file's :func:`prepare_file` (worked out here when
     None). Returns the bytes the items need."""
     p = prepared if prepared is not None else prepare_file(reader, file, work, cache)
-    if p is None or not p.coalesce:
+    if not p.coalesce:
         return sum(execute_items(reader, t, [it]) for it, t in work)
     buf = np.empty(p.hi - p.lo, dtype=np.uint8)
     reader.safetensors_file(file).read_into(memoryview(buf), p.lo)  # os.preadv; ranged GETs in a store
@@ -322,7 +325,7 @@ def io_threads() -> int:
 
 
 def execute_work(reader: CheckpointReader, work: list[tuple[Any, torch.Tensor]], threads: int | None = None,
-                 prepared: dict[str, FileReads | None] | None = None) -> int:
+                 prepared: dict[str, FileReads] | None = None) -> int:
     """Run ``(read item, target)`` pairs; returns the bytes read.
 
     Large loads (at least :data:`PARALLEL_MIN_BYTES`) run on a small pool of reader threads (``threads``, default
@@ -361,10 +364,8 @@ def execute_work(reader: CheckpointReader, work: list[tuple[Any, torch.Tensor]],
     base_reads = type(reader).read_box is CheckpointReader.read_box
     if n <= 1 or len(work) < 2 or total < PARALLEL_MIN_BYTES or not base_reads:
         shared = Lookups()
-        return sum(execute_file(reader, f, w, shared, prepared[f]) if prepared.get(f) is not None
-                   else sum(execute_items(reader, t, [it]) for it, t in w) if f in prepared  # checked, item by item
-                   else execute_file(reader, f, w, shared) for f, w in by_file.items())
-    for f in sorted({it.file for it, _ in work}):
+        return sum(execute_file(reader, f, w, shared, prepared.get(f)) for f, w in by_file.items())
+    for f in sorted(by_file):
         reader.safetensors_file(f)  # open (and cache) here: the cache is not shared-write safe
     chunks: list[list[tuple[Any, torch.Tensor]]] = [[]]
     size, share = 0, total / n

@@ -331,7 +331,7 @@ def _run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process
     with reader, torch.no_grad():
         if verify_checksums:  # collective, before any target is written: each touched block hashed by one rank
             report.bytes_hashed = verify_group(reader, [it for items in plans for it in items], dist,
-                                               {f: p.nbytes for f, p in prepared.items() if p is not None})
+                                               {f: p.nbytes for f, p in prepared.items()})
         # one rank's read error reaches every rank (they would otherwise run into their next collective)
         st = dist.run(comm.execute, reader, work, comm_method=comm_method, view=view, dist=dist,
                       direct=lambda r, w: execute_work(r, w, prepared=prepared if w is work else None))
