@@ -691,3 +691,31 @@ def test_a_missing_array_among_many_small_reads_is_found_before_any_target_byte_
     with pytest.raises(CheckpointFormatError, match=r"rank-00000\.safetensors: tensor 'k5@3,0' is missing"):
         load_state_dict(out, ck)
     assert all(torch.equal(sw.local_tensor, torch.zeros(8, 2)) for sw in out.values())
+
+
+def test_a_load_looks_only_at_the_data_files_it_reads(tmp_path, monkeypatch):
+    """Which data files a rank can open is asked of the files its own reads touch, not of every data file of the
+    save again: a file the load does not read is looked at once, by the open's check that every data file of the
+    metadata exists (itself one ``stat`` per data file: see issue 26's note)."""
+    from pathlib import Path as P
+
+    from oarlock.checkpoint import ShardedWeight
+    from oarlock.checkpoint.convert import convert_checkpoint
+    from safetensors.torch import save_file
+
+    key = "model.layers.0.mlp.down_proj.weight"  # row-parallel: split along dim 1 over the tp ranks
+    full = torch.arange(32, dtype=torch.float32).reshape(4, 8)
+    save_file({key: full}, tmp_path / "src.safetensors")
+    convert_checkpoint(tmp_path / "src.safetensors", tmp_path / "ck", tp=4)
+    files = sorted(p.name for p in (tmp_path / "ck").glob("rank-*.safetensors"))
+    assert len(files) == 4
+    asked: list[str] = []
+    real = P.is_file
+    monkeypatch.setattr(P, "is_file", lambda self: (asked.append(self.name), real(self))[1])
+    out = ShardedWeight(key, torch.zeros(4, 2), (4, 2), (4, 8), (0, 2))  # columns 2:4: one stored shard
+    load_state_dict({key: out}, tmp_path / "ck", strict=False)
+    assert torch.equal(out.local_tensor, full[:, 2:4])
+    data_asked = [n for n in asked if n.startswith("rank-")]
+    # columns 2:4 are tp rank 1's; rank 0's file is also this process's own (the warm-start check looks at it)
+    unread = [f for f in files if f not in ("rank-00000.safetensors", "rank-00001.safetensors")]
+    assert sorted(n for n in data_asked if n in unread) == unread, data_asked  # once each

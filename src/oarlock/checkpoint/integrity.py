@@ -411,7 +411,8 @@ def touched_blocks(reader: Any, items: Iterable[Any], checksums: dict[str, FileC
     ``src_box``); files without recorded checksums and files this rank cannot see are left out. ``file_bytes``:
     the bytes the items need per file where already summed (the load's prepared reads), used for one-block
     files instead of summing the items again."""
-    visible = reader.visible_files()
+    items = items if isinstance(items, (list, tuple)) else list(items)
+    visible = reader.visible_files({it.file for it in items})  # only the files this rank reads
     out: dict[str, dict[int, int]] = {}
     files: dict[str, tuple | None] = {}  # file -> (checksums, per-block bytes, one block?); None: not summed here
     sizes: dict[str, int] = {}  # item size per key

@@ -290,7 +290,7 @@ def _run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process
         # before the first target byte is written; the files stay open, so the reads see what was checked
         work.extend((it, sw.local_tensor) for sw, items in zip(leaves.shards, plans)
                     for it in sorted(items, key=read_order))
-        prepared.update(prepare_work(reader, work, reader.visible_files()))
+        prepared.update(prepare_work(reader, work, reader.visible_files({it.file for it, _ in work})))
         return {"missing": sorted(missing), "skipped": sorted(skipped)}
 
     try:

@@ -34,8 +34,8 @@ What a format class provides:
 ``byte_run(key, file, name, flat_start, shape, box) -> (fd, offset, nbytes) | None``
     Optional fast path: the box as one contiguous run of file bytes (``os.copy_file_range`` in ``convert``);
     None when not available. Implemented by the base class for safetensors data files.
-``visible_files() -> set[str]``
-    The data files of the metadata this rank can open (node-local disks see only some).
+``visible_files(files=None) -> set[str]``
+    The data files of the metadata (or of ``files``) this rank can open (node-local disks see only some).
 
 Path safety (one rule for every format): every file a checkpoint names -- a data file of the metadata, an HF
 index ``weight_map`` entry, a Paddle storage file name, a file found by listing the directory -- must resolve
@@ -242,14 +242,22 @@ class CheckpointReader:
             self._safe.add(file)
         return self.root / file
 
-    def visible_files(self) -> set[str]:
-        """The metadata's data files this rank can open."""
-        if is_object_path(self.root):  # one listing instead of a request per file
-            for f in self.metadata.files:
+    def visible_files(self, files: Any = None) -> set[str]:
+        """The metadata's data files this rank can open; with ``files`` (an iterable of names), those of them it
+        can open. A load asks only about the files it reads: asking about every data file costs one ``stat`` per
+        rank of the saving job on every rank. Each answer is remembered for this reader (the load keeps what it
+        checked open)."""
+        known = self.__dict__.setdefault("_visible", {})
+        wanted = self.metadata.files if files is None else files
+        todo = [f for f in dict.fromkeys(wanted) if f not in known]
+        if todo and is_object_path(self.root):  # one listing instead of a request per file
+            for f in todo:
                 self.path_of(f)  # the key rule, before anything is asked of the store
             names = self.root.storage.list(self.root.key)
-            return {f for f in self.metadata.files if names.get(f, -1) >= 0}
-        return {f for f in self.metadata.files if self.path_of(f).is_file()}
+            known.update((f, names.get(f, -1) >= 0) for f in todo)
+        else:
+            known.update((f, self.path_of(f).is_file()) for f in todo)
+        return {f for f in dict.fromkeys(wanted) if known[f]}
 
     def safetensors_file(self, file: str) -> SafetensorsFile:
         """The opened (header-validated, cached) safetensors data file ``file``. When the metadata carries a
