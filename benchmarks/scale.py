@@ -23,7 +23,9 @@ measured in that subprocess before anything is built):
 Figures per cell (where a figure depends on the rank: the loading rank, of the first, middle and last target
 ranks the one requesting the most bytes, the same rank for every library):
 
-* bookkeeping: ``metadata.json`` bytes (checksums included; the part they take is shown) / DCP ``.metadata``.
+* bookkeeping: ``metadata.json`` bytes plus, for oarlock, the digests files beside the data files (8 bytes per
+  4 MiB block; the checksum records in ``metadata.json`` and the digests files are shown) / DCP ``.metadata``.
+  oarlock-v1 keeps the block digests inline in ``metadata.json`` (format 3).
 * read + parse: ``json.loads`` + ``CheckpointMetadata.from_json`` + the checksum record / ``pickle.loads``.
 * plan: a fresh ``Planner(meta).plan_rank(requests)`` / ``create_read_items_for_chunk_list`` for every key.
 * save coordination: bytes the coordinator (rank 0) and any other rank receive, counted as torch's object
@@ -536,14 +538,22 @@ def has_grid_api() -> bool:
     return True
 
 
-def checksum_record(file_sizes: dict[str, int]) -> dict[str, Any]:
+def checksum_record(file_sizes: dict[str, int], inline: bool = False) -> dict[str, Any]:
     """``extra.checksums`` of a save whose files have ``file_sizes`` (hash values: placeholders of the real
-    length, 16 hex digits per 4 MiB block)."""
-    from oarlock.checkpoint.integrity import make_record
+    length, 8 bytes per 4 MiB block): each file's record pointing at its digests file (what a save writes), or
+    with ``inline`` the digests in the record (format 3, ``oarlock-v1``)."""
+    from oarlock.checkpoint.integrity import digests_record, make_record
 
-    return make_record({f: {"size": s, "blocks": [f"{(i * 2654435761) & 0xFFFFFFFFFFFFFFFF:016x}"
-                                                  for i in range(-(-s // BLOCK))]}
-                        for f, s in file_sizes.items()})
+    recs = {}
+    for f, s in file_sizes.items():
+        rec = {"size": s, "blocks": [f"{(i * 2654435761) & 0xFFFFFFFFFFFFFFFF:016x}" for i in range(-(-s // BLOCK))]}
+        recs[f] = rec if inline else digests_record(f, rec)[0]
+    return make_record(recs)
+
+
+def digests_file_bytes(file_sizes: dict[str, int]) -> int:
+    """Bytes of the digests files beside the data files (8 per block)."""
+    return sum(8 * -(-s // BLOCK) for s in file_sizes.values())
 
 
 def file_write_order(entries: list[tuple]) -> list[tuple]:
@@ -580,7 +590,8 @@ class OarlockV1:
         del gathered
         self.tensors = tensors
         self.file_sizes = files_of_listed(tensors)
-        rec_sizes = [psize(({f: checksum_record({f: s})["files"][f]}, None)) for f, s in self.file_sizes.items()]
+        rec_sizes = [psize(({f: checksum_record({f: s}, inline=True)["files"][f]}, None))
+                     for f, s in self.file_sizes.items()]
         rec_sizes += [psize(({}, None))] * (D - len(rec_sizes))
         plan_b = all_gather_bytes(sizes)
         write_b = all_gather_bytes(rec_sizes)
@@ -589,7 +600,8 @@ class OarlockV1:
 
     def metadata_text(self) -> str:
         CheckpointMetadata = _meta_classes()
-        meta = CheckpointMetadata("oarlock", tensors=self.tensors, extra={"checksums": checksum_record(self.file_sizes)})
+        meta = CheckpointMetadata("oarlock", tensors=self.tensors,
+                                  extra={"checksums": checksum_record(self.file_sizes, inline=True)})
         try:
             return meta.dumps(compact=False)  # version-1 form once grid records exist
         except TypeError:
@@ -935,7 +947,10 @@ def run_cell(model: str, layers: int | None, kind: str, reshard: str, world: int
         res.update(sim.coordinate())
         text = sim.metadata_text()
         res["meta_bytes"] = len(text.encode())
-        res["meta_checksum_bytes"] = len(json.dumps(checksum_record(sim.file_sizes), separators=(",", ":")))
+        res["meta_checksum_bytes"] = len(json.dumps(checksum_record(sim.file_sizes, inline=lib != "oarlock"),
+                                                    separators=(",", ":")))
+        if lib == "oarlock":
+            res["digests_bytes"] = digests_file_bytes(sim.file_sizes)
         file_sizes = sim.file_sizes
         del sim.tensors
         gc.collect()
@@ -1005,9 +1020,11 @@ def fmt_s(x: float) -> str:
 
 
 def table(title: str, results: dict[str, dict], libs: list[str]) -> str:
-    rows = [("bookkeeping on disk", lambda r: mib(r["meta_bytes"])
-             + (f" ({mib(r['meta_checksum_bytes'])} checksums)" if "meta_checksum_bytes" in r else ""),
-             lambda r: r["meta_bytes"]),
+    rows = [("bookkeeping on disk", lambda r: mib(r["meta_bytes"] + r.get("digests_bytes", 0))
+             + (f" (metadata.json {mib(r['meta_bytes'])}, checksums in it {mib(r['meta_checksum_bytes'])}"
+                + (f"; digests files {mib(r['digests_bytes'])}" if "digests_bytes" in r else "") + ")"
+                if "meta_checksum_bytes" in r else ""),
+             lambda r: r["meta_bytes"] + r.get("digests_bytes", 0)),
             ("read + parse (per rank)", lambda r: fmt_s(r["parse_s"]), lambda r: r["parse_s"]),
             ("plan (loading rank)", lambda r: fmt_s(r["worst"]["plan_s"]) + f" (rank {r['worst']['rank']})",
              lambda r: r["worst"]["plan_s"]),

@@ -96,3 +96,66 @@ def scenario_async_dtensors_snapshot_at_wait_staged(ctx):
         _full_equal(ctx.root / f"s{i}", before)
     assert reused == [False, True, True], reused
     dist.barrier()
+
+
+def scenario_async_save_returns_without_waiting_for_the_other_ranks(ctx):
+    """No collective runs on the caller's path: rank 0's ``async_save`` returns before rank 1 has even called it
+    (rank 1 calls only once rank 0's call has returned; a collective in the call would deadlock here). The plan is
+    then settled in the background on both ranks, and both checkpoints load bit-exact."""
+    import os
+    import time
+
+    mesh = init_device_mesh("cpu", (2,))
+    flag = ctx.root / "rank0-returned"
+    sd = {"w": _dt(mesh, (32, 8), 11, Shard(0)), "step": 4}
+    full = {"w": seeded_tensor((32, 8), torch.float32, 11)}
+    for i in range(2):  # a fresh plan, then a reused one
+        if ctx.rank == 0:
+            h = async_save(sd, ctx.root / f"r{i}")
+            flag.with_name(f"{flag.name}-{i}").touch()
+        else:
+            deadline = time.monotonic() + 120
+            while not flag.with_name(f"{flag.name}-{i}").exists():
+                assert time.monotonic() < deadline, "rank 0's async_save did not return before rank 1 called it"
+                time.sleep(0.01)
+            h = async_save(sd, ctx.root / f"r{i}")
+        h.wait_staged()
+        assert h.plan_reused == (i == 1)
+        h.wait()
+        _full_equal(ctx.root / f"r{i}", full)
+    assert os.path.exists(ctx.root / "r1" / "metadata.json")
+    dist.barrier()
+
+
+def scenario_async_planning_errors_reach_every_rank(ctx):
+    """Planning now runs in the background, so its errors come from ``wait_staged()`` (and ``wait()``), on every
+    rank alike: a leaf that is not savable on rank 1 only, then global shapes that disagree between the ranks.
+    Nothing is published, and the next save works."""
+    from oarlock.checkpoint import CheckpointError, ShardedWeight
+
+    good = seeded_tensor((4, 4), torch.float32, 3)
+    bad_leaf = {"w": good, "extra": object() if ctx.rank == 1 else 1}
+    h = async_save(bad_leaf, ctx.root / "bad-leaf")
+    try:
+        h.wait_staged()
+        raise AssertionError("a bad leaf on rank 1 did not fail the save")
+    except CheckpointError as e:
+        assert "'extra'" in str(e) and "neither a tensor nor JSON data" in str(e), str(e)
+    try:
+        h.wait()
+        raise AssertionError("wait() did not raise the planning error")
+    except CheckpointError:
+        pass
+    rows = 4 if ctx.rank == 0 else 6  # rank 1 claims a different global shape
+    sw = ShardedWeight("m", good[ctx.rank * 2:(ctx.rank + 1) * 2].clone(), (2, 4), (rows + 4, 4), (ctx.rank * 2, 0))
+    h = async_save({"m": sw}, ctx.root / "bad-shape")
+    try:
+        h.wait_staged()
+        raise AssertionError("disagreeing global shapes did not fail the save")
+    except CheckpointError as e:
+        assert "'m'" in str(e), str(e)
+    assert not (ctx.root / "bad-leaf").exists() and not (ctx.root / "bad-shape").exists()
+    h = async_save({"w": good}, ctx.root / "ok")
+    h.wait()
+    _full_equal(ctx.root / "ok", {"w": good})
+    dist.barrier()

@@ -115,7 +115,8 @@ def scenario_optimizer_resume_with_node_local_directories(ctx):
             d = ctx.root / f"node{node}"
             d.mkdir()
             for r in ranks:
-                shutil.copy(ctx.root / "shared" / f"rank-{r:05d}.safetensors", d)
+                for name in (f"rank-{r:05d}.safetensors", f"rank-{r:05d}.safetensors.xxh3"):  # data + its digests
+                    shutil.copy(ctx.root / "shared" / name, d)
         shutil.copy(ctx.root / "shared" / "metadata.json", ctx.root / "node0")
     dist.barrier()
     owner = (ctx.rank + 2) % ctx.world

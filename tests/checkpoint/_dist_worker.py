@@ -210,7 +210,8 @@ def scenario_tp2_subgroup_to_tp4(ctx):
     load_state_dict(got, root / "tp2")
     assert torch.equal(sw.local_tensor, tp[2 * rank:2 * rank + 2]) and got["step"] == 4
     assert sorted(p.name for p in (root / "tp2").iterdir()) == [".oarlock-files", "metadata.json", "rank-00000.safetensors",
-                                                                "rank-00001.safetensors"]
+                                                                "rank-00000.safetensors.xxh3", "rank-00001.safetensors",
+                                                                "rank-00001.safetensors.xxh3"]
 
 
 def scenario_module_with_dtensor_parameters(ctx):

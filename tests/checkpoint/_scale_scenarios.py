@@ -69,7 +69,7 @@ def scenario_grid_save_then_reshard_loads_bit_exact(ctx):
     ck = ctx.root / "ck"
     save_state_dict(saved_state(ctx.world, ctx.rank), ck)
     meta = json.loads((ck / "metadata.json").read_text())
-    assert meta["version"] == 3
+    assert meta["version"] == 4
     listed = [k for k, t in meta["tensors"].items() if "grid" not in t]
     assert listed == [], f"keys still listed shard by shard: {listed}"
     assert meta["tensors"]["layers.0.w"]["grid"]["chunks"] == [[16], []], meta["tensors"]["layers.0.w"]

@@ -167,7 +167,8 @@ def test_simulated_tp_equals_real_ranks_and_live_export(tmp_path, multirank):
     assert sizes[0] == sizes[1] and len(sizes[0]) == WORLD
     assert metas[0] == metas[1] and ids[0] != ids[1] and len(ids[0]) == len(ids[1]) == 32
     data = lambda d, i: {f.name: f.read_bytes().replace(i.encode(), b"0" * 32)  # noqa: E731
-                         for f in sorted(d.iterdir()) if f.name not in ("metadata.json", ".oarlock-files")}
+                         for f in sorted(d.iterdir()) if f.name not in ("metadata.json", ".oarlock-files")
+                         and f.suffix != ".xxh3"}  # block digests: of the headers, which hold the save ids
     assert data(sim, ids[0]) == data(real, ids[1]) and len(data(sim, ids[0])) == WORLD
     # export back to HF: every tensor as saved
     got = dict(iter_full_tensors(sim))

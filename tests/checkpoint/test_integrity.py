@@ -51,11 +51,11 @@ def test_checksums_recorded_match_an_independent_hash(ck):
     data = (ck / DATA).read_bytes()
     want = [xxhash.xxh3_64_hexdigest(data[i:i + BLOCK_SIZE]) for i in range(0, len(data), BLOCK_SIZE)]
     assert rec["algorithm"] == "xxh3_64" and rec["block_size"] == BLOCK_SIZE
-    # stored compactly: base64 of the 8-byte big-endian digests, in block order
-    import base64
-
-    assert rec["files"][DATA] == {"size": len(data), "digests": base64.b64encode(
-        b"".join(xxhash.xxh3_64_digest(data[i:i + BLOCK_SIZE]) for i in range(0, len(data), BLOCK_SIZE))).decode()}
+    # format 4: the 8-byte big-endian digests, in block order, in a digests file beside the data file; the
+    # metadata holds only the file's size and the XXH3 of those digest bytes
+    raw = b"".join(xxhash.xxh3_64_digest(data[i:i + BLOCK_SIZE]) for i in range(0, len(data), BLOCK_SIZE))
+    assert rec["files"][DATA] == {"size": len(data), "digests_xxh3": xxhash.xxh3_64_hexdigest(raw)}
+    assert (ck / (DATA + ".xxh3")).read_bytes() == raw
     assert len(want) == 4
     assert file_checksums(ck / DATA)["blocks"] == want
 
@@ -345,7 +345,79 @@ def test_a_malformed_compact_checksum_string_is_refused(tmp_path):
     good = json.loads(path.read_text())
     for bad in ("%%%%", "AAAA", "AAAAAAAAAAAAAAAAAAAAAA=="):  # not base64; 3 bytes; 16 bytes for one block
         meta = json.loads(json.dumps(good))
-        meta["extra"]["checksums"]["files"]["rank-00000.safetensors"]["digests"] = bad
+        rec = meta["extra"]["checksums"]["files"]["rank-00000.safetensors"]
+        del rec["digests_xxh3"]
+        rec["digests"] = bad
         path.write_text(json.dumps(meta))
         with pytest.raises(CheckpointFormatError, match="malformed checksums"):
             load_state_dict({"w": torch.zeros(4, 4)}, tmp_path / "ck")
+
+
+def test_metadata_size_does_not_grow_with_the_data(tmp_path):
+    """The block checksums live in digests files: ``metadata.json`` is the same size for a one-block and a
+    three-block data file (inline digests would add 11 characters per block), and so is what rank 0 gathers."""
+    import xxhash
+
+    save_state_dict({"w": torch.zeros(1_000_000, dtype=torch.float16)}, tmp_path / "one")  # 2 MB: 1 block
+    save_state_dict({"w": torch.zeros(1_000_000, dtype=torch.float64)}, tmp_path / "three")  # 8 MB: 2 blocks
+    small, big = ((tmp_path / n / "metadata.json").read_text() for n in ("one", "three"))
+    assert len(small) == len(big)
+    for n, blocks in (("one", 1), ("three", 2)):
+        data = (tmp_path / n / DATA).read_bytes()
+        assert -(-len(data) // BLOCK_SIZE) == blocks
+        raw = (tmp_path / n / (DATA + ".xxh3")).read_bytes()
+        assert raw == b"".join(xxhash.xxh3_64_digest(data[i:i + BLOCK_SIZE]) for i in range(0, len(data), BLOCK_SIZE))
+
+
+def test_corrupt_or_missing_digests_file_fails_the_load_naming_it(ck, capsys):
+    side = ck / (DATA + ".xxh3")
+    good = side.read_bytes()
+    target = {"a": torch.full((896, 4096), 7.0), "b": torch.full((1000,), 7.0, dtype=torch.float64), "step": 0}
+    for damage, words in ((lambda: _flip(side, 3), "does not match the checksum metadata.json records"),
+                          (lambda: side.write_bytes(good[:-1]), "has 31 bytes, 32 were written"),
+                          (lambda: side.unlink(), "is missing")):
+        damage()
+        with pytest.raises(ChecksumError, match=re.escape(words)) as e:
+            load_state_dict(target, ck)
+        assert str(side) in str(e.value) and DATA in str(e.value)
+        assert bool((target["a"] == 7).all()) and bool((target["b"] == 7).all())  # nothing written
+        rep = verify_checkpoint(ck)
+        assert not rep.intact and any(words in p.message for p in rep.problems)
+        side.write_bytes(good)
+    loaded = {"a": torch.zeros(896, 4096), "b": torch.zeros(1000, dtype=torch.float64), "step": 0}
+    load_state_dict(loaded, ck)
+    assert torch.equal(loaded["a"], _state()["a"]) and torch.equal(loaded["b"], _state()["b"])
+
+
+@pytest.mark.parametrize("bad", ["", "0123", "0123456789ABCDEF", "../../etc/passwd", 12345, None])
+def test_a_malformed_digests_checksum_is_refused(ck, bad):
+    from oarlock.checkpoint.errors import CheckpointFormatError
+
+    path = ck / "metadata.json"
+    meta = json.loads(path.read_text())
+    meta["extra"]["checksums"]["files"][DATA]["digests_xxh3"] = bad
+    path.write_text(json.dumps(meta))
+    with pytest.raises(CheckpointFormatError, match="digests_xxh3.*not 16 hex digits"):
+        load_state_dict({"a": torch.zeros(896, 4096), "b": torch.zeros(1000, dtype=torch.float64), "step": 0}, ck)
+
+
+def test_inline_digests_of_earlier_versions_still_verify(ck):
+    """A checkpoint whose metadata holds the digests inline (format 3) loads, and a flipped byte is still caught."""
+    import base64
+
+    path = ck / "metadata.json"
+    meta = json.loads(path.read_text())
+    rec = meta["extra"]["checksums"]["files"][DATA]
+    raw = (ck / (DATA + ".xxh3")).read_bytes()
+    del rec["digests_xxh3"]
+    rec["digests"] = base64.b64encode(raw).decode()
+    meta["version"] = 3
+    path.write_text(json.dumps(meta))
+    (ck / (DATA + ".xxh3")).unlink()
+    loaded = {"a": torch.zeros(896, 4096), "b": torch.zeros(1000, dtype=torch.float64), "step": 0}
+    load_state_dict(loaded, ck)
+    assert torch.equal(loaded["a"], _state()["a"])
+    assert verify_checkpoint(ck).intact
+    _flip(ck / DATA, 2 * BLOCK_SIZE + 5)
+    with pytest.raises(ChecksumError, match=r"block 2\)"):
+        load_state_dict(loaded, ck)

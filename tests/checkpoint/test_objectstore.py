@@ -76,7 +76,7 @@ def test_save_load_roundtrip_writes_nothing_locally(s3, tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []  # the old bug: a local 's3:/bucket/...' directory
     names = {o["Key"].rsplit("/", 1)[1] for o in s3.client().list_objects_v2(
         Bucket=s3.bucket, Prefix=s3.prefix + "/ckpt/")["Contents"]}
-    assert names == {"metadata.json", ".oarlock-files", "rank-00000.safetensors"}
+    assert names == {"metadata.json", ".oarlock-files", "rank-00000.safetensors", "rank-00000.safetensors.xxh3"}
     out = _empty_like(state)
     rep = load_state_dict(out, url)
     _assert_equal(out, state)
@@ -178,7 +178,7 @@ def test_killed_save_never_loads_and_is_cleaned_by_the_next(s3, tmp_path):
     c = s3.client()
     left = {o["Key"].rsplit("/", 1)[1] for o in c.list_objects_v2(Bucket=s3.bucket,
                                                                  Prefix=s3.prefix + "/new/")["Contents"]}
-    assert left == {".oarlock-incomplete", "rank-00000.safetensors"}
+    assert left == {".oarlock-incomplete", "rank-00000.safetensors", "rank-00000.safetensors.xxh3"}
     with pytest.raises(CheckpointFormatError, match="incomplete checkpoint"):
         load_state_dict({"x": torch.zeros(1000)}, s3.url + "/new")
     out = _empty_like(good)
@@ -187,7 +187,7 @@ def test_killed_save_never_loads_and_is_cleaned_by_the_next(s3, tmp_path):
     save_state_dict({"y": torch.full((3,), 2.0)}, s3.url + "/new")  # cleans the killed save's objects
     left = {o["Key"].rsplit("/", 1)[1] for o in c.list_objects_v2(Bucket=s3.bucket,
                                                                  Prefix=s3.prefix + "/new/")["Contents"]}
-    assert left == {"metadata.json", ".oarlock-files", "rank-00000.safetensors"}
+    assert left == {"metadata.json", ".oarlock-files", "rank-00000.safetensors", "rank-00000.safetensors.xxh3"}
     y = {"y": torch.zeros(3)}
     load_state_dict(y, s3.url + "/new")
     assert torch.equal(y["y"], torch.full((3,), 2.0))

@@ -38,7 +38,7 @@ def _zeros() -> dict[str, torch.Tensor]:
 
 def test_packed_save_loads_bit_exact_and_has_one_entry_per_file(packed_ckpt):
     meta = json.loads((packed_ckpt / "metadata.json").read_text())
-    assert meta["version"] == 3
+    assert meta["version"] == 4
     for f in ("rank-00000.safetensors", "rank-00001.safetensors"):
         with safe_open(str(packed_ckpt / f), "pt") as fh:  # still a valid safetensors file
             names = set(fh.keys())

@@ -40,7 +40,8 @@ def zeros_like_sd(sd):
 def test_round_trip_single_process_bit_exact(tmp_path):
     sd = sample()
     save_state_dict(sd, tmp_path / "ck")
-    assert sorted(os.listdir(tmp_path / "ck")) == [".oarlock-files", "metadata.json", "rank-00000.safetensors"]
+    assert sorted(os.listdir(tmp_path / "ck")) == [".oarlock-files", "metadata.json", "rank-00000.safetensors",
+                                                   "rank-00000.safetensors.xxh3"]
     meta = json.loads((tmp_path / "ck" / "metadata.json").read_text())
     assert meta["format"] == "oarlock.flexcheckpoint" and meta["objects"] == {"lr": 0.25, "name": "run-1",
                                                                               "betas": [0.9, 0.99]}

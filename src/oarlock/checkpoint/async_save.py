@@ -1,9 +1,14 @@
-"""Asynchronous checkpoint saves: plan, return, snapshot and write in the background.
+"""Asynchronous checkpoint saves: return at once; plan, snapshot and write in the background.
 
-:func:`async_save` runs the collective planning of a save (:func:`oarlock.checkpoint.save.prepare_save`: a
-fixed-size fingerprint exchange and, when the keys, shapes, dtypes, placements and group equal those of the
-previous save, the reuse of its plan) on the caller's process group *before it returns*, so it is ordered with
-the training's own collectives like any synchronous call. Then it returns: the caller's stall is the planning.
+:func:`async_save` does only local work before it returns: it collects the state's leaves (the tensors to save,
+fixed at the call), records every tensor's version counter and, per CUDA device, an event on the caller's current
+stream. The caller's stall is that and nothing else: no collective, so it does not wait for the slowest rank. The
+collective planning of the save (:func:`oarlock.checkpoint.save.prepare_save`: a fixed-size fingerprint exchange
+and, when the keys, shapes, dtypes, placements and group equal those of the previous save, the reuse of its plan)
+runs in the background on a *separate* gloo group with the same ranks, created on the first async save, so its
+collectives never interleave with the training's own on the caller's group. A planning error (shapes that
+disagree between ranks, a refused destination, a bad leaf on any rank) is raised on every rank by
+:meth:`AsyncSaveHandle.wait_staged` and :meth:`AsyncSaveHandle.wait`.
 
 In the background, two long-lived threads serve every save of the process (never more):
 
@@ -16,9 +21,8 @@ In the background, two long-lived threads serve every save of the process (never
 * the **writer** writes each tensor as soon as it is staged (the copy of the next tensor overlaps the write of
   this one), hashing its blocks on the way, with writeback to disk started every 16 MiB; then the commit
   protocol of the synchronous save: every rank's file fsynced in a hidden temporary directory holding an
-  incomplete-marker, rank 0 writes ``metadata.json`` last and renames the directory into place. Its collectives
-  (small agreements around the commit) run on a *separate* gloo group created on the first async save, so they
-  never interleave with the training's collectives on the caller's group.
+  incomplete-marker, rank 0 writes ``metadata.json`` last and renames the directory into place. The planning
+  runs first on this thread; its collectives and the small agreements around the commit use the separate group.
 
 The caller must not update the saved tensors in place before ``wait_staged()`` returns. That is checked: the
 version counter of every saved tensor (bumped by every in-place operation, ``optimizer.step()`` included) is
@@ -47,6 +51,7 @@ import torch
 from oarlock.checkpoint.dist import DistWrapper
 from oarlock.checkpoint.errors import CheckpointError
 from oarlock.checkpoint.save import local_tensors, prepare_save, write_and_commit, write_order
+from oarlock.checkpoint.traversal import collect_leaves
 from oarlock.utils import logger
 
 _lock = threading.Lock()
@@ -67,28 +72,43 @@ class AsyncSaveHandle:
         self.path = path
         self.pinned_bytes = 0
         self.staged_bytes = 0
-        self.plan_reused = False
+        self._reused = False
+        self._planned = threading.Event()  # set once the background planning is over (planned or failed)
         self._finished = threading.Event()  # set by the writer when committed or failed
         self._stager: "_Stager | None" = None
         self._error: BaseException | None = None
         self._reported = False  # the error reached the caller (wait) or stderr (exit)
+
+    @property
+    def plan_reused(self) -> bool:
+        """Whether the save reused the previous save's plan (waits for the background planning)."""
+        self._planned.wait()
+        return self._reused
 
     def done(self) -> bool:
         """True once the background write has finished (committed or failed)."""
         return self._finished.is_set()
 
     def staged(self) -> bool:
-        """True once the snapshot is taken (or staging gave up on an error, reported by :meth:`wait`)."""
-        return self._stager is None or self._stager.finished.is_set()
+        """True once the snapshot is taken (or the save gave up on an error before or while staging)."""
+        return self._planned.is_set() and (self._stager is None or self._stager.finished.is_set())
 
     def wait_staged(self, timeout: float | None = None) -> None:
-        """Block until the background no longer reads the saved tensors: their snapshot is taken, or staging
-        failed (the error is raised by :meth:`wait`). Call it before updating the saved state in place
-        (``optimizer.step()``). ``timeout`` in seconds (None waits forever).
+        """Block until the background no longer reads the saved tensors: the plan is settled and the snapshot
+        taken, or the save failed. Call it before updating the saved state in place (``optimizer.step()``).
+        ``timeout`` in seconds (None waits forever).
 
         Raises:
-            TimeoutError: still staging after ``timeout``.
+            TimeoutError: still planning or staging after ``timeout``.
+            CheckpointError: the planning failed (on every rank alike: bad leaves, disagreeing shapes, a refused
+                destination); the snapshot was never taken. Errors of staging and writing are raised by
+                :meth:`wait`.
         """
+        if not self._planned.wait(timeout):
+            raise TimeoutError(f"async save to {self.path}: still planning after {timeout} s")
+        if self._stager is None and self._error is not None:
+            self._reported = True
+            raise self._error
         if self._stager is not None and not self._stager.finished.wait(timeout):
             raise TimeoutError(f"async save to {self.path}: snapshot still being taken after {timeout} s")
 
@@ -120,12 +140,15 @@ def _side_group(process_group: Any) -> Any:
 
 def async_save(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process_group: Any = None,
                save_replicas: bool = False, overwrite: bool = False) -> AsyncSaveHandle:
-    """Save like :func:`~oarlock.checkpoint.api.save_state_dict`, returning as soon as the save is planned;
-    the snapshot and the write run in the background (module docstring). Collective over ``process_group`` (the
-    planning step, before returning).
+    """Save like :func:`~oarlock.checkpoint.api.save_state_dict`, returning at once: the planning, the snapshot
+    and the write run in the background (module docstring). Collective over ``process_group``: every rank calls
+    it, in the same order as its other saves; the planning's collectives run on a separate group with the same
+    ranks (created by the first call, collectively), never on ``process_group`` itself.
 
     Call ``handle.wait_staged()`` before updating the saved tensors in place (a tensor updated before its copy
-    fails the save), and ``handle.wait()`` before relying on the checkpoint.
+    fails the save), and ``handle.wait()`` before relying on the checkpoint. The values saved are those at the
+    call: the leaves are collected, and their version counters and the CUDA streams' positions recorded, before
+    this returns.
 
     Args:
         state_dict, path, process_group, save_replicas, overwrite: as for ``save_state_dict``.
@@ -134,21 +157,36 @@ def async_save(state_dict: Mapping[str, Any], path: str | os.PathLike, *, proces
         An :class:`AsyncSaveHandle`.
 
     Raises:
-        CheckpointError: planning errors (bad leaves, disagreeing shapes, bad tiling) at once, on every rank;
-            staging, write and commit errors from ``handle.wait()``.
+        CheckpointError: from ``handle.wait_staged()`` and ``handle.wait()``: planning errors (bad leaves on any
+            rank, disagreeing shapes, bad tiling, a refused destination) on every rank alike; staging, write and
+            commit errors from ``handle.wait()``.
     """
     wait_pending()  # saves never overlap: the previous one commits first and its staging buffers are free
-    plan = prepare_save(state_dict, path, process_group, save_replicas, overwrite)
-    live = local_tensors(plan.leaves)
-    order = [i for i in write_order(plan) if i in live or i[0] in live]
-    stager = _Stager([(i, live[i] if i in live else live[i[0]]) for i in order])
     group = _side_group(process_group) if DistWrapper(process_group).active else None
+    live: dict[tuple, torch.Tensor] = {}
+    try:
+        leaves: Any = collect_leaves(state_dict)
+        live = local_tensors(leaves)
+    except Exception as e:  # reported to every rank by the background planning
+        leaves = e
+    versions = {i: _version(t) for i, t in live.items()}
+    starts = _stream_positions(live.values())
     handle = AsyncSaveHandle(path)
-    handle.plan_reused = plan.reused
-    handle._stager = stager
 
     def run() -> None:
+        stager = None
         try:
+            try:
+                plan = prepare_save(state_dict, path, group, save_replicas, overwrite, leaves=leaves)
+                handle._reused = plan.reused
+                order = [i for i in write_order(plan) if i in live or i[0] in live]
+                idents = [i if i in live else i[0] for i in order]
+                stager = _Stager([(i, live[j]) for i, j in zip(order, idents)], [versions[j] for j in idents],
+                                 starts)
+                handle._stager = stager
+            finally:
+                handle._planned.set()
+            _STAGE_WORKER.submit(stager.run)
             try:
                 # the live tensors give the writer shapes and dtypes up front; ``ready`` swaps in each snapshot
                 write_and_commit(plan, dict(stager.items), group, ready=stager.ready)
@@ -158,10 +196,11 @@ def async_save(state_dict: Mapping[str, Any], path: str | os.PathLike, *, proces
                 handle.pinned_bytes, handle.staged_bytes = stager.pinned_bytes, stager.staged_bytes
             if stager.error is not None:  # pragma: no cover - ready() raised it inside the write already
                 raise stager.error
-        except BaseException as e:  # re-raised by wait()
+        except BaseException as e:  # re-raised by wait_staged() (planning) and wait()
             handle._error = e
         finally:
-            stager.snapshot.clear()
+            if stager is not None:
+                stager.snapshot.clear()
             handle._finished.set()
 
     global _pending
@@ -169,9 +208,23 @@ def async_save(state_dict: Mapping[str, Any], path: str | os.PathLike, *, proces
         _pending = handle
     # two long-lived threads serve every async save of the process: handing work over is a queue put, the caller
     # never waits for a thread to start
-    _STAGE_WORKER.submit(stager.run)
     _WRITE_WORKER.submit(run)
     return handle
+
+
+def _stream_positions(tensors: Any) -> dict[int, Any]:
+    """Per CUDA device holding one of ``tensors``, an event recorded on the caller's current stream (the copies
+    of the snapshot wait for the work queued before the call)."""
+    starts: dict[int, Any] = {}
+    for t in tensors:
+        if t.device.type == "cuda":
+            idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
+            if idx not in starts:
+                with torch.cuda.device(idx):
+                    e = torch.cuda.Event()
+                    e.record()  # on the caller's current stream of that device
+                    starts[idx] = e
+    return starts
 
 
 class _Worker:
@@ -244,12 +297,12 @@ class _Stager:
     """The snapshot of one async save: ``(shard id, live tensor)`` in file order, copied by :meth:`run` (the
     stager thread) into reused buffers; :meth:`ready` (the writer thread) waits for one of them.
 
-    Built in the caller's thread: it records there, per CUDA device, an event on the current stream (the copies
-    wait for the work queued before the call) and every tensor's version counter (checked after its copy)."""
+    ``versions`` are the tensors' version counters and ``starts`` the CUDA events (:func:`_stream_positions`),
+    both recorded in the caller's thread at the call; each tensor's counter is checked after its copy."""
 
-    def __init__(self, items: list[tuple[tuple, torch.Tensor]]):
+    def __init__(self, items: list[tuple[tuple, torch.Tensor]], versions: list[int | None], starts: dict[int, Any]):
         self.items = [(i, t.detach()) for i, t in items]
-        self.versions = [_version(t) for _, t in items]
+        self.versions = list(versions)
         self.snapshot: dict[tuple, torch.Tensor] = {}
         self.position = {i: n for n, (i, _) in enumerate(items)}
         self.landed = 0  # the first ``landed`` items are staged
@@ -259,15 +312,7 @@ class _Stager:
         self.pinned_bytes = 0
         self.staged_bytes = 0
         self._abort = False
-        self._starts: dict[int, Any] = {}
-        if any(t.device.type == "cuda" for _, t in self.items):
-            for t in (t for _, t in self.items if t.device.type == "cuda"):
-                idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
-                if idx not in self._starts:
-                    with torch.cuda.device(idx):
-                        e = torch.cuda.Event()
-                        e.record()  # on the caller's current stream of that device
-                        self._starts[idx] = e
+        self._starts = starts
 
     def abort(self) -> None:
         self._abort = True

@@ -44,7 +44,7 @@ from oarlock.checkpoint.dist import DistWrapper
 from oarlock.checkpoint.errors import CheckpointError
 from oarlock.checkpoint.executor import execute_items
 from oarlock.checkpoint.full import full_state_dict
-from oarlock.checkpoint.integrity import CHECKSUMS_KEY, BlockHasher, make_record, verify_all_blocks
+from oarlock.checkpoint.integrity import CHECKSUMS_KEY, BlockHasher, make_record, verify_all_blocks, write_digests
 from oarlock.checkpoint.hf import (HF_INDEX, HF_SINGLE, hf_shard_names, parse_size, reserved_hf_key_message,
                                    save_hf_checkpoint, write_hf_index)
 from oarlock.checkpoint.mapping import IdentityProgram, MappingProgram, TensorSpec
@@ -755,7 +755,9 @@ def convert_checkpoint(source: str | os.PathLike, out_dir: str | os.PathLike, *,
                 o.close()
             if bar is not None:
                 bar.close()
-            meta.extra[CHECKSUMS_KEY] = make_record({data_file_name(r): o.checksum_record for r, o in outs.items()})
+            meta.extra[CHECKSUMS_KEY] = make_record({data_file_name(r): write_digests(tmp, data_file_name(r),
+                                                                                    o.checksum_record)
+                                                     for r, o in outs.items()})
             if copy_side_files:
                 for name, f in side_files(source).items():
                     shutil.copyfile(f, tmp / name)

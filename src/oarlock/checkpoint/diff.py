@@ -241,10 +241,10 @@ def diff_checkpoints(a: str | Path, b: str | Path, *, rtol: float = 0.0, atol: f
 
 
 def _verify_files(reader, meta: CheckpointMetadata, files: set[str]) -> None:
-    sums = recorded(meta)
+    sums = recorded(meta, reader.path_of)
     verifier = BlockVerifier(reader.path_of, sums)
     for f in sorted(files):
-        bad = verifier.bad_blocks(f, range(len(sums[f].blocks)))
+        bad = verifier.bad_blocks(f, range(sums[f].n_blocks))
         if bad:
             path = reader.path_of(f)
             bs = sums[f].block_size

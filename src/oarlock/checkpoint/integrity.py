@@ -1,13 +1,21 @@
-"""Block checksums of checkpoint data files: computed while a file is written, recorded in the metadata,
+"""Block checksums of checkpoint data files: computed while a file is written, recorded with the checkpoint,
 verified before a load writes anything, and checked in full by ``oarlock verify``.
 
 Every data file of an oarlock checkpoint is cut into fixed-size blocks of its bytes (:data:`BLOCK_SIZE`; the
 last block may be shorter), header included; each block's XXH3 64-bit hash (the ``xxhash`` library,
-https://xxhash.com) is stored in ``metadata.json`` under ``extra.checksums``, per file as one base64 string of the
-8-byte big-endian digests in block order (``digests``; a list of 16-hex-digit strings, ``blocks``, is also read)::
+https://xxhash.com) is kept as 8 big-endian bytes. ``metadata.json`` records them under ``extra.checksums``, per
+file either in a *digests file* next to the data file (what a save writes, format version 4: ``F.xxh3`` for data
+file ``F``, the raw 8-byte digests in block order, with the XXH3 of those bytes in the metadata; ``oarlock convert`` writes them too) or
+inline, as earlier versions wrote them (``digests``: base64 of the same bytes; ``blocks``: a list of 16-hex-digit
+strings; both still read)::
 
     {"algorithm": "xxh3_64", "block_size": 4194304,
-     "files": {"rank-00000.safetensors": {"size": 123456, "digests": "nUweCjt/LBE..."}}}
+     "files": {"rank-00000.safetensors": {"size": 123456, "digests_xxh3": "5f0e3c9a1b2d4e6f"}}}
+
+With digests files, what the save's coordinator receives and what every loading rank parses is a fixed few dozen
+bytes per data file, whatever the checkpoint's size (inline, a 5 TB checkpoint's 1.2 M blocks would be 12 MiB of
+``metadata.json`` parsed by every rank and gathered to rank 0 at each save); a rank reads the digests only of
+the files whose blocks it hashes.
 
 A load verifies, before any destination tensor is written, every block that holds a byte the group's reads take
 (a partial read checks only the blocks it touches), each block hashed by one rank: :func:`verify_group` (the
@@ -39,6 +47,7 @@ from oarlock.checkpoint.executor import io_threads
 from oarlock.checkpoint.metadata import METADATA_FILE
 from oarlock.checkpoint.objectstore import is_object_path, remember_verified_block
 from oarlock.checkpoint.plan import index_of
+from oarlock.checkpoint.reader import checkpoint_file
 from oarlock.checkpoint.safetensors_io import read_header
 from oarlock.checkpoint.sharded import box_volume
 from oarlock.checkpoint.storage import detect_format, open_checkpoint
@@ -146,9 +155,10 @@ def file_checksums(path: str | Path, block_size: int = BLOCK_SIZE) -> dict[str, 
 
 
 def make_record(files: dict[str, dict[str, Any]], block_size: int = BLOCK_SIZE) -> dict[str, Any]:
-    """The ``extra.checksums`` entry of a checkpoint's metadata from per-file records."""
-    # each file's digests as one base64 string of the 8-byte values (10.7 characters per block instead of 19 for a
-    # JSON list of hex strings: a 840 GB checkpoint's 200,000 blocks take 2.1 MB, not 3.8 MB)
+    """The ``extra.checksums`` entry of a checkpoint's metadata from per-file records: ``{"size", "blocks"}`` (put
+    inline, compacted to ``digests``) or :func:`write_digests` records (kept as they are)."""
+    # inline digests as one base64 string of the 8-byte values (10.7 characters per block instead of 19 for a
+    # JSON list of hex strings)
     return {"algorithm": ALGORITHM, "block_size": int(block_size),
             "files": {f: _compact(r) for f, r in sorted(files.items())}}
 
@@ -161,14 +171,102 @@ def _compact(r: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-@dataclass
-class FileChecksums:
-    """The recorded checksums of one data file."""
+#: The digests file of data file ``F`` is ``F + DIGESTS_SUFFIX``, next to it (a fixed rule: the metadata names no
+#: other file, so no name from a checkpoint can point a reader elsewhere).
+DIGESTS_SUFFIX = ".xxh3"
 
-    file: str
-    size: int
-    block_size: int
-    blocks: list[str]
+
+def digests_record(file: str, record: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+    """The metadata record of data file ``file`` whose block checksums (``{"size", "blocks"}``, from
+    :class:`BlockHasher`) go into its digests file (``file + DIGESTS_SUFFIX``), and that file's bytes:
+    ``({"size", "digests_xxh3"}, raw 8-byte digests)``."""
+    raw = bytes.fromhex("".join(record["blocks"]))
+    return {"size": int(record["size"]), "digests_xxh3": xxhash.xxh3_64_hexdigest(raw)}, raw
+
+
+def write_digests(directory: Any, file: str, record: dict[str, Any]) -> dict[str, Any]:
+    """Write the digests file of data file ``file`` into ``directory`` (a local directory or an object-store
+    prefix; fsynced or uploaded before this returns) and return its metadata record (:func:`digests_record`).
+
+    Raises:
+        OSError, ObjectStoreError: the file cannot be written.
+    """
+    from oarlock.checkpoint.objectstore import storage_for
+
+    rec, raw = digests_record(file, record)
+    p = directory / (file + DIGESTS_SUFFIX)
+    storage_for(p).put_bytes(p.key if is_object_path(p) else str(p), raw)
+    return rec
+
+
+class FileChecksums:
+    """The recorded checksums of one data file: ``size`` bytes in blocks of ``block_size``. ``blocks`` (the
+    16-hex-digit digests in block order) are given, or read on first use from the file's digests file through
+    ``path_of`` (a callable giving the path of a file of the checkpoint), checked against ``digests_xxh3``."""
+
+    def __init__(self, file: str, size: int, block_size: int, blocks: list[str] | None = None, *,
+                 digests_file: str | None = None, digests_xxh3: str | None = None, path_of: Any = None):
+        self.file, self.size, self.block_size = file, int(size), int(block_size)
+        self._blocks = blocks
+        self.digests_file, self.digests_xxh3, self._path_of = digests_file, digests_xxh3, path_of
+
+    def __repr__(self) -> str:
+        where = f"digests_file={self.digests_file!r}" if self._blocks is None else f"{len(self._blocks)} blocks"
+        return f"FileChecksums({self.file!r}, size={self.size}, block_size={self.block_size}, {where})"
+
+    @property
+    def n_blocks(self) -> int:
+        """The number of blocks (known without reading the digests)."""
+        return -(-self.size // self.block_size)
+
+    @property
+    def blocks(self) -> list[str]:
+        """The block digests (16 hex digits each), read from the digests file on first use.
+
+        Raises:
+            ChecksumError: the digests file is missing, has the wrong size, or does not match the XXH3 recorded
+                in ``metadata.json`` (naming both files).
+        """
+        if self._blocks is None:
+            self._blocks = self._read_digests()
+        return self._blocks
+
+    def signature(self) -> tuple:
+        """``(size, block_size, XXH3 of the raw digests)``: equal for two files exactly when their recorded
+        checksums are (inline or in a digests file alike), without reading a digests file."""
+        if self.digests_xxh3 is not None:
+            return self.size, self.block_size, self.digests_xxh3
+        return self.size, self.block_size, xxhash.xxh3_64_hexdigest(bytes.fromhex("".join(self.blocks)))
+
+    def _read_digests(self) -> list[str]:
+        if self._path_of is None:
+            raise ChecksumError(f"data file {self.file!r}: its block checksums are in {self.digests_file!r}, which "
+                                "this caller cannot open (no checkpoint location given)")
+        path = self._path_of(self.digests_file)
+        want = 8 * self.n_blocks
+        what = f"{path} (the block checksums of data file {self.file!r})"
+        try:
+            if is_object_path(path):
+                size = path.storage.size(path.key)
+                data = bytearray(want) if size == want else None
+                if data is not None:
+                    path.storage.read_into(path.key, 0, memoryview(data))
+            else:
+                with open(path, "rb") as fh:
+                    size = os.fstat(fh.fileno()).st_size
+                    data = fh.read(want) if size == want else None
+        except FileNotFoundError:
+            raise ChecksumError(f"{what} is missing: the checkpoint is incomplete; nothing was loaded") from None
+        except (OSError, CheckpointError) as e:
+            raise ChecksumError(f"{what} cannot be read: {getattr(e, 'strerror', None) or e}") from None
+        if data is None or len(data) != want:
+            raise ChecksumError(f"{what} has {size} bytes, {want} were written at save (8 per block of a "
+                                f"{self.size}-byte file): truncated or replaced; nothing was loaded")
+        if xxhash.xxh3_64_hexdigest(data) != self.digests_xxh3:
+            raise ChecksumError(f"{what} does not match the checksum metadata.json records for it: corrupted or "
+                                "replaced after it was written; nothing was loaded")
+        hexed = bytes(data).hex()
+        return [hexed[i:i + 16] for i in range(0, len(hexed), 16)]
 
     def block_range(self, start: int, stop: int) -> range:
         """Indices of the blocks holding any byte of ``[start, stop)``."""
@@ -177,17 +275,18 @@ class FileChecksums:
         return range(start // self.block_size, (stop - 1) // self.block_size + 1)
 
 
-def recorded(metadata: Any) -> dict[str, FileChecksums] | None:
+def recorded(metadata: Any, path_of: Any = None) -> dict[str, FileChecksums] | None:
     """The checksums recorded in a checkpoint's metadata (file -> :class:`FileChecksums`), or None when it has
-    none (older oarlock checkpoints, foreign formats).
+    none (older oarlock checkpoints, foreign formats). ``path_of`` (``reader.path_of``) opens digests files when
+    their blocks are first needed.
 
     Raises:
         CheckpointFormatError: a malformed ``extra.checksums`` entry or an unknown algorithm.
     """
-    return parse_checksums((getattr(metadata, "extra", None) or {}).get(CHECKSUMS_KEY))
+    return parse_checksums((getattr(metadata, "extra", None) or {}).get(CHECKSUMS_KEY), path_of)
 
 
-def parse_checksums(rec: Any) -> dict[str, FileChecksums] | None:
+def parse_checksums(rec: Any, path_of: Any = None) -> dict[str, FileChecksums] | None:
     """Parse an ``extra.checksums`` entry (see :func:`recorded`)."""
     if rec is None:
         return None
@@ -200,6 +299,16 @@ def parse_checksums(rec: Any) -> dict[str, FileChecksums] | None:
             raise ValueError("block_size must be positive")
         out = {}
         for f, r in rec["files"].items():
+            size = int(r["size"])
+            if size < 0:
+                raise ValueError(f"file {f!r}: negative size {size}")
+            if "digests_xxh3" in r:  # format 4: the digests in the file's digests file, checked by their XXH3
+                check = r["digests_xxh3"]
+                if not isinstance(check, str) or re.fullmatch("[0-9a-f]{16}", check) is None:
+                    raise ValueError(f"file {f!r}: \"digests_xxh3\" {check!r} is not 16 hex digits")
+                out[str(f)] = FileChecksums(str(f), size, bs, digests_file=str(f) + DIGESTS_SUFFIX,
+                                            digests_xxh3=check, path_of=path_of)
+                continue
             if "digests" in r:  # the compact form: base64 of the 8-byte big-endian digests, in block order
                 raw = r["digests"]
                 if not isinstance(raw, str) or re.fullmatch("[A-Za-z0-9+/]*={0,2}", raw) is None:
@@ -214,12 +323,11 @@ def parse_checksums(rec: Any) -> dict[str, FileChecksums] | None:
                 blocks = [hexed[i:i + 16] for i in range(0, len(hexed), 16)]
             else:
                 blocks = [str(b) for b in r["blocks"]]
-            size = int(r["size"])
             if len(blocks) != -(-size // bs):
                 raise ValueError(f"file {f!r}: {len(blocks)} blocks recorded for {size} bytes")
             out[str(f)] = FileChecksums(str(f), size, bs, blocks)
         return out
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise CheckpointFormatError(f"malformed checksums in the checkpoint metadata: {e}") from None
 
 
@@ -241,7 +349,8 @@ class BlockVerifier:
         """Check ``blocks`` of ``file`` (skipping ones already verified); returns the indices that do not match.
 
         Raises:
-            ChecksumError: the file's size differs from the recorded one (truncated or extended).
+            ChecksumError: the file's size differs from the recorded one (truncated or extended), or its digests
+                file is missing or corrupt.
         """
         fc = self.checksums.get(file)
         if fc is None:
@@ -259,10 +368,11 @@ class BlockVerifier:
                 raise ChecksumError(f"{path}: file has {size} bytes, {fc.size} were written at save (truncated or "
                                     "overwritten)")
             fd = fh.fileno()
+            digests = fc.blocks  # read here, once, not in the hashing threads (a digests file)
 
             def check(b: int) -> bool:
                 lo, hi = b * fc.block_size, min(size, (b + 1) * fc.block_size)
-                return _digest_block(fd, lo, hi - lo) == fc.blocks[b]
+                return _digest_block(fd, lo, hi - lo) == digests[b]
 
             n = io_threads()
             # xxhash releases the GIL on large inputs: blocks hash in parallel
@@ -294,12 +404,13 @@ class BlockVerifier:
         if size != fc.size:
             raise ChecksumError(f"{path}: object has {size} bytes, {fc.size} were written at save (truncated or "
                                 "overwritten)")
+        digests = fc.blocks
 
         def check(b: int) -> bool:
             lo, hi = b * fc.block_size, min(size, (b + 1) * fc.block_size)
             buf = bytearray(hi - lo)
             st.read_into(path.key, lo, memoryview(buf))
-            good = _digest(buf) == fc.blocks[b]
+            good = _digest(buf) == digests[b]
             if good:  # the load's reads of this block copy these bytes instead of fetching them again
                 remember_verified_block(st.bucket, path.key, lo, fc.block_size, buf)
             return good
@@ -475,7 +586,7 @@ def block_owners(touched: dict[str, dict[int, int]], checksums: dict[str, FileCh
     start, total = {}, 0
     for f in files:
         start[f] = total
-        total += len(checksums[f].blocks)
+        total += checksums[f].n_blocks
     world, rank = dist.size, dist.rank
     shift = max(8, world.bit_length())
     idx, val = [], []
@@ -500,7 +611,7 @@ def block_owners(touched: dict[str, dict[int, int]], checksums: dict[str, FileCh
     out: dict[str, list[int]] = {}
     fi = 0
     for gi in mine:  # ascending: walk the files along
-        while gi >= start[files[fi]] + len(checksums[files[fi]].blocks):
+        while gi >= start[files[fi]] + checksums[files[fi]].n_blocks:
             fi += 1
         out.setdefault(files[fi], []).append(gi - start[files[fi]])
     return out
@@ -522,7 +633,7 @@ def verify_group(reader: Any, items: Iterable[Any], dist: Any, file_bytes: dict[
             block's bytes differ from their checksum, naming the file, the block's byte range and index, and
             every key stored in that block with its shard box; or a file's size differs from the recorded one.
     """
-    checksums = recorded(reader.metadata)
+    checksums = recorded(reader.metadata, reader.path_of)
     if not checksums:
         return 0
     err: BaseException | None = None
@@ -607,12 +718,12 @@ def verify_own_file(root: str | Path, file: str) -> int:
         extra = json.loads((root / METADATA_FILE).read_text()).get("extra") or {}
     except (OSError, ValueError):
         return 0  # the normal path reports an unreadable metadata file; the warm path never needed it
-    sums = parse_checksums(extra.get(CHECKSUMS_KEY))
+    sums = parse_checksums(extra.get(CHECKSUMS_KEY), lambda f: checkpoint_file(root, f, f"{root}: checksums file"))
     if not sums or file not in sums:
         return 0
     fc = sums[file]
     v = BlockVerifier(lambda f: root / f, sums)
-    bad = v.bad_blocks(file, range(len(fc.blocks)))
+    bad = v.bad_blocks(file, range(fc.n_blocks))
     if bad:
         b = bad[0]
         lo, hi = b * fc.block_size, min(fc.size, (b + 1) * fc.block_size)
@@ -631,7 +742,7 @@ def verify_all_blocks(reader: Any) -> int:
     Raises:
         ChecksumError: naming the file, the first corrupt block's byte range and the tensors stored there.
     """
-    sums = recorded(reader.metadata)
+    sums = recorded(reader.metadata, reader.path_of)
     if not sums:
         return 0
     v = BlockVerifier(reader.path_of, sums)
@@ -639,7 +750,7 @@ def verify_all_blocks(reader: Any) -> int:
         if file.endswith(".safetensors"):  # header and save id first: a file of another save is named as such
             reader.safetensors_file(file)
         fc = sums[file]
-        bad = v.bad_blocks(file, range(len(fc.blocks)))
+        bad = v.bad_blocks(file, range(fc.n_blocks))
         if bad:
             b = bad[0]
             lo, hi = b * fc.block_size, min(fc.size, (b + 1) * fc.block_size)
@@ -666,7 +777,7 @@ def equal_by_checksum(a: Any, b: Any) -> set[str]:
             if fc is None:
                 return None
             out.append((tuple(sh.global_offset), tuple(sh.local_shape), sh.flattened_range, sh.name,
-                        sh.replica_id or 0, fc.size, fc.block_size, tuple(fc.blocks)))
+                        sh.replica_id or 0, fc.signature()))
         return (t.dtype, tuple(t.global_shape), tuple(sorted(out, key=repr)))
 
     same = set()
@@ -784,7 +895,7 @@ def _hash_file(reader: Any, fc: FileChecksums) -> tuple[list[Problem], int]:
     path = reader.path_of(fc.file)
     v = BlockVerifier(reader.path_of, {fc.file: fc})
     try:
-        bad = v.bad_blocks(fc.file, range(len(fc.blocks)))
+        bad = v.bad_blocks(fc.file, range(fc.n_blocks))
     except ChecksumError as e:
         return [Problem(fc.file, str(e), [])], 0
     except OSError as e:
@@ -815,7 +926,7 @@ def verify_checkpoint(path: str | Path) -> VerifyReport:
         rep.problems.append(Problem("", str(e), []))
         return rep
     with reader:
-        sums = recorded(reader.metadata)
+        sums = recorded(reader.metadata, reader.path_of)
         rep = VerifyReport(str(path), fmt, bool(sums))
         if sums:
             missing = set(reader.metadata.files) - set(sums)

@@ -23,8 +23,9 @@ from oarlock.checkpoint.grid import (FlatGrid, GridLayout, PackedLayout, compres
 from oarlock.utils import dtype_itemsize, dtype_name, numel
 
 FORMAT_NAME = "oarlock.flexcheckpoint"
-FORMAT_VERSION = 3  # 2: grid records; 3: packed data files (docs/checkpoint-format.md); 1 and 2 are still read
-READABLE_VERSIONS = (1, 2, 3)
+FORMAT_VERSION = 4  # 2: grid records; 3: packed data files; 4: block checksums in digests files
+# (docs/checkpoint-format.md); 1 to 3 are still read
+READABLE_VERSIONS = (1, 2, 3, 4)
 METADATA_FILE = "metadata.json"
 #: JSON objects an optimizer checkpoint holds (see :mod:`oarlock.checkpoint.optim`).
 ALGORITHM_KEY = "optimizer.algorithm"

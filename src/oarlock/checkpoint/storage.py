@@ -729,7 +729,7 @@ def _detect_object_format(p: ObjectPath) -> str:
                                 "only: convert other formats on a local disk first")
 
 
-_DATA_OBJECT = re.compile(r"rank-\d{5,}\.safetensors")
+_DATA_OBJECT = re.compile(r"rank-(\d{5,})\.safetensors(?:\.xxh3)?")  # a data object or its block digests
 
 
 def _object_record(p: ObjectPath, name: str) -> dict:
@@ -745,7 +745,8 @@ def _object_record(p: ObjectPath, name: str) -> dict:
 def object_entries(p: ObjectPath, names: Iterable[str]) -> set[str]:
     """The objects directly under prefix ``p`` (of its listing ``names``) that this protocol wrote: the commit
     record, the manifest and the marker, the files a committed save's manifest lists, and the data objects
-    ``rank-XXXXX.safetensors`` of ranks below the world size an unfinished save's marker records."""
+    ``rank-XXXXX.safetensors`` (and their digests ``rank-XXXXX.safetensors.xxh3``) of ranks below the world size
+    an unfinished save's marker records."""
     names = set(names)
     own = {METADATA_FILE, WRITTEN_MANIFEST, INCOMPLETE_MARKER}
     if WRITTEN_MANIFEST in names:
@@ -754,7 +755,7 @@ def object_entries(p: ObjectPath, names: Iterable[str]) -> set[str]:
     if INCOMPLETE_MARKER in names:
         world = _object_record(p, INCOMPLETE_MARKER).get("world")
         if type(world) is int and world > 0:
-            own |= {n for n in names if _DATA_OBJECT.fullmatch(n) and int(n[5:-12]) < world}
+            own |= {n for n in names if (m := _DATA_OBJECT.fullmatch(n)) and int(m.group(1)) < world}
     return names & own
 
 
@@ -837,7 +838,7 @@ def upload_directory(tmp: Path, final: ObjectPath, *, overwrite: bool = False) -
     import json
 
     names = sorted(n for n in os.listdir(tmp) if n != INCOMPLETE_MARKER and (tmp / n).is_file())
-    world = sum(1 for n in names if _DATA_OBJECT.fullmatch(n))
+    world = sum(1 for n in names if _DATA_OBJECT.fullmatch(n) and n.endswith(".safetensors"))
     ours = check_object_destination(final, names, overwrite=overwrite)
     st = final.storage
     st.put_bytes(f"{final.key}/{INCOMPLETE_MARKER}",
