@@ -348,3 +348,17 @@ def _merge(spans):
         else:
             out.append((a, b))
     return out
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are a Linux feature")
+def test_the_writer_runs_at_a_lower_priority_and_the_stager_does_not(tmp_path, monkeypatch):
+    """The writer thread (writes, hashing, fsync) is niced by ``background_nice()`` so a training loop sharing the
+    CPUs slows less; the stage thread (planning and the snapshot the loop waits for) keeps the caller's priority."""
+    monkeypatch.delenv("OARLOCK_ASYNC_NICE", raising=False)  # the default (read when the thread starts)
+    h = async_save(_state(), tmp_path / "a")
+    h.wait()
+    threads = {t.name: t.native_id for t in threading.enumerate()}
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert async_mod.background_nice() == 3  # the default, OARLOCK_ASYNC_NICE unset in the tests
+    assert os.getpriority(os.PRIO_PROCESS, threads["oarlock-async-save"]) == min(19, base + 3)
+    assert os.getpriority(os.PRIO_PROCESS, threads["oarlock-async-stage"]) == base
