@@ -3,8 +3,9 @@
 Real processes on this machine (gloo, CPU): ``--tensors`` tensors of ``ROWS x COLS`` float32 (default 1,200 of
 64x48, 8 MiB in all) saved as DTensors ``[Shard(0)]`` from 4 ranks and from 16 ranks, then loaded into
 ``[Shard(1)]`` on 8 ranks, so every loading rank needs a piece of every stored shard. For each library, in one
-run: bookkeeping bytes on disk (oarlock: ``metadata.json`` plus the data files' safetensors headers; DCP: its
-``.metadata`` plus nothing else, its data files having no headers), the save's time, and the 16 -> 8 load's
+run: bookkeeping bytes on disk (oarlock: ``metadata.json``, the block digests files and the data files'
+safetensors headers; DCP: its ``.metadata`` plus nothing else, its data files having no headers), the save's time,
+and the 16 -> 8 load's
 slowest rank (time between barriers). Every loaded tensor is compared with the values the 16-rank save wrote
 (recomputed from the seed on the loading rank): bit-exact or the run fails.
 
@@ -112,11 +113,11 @@ def launch(world: int, job: str, root: Path, n: int, reps: int) -> list[dict]:
 
 
 def bookkeeping(d: Path) -> int:
-    """Bytes of a checkpoint that are not tensor data: oarlock's metadata.json plus each safetensors file's
-    8-byte length and JSON header; DCP's .metadata."""
+    """Bytes of a checkpoint that are not tensor data: oarlock's metadata.json, its block digests files (format 4)
+    and each safetensors file's 8-byte length and JSON header; DCP's .metadata."""
     total = 0
     for f in d.iterdir():
-        if f.name in ("metadata.json", ".metadata"):
+        if f.name in ("metadata.json", ".metadata") or f.suffix == ".xxh3":
             total += f.stat().st_size
         elif f.suffix == ".safetensors":
             with open(f, "rb") as fh:
