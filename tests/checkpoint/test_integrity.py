@@ -421,3 +421,27 @@ def test_inline_digests_of_earlier_versions_still_verify(ck):
     _flip(ck / DATA, 2 * BLOCK_SIZE + 5)
     with pytest.raises(ChecksumError, match=r"block 2\)"):
         load_state_dict(loaded, ck)
+
+
+def test_digests_of_many_files_are_read_together_and_a_bad_one_is_named(tmp_path, monkeypatch):
+    """A load hashing blocks of several files reads their digests files together (prefetch_digests, on a pool);
+    a corrupt one among them still fails the load naming it, with nothing written."""
+    import oarlock.checkpoint.integrity as integrity
+
+    key = "model.layers.0.mlp.down_proj.weight"  # row-parallel: split along dim 1 over the tp ranks
+    full = torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32)
+    save_file({key: full}, tmp_path / "src.safetensors")
+    convert_checkpoint(tmp_path / "src.safetensors", tmp_path / "ck", tp=4)
+    sides = sorted((tmp_path / "ck").glob("rank-*.safetensors.xxh3"))
+    assert len(sides) == 4
+    seen: list[int] = []
+    real = integrity.prefetch_digests
+    monkeypatch.setattr(integrity, "prefetch_digests", lambda sums: (seen.append(len(sums)), real(sums))[1])
+    out = {key: torch.zeros(64, 32)}
+    load_state_dict(out, tmp_path / "ck", strict=False)
+    assert torch.equal(out[key], full) and seen == [4]
+    _flip(sides[2], 0)
+    out = {key: torch.full((64, 32), 5.0)}
+    with pytest.raises(ChecksumError, match=re.escape(str(sides[2])) + ".*does not match"):
+        load_state_dict(out, tmp_path / "ck", strict=False)
+    assert bool((out[key] == 5).all())

@@ -275,6 +275,27 @@ class FileChecksums:
         return range(start // self.block_size, (stop - 1) // self.block_size + 1)
 
 
+def prefetch_digests(sums: Sequence[FileChecksums]) -> None:
+    """Read the digests files of ``sums`` not read yet, several at once (``io_threads`` in flight; twice that for
+    an object store, where each is a request with its latency): a rank owning blocks of many files would otherwise
+    wait for one small read after another.
+
+    Raises:
+        ChecksumError: the first digests file (in the given order) that is missing or corrupt.
+    """
+    todo = [fc for fc in sums if fc._blocks is None]
+    if len(todo) < 2:
+        return
+    remote = is_object_path(todo[0]._path_of(todo[0].digests_file)) if todo[0]._path_of is not None else False
+    n = min(len(todo), io_threads() * (2 if remote else 1))
+    if n < 2:
+        return
+    with ThreadPoolExecutor(max_workers=n, thread_name_prefix="oarlock-digests") as pool:
+        futures = [pool.submit(lambda fc=fc: fc.blocks) for fc in todo]
+    for f in futures:
+        f.result()
+
+
 def recorded(metadata: Any, path_of: Any = None) -> dict[str, FileChecksums] | None:
     """The checksums recorded in a checkpoint's metadata (file -> :class:`FileChecksums`), or None when it has
     none (older oarlock checkpoints, foreign formats). ``path_of`` (``reader.path_of``) opens digests files when
@@ -646,6 +667,7 @@ def verify_group(reader: Any, items: Iterable[Any], dist: Any, file_bytes: dict[
     verifier = BlockVerifier(reader.path_of, checksums)
     if err is None:
         try:
+            prefetch_digests([checksums[f] for f in owned])
             for file in sorted(owned):
                 bad = verifier.bad_blocks(file, owned[file])
                 if bad:
