@@ -46,3 +46,39 @@ def scenario_save_rows_load_columns(ctx):
     assert dst["note"] == "run-7"
     assert rep.bytes_hashed >= 0 and rep.missing_keys == []
     return {"files": sorted(rep.files_read)}
+
+
+def scenario_replicated_readers_fetch_each_block_once(ctx):
+    """Every rank loads the whole of a 12 MiB tensor that rank 0 saved (three 4 MiB blocks): each block has one
+    owner, and the other ranks, which read it whole too, hash it from the same fetch instead of fetching it a
+    second time after the verdict. Every rank fetches the data object's bytes once and hashes all of them."""
+    from oarlock.checkpoint.objectstore import S3Storage
+
+    url = os.environ["OARLOCK_TEST_S3_URL"] + "/replicated"
+    g = torch.Generator().manual_seed(77)
+    full = torch.randn(3 * 1024 * 1024, generator=g)  # 12 MiB fp32
+    r = dist.get_rank()
+    # rank 0 holds the tensor, the others an empty piece of it: one data file with all the bytes
+    mine = full if r == 0 else full[:0]
+    state = {"big": ShardedWeight("big", mine.clone(), tuple(mine.shape), tuple(full.shape), (0,))}
+    save_state_dict(state, url)
+    dist.barrier()
+    fetched = []
+    real = S3Storage._get_range
+
+    def counting(self, key, offset, buf):
+        if key.endswith(".safetensors"):
+            fetched.append(len(buf))
+        return real(self, key, offset, buf)
+
+    S3Storage._get_range = counting
+    try:
+        out = {"big": torch.zeros_like(full)}
+        rep = load_state_dict(out, url)
+    finally:
+        S3Storage._get_range = real
+    assert torch.equal(out["big"], full)
+    data = full.numel() * 4
+    assert rep.bytes_hashed >= data, (rep.bytes_hashed, data)  # every block it reads whole, owned or not
+    assert data <= sum(fetched) <= data + 256 * 1024, (sum(fetched), data)  # once, plus header reads
+    return {"hashed": rep.bytes_hashed}

@@ -122,6 +122,38 @@ def test_a_verified_load_fetches_each_block_once(s3, monkeypatch):
     assert size <= sum(fetched) <= size + 256 * 1024, (sum(fetched), size)
 
 
+def test_kept_blocks_stay_within_their_budget(s3, monkeypatch):
+    """OARLOCK_S3_KEEP_BYTES bounds the verified blocks a load keeps for its reads: with room for one 4 MiB block
+    of the three (4, 4 and about 2 MiB), the load is still exact, never holds more than one block, and fetches
+    the blocks it could not keep a second time (to read them)."""
+    from oarlock.checkpoint import objectstore
+    from oarlock.checkpoint.objectstore import S3Storage
+
+    g = torch.Generator().manual_seed(12)
+    state = {f"w{i}": torch.randn(256, 1024, generator=g) for i in range(10)}  # 10 MiB: three 4 MiB blocks
+    url = s3.url + "/budget"
+    save_state_dict(state, url)
+    size = s3.client().head_object(Bucket=s3.bucket, Key=s3.prefix + "/budget/rank-00000.safetensors")["ContentLength"]
+    fetched = []
+    real = S3Storage._get_range
+
+    def counting(self, key, offset, buf):
+        if key.endswith(".safetensors"):
+            fetched.append(len(buf))
+        return real(self, key, offset, buf)
+
+    monkeypatch.setattr(S3Storage, "_get_range", counting)
+    monkeypatch.setenv("OARLOCK_S3_KEEP_BYTES", str(4 * 1024 * 1024))
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    rep = load_state_dict(out, url)
+    _assert_equal(out, state)
+    assert rep.bytes_hashed == size
+    kept = objectstore._verified.peak
+    assert 0 < kept <= 4 * 1024 * 1024  # one block kept (whichever fetch finished first), never two
+    # the blocks not kept are fetched again for the reads (less the file's header, which no tensor read covers)
+    assert 2 * size - kept - 256 * 1024 <= sum(fetched) <= 2 * size - kept + 256 * 1024, (sum(fetched), size, kept)
+
+
 def test_multipart_upload_and_partial_ranged_reads(s3, monkeypatch):
     monkeypatch.setenv("OARLOCK_S3_PART_BYTES", str(5 * 1024 * 1024))
     g = torch.Generator().manual_seed(5)

@@ -40,12 +40,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+import numpy as np
 import xxhash
 
 from oarlock.checkpoint.errors import CheckpointError, CheckpointFormatError
 from oarlock.checkpoint.executor import io_threads
 from oarlock.checkpoint.metadata import METADATA_FILE
-from oarlock.checkpoint.objectstore import is_object_path, remember_verified_block
+from oarlock.checkpoint.objectstore import is_object_path, kept_room, remember_verified_block, s3_concurrency
 from oarlock.checkpoint.plan import index_of
 from oarlock.checkpoint.reader import checkpoint_file
 from oarlock.checkpoint.safetensors_io import read_header
@@ -381,7 +382,7 @@ class BlockVerifier:
             return []
         path = self.path_of(file)
         if is_object_path(path):
-            return self._bad_object_blocks(path, fc, todo)
+            return self.bad_blocks_of({file: todo}).get(file, [])
         path = Path(path)
         with open(path, "rb") as fh:
             size = os.fstat(fh.fileno()).st_size
@@ -398,6 +399,78 @@ class BlockVerifier:
             n = io_threads()
             # xxhash releases the GIL on large inputs: blocks hash in parallel
             return self._run_checks(fc, size, todo, check, min(n, len(todo)), n > 1 and len(todo) > 2)
+
+    def bad_blocks_of(self, todo: dict[str, Iterable[int]]) -> dict[str, list[int]]:
+        """:meth:`bad_blocks` of several files: file -> indices that do not match (files with none left out).
+        Objects in a store are checked together, runs of consecutive blocks fetched with ranged GETs of exactly
+        their bytes (up to the store's ``READ_PART`` each) by one pool of :func:`~oarlock.checkpoint.objectstore.s3_concurrency` requests in flight (latency-bound GETs,
+        not one file after another), hashed, and kept for the load's reads where the budget allows
+        (:func:`~oarlock.checkpoint.objectstore.remember_verified_block`).
+
+        Raises:
+            ChecksumError: as :meth:`bad_blocks`; an object's size is checked before any of its blocks is fetched.
+        """
+        out: dict[str, list[int]] = {}
+        tasks: list[tuple[FileChecksums, Any, int, list[str], int]] = []
+        for file in sorted(todo):
+            fc = self.checksums.get(file)
+            if fc is None:
+                continue
+            path = self.path_of(file)
+            if not is_object_path(path):
+                bad = self.bad_blocks(file, todo[file])
+                if bad:
+                    out[file] = bad
+                continue
+            blocks = sorted({b for b in todo[file] if (file, b) not in self.verified})
+            if not blocks:
+                continue
+            size = path.storage.size(path.key)
+            if size != fc.size:
+                raise ChecksumError(f"{path}: object has {size} bytes, {fc.size} were written at save (truncated "
+                                    "or overwritten)")
+            digests = fc.blocks
+            # runs of consecutive blocks fetched by one GET of up to the store's read part (fewer requests)
+            per_get = max(1, getattr(path.storage, "READ_PART", 0) // fc.block_size)
+            run: list[int] = []
+            for b in blocks:
+                if run and (b != run[-1] + 1 or len(run) == per_get):
+                    tasks.append((fc, path, size, digests, run))
+                    run = []
+                run.append(b)
+            tasks.append((fc, path, size, digests, run))
+        if not tasks:
+            return out
+
+        def check(task: tuple) -> list[bool]:
+            fc, path, size, digests, run = task
+            bs = fc.block_size
+            lo, hi = run[0] * bs, min(size, (run[-1] + 1) * bs)
+            buf = np.empty(hi - lo, dtype=np.uint8)  # not zeroed: every byte is fetched into it
+            path.storage.read_into(path.key, lo, memoryview(buf))
+            ok = []
+            for b in run:
+                block = buf[b * bs - lo:min(size, (b + 1) * bs) - lo]
+                good = _digest(block) == digests[b]
+                if good:  # the load's reads of this block copy these bytes instead of fetching them again
+                    remember_verified_block(path.storage.bucket, path.key, b * bs, bs, block)
+                ok.append(good)
+            return ok
+
+        n = min(s3_concurrency(), len(tasks))
+        if n > 1:
+            with ThreadPoolExecutor(max_workers=n, thread_name_prefix="oarlock-hash") as pool:
+                verdicts = list(pool.map(check, tasks))
+        else:
+            verdicts = [check(t) for t in tasks]
+        for (fc, _, size, _, run), ok in zip(tasks, verdicts):
+            for b, good in zip(run, ok):
+                if good:
+                    self.verified.add((fc.file, b))
+                else:
+                    out.setdefault(fc.file, []).append(b)
+                self.bytes_verified += min(size, (b + 1) * fc.block_size) - b * fc.block_size
+        return out
 
     def _run_checks(self, fc: FileChecksums, size: int, todo: list[int], check: Any, workers: int,
                     parallel: bool) -> list[int]:
@@ -416,28 +489,6 @@ class BlockVerifier:
                 bad.append(b)
             self.bytes_verified += min(size, (b + 1) * fc.block_size) - b * fc.block_size
         return bad
-
-    def _bad_object_blocks(self, path: Any, fc: FileChecksums, todo: list[int]) -> list[int]:
-        """:meth:`bad_blocks` of an object: each block fetched with a ranged GET of exactly its bytes (several in
-        flight, bounded by ``io_threads``) and hashed."""
-        st = path.storage
-        size = st.size(path.key)
-        if size != fc.size:
-            raise ChecksumError(f"{path}: object has {size} bytes, {fc.size} were written at save (truncated or "
-                                "overwritten)")
-        digests = fc.blocks
-
-        def check(b: int) -> bool:
-            lo, hi = b * fc.block_size, min(size, (b + 1) * fc.block_size)
-            buf = bytearray(hi - lo)
-            st.read_into(path.key, lo, memoryview(buf))
-            good = _digest(buf) == digests[b]
-            if good:  # the load's reads of this block copy these bytes instead of fetching them again
-                remember_verified_block(st.bucket, path.key, lo, fc.block_size, buf)
-            return good
-
-        n = min(io_threads() * 2, len(todo))
-        return self._run_checks(fc, size, todo, check, n, n > 1)
 
 
 def _read_layout(reader: Any, file: str, name: str, flat_start: int, shape: Sequence[int],
@@ -638,6 +689,37 @@ def block_owners(touched: dict[str, dict[int, int]], checksums: dict[str, FileCh
     return out
 
 
+def _whole_blocks_read(reader: Any, touched: dict[str, dict[int, int]], owned: dict[str, list[int]],
+                       checksums: dict[str, FileChecksums]) -> dict[str, list[int]]:
+    """Blocks of objects in a store that this rank reads (almost) whole but another rank owns: hashed here too,
+    so that the one fetch that verifies them also serves this rank's reads (a second rank reading a block would
+    otherwise fetch it once more after the verdict, in a phase of its own). Bounded by the room left in the
+    budget of kept blocks once the owned ones are in (:func:`~oarlock.checkpoint.objectstore.kept_room`); none
+    on a filesystem, where a second read of a block costs little and each block is hashed once per group."""
+    room = kept_room()
+    if not room:
+        return {}
+    out: dict[str, list[int]] = {}
+    for f in sorted(touched):
+        fc = checksums[f]
+        if not is_object_path(reader.path_of(f)):
+            continue
+        mine = set(owned.get(f, ()))
+        room -= sum(min(fc.size, (b + 1) * fc.block_size) - b * fc.block_size for b in mine)
+    for f in sorted(touched):
+        fc = checksums[f]
+        if not is_object_path(reader.path_of(f)):
+            continue
+        mine = set(owned.get(f, ()))
+        for b, n in sorted(touched[f].items()):
+            length = min(fc.size, (b + 1) * fc.block_size) - b * fc.block_size
+            if b in mine or n * 8 < length * 7 or length > room:
+                continue
+            out.setdefault(f, []).append(b)
+            room -= length
+    return out
+
+
 def verify_group(reader: Any, items: Iterable[Any], dist: Any, file_bytes: dict[str, int] | None = None) -> int:
     """Collective over ``dist`` (a :class:`~oarlock.checkpoint.dist.DistWrapper`; every rank of the load calls
     it, also one with no items): verify every block that the group's read items touch, each block hashed by one
@@ -645,7 +727,9 @@ def verify_group(reader: Any, items: Iterable[Any], dist: Any, file_bytes: dict[
     :class:`~oarlock.checkpoint.plan.ReadItem` s; :func:`block_owners` picks, for each touched block, the rank
     that reads the largest share of it; each rank hashes the blocks it owns (:class:`BlockVerifier`), and one
     :meth:`~oarlock.checkpoint.dist.DistWrapper.check` shares the verdicts. Files a rank cannot see are skipped
-    by it (another rank reads them). ``file_bytes``: see :func:`touched_blocks`. Returns the bytes this rank
+    by it (another rank reads them). From an object store a rank also hashes the blocks it reads (almost) whole
+    that another rank owns, within the budget of kept blocks (:func:`_whole_blocks_read`): the fetch that
+    verifies them then serves its reads. ``file_bytes``: see :func:`touched_blocks`. Returns the bytes this rank
     hashed; 0 when the checkpoint records no checksums (then no collective runs: every rank reads the same
     metadata).
 
@@ -667,11 +751,14 @@ def verify_group(reader: Any, items: Iterable[Any], dist: Any, file_bytes: dict[
     verifier = BlockVerifier(reader.path_of, checksums)
     if err is None:
         try:
-            prefetch_digests([checksums[f] for f in owned])
-            for file in sorted(owned):
-                bad = verifier.bad_blocks(file, owned[file])
-                if bad:
-                    raise ChecksumError(_mismatch(reader, checksums[file], bad))
+            todo = {f: list(b) for f, b in owned.items()}
+            for f, b in _whole_blocks_read(reader, touched, owned, checksums).items():
+                todo.setdefault(f, []).extend(b)
+            prefetch_digests([checksums[f] for f in todo])
+            bad = verifier.bad_blocks_of(todo)
+            if bad:
+                file = min(bad)
+                raise ChecksumError(_mismatch(reader, checksums[file], bad[file]))
         except Exception as e:
             err = e
     dist.check(err)

@@ -314,13 +314,30 @@ class _VerifiedBlocks:
     """Block bytes that this process hashed and found correct during the current load, by ``(bucket, key)``
     then block start: a verified load over the network fetches each block it owns once (to hash), and its reads
     of that block copy from here. Held only while a load runs (:func:`keep_verified_blocks`), so at most the
-    blocks this rank verifies, which are blocks it reads."""
+    blocks this rank verifies, which are blocks it reads, and never more than :func:`keep_budget` bytes (past it,
+    verified blocks are dropped and their reads fetch them again)."""
 
     def __init__(self) -> None:
         self.active = 0
         self.block_size = 0
+        self.nbytes = 0  # bytes held now
+        self.peak = 0  # the most held at once during the current load (tests read it)
         self.blocks: dict[tuple[str, str], dict[int, Any]] = {}
         self.lock = threading.Lock()
+
+
+def keep_budget() -> int:
+    """Bytes of verified blocks one process keeps during a load from an object store
+    (``OARLOCK_S3_KEEP_BYTES``, default 1 GiB): the memory a load trades for fetching those blocks once. A rank
+    reading more than this fetches the rest twice (to hash, then to read), as it would without the copy."""
+    return _env_int("OARLOCK_S3_KEEP_BYTES", 1 << 30, lo=0)
+
+
+def kept_room() -> int:
+    """Bytes still free in :func:`keep_budget` (0 outside :func:`keep_verified_blocks`)."""
+    if not _verified.active:
+        return 0
+    return max(0, keep_budget() - _verified.nbytes)
 
 
 _verified = _VerifiedBlocks()
@@ -331,6 +348,8 @@ def keep_verified_blocks() -> Iterator[None]:
     """While active, :func:`remember_verified_block` keeps block bytes and :meth:`S3Storage.read_into` serves
     reads from them; everything is dropped when the outermost use ends."""
     with _verified.lock:
+        if not _verified.active:
+            _verified.peak = 0
         _verified.active += 1
     try:
         yield
@@ -340,17 +359,28 @@ def keep_verified_blocks() -> Iterator[None]:
             if not _verified.active:
                 _verified.blocks.clear()
                 _verified.block_size = 0
+                _verified.nbytes = 0
 
 
-def remember_verified_block(bucket: str, key: str, lo: int, block_size: int, data: Any) -> None:
-    """Keep the verified bytes of the block starting at ``lo`` (a no-op outside :func:`keep_verified_blocks`)."""
+def remember_verified_block(bucket: str, key: str, lo: int, block_size: int, data: Any) -> bool:
+    """Keep the verified bytes of the block starting at ``lo``; False (nothing kept) outside
+    :func:`keep_verified_blocks` or when the block would not fit in :func:`keep_budget`."""
     if not _verified.active:
-        return
+        return False
     with _verified.lock:
         if _verified.block_size not in (0, block_size):
-            return  # one block size per load (a checkpoint's); another's blocks are simply fetched again
+            return False  # one block size per load (a checkpoint's); another's blocks are simply fetched again
+        per = _verified.blocks.setdefault((bucket, key), {})
+        if lo in per:
+            return True
+        n = len(data)
+        if _verified.nbytes + n > keep_budget():
+            return False
         _verified.block_size = block_size
-        _verified.blocks.setdefault((bucket, key), {})[lo] = data  # the hashed buffer itself: no copy
+        per[lo] = data  # the hashed buffer itself: no copy
+        _verified.nbytes += n
+        _verified.peak = max(_verified.peak, _verified.nbytes)
+        return True
 
 def _env_int(name: str, default: int, lo: int = 1) -> int:
     try:
