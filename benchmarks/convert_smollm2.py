@@ -3,7 +3,8 @@ back to HF, with ``oarlock convert``; side by side with the anchors of issue 5:
 
 * ``cp`` of the same bytes (the model file, once per direction);
 * a torch-only script that loads the full state dict, rearranges it (fuse/split QKV and gate/up, cut TP=3 shards)
-  and saves it with ``safetensors.torch.save_file``.
+  and saves it with ``safetensors.torch.save_file``; and the same script followed by an fsync of what it wrote
+  (``torch-only+fsync``: the durability oarlock gives its files, issue 27's equal-durability row).
 
 Every step runs in its own process (peak RSS from ``wait4``), with the page cache warm (the input is read once
 before each step). Reports wall time and peak RSS per step and the ratios oarlock / anchor.
@@ -101,6 +102,19 @@ else:
         else:
             hf["model." + k] = v
     save_file(hf, str(dst / "model.safetensors"), metadata={"format": "pt"})
+if len(sys.argv) > 5 and sys.argv[5] == "fsync":  # the equal-durability variant: what oarlock does at commit
+    import os
+    for f in sorted(dst.glob("*.safetensors")):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    fd = os.open(dst, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 print(f"WORK {time.perf_counter() - T0}")
 """
 
@@ -190,6 +204,11 @@ def main() -> None:
                                                         str(hf / "config.json")]),
             "torch-only TP=3 -> HF": (work / "t_tp3", torch_only + [str(work / "t_tp3"), str(work / "t_back"),
                                                                     "to_hf", str(hf / "config.json")]),
+            # equal durability: the same script, then an fsync of every file it wrote and of its directory
+            "torch-only+fsync HF -> TP=3": (hf, torch_only + [str(hf), str(work / "tf_tp3"), "to_tp",
+                                                              str(hf / "config.json"), "fsync"]),
+            "torch-only+fsync TP=3 -> HF": (work / "t_tp3", torch_only + [str(work / "t_tp3"), str(work / "tf_back"),
+                                                                          "to_hf", str(hf / "config.json"), "fsync"]),
         }
         best: dict[str, list[float]] = {}
         for _ in range(args.repeat):
@@ -206,8 +225,8 @@ def main() -> None:
                          "    got = {}\n"
                          "    for f in sorted(Path(d).glob('*.safetensors')): got.update(load_file(str(f)))\n"
                          "    assert set(got) == set(ref) and all(torch.equal(got[k], ref[k]) for k in ref), d\n")
-        subprocess.run([py, str(check), str(hf / "model.safetensors"), str(work / "back"), str(work / "t_back")],
-                       check=True)
+        subprocess.run([py, str(check), str(hf / "model.safetensors"), str(work / "back"), str(work / "t_back"),
+                        str(work / "tf_back")], check=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -218,8 +237,10 @@ def main() -> None:
     for d in ("HF -> TP=3", "TP=3 -> HF"):
         o_p, o_w, o_rss = best[f"oarlock {d}"]
         t_p, t_w, t_rss = best[f"torch-only {d}"]
+        tf_w = best[f"torch-only+fsync {d}"][1]
         rows.append(f"| {d} | {o_w:.2f} | {o_p:.2f} | {o_rss:.0f} | {o_w / cp_t:.2f} | {o_w / cps_t:.2f} | "
-                    f"{t_w:.2f} | {t_p:.2f} | {t_rss:.0f} | {o_w / t_w:.2f} | {o_rss / t_rss:.2f} | {o_rss / mib:.2f} |")
+                    f"{t_w:.2f} | {t_p:.2f} | {t_rss:.0f} | {o_w / t_w:.2f} | {tf_w:.2f} | {o_w / tf_w:.2f} | "
+                    f"{o_rss / t_rss:.2f} | {o_rss / mib:.2f} |")
     nv = best["oarlock TP=3 -> HF no-verify"][1]
     load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
     table = "\n".join([
@@ -231,19 +252,20 @@ def main() -> None:
         f"Best of {args.repeat} runs, page cache warm, "
         "each step in its own process. *work* = time after imports (the conversion itself), *process* = whole "
         "process including interpreter start and `import torch`; peak RSS includes the Python + torch runtime. "
-        "oarlock fsyncs every file it writes, cp does not.",
+        "oarlock fsyncs every file it writes, cp does not; *torch-only+fsync* is the torch-only script followed by "
+        "an fsync of every file it wrote and of its directory (the same durability as oarlock's).",
         "",
         "| direction | oarlock work s | oarlock process s | oarlock peak RSS MiB | oarlock work / cp "
         "| oarlock work / (cp + fsync) | torch-only work s "
-        "| torch-only process s | torch-only peak RSS MiB | oarlock / torch-only (work) | oarlock / torch-only (RSS) "
-        "| oarlock RSS / model size |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| torch-only process s | torch-only peak RSS MiB | oarlock / torch-only (work) | torch-only+fsync work s "
+        "| oarlock / torch-only+fsync (work) | oarlock / torch-only (RSS) | oarlock RSS / model size |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         *rows,
     ])
     print(table)
     if args.append_results:
         with open(REPO / "benchmarks" / "RESULTS.md", "a") as f:
-            f.write("\n## checkpoint: `oarlock convert` SmolLM2-135M HF <-> TP=3 with fused QKV and gate/up (issue 5)\n\n"
+            f.write("\n## checkpoint: `oarlock convert` SmolLM2-135M HF <-> TP=3 with fused QKV and gate/up (issues 5, 17, 27)\n\n"
                     f"Command: `.venv/bin/python benchmarks/convert_smollm2.py --repeat {args.repeat} "
                     "--append-results`.\n\n"
                     + table + "\n")

