@@ -154,6 +154,29 @@ def test_kept_blocks_stay_within_their_budget(s3, monkeypatch):
     assert 2 * size - kept - 256 * 1024 <= sum(fetched) <= 2 * size - kept + 256 * 1024, (sum(fetched), size, kept)
 
 
+def test_a_save_holds_at_most_two_upload_parts(s3, monkeypatch):
+    """Issue 28's memory bound: a save streams its tensors into multipart uploads, holding no more of its own
+    memory than two part buffers (one uploading while the next fills); whole parts go straight from the tensors.
+    Measured with tracemalloc (Python allocations: part buffers, request bodies) after a first save has created
+    the client and loaded the service model; 48 MiB of tensors of odd sizes, 5 MiB parts."""
+    import tracemalloc
+
+    monkeypatch.setenv("OARLOCK_S3_PART_BYTES", str(5 * 1024 * 1024))
+    g = torch.Generator().manual_seed(3)
+    state = {f"w{i}": torch.randn(1024 * 1024 + 7 * i, generator=g) for i in range(12)}  # 48 MiB
+    save_state_dict(state, s3.url + "/mem-warm")
+    tracemalloc.start()
+    try:
+        save_state_dict(state, s3.url + "/mem")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak <= 2 * 5 * 1024 * 1024 + 1024 * 1024, f"peak {peak / 2**20:.1f} MiB for two 5 MiB parts"
+    out = _empty_like(state)
+    load_state_dict(out, s3.url + "/mem")
+    _assert_equal(out, state)
+
+
 def test_multipart_upload_and_partial_ranged_reads(s3, monkeypatch):
     monkeypatch.setenv("OARLOCK_S3_PART_BYTES", str(5 * 1024 * 1024))
     g = torch.Generator().manual_seed(5)
