@@ -6,7 +6,9 @@ Real processes on this machine (gloo, CPU): ``--tensors`` tensors of ``ROWS x CO
 run: bookkeeping bytes on disk (oarlock: ``metadata.json``, the block digests files and the data files'
 safetensors headers; DCP: its ``.metadata`` plus nothing else, its data files having no headers), the save's time,
 and the 16 -> 8 load's
-slowest rank (time between barriers). Every loaded tensor is compared with the values the 16-rank save wrote
+slowest rank (time between barriers), and the Python memory of one more (untimed) load per library, the
+largest rank's ``tracemalloc`` peak (plans, read items and per-item objects; the targets are made before tracing).
+Every loaded tensor is compared with the values the 16-rank save wrote
 (recomputed from the seed on the loading rank): bit-exact or the run fails.
 
 Usage: python benchmarks/scale_ranks.py [--tensors N] [--reps R] [--dir DIR] [--append-results]
@@ -95,6 +97,24 @@ def rank_main(rank: int, world: int, port: int, job: str, root: str, n: int, rep
                         want = distribute_tensor(tensor_value(i), mesh, [Shard(1)]).to_local()
                         if not torch.equal(tgt[f"layers.{i}.w"].to_local(), want):
                             raise AssertionError(f"{lib}: tensor {i} differs after the load on rank {rank}")
+            # one more load, untimed, under tracemalloc: the Python memory the load allocates beyond its targets
+            # (plans, read items, per-item views; both libraries keep theirs as Python objects). The targets are
+            # made before tracing starts.
+            import tracemalloc
+
+            tgt = {f"layers.{i}.w": DTensor.from_local(torch.zeros(shape), mesh, [Shard(1)],
+                                                       shape=torch.Size((ROWS, COLS)), stride=(COLS, 1))
+                   for i in range(n)}
+            d = root / f"{src}-{lib}-0"
+            dist.barrier()
+            tracemalloc.start()
+            if lib == "dcp":
+                dcp.load(tgt, checkpoint_id=str(d))
+            else:
+                load_state_dict(tgt, d)
+            res.setdefault("traced", {})[lib] = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+            del tgt
     (root / f"result-{job.replace(':', '_')}-{rank}.json").write_text(json.dumps(res))
     dist.barrier()
     dist.destroy_process_group()
@@ -164,6 +184,8 @@ def main(argv=None) -> int:
     for w in (4, 16):
         rows.append((f"save on {w} ranks (s)", slowest(saves[w], "oarlock"), slowest(saves[w], "dcp")))
     rows.append(("load 16 -> 8 ranks, slowest rank (s)", slowest(loads, "oarlock"), slowest(loads, "dcp")))
+    rows.append(("load 16 -> 8: Python memory of the load, largest rank (MiB, tracemalloc peak)",
+                 max(r["traced"]["oarlock"] for r in loads) / 2**20, max(r["traced"]["dcp"] for r in loads) / 2**20))
     for name, a, b in rows:
         fa = f"{a:,}" if isinstance(a, int) else f"{a:.3f}"
         fb = f"{b:,}" if isinstance(b, int) else f"{b:.3f}"

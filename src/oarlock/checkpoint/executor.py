@@ -168,7 +168,8 @@ class Lookups:
 class FileReads:
     """The checked reads of one data file's items, worked out before anything is written (:func:`prepare_file`).
 
-    ``fast``: ``(destination array, first byte, geometry)`` of the items that can be copied out of one read of the
+    ``fast``: ``(destination array, slices or None, first byte, geometry)`` of the items (the destination is
+    ``array[slices]`` when slices are given, else the array itself) that can be copied out of one read of the
     span ``[lo, hi)`` of the file (``need`` bytes of it used); ``slow``: ``(item, target)`` pairs read item by item
     (a permutation, a cast, a target numpy cannot view); ``coalesce``: whether the fast items are read as one span
     (many small reads of a dense region), else every item is read by itself (:func:`execute_items`) and
@@ -234,7 +235,7 @@ def prepare_file(reader: CheckpointReader, file: str, work: list[tuple[Any, torc
             geo = geometry[gk] = (first, last + isz, tuple(y - x for x, y in src_box), tuple(strides),
                                   box_volume(src_box) * isz)
         nbytes += geo[4]
-        dst = None
+        dst = sl = None
         if it.permute is None and it.dtype is None:
             arr = views.get(id(target))
             arr = arr[1] if arr is not None else _np_target(target, views)
@@ -246,14 +247,18 @@ def prepare_file(reader: CheckpointReader, file: str, work: list[tuple[Any, torc
                         sl = slices[it.dst_box] = tuple(slice(a, b) for a, b in it.dst_box)
                     dst = arr[sl] if sl else arr[...]  # 0-d: a view, not a scalar
                     if dst.shape != geo[2]:
-                        dst = _np_destination(it, arr)
+                        dst, sl = _np_destination(it, arr), None
+                    else:
+                        dst = arr  # kept as (target array, shared slices): the view is made again at the read
                 else:
                     dst = _np_destination(it, arr)
         if dst is None:
             slow.append((it, target))
             continue
         start, stop = begin + geo[0], begin + geo[1]
-        fast.append((dst, start, geo))
+        # a numpy view costs ~140 bytes more than a reference to the target and to slices shared by every item
+        # with the same destination box; a coalesced file keeps one entry per item until its read
+        fast.append((dst, sl, start, geo))
         if lo is None or start < lo:
             lo = start
         if stop > hi:
@@ -299,7 +304,9 @@ def execute_file(reader: CheckpointReader, file: str, work: list[tuple[Any, torc
     buf = np.empty(p.hi - p.lo, dtype=np.uint8)
     reader.safetensors_file(file).read_into(memoryview(buf), p.lo)  # os.preadv; ranged GETs in a store
     lo, ndarray, copyto = p.lo, np.ndarray, np.copyto
-    for dst, start, (_, _, ext, strides, _) in p.fast:
+    for dst, sl, start, (_, _, ext, strides, _) in p.fast:
+        if sl is not None:  # (target array, slices): the destination view
+            dst = dst[sl] if sl else dst[...]
         # the box as a strided view of the buffer (numpy accepts unaligned items), copied into the target
         src = ndarray(ext, dtype=dst.dtype, buffer=buf, offset=start - lo, strides=strides)
         copyto(dst, src if src.shape == dst.shape else src.reshape(dst.shape))

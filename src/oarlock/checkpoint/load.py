@@ -290,6 +290,7 @@ def _run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process
         # before the first target byte is written; the files stay open, so the reads see what was checked
         work.extend((it, sw.local_tensor) for sw, items in zip(leaves.shards, plans)
                     for it in sorted(items, key=read_order))
+        plans.clear()  # the items live on in ``work``: one list of them, not two
         prepared.update(prepare_work(reader, work, reader.visible_files({it.file for it, _ in work})))
         return {"missing": sorted(missing), "skipped": sorted(skipped)}
 
@@ -330,7 +331,7 @@ def _run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process
     report = LoadReport(all_missing, unexpected, skipped_keys=sorted({k for s in status for k in s["skipped"]}))
     with reader, torch.no_grad():
         if verify_checksums:  # collective, before any target is written: each touched block hashed by one rank
-            report.bytes_hashed = verify_group(reader, [it for items in plans for it in items], dist,
+            report.bytes_hashed = verify_group(reader, [it for it, _ in work], dist,
                                                {f: p.nbytes for f, p in prepared.items()})
         # one rank's read error reaches every rank (they would otherwise run into their next collective)
         st = dist.run(comm.execute, reader, work, comm_method=comm_method, view=view, dist=dist,
