@@ -104,17 +104,12 @@ else:
     save_file(hf, str(dst / "model.safetensors"), metadata={"format": "pt"})
 if len(sys.argv) > 5 and sys.argv[5] == "fsync":  # the equal-durability variant: what oarlock does at commit
     import os
-    for f in sorted(dst.glob("*.safetensors")):
+    for f in [*sorted(dst.glob("*.safetensors")), dst]:  # the files, then the directory's entries
         fd = os.open(f, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
-    fd = os.open(dst, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 print(f"WORK {time.perf_counter() - T0}")
 """
 

@@ -81,12 +81,16 @@ def rank_main(rank: int, world: int, port: int, job: str, root: str, n: int, rep
                     timed(lib, lambda: save_state_dict(state, d))
     else:  # load the 16-rank save into [Shard(1)] on this world
         src = job.split(":")[1]
+        shape = compute_local_shape_and_global_offset((ROWS, COLS), mesh, [Shard(1)])[0]
+
+        def targets() -> dict:
+            return {f"layers.{i}.w": DTensor.from_local(torch.zeros(shape), mesh, [Shard(1)],
+                                                        shape=torch.Size((ROWS, COLS)), stride=(COLS, 1))
+                    for i in range(n)}
+
         for lib in ("oarlock", "dcp"):
             for r in range(reps):
-                shape = compute_local_shape_and_global_offset((ROWS, COLS), mesh, [Shard(1)])[0]
-                tgt = {f"layers.{i}.w": DTensor.from_local(torch.zeros(shape), mesh, [Shard(1)],
-                                                           shape=torch.Size((ROWS, COLS)), stride=(COLS, 1))
-                       for i in range(n)}
+                tgt = targets()
                 d = root / f"{src}-{lib}-0"
                 if lib == "dcp":
                     timed(lib, lambda: dcp.load(tgt, checkpoint_id=str(d)))
@@ -102,9 +106,7 @@ def rank_main(rank: int, world: int, port: int, job: str, root: str, n: int, rep
             # made before tracing starts.
             import tracemalloc
 
-            tgt = {f"layers.{i}.w": DTensor.from_local(torch.zeros(shape), mesh, [Shard(1)],
-                                                       shape=torch.Size((ROWS, COLS)), stride=(COLS, 1))
-                   for i in range(n)}
+            tgt = targets()
             d = root / f"{src}-{lib}-0"
             dist.barrier()
             tracemalloc.start()

@@ -10,6 +10,7 @@ the Iceberg and Lance catalog listeners are switched off.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -134,6 +135,27 @@ def start_server(root: Path, timeout_s: float = 90.0) -> S3Server:
     server.stop()
     tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
     raise RuntimeError(f"SeaweedFS did not come up in {timeout_s:.0f} s ({last}); log tail:\n{tail}")
+
+
+@contextlib.contextmanager
+def counted_fetches(suffix: str = ".safetensors"):
+    """While active, the length of every ranged GET oarlock makes of an object whose key ends with ``suffix``
+    (data objects by default) is appended to the yielded list; the storage class is restored after."""
+    from oarlock.checkpoint.objectstore import S3Storage
+
+    fetched: list[int] = []
+    real = S3Storage._get_range
+
+    def counting(self, key, offset, buf):
+        if key.endswith(suffix):
+            fetched.append(len(buf))
+        return real(self, key, offset, buf)
+
+    S3Storage._get_range = counting
+    try:
+        yield fetched
+    finally:
+        S3Storage._get_range = real
 
 
 class DroppingProxy:

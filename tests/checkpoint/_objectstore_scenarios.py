@@ -52,7 +52,7 @@ def scenario_replicated_readers_fetch_each_block_once(ctx):
     """Every rank loads the whole of a 12 MiB tensor that rank 0 saved (three 4 MiB blocks): each block has one
     owner, and the other ranks, which read it whole too, hash it from the same fetch instead of fetching it a
     second time after the verdict. Every rank fetches the data object's bytes once and hashes all of them."""
-    from oarlock.checkpoint.objectstore import S3Storage
+    from s3server import counted_fetches
 
     url = os.environ["OARLOCK_TEST_S3_URL"] + "/replicated"
     g = torch.Generator().manual_seed(77)
@@ -63,20 +63,9 @@ def scenario_replicated_readers_fetch_each_block_once(ctx):
     state = {"big": ShardedWeight("big", mine.clone(), tuple(mine.shape), tuple(full.shape), (0,))}
     save_state_dict(state, url)
     dist.barrier()
-    fetched = []
-    real = S3Storage._get_range
-
-    def counting(self, key, offset, buf):
-        if key.endswith(".safetensors"):
-            fetched.append(len(buf))
-        return real(self, key, offset, buf)
-
-    S3Storage._get_range = counting
-    try:
-        out = {"big": torch.zeros_like(full)}
+    out = {"big": torch.zeros_like(full)}
+    with counted_fetches() as fetched:
         rep = load_state_dict(out, url)
-    finally:
-        S3Storage._get_range = real
     assert torch.equal(out["big"], full)
     data = full.numel() * 4
     assert rep.bytes_hashed >= data, (rep.bytes_hashed, data)  # every block it reads whole, owned or not

@@ -95,28 +95,20 @@ def test_save_load_roundtrip_writes_nothing_locally(s3, tmp_path, monkeypatch):
     _assert_equal(out, state2)
 
 
-def test_a_verified_load_fetches_each_block_once(s3, monkeypatch):
+def test_a_verified_load_fetches_each_block_once(s3):
     """With verification on, the data file's blocks are fetched once (to hash) and the reads copy the verified
     bytes: the bytes fetched from the store stay within one copy of the data file (plus its header reads),
     where a second fetch of every block would double them; the values are still exact."""
-    from oarlock.checkpoint.objectstore import S3Storage
+    from s3server import counted_fetches
 
     g = torch.Generator().manual_seed(11)
     state = {f"w{i}": torch.randn(256, 1024, generator=g) for i in range(10)}  # 10 MiB: three 4 MiB blocks
     url = s3.url + "/once"
     save_state_dict(state, url)
     size = s3.client().head_object(Bucket=s3.bucket, Key=s3.prefix + "/once/rank-00000.safetensors")["ContentLength"]
-    fetched = []
-    real = S3Storage._get_range
-
-    def counting(self, key, offset, buf):
-        if key.endswith(".safetensors"):
-            fetched.append(len(buf))
-        return real(self, key, offset, buf)
-
-    monkeypatch.setattr(S3Storage, "_get_range", counting)
     out = {k: torch.zeros_like(v) for k, v in state.items()}
-    rep = load_state_dict(out, url)
+    with counted_fetches() as fetched:
+        rep = load_state_dict(out, url)
     _assert_equal(out, state)
     assert rep.bytes_hashed == size
     assert size <= sum(fetched) <= size + 256 * 1024, (sum(fetched), size)
@@ -126,26 +118,19 @@ def test_kept_blocks_stay_within_their_budget(s3, monkeypatch):
     """OARLOCK_S3_KEEP_BYTES bounds the verified blocks a load keeps for its reads: with room for one 4 MiB block
     of the three (4, 4 and about 2 MiB), the load is still exact, never holds more than one block, and fetches
     the blocks it could not keep a second time (to read them)."""
+    from s3server import counted_fetches
+
     from oarlock.checkpoint import objectstore
-    from oarlock.checkpoint.objectstore import S3Storage
 
     g = torch.Generator().manual_seed(12)
     state = {f"w{i}": torch.randn(256, 1024, generator=g) for i in range(10)}  # 10 MiB: three 4 MiB blocks
     url = s3.url + "/budget"
     save_state_dict(state, url)
     size = s3.client().head_object(Bucket=s3.bucket, Key=s3.prefix + "/budget/rank-00000.safetensors")["ContentLength"]
-    fetched = []
-    real = S3Storage._get_range
-
-    def counting(self, key, offset, buf):
-        if key.endswith(".safetensors"):
-            fetched.append(len(buf))
-        return real(self, key, offset, buf)
-
-    monkeypatch.setattr(S3Storage, "_get_range", counting)
     monkeypatch.setenv("OARLOCK_S3_KEEP_BYTES", str(4 * 1024 * 1024))
     out = {k: torch.zeros_like(v) for k, v in state.items()}
-    rep = load_state_dict(out, url)
+    with counted_fetches() as fetched:
+        rep = load_state_dict(out, url)
     _assert_equal(out, state)
     assert rep.bytes_hashed == size
     kept = objectstore._verified.peak

@@ -269,6 +269,10 @@ class FileChecksums:
         hexed = bytes(data).hex()
         return [hexed[i:i + 16] for i in range(0, len(hexed), 16)]
 
+    def block_length(self, b: int) -> int:
+        """Bytes in block ``b`` (the last block may be shorter)."""
+        return min(self.size, (b + 1) * self.block_size) - b * self.block_size
+
     def block_range(self, start: int, stop: int) -> range:
         """Indices of the blocks holding any byte of ``[start, stop)``."""
         if stop <= start:
@@ -398,20 +402,21 @@ class BlockVerifier:
 
             n = io_threads()
             # xxhash releases the GIL on large inputs: blocks hash in parallel
-            return self._run_checks(fc, size, todo, check, min(n, len(todo)), n > 1 and len(todo) > 2)
+            return self._run_checks(fc, todo, check, min(n, len(todo)), n > 1 and len(todo) > 2)
 
     def bad_blocks_of(self, todo: dict[str, Iterable[int]]) -> dict[str, list[int]]:
         """:meth:`bad_blocks` of several files: file -> indices that do not match (files with none left out).
-        Objects in a store are checked together, runs of consecutive blocks fetched with ranged GETs of exactly
-        their bytes (up to the store's ``READ_PART`` each) by one pool of :func:`~oarlock.checkpoint.objectstore.s3_concurrency` requests in flight (latency-bound GETs,
-        not one file after another), hashed, and kept for the load's reads where the budget allows
+        Objects in a store are checked together: their sizes first, then runs of consecutive blocks fetched with
+        ranged GETs of exactly their bytes (up to the store's ``READ_PART`` each), all by one pool of
+        :func:`~oarlock.checkpoint.objectstore.s3_concurrency` requests in flight (latency-bound requests, not one
+        file after another), hashed, and kept for the load's reads where the budget allows
         (:func:`~oarlock.checkpoint.objectstore.remember_verified_block`).
 
         Raises:
             ChecksumError: as :meth:`bad_blocks`; an object's size is checked before any of its blocks is fetched.
         """
         out: dict[str, list[int]] = {}
-        tasks: list[tuple[FileChecksums, Any, int, list[str], int]] = []
+        objects: list[tuple[FileChecksums, Any, list[int]]] = []
         for file in sorted(todo):
             fc = self.checksums.get(file)
             if fc is None:
@@ -423,57 +428,60 @@ class BlockVerifier:
                     out[file] = bad
                 continue
             blocks = sorted({b for b in todo[file] if (file, b) not in self.verified})
-            if not blocks:
-                continue
-            size = path.storage.size(path.key)
-            if size != fc.size:
-                raise ChecksumError(f"{path}: object has {size} bytes, {fc.size} were written at save (truncated "
-                                    "or overwritten)")
-            digests = fc.blocks
-            # runs of consecutive blocks fetched by one GET of up to the store's read part (fewer requests)
-            per_get = max(1, getattr(path.storage, "READ_PART", 0) // fc.block_size)
-            run: list[int] = []
-            for b in blocks:
-                if run and (b != run[-1] + 1 or len(run) == per_get):
-                    tasks.append((fc, path, size, digests, run))
-                    run = []
-                run.append(b)
-            tasks.append((fc, path, size, digests, run))
-        if not tasks:
+            if blocks:
+                objects.append((fc, path, blocks))
+        if not objects:
             return out
+        n = min(s3_concurrency(), len(objects) + sum(len(b) for _, _, b in objects))
+        with ThreadPoolExecutor(max_workers=n, thread_name_prefix="oarlock-hash") as pool:
+            for (fc, path, _), size in zip(objects, pool.map(lambda o: o[1].storage.size(o[1].key), objects)):
+                if size != fc.size:
+                    raise ChecksumError(f"{path}: object has {size} bytes, {fc.size} were written at save "
+                                        "(truncated or overwritten)")
+            tasks: list[tuple[FileChecksums, Any, list[str], list[int]]] = []
+            for fc, path, blocks in objects:
+                digests = fc.blocks
+                # runs of consecutive blocks fetched by one GET of up to the store's read part (fewer requests)
+                per_get = max(1, getattr(path.storage, "READ_PART", 0) // fc.block_size)
+                run: list[int] = []
+                for b in blocks:
+                    if run and (b != run[-1] + 1 or len(run) == per_get):
+                        tasks.append((fc, path, digests, run))
+                        run = []
+                    run.append(b)
+                tasks.append((fc, path, digests, run))
 
-        def check(task: tuple) -> list[bool]:
-            fc, path, size, digests, run = task
-            bs = fc.block_size
-            lo, hi = run[0] * bs, min(size, (run[-1] + 1) * bs)
-            buf = np.empty(hi - lo, dtype=np.uint8)  # not zeroed: every byte is fetched into it
-            path.storage.read_into(path.key, lo, memoryview(buf))
-            ok = []
-            for b in run:
-                block = buf[b * bs - lo:min(size, (b + 1) * bs) - lo]
-                good = _digest(block) == digests[b]
-                if good:  # the load's reads of this block copy these bytes instead of fetching them again
-                    remember_verified_block(path.storage.bucket, path.key, b * bs, bs, block)
-                ok.append(good)
-            return ok
+            def check(task: tuple) -> list[bool]:
+                fc, path, digests, run = task
+                bs = fc.block_size
+                lo = run[0] * bs
+                buf = np.empty(run[-1] * bs + fc.block_length(run[-1]) - lo, dtype=np.uint8)  # every byte fetched
+                path.storage.read_into(path.key, lo, memoryview(buf))
+                ok = []
+                for b in run:
+                    block = buf[b * bs - lo:b * bs - lo + fc.block_length(b)]
+                    good = _digest(block) == digests[b]
+                    if good:  # the load's reads of this block copy these bytes instead of fetching them again
+                        remember_verified_block(path.storage.bucket, path.key, b * bs, bs, block)
+                    ok.append(good)
+                return ok
 
-        n = min(s3_concurrency(), len(tasks))
-        if n > 1:
-            with ThreadPoolExecutor(max_workers=n, thread_name_prefix="oarlock-hash") as pool:
-                verdicts = list(pool.map(check, tasks))
-        else:
-            verdicts = [check(t) for t in tasks]
-        for (fc, _, size, _, run), ok in zip(tasks, verdicts):
-            for b, good in zip(run, ok):
-                if good:
-                    self.verified.add((fc.file, b))
-                else:
-                    out.setdefault(fc.file, []).append(b)
-                self.bytes_verified += min(size, (b + 1) * fc.block_size) - b * fc.block_size
+            verdicts = list(pool.map(check, tasks))
+        for (fc, _, _, run), ok in zip(tasks, verdicts):
+            bad = [b for b, good in zip(run, ok) if not self._record(fc, b, good)]
+            if bad:
+                out.setdefault(fc.file, []).extend(bad)
         return out
 
-    def _run_checks(self, fc: FileChecksums, size: int, todo: list[int], check: Any, workers: int,
-                    parallel: bool) -> list[int]:
+    def _record(self, fc: FileChecksums, b: int, good: bool) -> bool:
+        """Count block ``b`` of ``fc`` as hashed, and as verified when ``good``; returns ``good``."""
+        if good:
+            self.verified.add((fc.file, b))
+        self.bytes_verified += fc.block_length(b)
+        return good
+
+    def _run_checks(self, fc: FileChecksums, todo: list[int], check: Any, workers: int, parallel: bool
+                    ) -> list[int]:
         """Run ``check(block) -> bool`` over ``todo`` (on ``workers`` threads when ``parallel``), record the good
         blocks and the bytes hashed; returns the bad blocks."""
         if parallel:
@@ -481,14 +489,7 @@ class BlockVerifier:
                 ok = list(pool.map(check, todo))
         else:
             ok = [check(b) for b in todo]
-        bad = []
-        for b, good in zip(todo, ok):
-            if good:
-                self.verified.add((fc.file, b))
-            else:
-                bad.append(b)
-            self.bytes_verified += min(size, (b + 1) * fc.block_size) - b * fc.block_size
-        return bad
+        return [b for b, good in zip(todo, ok) if not self._record(fc, b, good)]
 
 
 def _read_layout(reader: Any, file: str, name: str, flat_start: int, shape: Sequence[int],
@@ -628,7 +629,7 @@ def touched_blocks(reader: Any, items: Iterable[Any], checksums: dict[str, FileC
                 per[0] = min(per.get(0, 0) + n, fc.size)
             continue
         for b, n in block_bytes(reader, fc, it.name, it.src_flat_start, it.src_shape, it.src_box).items():
-            per[b] = min(per.get(b, 0) + n, min(fc.size, (b + 1) * fc.block_size) - b * fc.block_size)
+            per[b] = min(per.get(b, 0) + n, fc.block_length(b))
     return {f: per for f, per in out.items() if per}
 
 
@@ -666,7 +667,7 @@ def block_owners(touched: dict[str, dict[int, int]], checksums: dict[str, FileCh
         fc = checksums[f]
         for b, n in per.items():
             g = start[f] + b
-            length = min(fc.size, (b + 1) * fc.block_size) - b * fc.block_size
+            length = fc.block_length(b)
             # a fixed sequence spread over [0, 1) in 1/65536 (golden-ratio steps), starting at one half: even
             # splits (a half, a quarter, ...) then sit mid-step, never on the step between two levels
             dither = (g * 40503 + 0x8000) & 0xFFFF
@@ -699,20 +700,13 @@ def _whole_blocks_read(reader: Any, touched: dict[str, dict[int, int]], owned: d
     room = kept_room()
     if not room:
         return {}
+    objects = [f for f in sorted(touched) if is_object_path(reader.path_of(f))]
+    room -= sum(checksums[f].block_length(b) for f in objects for b in owned.get(f, ()))
     out: dict[str, list[int]] = {}
-    for f in sorted(touched):
-        fc = checksums[f]
-        if not is_object_path(reader.path_of(f)):
-            continue
-        mine = set(owned.get(f, ()))
-        room -= sum(min(fc.size, (b + 1) * fc.block_size) - b * fc.block_size for b in mine)
-    for f in sorted(touched):
-        fc = checksums[f]
-        if not is_object_path(reader.path_of(f)):
-            continue
-        mine = set(owned.get(f, ()))
+    for f in objects:
+        fc, mine = checksums[f], set(owned.get(f, ()))
         for b, n in sorted(touched[f].items()):
-            length = min(fc.size, (b + 1) * fc.block_size) - b * fc.block_size
+            length = fc.block_length(b)
             if b in mine or n * 8 < length * 7 or length > room:
                 continue
             out.setdefault(f, []).append(b)

@@ -362,25 +362,22 @@ def keep_verified_blocks() -> Iterator[None]:
                 _verified.nbytes = 0
 
 
-def remember_verified_block(bucket: str, key: str, lo: int, block_size: int, data: Any) -> bool:
-    """Keep the verified bytes of the block starting at ``lo``; False (nothing kept) outside
-    :func:`keep_verified_blocks` or when the block would not fit in :func:`keep_budget`."""
+def remember_verified_block(bucket: str, key: str, lo: int, block_size: int, data: Any) -> None:
+    """Keep the verified bytes of the block starting at ``lo`` (a no-op outside :func:`keep_verified_blocks`, or
+    when the block would not fit in :func:`keep_budget`: its reads then fetch it again)."""
     if not _verified.active:
-        return False
+        return
     with _verified.lock:
         if _verified.block_size not in (0, block_size):
-            return False  # one block size per load (a checkpoint's); another's blocks are simply fetched again
+            return  # one block size per load (a checkpoint's); another's blocks are simply fetched again
         per = _verified.blocks.setdefault((bucket, key), {})
-        if lo in per:
-            return True
-        n = len(data)
-        if _verified.nbytes + n > keep_budget():
-            return False
+        if lo in per or _verified.nbytes + len(data) > keep_budget():
+            return
         _verified.block_size = block_size
         per[lo] = data  # the hashed buffer itself: no copy
-        _verified.nbytes += n
+        _verified.nbytes += len(data)
         _verified.peak = max(_verified.peak, _verified.nbytes)
-        return True
+
 
 def _env_int(name: str, default: int, lo: int = 1) -> int:
     try:
