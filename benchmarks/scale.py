@@ -27,7 +27,11 @@ ranks the one requesting the most bytes, the same rank for every library):
   4 MiB block; the checksum records in ``metadata.json`` and the digests files are shown) / DCP ``.metadata``.
   oarlock-v1 keeps the block digests inline in ``metadata.json`` (format 3).
 * read + parse: ``json.loads`` + ``CheckpointMetadata.from_json`` + the checksum record / ``pickle.loads``.
-* plan: a fresh ``Planner(meta).plan_rank(requests)`` / ``create_read_items_for_chunk_list`` for every key.
+* plan: a fresh ``Planner(meta).plan_rank(requests, compact=True)`` held as a load holds it (``FileWork``: the
+  planner's templates, one per grid geometry) plus one pass making every file's read items in read order, as the
+  load's check pass does (a real load makes them again to hash and to read: each pass costs about this much) /
+  ``create_read_items_for_chunk_list`` for every key. The largest file's item count is shown with the items:
+  the pairs a rank holds at once.
 * save coordination: bytes the coordinator (rank 0) and any other rank receive, counted as torch's object
   collectives move them (``all_gather_object`` / ``gather_object`` pad every object to the largest one; sizes
   are exchanged as 8-byte ints), for the planning exchange and the write-results exchange; and the time of the
@@ -441,9 +445,11 @@ def _window(blk: int, start: int, vol: int) -> tuple[int, int]:
     return w0, max(w0, w1)
 
 
-def hashed_bytes(items: Sequence[Any], rank: int, file_layout: Any, readers: ReaderIndex, file_sizes: dict[str, int],
-                 rule: str, max_files: int = 64) -> tuple[int, int, bool]:
-    """``(bytes hashed, bytes of touched blocks, sampled)`` for one rank's oarlock read items.
+def hashed_bytes(all_files: Sequence[str], items_of: Any, read_all: int, rank: int, file_layout: Any,
+                 readers: ReaderIndex, file_sizes: dict[str, int], rule: str, max_files: int = 64
+                 ) -> tuple[int, int, bool]:
+    """``(bytes hashed, bytes of touched blocks, sampled)`` for one rank's oarlock read items: ``items_of(file)``
+    gives the items of each of ``all_files``; ``read_all``: elements read in all (to scale a sample of files).
 
     ``file_layout(file)`` -> :func:`lay_out_file` of the file. ``rule``: ``"touched"`` (every touched block) or
     ``"owner"`` (issue 26 item 5: the block's hasher is the rank reading most of its bytes, counted over every
@@ -454,23 +460,19 @@ def hashed_bytes(items: Sequence[Any], rank: int, file_layout: Any, readers: Rea
 
     from oarlock.checkpoint.sharded import box_intersection
 
-    per_file: dict[str, list] = {}
-    for it in items:
-        per_file.setdefault(it.file, []).append(it)
-    files = sorted(per_file)
+    files = list(all_files)
     sampled = len(files) > max_files
     if sampled:
         step = len(files) / max_files
         files = [files[int(i * step)] for i in range(max_files)]
     hashed = touched_total = 0
-    read_all = sum(math.prod(b - a for a, b in it.src_box) for it in items)
     read_sample = 0
     for f in files:
         names, pieces = file_layout(f)
         starts = [p[0] for p in pieces]
         size = file_sizes.get(f, 0)
         mine: dict[int, int] = {}
-        for it in per_file[f]:
+        for it in items_of(f):
             read_sample += math.prod(b - a for a, b in it.src_box)
             base = names[it.name][0] + it.src_flat_start * ITEM
             vol = math.prod(it.src_shape)
@@ -790,11 +792,33 @@ def requests_of(lay: Layout, params: Sequence[Param], rank: int):
     return [ShardDesc(p.key, ls, p.shape, off, DTYPE, fr) for p, off, ls, fr in rank_shards(lay, params, rank)]
 
 
-def oarlock_plan(meta, reqs) -> list:
+def oarlock_plan(meta, reqs) -> tuple[Any, dict]:
+    """What a loading rank builds before its checks, hashing and reads: the plan, held as a real load holds it
+    (``FileWork`` over the planner's compact groups where this version has them, else the list of every item),
+    then one pass making every file's items in read order, as the load's check pass does (the hashing and read
+    passes make them again: not timed here). Returns the work and ``{items, bytes, files, largest_file}``."""
     from oarlock.checkpoint.plan import Planner
 
     planner = Planner(meta)
-    return planner.plan_rank(reqs).items
+    try:
+        from oarlock.checkpoint.executor import FileWork
+    except ImportError:  # before the compact plans: every item in one list
+        items = planner.plan_rank(reqs).items
+        return items, {"items": len(items), "files": len({it.file for it in items}), "largest_file": None}
+    plan = planner.plan_rank(reqs, compact=True)
+    work = FileWork([(it, None) for it in plan.items], [(label, tmpl, None) for label, tmpl in plan.groups])
+    n = largest = 0
+    for f in work.files:
+        pairs = work.pairs_of(f)
+        n += len(pairs)
+        largest = max(largest, len(pairs))
+    return work, {"items": n, "files": len(work.files), "largest_file": largest}
+
+
+def plan_bytes(work: Any) -> int:
+    """Bytes the read items select (untimed: the simulator's check that the plan covers the request)."""
+    items = work if isinstance(work, list) else (it for f in work.files for it, _ in work.pairs_of(f))
+    return sum(math.prod(b - a for a, b in it.src_box) for it in items) * ITEM
 
 
 # ---------------------------------------------------------------- DCP phases
@@ -962,22 +986,30 @@ def run_cell(model: str, layers: int | None, kind: str, reshard: str, world: int
         for r in [loading_rank(rs.target, params)]:
             reqs = requests_of(rs.target, params, r)
             t0 = time.perf_counter()
-            items = oarlock_plan(meta, reqs)
+            work, row = oarlock_plan(meta, reqs)
             dt = time.perf_counter() - t0
-            vol = sum(math.prod(b - a for a, b in it.src_box) for it in items) * ITEM
             want = sum(q.numel for q in reqs) * ITEM
-            assert vol == want, f"oarlock's read items cover {vol} bytes for {want} requested (rank {r})"
-            row = {"rank": r, "plan_s": dt, "items": len(items), "bytes": vol, "files": len({it.file for it in items})}
-            plans[r] = (items, reqs)
+            row["bytes"] = plan_bytes(work)
+            assert row["bytes"] == want, f"oarlock's read items cover {row['bytes']} bytes for {want} requested " \
+                                         f"(rank {r})"
+            row.update(rank=r, plan_s=dt)
+            plans[r] = (work, reqs)
             worst = row
         res["worst"] = worst
         res["rss"] = peak_rss() - base_rss  # the hashing model below is the simulator's, not a rank's
         r = worst["rank"]
-        items, reqs = plans[r]
+        work, reqs = plans[r]
         del plans
         readers = ReaderIndex(rs.target, params)
-        h, touched, sampled = hashed_bytes(items, r, sim.file_layout(meta), readers,
-                                           file_sizes, "owner" if lib == "oarlock" else "touched")
+        if isinstance(work, list):
+            per_file: dict[str, list] = {}
+            for it in work:
+                per_file.setdefault(it.file, []).append(it)
+            files, items_of = sorted(per_file), per_file.__getitem__
+        else:
+            files, items_of = work.files, lambda f: [it for it, _ in work.pairs_of(f)]
+        h, touched, sampled = hashed_bytes(files, items_of, worst["bytes"] // ITEM, r, sim.file_layout(meta),
+                                           readers, file_sizes, "owner" if lib == "oarlock" else "touched")
         res["worst"].update({"hashed": h, "touched": touched, "hash_sampled": sampled})
     res["total_s"] = time.perf_counter() - t_all
     return res
@@ -1033,7 +1065,8 @@ def table(title: str, results: dict[str, dict], libs: list[str]) -> str:
             ("save coordination: coordinator receives", lambda r: mib(r["recv_coord"]), lambda r: r["recv_coord"]),
             ("save coordination: other rank receives", lambda r: mib(r["recv_other"]), lambda r: r["recv_other"]),
             ("coordinator's work", lambda r: fmt_s(r["coord_s"]), lambda r: r["coord_s"]),
-            ("read items / files (that rank)", lambda r: f"{r['worst']['items']:,} / {r['worst']['files']:,}",
+            ("read items / files (that rank)", lambda r: f"{r['worst']['items']:,} / {r['worst']['files']:,}"
+             + (f" (largest file {r['worst']['largest_file']:,})" if r["worst"].get("largest_file") else ""),
              lambda r: r["worst"]["items"]),
             ("bytes read (that rank)", lambda r: mib(r["worst"]["bytes"]) + (
                 f" (storage {mib(r['worst']['storage_bytes'])})" if "storage_bytes" in r["worst"] else ""),

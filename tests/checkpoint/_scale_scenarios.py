@@ -156,3 +156,49 @@ def scenario_a_rank_that_requests_nothing_reads_nothing(ctx):
         assert report.bytes_read == len(keys) * 8 * 48 * 4
     else:
         assert report.bytes_read == 0 and report.files_read == [], (report.bytes_read, report.files_read)
+
+
+@worlds(16)
+def scenario_streamed_load_reshards_bit_exact_and_fails_alike_on_a_flipped_byte(ctx):
+    """The load path for millions of read items, forced on a small checkpoint (``STREAM_MIN_ITEMS`` 0, coalesced
+    reads kept for 3 items only): every rank's pairs are made file by file from the planner's templates when they
+    are checked, hashed and read. A (2, 8)-mesh column reshard of an FSDP save is bit-exact; then a flipped byte
+    in one data file fails every rank with the same ChecksumError naming that file, and no target is written."""
+    from oarlock.checkpoint import executor
+    from oarlock.checkpoint.integrity import ChecksumError
+
+    executor.STREAM_MIN_ITEMS, executor.RETAIN_ITEMS = 0, 3
+    made: list[str] = []  # the files whose pairs were made on demand
+    real = executor.FileWork.pairs_of
+    executor.FileWork.pairs_of = lambda self, f: made.append(f) or real(self, f)
+    keys = [f"layers.{i}.w" for i in range(16)]
+    mesh1 = init_device_mesh("cpu", (16,))
+    ck = ctx.root / "streamed"
+    save_state_dict({k: distribute_tensor(value(k, (64, 48)), mesh1, [Shard(0)]) for k in keys}, ck)
+    mesh = init_device_mesh("cpu", (2, 8))
+    placements = [Shard(1), Replicate()]
+    tgt = {k: target((64, 48), mesh, placements) for k in keys}
+    report = load_state_dict(tgt, ck)
+    for k, t in tgt.items():
+        assert torch.equal(t.to_local(), expected_local(k, (64, 48), mesh, placements)), k
+    assert report.bytes_read == len(keys) * 64 * 24 * 4 and len(report.files_read) == 16, report
+    # checked, hashed and read file by file: each of the 16 files' pairs made once per pass (3 passes)
+    assert sorted(set(made)) == sorted(report.files_read) and len(made) == 3 * 16, made
+    victim = ck / "rank-00005.safetensors"
+    dist.barrier()
+    if ctx.rank == 0:
+        raw = bytearray(victim.read_bytes())
+        raw[-5] ^= 0x10  # in the last tensor's data
+        victim.write_bytes(bytes(raw))
+    dist.barrier()
+    tgt = {k: target((64, 48), mesh, placements) for k in keys}
+    try:
+        load_state_dict(tgt, ck)
+        raise AssertionError("the flipped byte was not caught")
+    except ChecksumError as e:
+        msg = str(e)
+    assert all(bool((t.to_local() == 0).all()) for t in tgt.values()), "a destination was written"
+    every = [None] * ctx.world
+    dist.all_gather_object(every, msg)
+    core = min(every, key=len)  # the owner's message; the others are "rank R: " + it
+    assert str(victim) in core and all(m.endswith(core) for m in every), every

@@ -71,9 +71,9 @@ def layouts(draw):
     return shape, mesh_shape, placements
 
 
-def _plan_bytes(meta, requests):
+def _plan_bytes(meta, requests, compact=False):
     planner = Planner(meta)
-    items = planner.plan_rank(requests).items
+    items = planner.plan_rank(requests, compact=compact).all_items()
     return sorted((it.dst_key, it.dst_flat_start, it.dst_box, it.file, it.name, it.src_flat_start, it.src_shape,
                    it.src_box) for it in items)
 
@@ -111,6 +111,8 @@ def test_grid_and_listed_give_identical_reads(src, dst, seed):
     reqs = _requests(shape, list(dholders))
     a, b = _plan_bytes(meta_l, reqs), _plan_bytes(meta_g, reqs)
     assert a == b
+    # the compact plan (templates shared by keys, made file by file at scale) holds the same reads
+    assert _plan_bytes(meta_g, reqs, compact=True) == a
     # every requested element is read exactly once
     assert sum(math.prod(y - x for x, y in it[7]) for it in b) == sum(math.prod(r.local_shape) for r in reqs)
 
@@ -226,3 +228,45 @@ def test_many_small_reads_of_one_file_equal_dense_slicing(rows, cols, nkeys, see
         load_state_dict(targets, d)
     for k, sw in targets.items():
         assert torch.equal(sw.local_tensor, want[k]), k
+
+
+def test_file_work_makes_each_files_reads_in_order_and_holds_templates_not_items():
+    """A rank reading one column slab of 96 keys x 64 row shards (6,144 read items): the compact plan holds one
+    template for the keys' common geometry; FileWork gives, file by file, exactly the items of the full plan of
+    that file in read order; and building it plus making every file's pairs in turn peaks far below holding every
+    item at once (tracemalloc)."""
+    import tracemalloc
+
+    from oarlock.checkpoint.executor import FileWork, read_order
+
+    shape, n, keys = (256, 64), 64, [f"layers.{i}.w" for i in range(96)]
+    grid = GridLayout.from_placements(shape, (n,), (("S", 0),), key="w")
+    meta = CheckpointMetadata("oarlock", {k: TensorMeta(k, shape, "float32", grid=grid) for k in keys})
+    reqs = [ShardDesc(k, (256, 16), shape, (0, 16), "float32") for k in keys]
+    full = Planner(meta).plan_rank(reqs)
+    assert len(full.items) == 96 * 64 and not full.groups
+    compact = Planner(meta).plan_rank(reqs, compact=True)
+    assert not compact.items and len(compact.groups) == 96 and compact.item_count() == len(full.items)
+    assert len({id(tmpl) for _, tmpl in compact.groups}) == 1  # one geometry: one template shared by the keys
+    target = torch.zeros(256, 16)
+    work = FileWork([], [(label, tmpl, target) for label, tmpl in compact.groups])
+    assert len(work) == len(full.items) and work.files == sorted({it.file for it in full.items})
+    for f in work.files:
+        want = sorted((it for it in full.items if it.file == f), key=read_order)
+        got = [it for it, t in work.pairs_of(f)]
+        assert got == want, f
+    del full
+    tracemalloc.start()
+    tracemalloc.reset_peak()
+    items = Planner(meta).plan_rank(reqs).items
+    everything = tracemalloc.get_traced_memory()[1]
+    del items
+    tracemalloc.reset_peak()
+    base = tracemalloc.get_traced_memory()[0]
+    plan = Planner(meta).plan_rank(reqs, compact=True)
+    work = FileWork([], [(label, tmpl, target) for label, tmpl in plan.groups])
+    count = sum(len(work.pairs_of(f)) for f in work.files)
+    streamed = tracemalloc.get_traced_memory()[1] - base
+    tracemalloc.stop()
+    assert count == 96 * 64
+    assert streamed * 4 < everything, (streamed, everything)

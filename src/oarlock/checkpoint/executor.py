@@ -173,8 +173,9 @@ class FileReads:
     span ``[lo, hi)`` of the file (``need`` bytes of it used); ``slow``: ``(item, target)`` pairs read item by item
     (a permutation, a cast, a target numpy cannot view); ``coalesce``: whether the fast items are read as one span
     (many small reads of a dense region), else every item is read by itself (:func:`execute_items`) and
-    ``fast``/``slow`` are left empty (nothing per item is held until the reads); ``nbytes``: the bytes all the
-    items need."""
+    ``fast``/``slow`` are left empty (nothing per item is held until the reads); None: the items were checked but
+    their reads are worked out again when the file is read (:func:`prepare_work` of a :class:`FileWork`);
+    ``nbytes``: the bytes all the items need."""
 
     fast: list = field(default_factory=list)
     slow: list = field(default_factory=list)
@@ -182,7 +183,7 @@ class FileReads:
     hi: int = 0
     need: int = 0
     nbytes: int = 0
-    coalesce: bool = False
+    coalesce: bool | None = False
 
 
 def prepare_file(reader: CheckpointReader, file: str, work: list[tuple[Any, torch.Tensor]],
@@ -275,15 +276,103 @@ def prepare_file(reader: CheckpointReader, file: str, work: list[tuple[Any, torc
     return out
 
 
-def prepare_work(reader: CheckpointReader, work: list[tuple[Any, torch.Tensor]], files: set[str] | None = None
-                 ) -> dict[str, FileReads]:
+#: A load of at least this many read items holds them as a :class:`FileWork` (made file by file when needed) ...
+STREAM_MIN_ITEMS = 1 << 18
+#: ... and keeps the coalesced reads worked out by :func:`prepare_work` for at most this many items in all (the
+#: files beyond are checked then, and worked out again at their read).
+RETAIN_ITEMS = 1 << 18
+
+
+class FileWork:
+    """A rank's ``(read item, target)`` pairs held as the planner's compact groups (:data:`~oarlock.checkpoint.plan.ItemGroup`
+    with its target) plus listed pairs, made file by file on demand: a rank that reads millions of stored pieces
+    holds the pairs of one data file at a time, not all of them (a load from thousands of FSDP ranks).
+
+    ``files``: the data files read, sorted; ``len()``: the number of pairs; iterating yields every pair, file by
+    file in :func:`read_order`."""
+
+    def __init__(self, pairs: list[tuple[Any, torch.Tensor]], groups: list[tuple[tuple, list, torch.Tensor]]):
+        self._listed: dict[str, list] = {}
+        for it, target in pairs:
+            self._listed.setdefault(it.file, []).append((it, target))
+        # one entry per template (shared by the keys of a geometry): its pieces by file, and the (label, target)
+        # pairs that use it
+        self._templates: dict[int, tuple[dict[str, list], list, list]] = {}
+        count = len(pairs)
+        for label, tmpl, target in groups:
+            entry = self._templates.get(id(tmpl))
+            if entry is None:
+                by_file: dict[str, list] = {}
+                for f in tmpl:
+                    by_file.setdefault(f[1], []).append(f)
+                for pieces in by_file.values():  # (src_flat_start, src_box): read order within one stored array
+                    pieces.sort(key=lambda f: (f[2], f[4]))
+                entry = self._templates[id(tmpl)] = (by_file, [], tmpl)  # tmpl kept alive with its id
+            entry[1].append((label, target))
+            count += len(tmpl)
+        for _, users, _ in self._templates.values():
+            users.sort(key=lambda u: u[0][3])  # by stored key: with the pieces sorted, a template's items are in
+            # read order for any file, and a file read through one template needs no sort
+        files = set(self._listed)
+        for by_file, _, _ in self._templates.values():
+            files.update(by_file)
+        self.files = sorted(files)
+        self._count = count
+
+    def __len__(self) -> int:
+        return self._count
+
+    def pairs_of(self, file: str) -> list[tuple[Any, torch.Tensor]]:
+        """The pairs reading from ``file``, in :func:`read_order`."""
+        from oarlock.checkpoint.plan import ReadItem
+
+        out = list(self._listed.get(file, ()))
+        sources = len(out) > 0
+        new = tuple.__new__  # ReadItem(...) without the named tuple constructor's Python frame
+        append = out.append
+        for by_file, users, _ in self._templates.values():
+            pieces = by_file.get(file)
+            if pieces:
+                sources += 1
+                for (key, tflat, tshape, src_key, dtype), target in users:
+                    for f in pieces:  # as plan.expand_group, inline: a rank makes millions of these
+                        append((new(ReadItem, (key, tflat, tshape, f[0], src_key, f[1], src_key, f[2], f[3], f[4],
+                                               None, dtype)), target))
+        if sources > 1:
+            out.sort(key=lambda p: read_order(p[0]))
+        return out
+
+    def __iter__(self):
+        for f in self.files:
+            yield from self.pairs_of(f)
+
+
+def prepare_work(reader: CheckpointReader, work: "list[tuple[Any, torch.Tensor]] | FileWork",
+                 files: set[str] | None = None) -> dict[str, FileReads]:
     """:func:`prepare_file` of every data file of ``work`` (``(read item, target)`` pairs), or of those in
     ``files``: the load calls it on everything a rank reads itself before the first target byte is written and
     keeps the files open, so that the reads see the files it checked; :func:`execute_work` then reuses the result.
+    For a :class:`FileWork` the files are checked one at a time, and a coalesced file's reads are kept only within
+    :data:`RETAIN_ITEMS` in all (a file left out of the result was checked and is worked out again at its read;
+    the returned dict then maps it to a :class:`FileReads` with ``coalesce=None`` carrying only ``nbytes``).
 
     Raises:
         CheckpointFormatError: naming the file and tensor.
     """
+    if isinstance(work, FileWork):
+        shared, out, kept = Lookups(), {}, 0
+        for f in work.files:
+            if files is not None and f not in files:
+                continue
+            pairs = work.pairs_of(f)
+            p = prepare_file(reader, f, pairs, shared)
+            if p.coalesce:
+                if kept + len(pairs) > RETAIN_ITEMS:
+                    p = FileReads(nbytes=p.nbytes, coalesce=None)
+                else:
+                    kept += len(pairs)
+            out[f] = p
+        return out
     by_file: dict[str, list] = {}
     for it, target in work:
         if files is None or it.file in files:
@@ -298,7 +387,7 @@ def execute_file(reader: CheckpointReader, file: str, work: list[tuple[Any, torc
     small shards), read the span they cover once (one ``preadv``) and copy every box out of that buffer; else
     item by item (:func:`execute_items`). ``prepared``: this file's :func:`prepare_file` (worked out here when
     None). Returns the bytes the items need."""
-    p = prepared if prepared is not None else prepare_file(reader, file, work, cache)
+    p = prepared if prepared is not None and prepared.coalesce is not None else prepare_file(reader, file, work, cache)
     if not p.coalesce:
         return sum(execute_items(reader, t, [it]) for it, t in work)
     buf = np.empty(p.hi - p.lo, dtype=np.uint8)
@@ -348,6 +437,8 @@ def execute_work(reader: CheckpointReader, work: list[tuple[Any, torch.Tensor]],
         n = max(n, s3_concurrency())
     tensors = reader.metadata.tensors
     prepared = prepared or {}
+    if isinstance(work, FileWork):
+        return _execute_streamed(reader, work, n, prepared)
     by_file: dict[str, list] = {}
     for it, target in work:
         by_file.setdefault(it.file, []).append((it, target))
@@ -391,3 +482,34 @@ def execute_work(reader: CheckpointReader, work: list[tuple[Any, torch.Tensor]],
 
     with ThreadPoolExecutor(max_workers=len(chunks), thread_name_prefix="oarlock-read") as pool:
         return sum(pool.map(run, chunks))
+
+
+def _execute_streamed(reader: CheckpointReader, work: FileWork, n: int, prepared: dict[str, FileReads]) -> int:
+    """:func:`execute_work` of a :class:`FileWork`: each file's pairs are made, read and dropped in turn; with
+    ``n`` threads the files are cut into ``n`` contiguous runs of about equal bytes (by their prepared sizes)."""
+    files = work.files
+    if n <= 1 or len(files) < 2 or type(reader).read_box is not CheckpointReader.read_box:
+        shared = Lookups()
+        return sum(execute_file(reader, f, work.pairs_of(f), shared, prepared.get(f)) for f in files)
+    for f in files:
+        reader.safetensors_file(f)  # open (and cache) here: the cache is not shared-write safe
+    sizes = [prepared[f].nbytes if f in prepared else 1 for f in files]
+    share = sum(sizes) / n
+    runs: list[list[str]] = [[]]
+    acc = 0
+    for f, size in zip(files, sizes):
+        if acc >= share and len(runs) < n:
+            runs.append([])
+            acc = 0
+        runs[-1].append(f)
+        acc += size
+
+    def run(fs: list[str]) -> int:
+        shared = Lookups()  # per thread: its caches are not shared-write safe
+        with torch.no_grad():  # grad mode is per thread: targets may be parameters
+            return sum(execute_file(reader, f, work.pairs_of(f), shared, prepared.get(f)) for f in fs)
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=len(runs), thread_name_prefix="oarlock-read") as pool:
+        return sum(pool.map(run, runs))

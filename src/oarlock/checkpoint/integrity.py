@@ -588,15 +588,19 @@ def _shard_words(metadata: Any, key: str, file: str, name: str) -> str:
 
 
 def touched_blocks(reader: Any, items: Iterable[Any], checksums: dict[str, FileChecksums],
-                   file_bytes: dict[str, int] | None = None) -> dict[str, dict[int, int]]:
+                   file_bytes: dict[str, int] | None = None, files: set[str] | None = None
+                   ) -> dict[str, dict[int, int]]:
     """The blocks this rank's read items touch in the data files it can see, with the bytes it reads from each:
     file -> block index -> bytes (summed over items, at most the block's length). Items are
     :class:`~oarlock.checkpoint.plan.ReadItem` s (``file``, ``name``, ``src_flat_start``, ``src_shape``,
     ``src_box``); files without recorded checksums and files this rank cannot see are left out. ``file_bytes``:
     the bytes the items need per file where already summed (the load's prepared reads), used for one-block
-    files instead of summing the items again."""
-    items = items if isinstance(items, (list, tuple)) else list(items)
-    visible = reader.visible_files({it.file for it in items})  # only the files this rank reads
+    files instead of summing the items again. ``files``: the files of ``items`` when known (``items`` is then
+    iterated once, as it comes: a load's items made file by file are never all held at once)."""
+    if files is None:
+        items = items if isinstance(items, (list, tuple)) else list(items)
+        files = {it.file for it in items}
+    visible = reader.visible_files(files)  # only the files this rank reads
     out: dict[str, dict[int, int]] = {}
     files: dict[str, tuple | None] = {}  # file -> (checksums, per-block bytes, one block?); None: not summed here
     sizes: dict[str, int] = {}  # item size per key
@@ -714,7 +718,8 @@ def _whole_blocks_read(reader: Any, touched: dict[str, dict[int, int]], owned: d
     return out
 
 
-def verify_group(reader: Any, items: Iterable[Any], dist: Any, file_bytes: dict[str, int] | None = None) -> int:
+def verify_group(reader: Any, items: Iterable[Any], dist: Any, file_bytes: dict[str, int] | None = None,
+                 files: set[str] | None = None) -> int:
     """Collective over ``dist`` (a :class:`~oarlock.checkpoint.dist.DistWrapper`; every rank of the load calls
     it, also one with no items): verify every block that the group's read items touch, each block hashed by one
     rank, before anything is written. This rank's ``items`` are
@@ -723,9 +728,9 @@ def verify_group(reader: Any, items: Iterable[Any], dist: Any, file_bytes: dict[
     :meth:`~oarlock.checkpoint.dist.DistWrapper.check` shares the verdicts. Files a rank cannot see are skipped
     by it (another rank reads them). From an object store a rank also hashes the blocks it reads (almost) whole
     that another rank owns, within the budget of kept blocks (:func:`_whole_blocks_read`): the fetch that
-    verifies them then serves its reads. ``file_bytes``: see :func:`touched_blocks`. Returns the bytes this rank
-    hashed; 0 when the checkpoint records no checksums (then no collective runs: every rank reads the same
-    metadata).
+    verifies them then serves its reads. ``file_bytes``, ``files``: see :func:`touched_blocks`. Returns the bytes
+    this rank hashed; 0 when the checkpoint records no checksums (then no collective runs: every rank reads the
+    same metadata).
 
     Raises:
         ChecksumError: on every rank (prefixed ``"rank R: "`` on ranks other than the one that found it): a
@@ -738,7 +743,7 @@ def verify_group(reader: Any, items: Iterable[Any], dist: Any, file_bytes: dict[
     err: BaseException | None = None
     touched: dict[str, dict[int, int]] = {}
     try:
-        touched = touched_blocks(reader, items, checksums, file_bytes)
+        touched = touched_blocks(reader, items, checksums, file_bytes, files)
     except Exception as e:  # reported in the check below, after this rank has joined the exchange
         err = e
     owned = block_owners(touched, checksums, dist)

@@ -21,11 +21,12 @@ from oarlock.checkpoint import comm
 from oarlock.checkpoint.objectstore import is_object_path, keep_verified_blocks, location
 from oarlock.checkpoint.dist import DistWrapper
 from oarlock.checkpoint.errors import CheckpointError, CheckpointMismatchError
-from oarlock.checkpoint.executor import LoadReport, execute_work, prepare_work, read_order
+from oarlock.checkpoint import executor
+from oarlock.checkpoint.executor import FileWork, LoadReport, execute_work, prepare_work, read_order
 from oarlock.checkpoint.integrity import verify_group
 from oarlock.checkpoint.mapping import MappingProgram, TensorSpec
 from oarlock.checkpoint.metadata import ALGORITHM_KEY, PARAM_GROUPS_KEY, CheckpointMetadata
-from oarlock.checkpoint.plan import Planner, ReadItem, source_specs
+from oarlock.checkpoint.plan import LoadPlan, Planner, ReadItem, source_specs
 from oarlock.checkpoint.reader import CheckpointReader
 from oarlock.checkpoint.save import data_file_name
 from oarlock.checkpoint.sharded import ShardedWeight
@@ -238,14 +239,14 @@ def _run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process
 
     gathered = gather_requests(request, dist)
     reader: CheckpointReader | None = None
-    plans: list[list[ReadItem]] = []
-    work: list[tuple[ReadItem, torch.Tensor]] = []  # (read item, target), in read order
+    plans: list[LoadPlan] = []
+    work: list[tuple[ReadItem, torch.Tensor]] | FileWork = []  # (read item, target), in read order
     prepared: dict = {}  # data file -> its checked reads (executor.prepare_work)
     unexpected: list[str] = []
     used: set[str] = set()
 
     def plan() -> dict:
-        nonlocal reader, program, unexpected, aoa_config
+        nonlocal reader, program, unexpected, aoa_config, work
         reader = open_checkpoint(path, view=view, rank=dist.rank)
         meta = reader.metadata
         missing: set[str] = set()
@@ -271,8 +272,8 @@ def _run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process
             if d.key in meta.objects and d.key not in meta.tensors and aoa_config is None and program is None:
                 raise CheckpointMismatchError(f"key {d.key!r}: the checkpoint holds a "
                                               f"{type(meta.objects[d.key]).__name__} object, the target is a tensor")
-            p = planner.plan_rank([d])
-            plans.append(p.items)
+            p = planner.plan_rank([d], compact=True)
+            plans.append(p)
             missing.update(p.missing_keys)
         missing.update(k for k in leaves.objects if k not in meta.objects)
         skipped = missing & set(getattr(planner.program, "skipped", ()) or ())  # '_ -> key': not loaded on purpose
@@ -288,10 +289,16 @@ def _run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process
                             + [k for k in meta.objects if k not in wanted_objects and k not in dest_all])
         # every item this rank reads itself is checked (file opens, same save, tensor holds the array) and located
         # before the first target byte is written; the files stay open, so the reads see what was checked
-        work.extend((it, sw.local_tensor) for sw, items in zip(leaves.shards, plans)
-                    for it in sorted(items, key=read_order))
+        if sum(p.item_count() for p in plans) < executor.STREAM_MIN_ITEMS:
+            work.extend((it, sw.local_tensor) for sw, p in zip(leaves.shards, plans)
+                        for it in sorted(p.all_items(), key=read_order))
+        else:  # millions of pieces: held as the planner's groups, made file by file when checked, hashed, read
+            work = FileWork([(it, sw.local_tensor) for sw, p in zip(leaves.shards, plans) for it in p.items],
+                            [(label, tmpl, sw.local_tensor) for sw, p in zip(leaves.shards, plans)
+                             for label, tmpl in p.groups])
         plans.clear()  # the items live on in ``work``: one list of them, not two
-        prepared.update(prepare_work(reader, work, reader.visible_files({it.file for it, _ in work})))
+        files = work.files if isinstance(work, FileWork) else {it.file for it, _ in work}
+        prepared.update(prepare_work(reader, work, reader.visible_files(set(files))))
         return {"missing": sorted(missing), "skipped": sorted(skipped)}
 
     try:
@@ -331,8 +338,9 @@ def _run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process
     report = LoadReport(all_missing, unexpected, skipped_keys=sorted({k for s in status for k in s["skipped"]}))
     with reader, torch.no_grad():
         if verify_checksums:  # collective, before any target is written: each touched block hashed by one rank
-            report.bytes_hashed = verify_group(reader, [it for it, _ in work], dist,
-                                               {f: p.nbytes for f, p in prepared.items()})
+            items = (it for it, _ in work) if isinstance(work, FileWork) else [it for it, _ in work]
+            report.bytes_hashed = verify_group(reader, items, dist, {f: p.nbytes for f, p in prepared.items()},
+                                               files=set(work.files) if isinstance(work, FileWork) else None)
         # one rank's read error reaches every rank (they would otherwise run into their next collective)
         st = dist.run(comm.execute, reader, work, comm_method=comm_method, view=view, dist=dist,
                       direct=lambda r, w: execute_work(r, w, prepared=prepared if w is work else None))

@@ -76,12 +76,39 @@ class ReadItem(NamedTuple):
         return box_volume(self.src_box)
 
 
+#: ``(label, template)``: read items of one key held compactly. ``label`` is ``(dst_key, dst_flat_start, dst_shape,
+#: src_key, dtype)``; ``template`` a list of ``(dst_box, file, src_flat_start, src_shape, src_box)``, one per stored
+#: piece read, shared by every key of the same grid geometry (a model's layers), so a rank that reads millions of
+#: pieces holds one template per geometry, not one object per piece.
+ItemGroup = tuple[tuple, list]
+
+
+def expand_group(label: tuple, template: list) -> list[ReadItem]:
+    """The :class:`ReadItem` s of one :data:`ItemGroup` (the stored array's name is its key: grid-recorded keys)."""
+    key, tflat, tshape, src_key, dtype = label
+    new = tuple.__new__  # ReadItem(...) without the named tuple constructor's Python frame: millions at scale
+    return [new(ReadItem, (key, tflat, tshape, f[0], src_key, f[1], src_key, f[2], f[3], f[4], None, dtype))
+            for f in template]
+
+
 @dataclass
 class LoadPlan:
-    """One rank's read items, and the requested keys the program cannot produce (``missing_keys``)."""
+    """One rank's read items, and the requested keys the program cannot produce (``missing_keys``).
+
+    ``groups``: with ``Planner.plan_rank(..., compact=True)``, the items of grid-recorded keys as
+    :data:`ItemGroup` s (not in ``items``); :meth:`all_items` gives every item either way."""
 
     items: list[ReadItem] = field(default_factory=list)
     missing_keys: list[str] = field(default_factory=list)
+    groups: list[ItemGroup] = field(default_factory=list)
+
+    def all_items(self) -> list[ReadItem]:
+        """``items`` followed by the items of ``groups``."""
+        return self.items + [it for label, tmpl in self.groups for it in expand_group(label, tmpl)]
+
+    def item_count(self) -> int:
+        """Number of read items, without making the grouped ones."""
+        return len(self.items) + sum(len(tmpl) for _, tmpl in self.groups)
 
 
 # ---------------------------------------------------------------- stored-shard index
@@ -260,6 +287,7 @@ class Planner:
         self._mappings: dict[str, list[SliceMapping]] = {}
         self._checked: set[tuple[str, tuple[int, ...], str]] = set()
         self._templates: dict[tuple, list[tuple]] = {}  # grid geometry -> planned items without keys
+        self._groups: list[ItemGroup] | None = None  # where plan_rank(compact=True) puts templated items
 
     def index(self, key: str) -> KeyIndex:
         """The validated index of stored key ``key`` (built on first use)."""
@@ -297,20 +325,22 @@ class Planner:
                     f"\"{m.src_key} -> {req.key}, dtype='{req.dtype}'\"")
         self._checked.add(sig)
 
-    def plan_rank(self, requests: Sequence[ShardDesc]) -> LoadPlan:
-        """Read items for one rank's requested shards.
+    def plan_rank(self, requests: Sequence[ShardDesc], compact: bool = False) -> LoadPlan:
+        """Read items for one rank's requested shards. ``compact``: items of grid-recorded keys are returned as
+        :data:`ItemGroup` s in ``LoadPlan.groups`` (templates shared between keys) instead of in ``items``.
 
         Raises:
             CheckpointMismatchError: a requested global shape or dtype differs from what the program gives.
             CheckpointTilingError: the stored shards of a key read from do not tile its global box.
         """
         if not gc.isenabled():  # a load pauses it for its whole run: no context to enter per request
-            return self._plan_rank(requests)
+            return self._plan_rank(requests, compact)
         with gc_paused():
-            return self._plan_rank(requests)
+            return self._plan_rank(requests, compact)
 
-    def _plan_rank(self, requests: Sequence[ShardDesc]) -> LoadPlan:
+    def _plan_rank(self, requests: Sequence[ShardDesc], compact: bool = False) -> LoadPlan:
         plan = LoadPlan()
+        self._groups = plan.groups if compact else None
         for req in requests:
             if req.key not in self._dest_keys:
                 plan.missing_keys.append(req.key)
@@ -422,11 +452,12 @@ class Planner:
             if tmpl is None:
                 tmpl = self._templates[sig] = []
                 self._grid_items(tmpl, sub, torigin, idx)
-            # tuple.__new__ is ReadItem(...) without the Python frame of the named tuple's constructor: a template
-            # of a few thousand cells is re-labelled for every key of its geometry
-            new = tuple.__new__
-            out.extend([new(ReadItem, (key, tflat, tshape, f[0], src_key, f[1], src_key, f[2], f[3], f[4], None,
-                                       dtype)) for f in tmpl])
+            # a template of a few thousand cells is re-labelled for every key of its geometry
+            label = (key, tflat, tshape, src_key, dtype)
+            if self._groups is not None:
+                self._groups.append((label, tmpl))
+            else:
+                out.extend(expand_group(label, tmpl))
             return
         found: list[tuple] = []
         self._grid_items(found, sub, torigin, idx)
