@@ -28,8 +28,9 @@ ranks the one requesting the most bytes, the same rank for every library):
   oarlock-v1 keeps the block digests inline in ``metadata.json`` (format 3).
 * read + parse: ``json.loads`` + ``CheckpointMetadata.from_json`` + the checksum record / ``pickle.loads``.
 * plan: a fresh ``Planner(meta).plan_rank(requests, compact=True)`` held as a load holds it (``FileWork``: the
-  planner's templates, one per grid geometry) plus one pass making every file's read items in read order, as the
-  load's check pass does (a real load makes them again to hash and to read: each pass costs about this much) /
+  planner's templates, one per grid geometry) plus one pass making every file's read items, as the
+  load's check pass does, unsorted, the cyclic collector paused as in a load (a real load makes them once more
+  to read: that pass costs about as much again) /
   ``create_read_items_for_chunk_list`` for every key. The largest file's item count is shown with the items:
   the pairs a rank holds at once.
 * save coordination: bytes the coordinator (rank 0) and any other rank receive, counted as torch's object
@@ -795,8 +796,8 @@ def requests_of(lay: Layout, params: Sequence[Param], rank: int):
 def oarlock_plan(meta, reqs) -> tuple[Any, dict]:
     """What a loading rank builds before its checks, hashing and reads: the plan, held as a real load holds it
     (``FileWork`` over the planner's compact groups where this version has them, else the list of every item),
-    then one pass making every file's items in read order, as the load's check pass does (the hashing and read
-    passes make them again: not timed here). Returns the work and ``{items, bytes, files, largest_file}``."""
+    then one pass making every file's items, as the load's check pass does (the read pass makes them again: not
+    timed here). Returns the work and ``{items, bytes, files, largest_file}``."""
     from oarlock.checkpoint.plan import Planner
 
     planner = Planner(meta)
@@ -805,11 +806,18 @@ def oarlock_plan(meta, reqs) -> tuple[Any, dict]:
     except ImportError:  # before the compact plans: every item in one list
         items = planner.plan_rank(reqs).items
         return items, {"items": len(items), "files": len({it.file for it in items}), "largest_file": None}
+    from oarlock.utils import gc_paused
+
+    with gc_paused():  # as in a real load (run_load pauses the cyclic collector for its whole run)
+        return _oarlock_work(planner, reqs, FileWork)
+
+
+def _oarlock_work(planner: Any, reqs: Any, FileWork: Any) -> tuple[Any, dict]:
     plan = planner.plan_rank(reqs, compact=True)
     work = FileWork([(it, None) for it in plan.items], [(label, tmpl, None) for label, tmpl in plan.groups])
     n = largest = 0
     for f in work.files:
-        pairs = work.pairs_of(f)
+        pairs = work.pairs_of(f, ordered=False)
         n += len(pairs)
         largest = max(largest, len(pairs))
     return work, {"items": n, "files": len(work.files), "largest_file": largest}
@@ -817,7 +825,7 @@ def oarlock_plan(meta, reqs) -> tuple[Any, dict]:
 
 def plan_bytes(work: Any) -> int:
     """Bytes the read items select (untimed: the simulator's check that the plan covers the request)."""
-    items = work if isinstance(work, list) else (it for f in work.files for it, _ in work.pairs_of(f))
+    items = work if isinstance(work, list) else (it for f in work.files for it, _ in work.pairs_of(f, ordered=False))
     return sum(math.prod(b - a for a, b in it.src_box) for it in items) * ITEM
 
 
@@ -1007,7 +1015,7 @@ def run_cell(model: str, layers: int | None, kind: str, reshard: str, world: int
                 per_file.setdefault(it.file, []).append(it)
             files, items_of = sorted(per_file), per_file.__getitem__
         else:
-            files, items_of = work.files, lambda f: [it for it, _ in work.pairs_of(f)]
+            files, items_of = work.files, lambda f: [it for it, _ in work.pairs_of(f, ordered=False)]
         h, touched, sampled = hashed_bytes(files, items_of, worst["bytes"] // ITEM, r, sim.file_layout(meta),
                                            readers, file_sizes, "owner" if lib == "oarlock" else "touched")
         res["worst"].update({"hashed": h, "touched": touched, "hash_sampled": sampled})

@@ -162,43 +162,52 @@ def scenario_a_rank_that_requests_nothing_reads_nothing(ctx):
 def scenario_streamed_load_reshards_bit_exact_and_fails_alike_on_a_flipped_byte(ctx):
     """The load path for millions of read items, forced on a small checkpoint (``STREAM_MIN_ITEMS`` 0, coalesced
     reads kept for 3 items only): every rank's pairs are made file by file from the planner's templates when they
-    are checked, hashed and read. A (2, 8)-mesh column reshard of an FSDP save is bit-exact; then a flipped byte
-    in one data file fails every rank with the same ChecksumError naming that file, and no target is written."""
+    are checked (and their blocks to hash summed) and when they are read. A column reshard of an FSDP save is
+    bit-exact; then a flipped byte in one data file fails every rank with the same ChecksumError naming that file,
+    and no target is written. (One 1-D mesh: an earlier scenario made sub-groups on some ranks only.)"""
     from oarlock.checkpoint import executor
     from oarlock.checkpoint.integrity import ChecksumError
 
+    saved = executor.STREAM_MIN_ITEMS, executor.RETAIN_ITEMS
     executor.STREAM_MIN_ITEMS, executor.RETAIN_ITEMS = 0, 3
     made: list[str] = []  # the files whose pairs were made on demand
     real = executor.FileWork.pairs_of
-    executor.FileWork.pairs_of = lambda self, f: made.append(f) or real(self, f)
-    keys = [f"layers.{i}.w" for i in range(16)]
-    mesh1 = init_device_mesh("cpu", (16,))
-    ck = ctx.root / "streamed"
-    save_state_dict({k: distribute_tensor(value(k, (64, 48)), mesh1, [Shard(0)]) for k in keys}, ck)
-    mesh = init_device_mesh("cpu", (2, 8))
-    placements = [Shard(1), Replicate()]
-    tgt = {k: target((64, 48), mesh, placements) for k in keys}
-    report = load_state_dict(tgt, ck)
-    for k, t in tgt.items():
-        assert torch.equal(t.to_local(), expected_local(k, (64, 48), mesh, placements)), k
-    assert report.bytes_read == len(keys) * 64 * 24 * 4 and len(report.files_read) == 16, report
-    # checked, hashed and read file by file: each of the 16 files' pairs made once per pass (3 passes)
-    assert sorted(set(made)) == sorted(report.files_read) and len(made) == 3 * 16, made
-    victim = ck / "rank-00005.safetensors"
-    dist.barrier()
-    if ctx.rank == 0:
-        raw = bytearray(victim.read_bytes())
-        raw[-5] ^= 0x10  # in the last tensor's data
-        victim.write_bytes(bytes(raw))
-    dist.barrier()
-    tgt = {k: target((64, 48), mesh, placements) for k in keys}
+    executor.FileWork.pairs_of = lambda self, f, **kw: made.append(f) or real(self, f, **kw)
     try:
-        load_state_dict(tgt, ck)
-        raise AssertionError("the flipped byte was not caught")
-    except ChecksumError as e:
-        msg = str(e)
-    assert all(bool((t.to_local() == 0).all()) for t in tgt.values()), "a destination was written"
-    every = [None] * ctx.world
-    dist.all_gather_object(every, msg)
-    core = min(every, key=len)  # the owner's message; the others are "rank R: " + it
-    assert str(victim) in core and all(m.endswith(core) for m in every), every
+        keys = [f"layers.{i}.w" for i in range(16)]
+        mesh = init_device_mesh("cpu", (16,))
+        ck = ctx.root / "streamed"
+        save_state_dict({k: distribute_tensor(value(k, (64, 48)), mesh, [Shard(0)]) for k in keys}, ck)
+        tgt = {k: target((64, 48), mesh, [Shard(1)]) for k in keys}
+        report = load_state_dict(tgt, ck)
+        wrong = [k for k, t in tgt.items()
+                 if not torch.equal(t.to_local(), expected_local(k, (64, 48), mesh, [Shard(1)]))]
+        # every rank's outcome gathered before asserting: a failure cannot leave the other ranks waiting
+        every = [None] * ctx.world
+        dist.all_gather_object(every, (wrong, report.bytes_read, sorted(report.files_read), sorted(made)))
+        files = sorted(f"rank-{r:05d}.safetensors" for r in range(16))
+        for r, (wrong, nbytes, read, made_r) in enumerate(every):
+            assert not wrong and nbytes == len(keys) * 64 * 3 * 4, (r, wrong, nbytes)
+            # each file's pairs made twice: once to check it and sum the blocks to hash, once to read it
+            assert read == files and made_r == sorted(files * 2), (r, read, made_r)
+        victim = ck / "rank-00005.safetensors"
+        if ctx.rank == 0:
+            raw = bytearray(victim.read_bytes())
+            raw[-5] ^= 0x10  # in the last tensor's data
+            victim.write_bytes(bytes(raw))
+        dist.barrier()
+        tgt = {k: target((64, 48), mesh, [Shard(1)]) for k in keys}
+        try:
+            load_state_dict(tgt, ck)
+            msg = "the flipped byte was not caught"
+        except ChecksumError as e:
+            msg = str(e)
+        untouched = all(bool((t.to_local() == 0).all()) for t in tgt.values())
+        every = [None] * ctx.world
+        dist.all_gather_object(every, (msg, untouched))
+        assert all(u for _, u in every), "a destination was written"
+        core = min((m for m, _ in every), key=len)  # the owner's message; the others are "rank R: " + it
+        assert str(victim) in core and all(m.endswith(core) for m, _ in every), every
+    finally:  # the ranks run later scenarios in this process
+        executor.FileWork.pairs_of = real
+        executor.STREAM_MIN_ITEMS, executor.RETAIN_ITEMS = saved

@@ -322,39 +322,41 @@ class FileWork:
     def __len__(self) -> int:
         return self._count
 
-    def pairs_of(self, file: str) -> list[tuple[Any, torch.Tensor]]:
-        """The pairs reading from ``file``, in :func:`read_order`."""
+    def pairs_of(self, file: str, ordered: bool = True) -> list[tuple[Any, torch.Tensor]]:
+        """The pairs reading from ``file``, in :func:`read_order` when ``ordered`` (else in runs of it, one per
+        template: what checks, hashing and coalesced reads need, without a sort of millions of items)."""
         from oarlock.checkpoint.plan import ReadItem
 
         out = list(self._listed.get(file, ()))
         sources = len(out) > 0
         new = tuple.__new__  # ReadItem(...) without the named tuple constructor's Python frame
-        append = out.append
         for by_file, users, _ in self._templates.values():
             pieces = by_file.get(file)
             if pieces:
                 sources += 1
-                for (key, tflat, tshape, src_key, dtype), target in users:
-                    for f in pieces:  # as plan.expand_group, inline: a rank makes millions of these
-                        append((new(ReadItem, (key, tflat, tshape, f[0], src_key, f[1], src_key, f[2], f[3], f[4],
-                                               None, dtype)), target))
-        if sources > 1:
+                # plan.expand_group inline, one comprehension per template and file (a rank makes millions of
+                # these); users outer, pieces inner: read order
+                out.extend([(new(ReadItem, (u[0], u[1], u[2], f[0], u[3], f[1], u[3], f[2], f[3], f[4], None, u[4])),
+                             t) for u, t in users for f in pieces])
+        if sources > 1 and ordered:
             out.sort(key=lambda p: read_order(p[0]))
         return out
 
     def __iter__(self):
         for f in self.files:
-            yield from self.pairs_of(f)
+            yield from self.pairs_of(f, ordered=False)
 
 
 def prepare_work(reader: CheckpointReader, work: "list[tuple[Any, torch.Tensor]] | FileWork",
-                 files: set[str] | None = None) -> dict[str, FileReads]:
+                 files: set[str] | None = None, on_file: Any = None) -> dict[str, FileReads]:
     """:func:`prepare_file` of every data file of ``work`` (``(read item, target)`` pairs), or of those in
     ``files``: the load calls it on everything a rank reads itself before the first target byte is written and
     keeps the files open, so that the reads see the files it checked; :func:`execute_work` then reuses the result.
     For a :class:`FileWork` the files are checked one at a time, and a coalesced file's reads are kept only within
     :data:`RETAIN_ITEMS` in all (a file left out of the result was checked and is worked out again at its read;
-    the returned dict then maps it to a :class:`FileReads` with ``coalesce=None`` carrying only ``nbytes``).
+    the returned dict then maps it to a :class:`FileReads` with ``coalesce=None`` carrying only ``nbytes``);
+    ``on_file(file, pairs, file_reads)`` is then called for each file while its pairs are at hand (the load sums
+    the checksum blocks they touch in the same pass).
 
     Raises:
         CheckpointFormatError: naming the file and tensor.
@@ -364,8 +366,10 @@ def prepare_work(reader: CheckpointReader, work: "list[tuple[Any, torch.Tensor]]
         for f in work.files:
             if files is not None and f not in files:
                 continue
-            pairs = work.pairs_of(f)
+            pairs = work.pairs_of(f, ordered=False)
             p = prepare_file(reader, f, pairs, shared)
+            if on_file is not None:
+                on_file(f, pairs, p)
             if p.coalesce:
                 if kept + len(pairs) > RETAIN_ITEMS:
                     p = FileReads(nbytes=p.nbytes, coalesce=None)
@@ -388,8 +392,8 @@ def execute_file(reader: CheckpointReader, file: str, work: list[tuple[Any, torc
     item by item (:func:`execute_items`). ``prepared``: this file's :func:`prepare_file` (worked out here when
     None). Returns the bytes the items need."""
     p = prepared if prepared is not None and prepared.coalesce is not None else prepare_file(reader, file, work, cache)
-    if not p.coalesce:
-        return sum(execute_items(reader, t, [it]) for it, t in work)
+    if not p.coalesce:  # item by item, in read order (sequential reads of the file)
+        return sum(execute_items(reader, t, [it]) for it, t in sorted(work, key=lambda w: read_order(w[0])))
     buf = np.empty(p.hi - p.lo, dtype=np.uint8)
     reader.safetensors_file(file).read_into(memoryview(buf), p.lo)  # os.preadv; ranged GETs in a store
     lo, ndarray, copyto = p.lo, np.ndarray, np.copyto
@@ -490,7 +494,7 @@ def _execute_streamed(reader: CheckpointReader, work: FileWork, n: int, prepared
     files = work.files
     if n <= 1 or len(files) < 2 or type(reader).read_box is not CheckpointReader.read_box:
         shared = Lookups()
-        return sum(execute_file(reader, f, work.pairs_of(f), shared, prepared.get(f)) for f in files)
+        return sum(execute_file(reader, f, work.pairs_of(f, ordered=False), shared, prepared.get(f)) for f in files)
     for f in files:
         reader.safetensors_file(f)  # open (and cache) here: the cache is not shared-write safe
     sizes = [prepared[f].nbytes if f in prepared else 1 for f in files]
@@ -507,7 +511,7 @@ def _execute_streamed(reader: CheckpointReader, work: FileWork, n: int, prepared
     def run(fs: list[str]) -> int:
         shared = Lookups()  # per thread: its caches are not shared-write safe
         with torch.no_grad():  # grad mode is per thread: targets may be parameters
-            return sum(execute_file(reader, f, work.pairs_of(f), shared, prepared.get(f)) for f in fs)
+            return sum(execute_file(reader, f, work.pairs_of(f, ordered=False), shared, prepared.get(f)) for f in fs)
 
     from concurrent.futures import ThreadPoolExecutor
 

@@ -719,7 +719,7 @@ def _whole_blocks_read(reader: Any, touched: dict[str, dict[int, int]], owned: d
 
 
 def verify_group(reader: Any, items: Iterable[Any], dist: Any, file_bytes: dict[str, int] | None = None,
-                 files: set[str] | None = None) -> int:
+                 files: set[str] | None = None, touched: dict[str, dict[int, int]] | None = None) -> int:
     """Collective over ``dist`` (a :class:`~oarlock.checkpoint.dist.DistWrapper`; every rank of the load calls
     it, also one with no items): verify every block that the group's read items touch, each block hashed by one
     rank, before anything is written. This rank's ``items`` are
@@ -728,7 +728,8 @@ def verify_group(reader: Any, items: Iterable[Any], dist: Any, file_bytes: dict[
     :meth:`~oarlock.checkpoint.dist.DistWrapper.check` shares the verdicts. Files a rank cannot see are skipped
     by it (another rank reads them). From an object store a rank also hashes the blocks it reads (almost) whole
     that another rank owns, within the budget of kept blocks (:func:`_whole_blocks_read`): the fetch that
-    verifies them then serves its reads. ``file_bytes``, ``files``: see :func:`touched_blocks`. Returns the bytes
+    verifies them then serves its reads. ``file_bytes``, ``files``: see :func:`touched_blocks`; ``touched``: its
+    result when already summed (``items`` is then not read). Returns the bytes
     this rank hashed; 0 when the checkpoint records no checksums (then no collective runs: every rank reads the
     same metadata).
 
@@ -741,11 +742,12 @@ def verify_group(reader: Any, items: Iterable[Any], dist: Any, file_bytes: dict[
     if not checksums:
         return 0
     err: BaseException | None = None
-    touched: dict[str, dict[int, int]] = {}
-    try:
-        touched = touched_blocks(reader, items, checksums, file_bytes, files)
-    except Exception as e:  # reported in the check below, after this rank has joined the exchange
-        err = e
+    if touched is None:
+        touched = {}
+        try:
+            touched = touched_blocks(reader, items, checksums, file_bytes, files)
+        except Exception as e:  # reported in the check below, after this rank has joined the exchange
+            err = e
     owned = block_owners(touched, checksums, dist)
     verifier = BlockVerifier(reader.path_of, checksums)
     if err is None:

@@ -23,7 +23,7 @@ from oarlock.checkpoint.dist import DistWrapper
 from oarlock.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from oarlock.checkpoint import executor
 from oarlock.checkpoint.executor import FileWork, LoadReport, execute_work, prepare_work, read_order
-from oarlock.checkpoint.integrity import verify_group
+from oarlock.checkpoint.integrity import recorded, touched_blocks, verify_group
 from oarlock.checkpoint.mapping import MappingProgram, TensorSpec
 from oarlock.checkpoint.metadata import ALGORITHM_KEY, PARAM_GROUPS_KEY, CheckpointMetadata
 from oarlock.checkpoint.plan import LoadPlan, Planner, ReadItem, source_specs
@@ -242,11 +242,12 @@ def _run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process
     plans: list[LoadPlan] = []
     work: list[tuple[ReadItem, torch.Tensor]] | FileWork = []  # (read item, target), in read order
     prepared: dict = {}  # data file -> its checked reads (executor.prepare_work)
+    touched: dict | None = None  # file -> checksum block -> bytes this rank reads (FileWork: summed at the check)
     unexpected: list[str] = []
     used: set[str] = set()
 
     def plan() -> dict:
-        nonlocal reader, program, unexpected, aoa_config, work
+        nonlocal reader, program, unexpected, aoa_config, work, touched
         reader = open_checkpoint(path, view=view, rank=dist.rank)
         meta = reader.metadata
         missing: set[str] = set()
@@ -298,7 +299,14 @@ def _run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process
                              for label, tmpl in p.groups])
         plans.clear()  # the items live on in ``work``: one list of them, not two
         files = work.files if isinstance(work, FileWork) else {it.file for it, _ in work}
-        prepared.update(prepare_work(reader, work, reader.visible_files(set(files))))
+        on_file = None
+        checksums = recorded(meta, reader.path_of) if verify_checksums and isinstance(work, FileWork) else None
+        if checksums:  # the blocks each file's pairs touch, summed while they are made for the check
+            touched = {}
+
+            def on_file(f: str, pairs: list, p: Any) -> None:
+                touched.update(touched_blocks(reader, (it for it, _ in pairs), checksums, {f: p.nbytes}, {f}))
+        prepared.update(prepare_work(reader, work, reader.visible_files(set(files)), on_file))
         return {"missing": sorted(missing), "skipped": sorted(skipped)}
 
     try:
@@ -338,9 +346,11 @@ def _run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process
     report = LoadReport(all_missing, unexpected, skipped_keys=sorted({k for s in status for k in s["skipped"]}))
     with reader, torch.no_grad():
         if verify_checksums:  # collective, before any target is written: each touched block hashed by one rank
+            # a FileWork's items are made again only when not summed at the check (then there are no checksums)
             items = (it for it, _ in work) if isinstance(work, FileWork) else [it for it, _ in work]
             report.bytes_hashed = verify_group(reader, items, dist, {f: p.nbytes for f, p in prepared.items()},
-                                               files=set(work.files) if isinstance(work, FileWork) else None)
+                                               files=set(work.files) if isinstance(work, FileWork) else None,
+                                               touched=touched)
         # one rank's read error reaches every rank (they would otherwise run into their next collective)
         st = dist.run(comm.execute, reader, work, comm_method=comm_method, view=view, dist=dist,
                       direct=lambda r, w: execute_work(r, w, prepared=prepared if w is work else None))
