@@ -823,10 +823,14 @@ def _oarlock_work(planner: Any, reqs: Any, FileWork: Any) -> tuple[Any, dict]:
     return work, {"items": n, "files": len(work.files), "largest_file": largest}
 
 
+def work_items(work: Any) -> Any:
+    """Every read item of :func:`oarlock_plan`'s work (a list, or made file by file from a ``FileWork``)."""
+    return work if isinstance(work, list) else (it for f in work.files for it, _ in work.pairs_of(f, ordered=False))
+
+
 def plan_bytes(work: Any) -> int:
     """Bytes the read items select (untimed: the simulator's check that the plan covers the request)."""
-    items = work if isinstance(work, list) else (it for f in work.files for it, _ in work.pairs_of(f, ordered=False))
-    return sum(math.prod(b - a for a, b in it.src_box) for it in items) * ITEM
+    return sum(math.prod(b - a for a, b in it.src_box) for it in work_items(work)) * ITEM
 
 
 # ---------------------------------------------------------------- DCP phases

@@ -79,7 +79,9 @@ def test_plans_cover_requests_and_match_dcp(scale, kind, reshard, world):
         dcp_items = scale.dcp_plan(md, reqs)
         dcp_vol = sum(math.prod(it.lengths) for it in dcp_items)
         for name, meta in metas.items():
-            items = scale.oarlock_plan(meta, reqs)
+            work, row = scale.oarlock_plan(meta, reqs)
+            items = list(scale.work_items(work))
+            assert row["items"] == len(items) and row["files"] == len({it.file for it in items}), (name, r)
             vol = sum(math.prod(b - a for a, b in it.src_box) for it in items)
             assert vol == want == dcp_vol, (name, r)
             assert _covered_once(items, reqs), (name, r)
