@@ -284,12 +284,14 @@ RETAIN_ITEMS = 1 << 18
 
 
 class FileWork:
-    """A rank's ``(read item, target)`` pairs held as the planner's compact groups (:data:`~oarlock.checkpoint.plan.ItemGroup`
-    with its target) plus listed pairs, made file by file on demand: a rank that reads millions of stored pieces
-    holds the pairs of one data file at a time, not all of them (a load from thousands of FSDP ranks).
+    """A rank's ``(read item, target)`` pairs held as the planner's compact groups (each
+    :data:`~oarlock.checkpoint.plan.ItemGroup` with its target) plus listed pairs, made file by file on demand: a
+    rank that reads millions of stored pieces holds the pairs of one data file at a time, not all of them (a load
+    from thousands of FSDP ranks). Memory: the templates (one per grid geometry) and one label per key, instead of
+    ~400 bytes per read item.
 
     ``files``: the data files read, sorted; ``len()``: the number of pairs; iterating yields every pair, file by
-    file in :func:`read_order`."""
+    file (each file's pairs unsorted, see :meth:`pairs_of`)."""
 
     def __init__(self, pairs: list[tuple[Any, torch.Tensor]], groups: list[tuple[tuple, list, torch.Tensor]]):
         self._listed: dict[str, list] = {}
