@@ -715,7 +715,7 @@ class OarlockGrid(OarlockV1):
                 + flags, "coord_s": work, "coord_note": f"build_layout ({len(classes)} class(es))"}
 
     def _file_sizes(self) -> dict[str, int]:
-        from oarlock.checkpoint.grid import data_file_name
+        from oarlock.checkpoint.grid import FlatGrid, data_file_name
 
         sizes: dict[str, int] = {}
         cache: dict[tuple, list[tuple[int, int]]] = {}
@@ -744,7 +744,7 @@ class OarlockGrid(OarlockV1):
     def file_layout(self, meta) -> Any:
         """A file's tensors from the layout rule (grid keys: the writer holds its own cell; listed keys: from the
         metadata), only for the files asked about."""
-        from oarlock.checkpoint.grid import data_file_name
+        from oarlock.checkpoint.grid import FlatGrid, data_file_name
 
         listed: dict[str, list] = {}
         for k, t in meta.tensors.items():
@@ -762,6 +762,15 @@ class OarlockGrid(OarlockV1):
             entries = list(listed.get(f, []))
             for p in self.params:
                 t = meta.tensors[p.key]
+                if isinstance(t.grid, FlatGrid):  # ZeRO flat ranges: writer w holds shard (w - base) / stride
+                    g, n = t.grid, math.prod(p.shape)
+                    i, rem = divmod(w - g.base, g.stride) if g.stride else (0, w - g.base)
+                    if rem == 0 and 0 <= i < g.count(n):
+                        a, b = g.shard(n, i)
+                        off = (0,) * len(p.shape)
+                        if b > a:
+                            entries.append((p.key, off, (a, b), p.key, ShardMeta(off, tuple(p.shape), f, p.key, (a, b))))
+                    continue
                 pm = placement(self.src, p)
                 if t.grid is None or pm is None or w >= self.src.world:
                     continue

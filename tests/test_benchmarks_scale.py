@@ -87,10 +87,12 @@ def test_plans_cover_requests_and_match_dcp(scale, kind, reshard, world):
             assert _covered_once(items, reqs), (name, r)
 
 
-def test_quick_cell_in_process(scale):
-    """The --quick cell's logic (run_cell) on the tiny model: real figures for every library."""
+@pytest.mark.parametrize("kind", ["fsdp2", "zero1"])
+def test_quick_cell_in_process(scale, kind):
+    """The --quick cell's logic (run_cell) on the tiny model: real figures for every library (zero1: flat-range
+    grid records, whose data files the hashing model lays out from the rule)."""
     libs = ["oarlock-v1", "dcp"] + (["oarlock"] if scale.has_grid_api() else [])
-    res = {lib: scale.run_cell("tiny", 2, "fsdp2", "lost", 16, lib) for lib in libs}
+    res = {lib: scale.run_cell("tiny", 2, kind, "lost", 16, lib) for lib in libs}
     read = {lib: r["worst"]["bytes"] for lib, r in res.items()}
     assert len(set(read.values())) == 1 and next(iter(read.values())) > 0
     for lib, r in res.items():
