@@ -319,6 +319,40 @@ def test_threaded_reads_equal_sequential_reads(tmp_path, monkeypatch):
     assert threads and all(t.startswith("oarlock-read") for t in threads)  # read on the pool, not the caller
 
 
+def test_streamed_reads_of_one_file_run_on_the_pool(tmp_path, monkeypatch):
+    """The file-by-file load path (forced: ``STREAM_MIN_ITEMS`` 0) with one data file of large reads: the file's
+    items are spread over three reader threads reading at once (a barrier of three), and every target equals the
+    saved rows."""
+    import threading
+
+    from oarlock.checkpoint import executor
+
+    g = torch.Generator().manual_seed(6)
+    sd = {f"w{i}": torch.randn(1024, 256, generator=g) for i in range(6)}
+    save_state_dict(sd, tmp_path / "ck")
+    monkeypatch.setattr(executor, "STREAM_MIN_ITEMS", 0)
+    monkeypatch.setattr(executor, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setenv("OARLOCK_IO_THREADS", "3")
+    threads = []
+    real = executor.execute_items
+    together = threading.Barrier(3, timeout=10)  # passes only if three threads read at the same time
+
+    def spy(*a):
+        name = threading.current_thread().name
+        if name not in threads:
+            together.wait()
+        threads.append(name)
+        return real(*a)
+
+    monkeypatch.setattr(executor, "execute_items", spy)
+    # the second half of each tensor's rows (512 KiB each: large reads, item by item, not one coalesced span)
+    got = {k: torch.nn.Parameter(torch.zeros(512, 256)) for k in sd}
+    load_state_dict({k: ShardedWeight(k, p, (512, 256), (1024, 256), (512, 0)) for k, p in got.items()},
+                    tmp_path / "ck")
+    assert all(torch.equal(got[k].detach(), sd[k][512:]) for k in sd)
+    assert len(threads) == 6 and len(set(threads)) == 3 and all(t.startswith("oarlock-read") for t in threads)
+
+
 @pytest.mark.parametrize("data_format", ["distcp", "safetensors"])
 def test_verify_paddle_structure(tmp_path, data_format, capsys):
     import numpy as np

@@ -491,15 +491,18 @@ def execute_work(reader: CheckpointReader, work: list[tuple[Any, torch.Tensor]],
 
 
 def _execute_streamed(reader: CheckpointReader, work: FileWork, n: int, prepared: dict[str, FileReads]) -> int:
-    """:func:`execute_work` of a :class:`FileWork`: each file's pairs are made, read and dropped in turn; with
-    ``n`` threads the files are cut into ``n`` contiguous runs of about equal bytes (by their prepared sizes)."""
+    """:func:`execute_work` of a :class:`FileWork`: each file's pairs are made, read and dropped in turn. With ``n``
+    threads and at least :data:`PARALLEL_MIN_BYTES`, the files are cut into ``n`` contiguous runs of about equal
+    bytes (by their prepared sizes); with fewer files than threads, each file's items are spread over them."""
     files = work.files
-    if n <= 1 or len(files) < 2 or type(reader).read_box is not CheckpointReader.read_box:
+    sizes = [prepared[f].nbytes if f in prepared else 1 for f in files]
+    if n <= 1 or sum(sizes) < PARALLEL_MIN_BYTES or type(reader).read_box is not CheckpointReader.read_box:
         shared = Lookups()
         return sum(execute_file(reader, f, work.pairs_of(f, ordered=False), shared, prepared.get(f)) for f in files)
     for f in files:
         reader.safetensors_file(f)  # open (and cache) here: the cache is not shared-write safe
-    sizes = [prepared[f].nbytes if f in prepared else 1 for f in files]
+    if len(files) < n:  # fewer files than threads: each file's items are spread over the pool, as listed loads do
+        return sum(_execute_file_threaded(reader, f, work.pairs_of(f), n, prepared.get(f)) for f in files)
     share = sum(sizes) / n
     runs: list[list[str]] = [[]]
     acc = 0
@@ -519,3 +522,31 @@ def _execute_streamed(reader: CheckpointReader, work: FileWork, n: int, prepared
 
     with ThreadPoolExecutor(max_workers=len(runs), thread_name_prefix="oarlock-read") as pool:
         return sum(pool.map(run, runs))
+
+
+def _execute_file_threaded(reader: CheckpointReader, file: str, work: list[tuple[Any, torch.Tensor]], n: int,
+                           prepared: FileReads | None) -> int:
+    """One file's pairs (in read order) on ``n`` threads, cut into contiguous runs of about equal bytes; a file
+    whose reads are coalesced is read as one span by :func:`execute_file`."""
+    if prepared is None or prepared.coalesce is not False or len(work) < 2:
+        return execute_file(reader, file, work, Lookups(), prepared)
+    tensors = reader.metadata.tensors
+    sizes = [box_volume(it.src_box) * dtype_itemsize(tensors[it.src_key].dtype) for it, _ in work]
+    share = sum(sizes) / n
+    chunks: list[list[tuple[Any, torch.Tensor]]] = [[]]
+    acc = 0
+    for pair, size in zip(work, sizes):
+        if acc >= share and len(chunks) < n:
+            chunks.append([])
+            acc = 0
+        chunks[-1].append(pair)
+        acc += size
+
+    def run(chunk: list[tuple[Any, torch.Tensor]]) -> int:
+        with torch.no_grad():  # grad mode is per thread: targets may be parameters
+            return sum(execute_items(reader, target, [it]) for it, target in chunk)
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=len(chunks), thread_name_prefix="oarlock-read") as pool:
+        return sum(pool.map(run, chunks))
