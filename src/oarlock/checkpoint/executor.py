@@ -471,23 +471,43 @@ def execute_work(reader: CheckpointReader, work: list[tuple[Any, torch.Tensor]],
         return sum(execute_file(reader, f, w, shared, prepared.get(f)) for f, w in by_file.items())
     for f in sorted(by_file):
         reader.safetensors_file(f)  # open (and cache) here: the cache is not shared-write safe
-    chunks: list[list[tuple[Any, torch.Tensor]]] = [[]]
-    size, share = 0, total / n
-    for it, target in work:
-        if size >= share and len(chunks) < n:
-            chunks.append([])
-            size = 0
-        chunks[-1].append((it, target))
-        size += it.numel * dtype_itemsize(reader.metadata.tensors[it.src_key].dtype)
+    return _read_items_on_pool(reader, work, n)
 
-    def run(chunk: list[tuple[Any, torch.Tensor]]) -> int:
-        with torch.no_grad():  # grad mode is per thread: targets may be parameters
-            return sum(execute_items(reader, target, [it]) for it, target in chunk)
 
+def _contiguous_runs(things: list, sizes: list[int], n: int) -> list[list]:
+    """``things`` cut, in order, into at most ``n`` runs of about equal total ``sizes``."""
+    share = sum(sizes) / n
+    runs: list[list] = [[]]
+    acc = 0
+    for x, size in zip(things, sizes):
+        if acc >= share and len(runs) < n:
+            runs.append([])
+            acc = 0
+        runs[-1].append(x)
+        acc += size
+    return runs
+
+
+def _on_pool(fn: Any, runs: list[list]) -> int:
+    """``sum(fn(run) for run in runs)``, one reader thread per run (without grad mode: it is per thread, and
+    targets may be parameters)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(max_workers=len(chunks), thread_name_prefix="oarlock-read") as pool:
-        return sum(pool.map(run, chunks))
+    def run(r: list) -> int:
+        with torch.no_grad():
+            return fn(r)
+
+    with ThreadPoolExecutor(max_workers=len(runs), thread_name_prefix="oarlock-read") as pool:
+        return sum(pool.map(run, runs))
+
+
+def _read_items_on_pool(reader: CheckpointReader, work: list[tuple[Any, torch.Tensor]], n: int) -> int:
+    """``work`` read item by item on ``n`` threads, cut into contiguous runs of about equal bytes (the files are
+    open already)."""
+    tensors = reader.metadata.tensors
+    sizes = [box_volume(it.src_box) * dtype_itemsize(tensors[it.src_key].dtype) for it, _ in work]
+    return _on_pool(lambda pairs: sum(execute_items(reader, t, [it]) for it, t in pairs),
+                    _contiguous_runs(work, sizes, n))
 
 
 def _execute_streamed(reader: CheckpointReader, work: FileWork, n: int, prepared: dict[str, FileReads]) -> int:
@@ -503,25 +523,12 @@ def _execute_streamed(reader: CheckpointReader, work: FileWork, n: int, prepared
         reader.safetensors_file(f)  # open (and cache) here: the cache is not shared-write safe
     if len(files) < n:  # fewer files than threads: each file's items are spread over the pool, as listed loads do
         return sum(_execute_file_threaded(reader, f, work.pairs_of(f), n, prepared.get(f)) for f in files)
-    share = sum(sizes) / n
-    runs: list[list[str]] = [[]]
-    acc = 0
-    for f, size in zip(files, sizes):
-        if acc >= share and len(runs) < n:
-            runs.append([])
-            acc = 0
-        runs[-1].append(f)
-        acc += size
 
     def run(fs: list[str]) -> int:
         shared = Lookups()  # per thread: its caches are not shared-write safe
-        with torch.no_grad():  # grad mode is per thread: targets may be parameters
-            return sum(execute_file(reader, f, work.pairs_of(f, ordered=False), shared, prepared.get(f)) for f in fs)
+        return sum(execute_file(reader, f, work.pairs_of(f, ordered=False), shared, prepared.get(f)) for f in fs)
 
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(max_workers=len(runs), thread_name_prefix="oarlock-read") as pool:
-        return sum(pool.map(run, runs))
+    return _on_pool(run, _contiguous_runs(files, sizes, n))
 
 
 def _execute_file_threaded(reader: CheckpointReader, file: str, work: list[tuple[Any, torch.Tensor]], n: int,
@@ -530,23 +537,4 @@ def _execute_file_threaded(reader: CheckpointReader, file: str, work: list[tuple
     whose reads are coalesced is read as one span by :func:`execute_file`."""
     if prepared is None or prepared.coalesce is not False or len(work) < 2:
         return execute_file(reader, file, work, Lookups(), prepared)
-    tensors = reader.metadata.tensors
-    sizes = [box_volume(it.src_box) * dtype_itemsize(tensors[it.src_key].dtype) for it, _ in work]
-    share = sum(sizes) / n
-    chunks: list[list[tuple[Any, torch.Tensor]]] = [[]]
-    acc = 0
-    for pair, size in zip(work, sizes):
-        if acc >= share and len(chunks) < n:
-            chunks.append([])
-            acc = 0
-        chunks[-1].append(pair)
-        acc += size
-
-    def run(chunk: list[tuple[Any, torch.Tensor]]) -> int:
-        with torch.no_grad():  # grad mode is per thread: targets may be parameters
-            return sum(execute_items(reader, target, [it]) for it, target in chunk)
-
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(max_workers=len(chunks), thread_name_prefix="oarlock-read") as pool:
-        return sum(pool.map(run, chunks))
+    return _read_items_on_pool(reader, work, n)

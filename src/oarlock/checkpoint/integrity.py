@@ -602,7 +602,7 @@ def touched_blocks(reader: Any, items: Iterable[Any], checksums: dict[str, FileC
         files = {it.file for it in items}
     visible = reader.visible_files(files)  # only the files this rank reads
     out: dict[str, dict[int, int]] = {}
-    files: dict[str, tuple | None] = {}  # file -> (checksums, per-block bytes, one block?); None: not summed here
+    state: dict[str, tuple | None] = {}  # file -> (checksums, per-block bytes, one block?); None: not summed here
     sizes: dict[str, int] = {}  # item size per key
     tensors = reader.metadata.tensors
 
@@ -613,12 +613,12 @@ def touched_blocks(reader: Any, items: Iterable[Any], checksums: dict[str, FileC
         fc = checksums.get(f)
         if fc is not None and f in visible and one_block(f, fc):
             out[f] = {0: min(n, fc.size)}
-            files[f] = None  # summed already: its items are skipped below
+            state[f] = None  # summed already: its items are skipped below
     for it in items:
-        entry = files.get(it.file, False)
+        entry = state.get(it.file, False)
         if entry is False:
             fc = checksums.get(it.file)
-            entry = files[it.file] = None if fc is None or it.file not in visible else \
+            entry = state[it.file] = None if fc is None or it.file not in visible else \
                 (fc, out.setdefault(it.file, {}), one_block(it.file, fc))
         if entry is None:
             continue
@@ -719,7 +719,7 @@ def _whole_blocks_read(reader: Any, touched: dict[str, dict[int, int]], owned: d
 
 
 def verify_group(reader: Any, items: Iterable[Any], dist: Any, file_bytes: dict[str, int] | None = None,
-                 files: set[str] | None = None, touched: dict[str, dict[int, int]] | None = None) -> int:
+                 touched: dict[str, dict[int, int]] | None = None) -> int:
     """Collective over ``dist`` (a :class:`~oarlock.checkpoint.dist.DistWrapper`; every rank of the load calls
     it, also one with no items): verify every block that the group's read items touch, each block hashed by one
     rank, before anything is written. This rank's ``items`` are
@@ -728,7 +728,7 @@ def verify_group(reader: Any, items: Iterable[Any], dist: Any, file_bytes: dict[
     :meth:`~oarlock.checkpoint.dist.DistWrapper.check` shares the verdicts. Files a rank cannot see are skipped
     by it (another rank reads them). From an object store a rank also hashes the blocks it reads (almost) whole
     that another rank owns, within the budget of kept blocks (:func:`_whole_blocks_read`): the fetch that
-    verifies them then serves its reads. ``file_bytes``, ``files``: see :func:`touched_blocks`; ``touched``: its
+    verifies them then serves its reads. ``file_bytes``: see :func:`touched_blocks`; ``touched``: its
     result when already summed (``items`` is then not read). Returns the bytes
     this rank hashed; 0 when the checkpoint records no checksums (then no collective runs: every rank reads the
     same metadata).
@@ -745,7 +745,7 @@ def verify_group(reader: Any, items: Iterable[Any], dist: Any, file_bytes: dict[
     if touched is None:
         touched = {}
         try:
-            touched = touched_blocks(reader, items, checksums, file_bytes, files)
+            touched = touched_blocks(reader, items, checksums, file_bytes)
         except Exception as e:  # reported in the check below, after this rank has joined the exchange
             err = e
     owned = block_owners(touched, checksums, dist)

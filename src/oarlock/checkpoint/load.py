@@ -346,10 +346,9 @@ def _run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process
     report = LoadReport(all_missing, unexpected, skipped_keys=sorted({k for s in status for k in s["skipped"]}))
     with reader, torch.no_grad():
         if verify_checksums:  # collective, before any target is written: each touched block hashed by one rank
-            # a FileWork's items are made again only when not summed at the check (then there are no checksums)
-            items = (it for it, _ in work) if isinstance(work, FileWork) else [it for it, _ in work]
+            # a FileWork's touched blocks were summed at the check (or it has no checksums: nothing to verify)
+            items = () if isinstance(work, FileWork) else [it for it, _ in work]
             report.bytes_hashed = verify_group(reader, items, dist, {f: p.nbytes for f, p in prepared.items()},
-                                               files=set(work.files) if isinstance(work, FileWork) else None,
                                                touched=touched)
         # one rank's read error reaches every rank (they would otherwise run into their next collective)
         st = dist.run(comm.execute, reader, work, comm_method=comm_method, view=view, dist=dist,
