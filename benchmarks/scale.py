@@ -35,7 +35,8 @@ ranks the one requesting the most bytes, the same rank for every library):
   the pairs a rank holds at once.
 * save coordination: bytes the coordinator (rank 0) and any other rank receive, counted as torch's object
   collectives move them (``all_gather_object`` / ``gather_object`` pad every object to the largest one; sizes
-  are exchanged as 8-byte ints), for the planning exchange and the write-results exchange; and the time of the
+  are exchanged as 8-byte ints), for the planning exchange and the write-results exchange (oarlock: the
+  fingerprints agree in one all-reduce of 37 int64s, counted as twice its size for a ring); and the time of the
   coordinator's work (oarlock-v1: ``assign_writes`` + tiling checks, on every rank; oarlock: ``build_layout``;
   DCP: ``create_global_plan``).
 * reads: read items, files, bytes. DCP reads every stored chunk a read item touches whole (``FileSystemReader``
@@ -649,7 +650,10 @@ class OarlockGrid(OarlockV1):
         rec = RankRecord()
         writes = []
         seen: set[str] = set()
+        flat = self.flat_rules() if self.src.kind == "zero1" else {}
         for p, off, ls, fr in rank_shards(self.src, self.params, rank):
+            if p.key in flat:  # described below, as every rank does: one flat rule per state (save.describe_rank)
+                continue
             pm = placement(self.src, p)
             grid = None
             if pm is not None:
@@ -667,34 +671,45 @@ class OarlockGrid(OarlockV1):
                     rec.tensors.append((p.key, tuple(p.shape), DTYPE, None))
                 rec.listed.append((p.key, tuple(p.shape), DTYPE, off, ls, fr,
                                    (fr[1] - fr[0] if fr else math.prod(ls)) * ITEM))
+        # ZeRO-1 moments with their FlatPartition (oarlock.models.zero): the same rule on every rank, the writer of
+        # each shard the rank whose partition it is
+        for key, (shape, grid, j0) in flat.items():
+            rec.tensors.append((key, shape, DTYPE, grid))
+            n = math.prod(shape)
+            if j0 <= rank < j0 + grid.count(n):
+                writes.append((key, (0,) * len(shape), shape, grid.shard(n, rank - j0)))
         return rec, writes
+
+    def flat_rules(self) -> dict[str, tuple[tuple[int, ...], Any, int]]:
+        """ZeRO-1 moment key -> (shape, FlatGrid, partition of its shard 0), from the buffer's parameter order and
+        partition size (what ``FlatGrid.of_partition`` makes on each rank)."""
+        if getattr(self, "_flat", None) is None:
+            from oarlock.checkpoint.grid import FlatGrid
+
+            base = [p for p in self.params if not p.key.endswith(MOMENTS)]
+            by_key = {p.key: p for p in self.params}
+            total = sum(math.prod(p.shape) for p in base)
+            per, off, out = -(-total // self.src.world), 0, {}
+            for p in base:
+                n = math.prod(p.shape)
+                grid, j0 = FlatGrid.of_partition(n, off, per)
+                for suf in MOMENTS:
+                    out[p.key + suf] = (tuple(p.shape), grid, j0)
+                off += n
+            self._flat = out
+        return self._flat
 
     def coordinate(self) -> dict:
         from oarlock.checkpoint.save import build_layout
 
         D = self.src.world
-        listed = self.src.kind == "zero1"
-        if not listed:  # every rank of a DTensor layout has the same record: check on a few, one class
-            recs = {r: self.record(r)[0] for r in sample_ranks(D)}
-            fps = {r: rec.fingerprint() for r, rec in recs.items()}
-            assert len(set(fps.values())) == 1, "ranks of a regular layout should share one record"
-            classes = [(recs[0], list(range(D)))]
-            fp_size = psize((None, fps[0]))
-            rec_sizes = [psize(recs[0])] + [psize(None)] * (D - 1)
-        else:
-            by_fp: dict[str, tuple[Any, list[int]]] = {}
-            rec_sizes = []
-            for r in range(D):
-                rec = self.record(r)[0]
-                fp = rec.fingerprint()
-                if fp in by_fp:
-                    by_fp[fp][1].append(r)
-                    rec_sizes.append(psize(None))
-                else:
-                    by_fp[fp] = (rec, [r])
-                    rec_sizes.append(psize(rec))
-            classes = list(by_fp.values())
-            fp_size = psize((None, next(iter(by_fp))))
+        # every rank of a DTensor layout has the same record, and so has every rank of a ZeRO-1 layout (one flat
+        # rule per moment, flat_rules): check on a few ranks, one class
+        recs = {r: self.record(r)[0] for r in sample_ranks(D)}
+        fps = {r: rec.fingerprint() for r, rec in recs.items()}
+        assert len(set(fps.values())) == 1, "ranks of a regular layout should share one record"
+        classes = [(recs[0], list(range(D)))]
+        rec_sizes = [psize(recs[0])] + [psize(None)] * (D - 1)
         t0 = time.perf_counter()
         layout = build_layout(classes, D)
         work = time.perf_counter() - t0
@@ -702,7 +717,9 @@ class OarlockGrid(OarlockV1):
         self.file_sizes = self._file_sizes()
         scatter = [psize((None, "/ckpt/.tmp-save", "0" * 32, layout.listed_writes.get(r, []),
                           layout.grid_skip.get(r, []))) for r in range(D)]
-        fp_b = all_gather_bytes([fp_size] * D)
+        # the ranks' fingerprints agree (one class): one all-reduce of a fixed-size int64 vector
+        # (save._agree_fingerprints); a ring all-reduce receives about twice its size
+        fp_b = 2 * 8 * (1 + 2 * 16 + 4)
         # the class records travel point to point from their senders (DistWrapper.gather_from): a length and the
         # payload per distinct record, nothing from the other ranks
         rec_coord, rec_other = sum(8 + s for s in rec_sizes if s > psize(None)), 0
@@ -724,6 +741,13 @@ class OarlockGrid(OarlockV1):
             if g is None:
                 for s in t.shards:
                     sizes[s.file] = sizes.get(s.file, 0) + s.numel * ITEM
+                continue
+            if isinstance(g, FlatGrid):
+                n = math.prod(t.global_shape)
+                for i in range(g.count(n)):
+                    a, b = g.shard(n, i)
+                    f = data_file_name(g.writer(i))
+                    sizes[f] = sizes.get(f, 0) + (b - a) * ITEM
                 continue
             sig = (t.global_shape, g) if g.replicas else (t.global_shape, g.chunks, g.base, g.strides)
             cells = cache.get(sig)

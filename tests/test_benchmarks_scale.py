@@ -103,6 +103,7 @@ def test_quick_cell_in_process(scale, kind):
         new, old = res["oarlock"], res["oarlock-v1"]
         assert new["meta_bytes"] < old["meta_bytes"]  # one grid record per key instead of 16 shard records
         assert new["recv_other"] < old["recv_other"]  # no rank receives every rank's shard list
+        assert new["recv_coord"] < old["recv_coord"]  # nor the coordinator (ZeRO-1: one flat rule per moment)
         assert new["worst"]["hashed"] <= new["worst"]["touched"]
     text = scale.table("tiny", res, libs)
     assert "| bookkeeping on disk |" in text and "skipped" not in text

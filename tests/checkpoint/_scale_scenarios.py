@@ -211,3 +211,73 @@ def scenario_streamed_load_reshards_bit_exact_and_fails_alike_on_a_flipped_byte(
     finally:  # the ranks run later scenarios in this process
         executor.FileWork.pairs_of = real
         executor.STREAM_MIN_ITEMS, executor.RETAIN_ITEMS = saved
+
+
+FLAT_SHAPES = [(40, 12), (7,), (33, 5), (96,), (3, 4, 5)]  # 808 elements: 51 per rank at 16 (the last holds 43)
+
+
+def flat_state(world: int, rank: int, partition: bool, key_suffix: str = ".exp_avg") -> dict:
+    """ZeRO-1 style states: the tensors of FLAT_SHAPES concatenated into one flat buffer split evenly over
+    ``world`` ranks (padded); this rank's piece of every tensor (empty when its partition misses it), with its
+    :class:`FlatPartition` when ``partition``."""
+    from oarlock.checkpoint import FlatPartition
+
+    total = sum(torch.Size(s).numel() for s in FLAT_SHAPES)
+    size = -(-total // world)
+    state, off = {}, 0
+    for i, shape in enumerate(FLAT_SHAPES):
+        key, n = f"p{i}{key_suffix}", torch.Size(shape).numel()
+        a, b = min(max(rank * size - off, 0), n), min(max((rank + 1) * size - off, 0), n)
+        a, b = (a, b) if b > a else (0, 0)
+        piece = value(key, shape).reshape(-1)[a:b].clone()
+        fp = FlatPartition(off, size, rank) if partition else None
+        state[key] = ShardedWeight(key, piece, shape, shape, (0,) * len(shape), (a, b), flat_partition=fp)
+        off += n
+    return state
+
+
+@worlds(16)
+def scenario_flat_partitions_coordinate_one_record_and_load_bit_exact(ctx):
+    """ZeRO-1 flat states with their FlatPartition: every rank describes every state by the same flat rule, so the
+    coordinator receives one record (against one per rank when the same ranges come without it), the metadata
+    holds one flat record per key and each data file one packed entry; loads as whole tensors and as the flat
+    ranges of a 10-rank partition give exactly the seeded values."""
+    from oarlock.checkpoint.dist import DistWrapper
+    from safetensors import safe_open
+
+    senders: list[int] = []
+    gathers: list[str] = []  # all-gathers of per-rank data (O(world) bytes received by every rank)
+    real = DistWrapper.gather_from, dist.all_gather, dist.all_gather_object
+    DistWrapper.gather_from = lambda self, obj, src: senders.append(len(src)) or real[0](self, obj, src)
+    dist.all_gather = lambda *a, **k: gathers.append("all_gather") or real[1](*a, **k)
+    dist.all_gather_object = lambda *a, **k: gathers.append("all_gather_object") or real[2](*a, **k)
+    try:
+        save_state_dict(flat_state(ctx.world, ctx.rank, partition=True), ctx.root / "flat")
+        flat_gathers = list(gathers)
+        save_state_dict(flat_state(ctx.world, ctx.rank, partition=False), ctx.root / "listed")
+    finally:
+        DistWrapper.gather_from, dist.all_gather, dist.all_gather_object = real
+    assert senders == [1, ctx.world], senders  # one record with the rule; every rank's own ranges without
+    # with the rule the ranks' fingerprints agree in one fixed-size all-reduce; without it they differ and are
+    # all-gathered
+    assert flat_gathers == [] and gathers == ["all_gather"], (flat_gathers, gathers)
+    meta = json.loads((ctx.root / "flat" / "metadata.json").read_text())
+    for i, shape in enumerate(FLAT_SHAPES):
+        t = meta["tensors"][f"p{i}.exp_avg"]
+        assert "flat" in t and t["flat"]["step"] == 51, t
+    with safe_open(str(ctx.root / "flat" / f"rank-{ctx.rank:05d}.safetensors"), "pt") as f:
+        assert list(f.keys()) == ["oarlock.packed"], list(f.keys())
+    for name in ("flat", "listed"):
+        whole = {f"p{i}.exp_avg": torch.zeros(s) for i, s in enumerate(FLAT_SHAPES)}
+        load_state_dict(whole, ctx.root / name)
+        for k, t in whole.items():
+            assert torch.equal(t, value(k, tuple(t.shape))), (name, k)
+    if ctx.rank < 10:  # another data-parallel degree: the flat ranges of a 10-way split
+        sub = flat_state(10, ctx.rank, partition=False)
+        tgt = {k: ShardedWeight(k, torch.zeros_like(sw.local_tensor), sw.local_shape, sw.global_shape,
+                                sw.global_offset, sw.flattened_range) for k, sw in sub.items()}
+    else:
+        sub, tgt = {}, {}
+    load_state_dict(tgt, ctx.root / "flat", strict=False)
+    for k, sw in tgt.items():
+        assert torch.equal(sw.local_tensor, sub[k].local_tensor), k

@@ -16,11 +16,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oarlock.checkpoint.errors import CheckpointFormatError
+from oarlock.checkpoint.errors import CheckpointError, CheckpointFormatError
 from oarlock.checkpoint.grid import FlatGrid, GridLayout, compress_flat, compress_shards, data_file_name
 from oarlock.checkpoint.metadata import CheckpointMetadata, ShardMeta, TensorMeta
 from oarlock.checkpoint.plan import Planner
-from oarlock.checkpoint.sharded import ShardDesc
+from oarlock.checkpoint.sharded import FlatPartition, ShardDesc, ShardedWeight
 
 
 def chunk_extents(length: int, counts: list[int]) -> list[tuple[int, int]]:
@@ -135,6 +135,14 @@ def test_flat_ranges_of_an_even_split_compress_and_plan_alike(shape, part, offse
         r += 1
     g = compress_flat(shape, listed, "w")
     assert g is not None and g.count(n) == len(listed)
+    # the rule a rank makes alone from its FlatPartition is the one compressed from every rank's ranges
+    mine, j0 = FlatGrid.of_partition(n, offset, part)
+    assert j0 == r0 and mine.count(n) == g.count(n)  # (one shard: any step describes it)
+    assert all((mine.shard(n, i), mine.writer(i)) == (g.shard(n, i), g.writer(i)) for i in range(g.count(n)))
+    for q in range(r0 + len(listed) + 2):
+        got = FlatPartition(offset, part, q).span(n)
+        want = next((s.flattened_range for s in listed if s.file == data_file_name(q)), None)
+        assert (got if got[1] > got[0] else None) == want, (q, got, want)
     meta_l = CheckpointMetadata("oarlock", {"w": TensorMeta("w", shape, "float32", listed)})
     text = CheckpointMetadata("oarlock", {"w": TensorMeta("w", shape, "float32", listed)}).dumps()
     assert '"flat"' in text and '"shards"' not in text
@@ -144,6 +152,18 @@ def test_flat_ranges_of_an_even_split_compress_and_plan_alike(shape, part, offse
     half = [tuple((0, s) if d else (0, max(1, s // 2)) for d, s in enumerate(shape))]
     for rq in (reqs, _requests(shape, half)):
         assert _plan_bytes(meta_l, rq) == _plan_bytes(meta_g, rq)
+
+
+def test_a_flat_partition_that_disagrees_with_the_range_is_refused_naming_the_key():
+    """Partition 1 of 10-element partitions holds elements [6, 16) of a tensor starting at element 4."""
+    ok = ShardedWeight("m", torch.zeros(10), (4, 5), (4, 5), (0, 0), (6, 16), flat_partition=FlatPartition(4, 10, 1))
+    assert ok.flat_partition.span(20) == (6, 16)
+    with pytest.raises(CheckpointError, match=r"'m'.*flattened_range \(5, 15\) is not partition 1.*\(6, 16\)"):
+        ShardedWeight("m", torch.zeros(10), (4, 5), (4, 5), (0, 0), (5, 15), flat_partition=FlatPartition(4, 10, 1))
+    with pytest.raises(CheckpointError, match="'m'.*needs a flattened_range"):
+        ShardedWeight("m", torch.zeros(4, 5), (4, 5), (4, 5), (0, 0), flat_partition=FlatPartition(4, 10, 1))
+    with pytest.raises(CheckpointError, match="'m'.*partition_size >= 1"):
+        ShardedWeight("m", torch.zeros(0), (4, 5), (4, 5), (0, 0), (0, 0), flat_partition=FlatPartition(4, 0, 1))
 
 
 def test_compress_refuses_what_is_not_a_grid():

@@ -29,14 +29,14 @@ _LAZY = {
     **dict.fromkeys(("OptimizerHyperparameterWarning", "OptimizerStateError", "load_sharded_optimizer_state_dict",
                      "sharded_optimizer_state_dict"), "optim"),
     **dict.fromkeys(("LoadPlan", "ReadItem", "plan_load"), "plan"),
-    **dict.fromkeys(("ShardDesc", "ShardedWeight", "sharded_state_dict"), "sharded"),
+    **dict.fromkeys(("FlatPartition", "ShardDesc", "ShardedWeight", "sharded_state_dict"), "sharded"),
     **dict.fromkeys(("CheckpointReader", "detect_format", "open_checkpoint", "read_metadata"), "storage"),
     **dict.fromkeys(("ObjectPath", "ObjectStoreError", "UnsupportedLocationError", "location"), "objectstore"),
 }
 
 __all__ = [
     "save_state_dict", "load_state_dict", "LoadReport", "async_save", "AsyncSaveHandle", "COMM_METHODS",
-    "ShardedWeight", "ShardDesc", "sharded_state_dict",
+    "FlatPartition", "ShardedWeight", "ShardDesc", "sharded_state_dict",
     "sharded_optimizer_state_dict", "load_sharded_optimizer_state_dict", "OptimizerStateError",
     "OptimizerHyperparameterWarning",
     "plan_load", "LoadPlan", "ReadItem",

@@ -149,6 +149,11 @@ class GridLayout:
             c = c * n + int(e)
         return c
 
+    def same_rule(self, other: Any) -> bool:
+        """Equal cuts, strides and replicas, whatever the first writer (one mesh's layout on disjoint sub-meshes)."""
+        return isinstance(other, GridLayout) and (self.chunks, self.strides, self.replicas) == \
+            (other.chunks, other.strides, other.replicas)
+
     def writer(self, cell: Sequence[int]) -> int:
         """Writer rank of the cell with per-dim indices ``cell``."""
         r = self.base
@@ -451,6 +456,22 @@ class FlatGrid:
     def files(self, global_shape: Sequence[int]) -> set[str]:
         n = math.prod(global_shape)
         return {data_file_name(self.writer(i)) for i in range(self.count(n))} if n else set()
+
+    @classmethod
+    def of_partition(cls, n: int, buffer_offset: int, partition_size: int, base: int = 0, stride: int = 1
+                     ) -> tuple["FlatGrid", int]:
+        """The rule of an ``n``-element tensor (``n >= 1``) whose flattening starts at element ``buffer_offset``
+        of a flat buffer cut into partitions of ``partition_size`` elements, partition ``j`` written by rank
+        ``base + j * stride``; and the partition holding the tensor's shard 0 (shard ``i`` is partition
+        ``that + i``)."""
+        j0 = buffer_offset // partition_size
+        first = min(n, (j0 + 1) * partition_size - buffer_offset)
+        return cls(first, partition_size, base + j0 * stride, stride), j0
+
+    def same_rule(self, other: Any) -> bool:
+        """Equal cuts and rank step, whatever the first writer (copies of one flat buffer in several groups)."""
+        return isinstance(other, FlatGrid) and (self.first, self.step, self.stride) == \
+            (other.first, other.step, other.stride)
 
     def to_json(self) -> dict[str, Any]:
         return {"first": self.first, "step": self.step, "base": self.base, "stride": self.stride}

@@ -27,8 +27,13 @@ parameter group (with the group's model keys) as ``optimizer.param_groups``.
 Supported optimizers: ``torch.optim.Adam``, ``torch.optim.AdamW``, ``torch.optim.SGD`` over plain parameters and
 DTensor parameters (tensor parallel, FSDP2 ``fully_shard``), and ZeRO-1 style optimizers that expose
 ``flat_shards()`` (per parameter name: ``global_shape``, ``global_offset``, ``local_shape``,
-``flattened_range``), ``state`` (name -> {state name: 1-D view of the flat buffers}) and ``param_groups`` with
-``names`` and ``params`` (:class:`oarlock.models.zero.ZeroRedundancyAdamW`).
+``flattened_range``; optionally ``param_offset`` and ``partition_size``, see below), ``state`` (name -> {state
+name: 1-D view of the flat buffers}) and ``param_groups`` with ``names`` and ``params``
+(:class:`oarlock.models.zero.ZeroRedundancyAdamW`). When the flat shards also give ``param_offset`` (where the
+parameter starts in its group's concatenated buffer) and ``partition_size`` (elements per data-parallel rank) and
+the optimizer has a data-parallel ``group``, the states carry a :class:`~oarlock.checkpoint.sharded.FlatPartition`:
+a save then records each state as one flat grid rule decided on every rank alone, and its coordination does not
+grow with the number of ranks.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ from oarlock.checkpoint.api import LoadReport, load_state_dict
 from oarlock.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from oarlock.checkpoint.dist import DistWrapper
 from oarlock.checkpoint.metadata import ALGORITHM_KEY, PARAM_GROUPS_KEY, STATE_SUFFIXES
-from oarlock.checkpoint.sharded import ShardedWeight, is_dtensor, to_sharded_weight
+from oarlock.checkpoint.sharded import FlatPartition, ShardedWeight, is_dtensor, to_sharded_weight
 from oarlock.checkpoint.storage import gather_view, read_metadata
 from oarlock.checkpoint.traversal import collect_leaves
 
@@ -84,6 +89,19 @@ class _Built:
 
 
 # ---------------------------------------------------------------- optimizer kinds
+
+def _flat_partition(optimizer: Any, fs: Any) -> FlatPartition | None:
+    """Where a ZeRO flat shard lies in its group's evenly split buffer, when the wrapper tells (``param_offset``,
+    ``partition_size`` on the flat shard, a data-parallel ``group`` on the optimizer): the save then records the
+    state as one flat grid rule per key and coordinates without gathering every rank's ranges."""
+    off, size, group = getattr(fs, "param_offset", None), getattr(fs, "partition_size", None), \
+        getattr(optimizer, "group", None)
+    if off is None or size is None or group is None:
+        return None  # no data parallelism (every rank a whole copy) or a wrapper that does not say: listed
+    import torch.distributed as tdist
+
+    return FlatPartition(int(off), int(size), tdist.get_rank(group), group)
+
 
 def _is_zero(optimizer: Any) -> bool:
     return callable(getattr(optimizer, "flat_shards", None)) and hasattr(optimizer, "state") \
@@ -225,6 +243,7 @@ def _build(optimizer: Any, model_sd: Mapping[str, Any]) -> _Built:
                                               f"{list(fs.global_shape)}, the model's shard offset "
                                               f"{list(sw.global_offset)} shape {list(sw.local_shape)}")
                 entry = _Entry(key, gi)
+                partition = _flat_partition(optimizer, fs)
                 for sname, t in optimizer.state[name].items():
                     if not isinstance(t, torch.Tensor):
                         continue
@@ -232,7 +251,8 @@ def _build(optimizer: Any, model_sd: Mapping[str, Any]) -> _Built:
                         shards[f"{key}.{sname}"] = ShardedWeight.replicated(f"{key}.{sname}", t)
                     else:
                         shards[f"{key}.{sname}"] = ShardedWeight(f"{key}.{sname}", t, fs.local_shape, fs.global_shape,
-                                                                 fs.global_offset, tuple(fs.flattened_range))
+                                                                 fs.global_offset, tuple(fs.flattened_range),
+                                                                 flat_partition=partition)
                     entry.states[sname] = t
                 entries.append(entry)
             groups.append({**_hyper(group), "params": keys})

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
 import os
 import shutil
 import uuid
@@ -28,7 +29,7 @@ import torch
 
 from oarlock.checkpoint.dist import DistWrapper
 from oarlock.checkpoint.dist import error_report
-from oarlock.checkpoint.grid import GridLayout
+from oarlock.checkpoint.grid import FlatGrid, GridLayout
 from oarlock.checkpoint.grid import data_file_name as _grid_file_name
 from oarlock.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from oarlock.checkpoint.integrity import CHECKSUMS_KEY, BlockHasher, make_record, write_digests, DIGESTS_SUFFIX
@@ -346,6 +347,52 @@ def _dtensor_grid(sw: ShardedWeight, dist: DistWrapper, cache: dict) -> GridLayo
     return grid
 
 
+def _group_affine(group: Any, dist: DistWrapper) -> tuple[int, int, int] | None:
+    """``(size, base, stride)`` when rank ``i`` of process group ``group`` is rank ``base + i * stride`` of the
+    save's group, else None (a rank outside the save's group, or no affine map)."""
+    if not dist.active:
+        return (1, dist.rank, 1)
+    import torch.distributed as tdist
+
+    try:
+        ranks = tdist.get_process_group_ranks(group if group is not None else tdist.group.WORLD)
+        if dist.group is not None:
+            ranks = [tdist.get_group_rank(dist.group, r) for r in ranks]
+    except (ValueError, RuntimeError):
+        return None
+    if not ranks:
+        return None
+    stride = ranks[1] - ranks[0] if len(ranks) > 1 else 1
+    if any(r != ranks[0] + i * stride for i, r in enumerate(ranks)):
+        return None
+    return len(ranks), ranks[0], stride
+
+
+def flat_partition_grid(sw: ShardedWeight, dist: DistWrapper, cache: dict) -> FlatGrid | None:
+    """The flat grid rule of a flattened shard with a :class:`~oarlock.checkpoint.sharded.FlatPartition`, made on
+    this rank alone and cross-checked against its own range; None when the shard cannot be one (a box that is not
+    the whole tensor, a group that does not map affinely onto the save's ranks): it is then listed."""
+    fp, d = sw.flat_partition, sw.desc
+    n = math.prod(d.global_shape)
+    if fp is None or n == 0 or any(d.global_offset) or tuple(d.local_shape) != tuple(d.global_shape):
+        return None
+    gkey = ("flat", id(fp.group))
+    aff = cache.get(gkey, False)
+    if aff is False:
+        aff = cache[gkey] = _group_affine(fp.group, dist)
+    if aff is None:
+        return None
+    size, base, stride = aff
+    grid, j0 = FlatGrid.of_partition(n, fp.buffer_offset, fp.partition_size, base, stride)
+    k = grid.count(n)
+    if j0 + k > size or base + fp.index * stride != dist.rank:
+        return None  # the buffer outgrows the group, or this rank is not the group's partition ``index``
+    a, b = d.flattened_range
+    if b > a and (not j0 <= fp.index < j0 + k or grid.shard(n, fp.index - j0) != (a, b)):
+        return None
+    return grid
+
+
 def describe_rank(leaves: Leaves, dist: DistWrapper, save_replicas: bool = False
                   ) -> tuple[RankRecord, list[tuple]]:
     """This rank's :class:`RankRecord`, and the grid shards it writes itself (decided locally: it is the writer
@@ -367,8 +414,11 @@ def describe_rank(leaves: Leaves, dist: DistWrapper, save_replicas: bool = False
         d = sw.desc
         grid = None
         # a grid names every stored tensor by its key: the reserved name needs listed shards (stored_name)
-        if not save_replicas and sw.placement_layout is not None and sw.key not in kinds and sw.key != RESERVED_NAME:
-            grid = dtensor_grid(sw, dist, cache)
+        if not save_replicas and sw.key not in kinds and sw.key != RESERVED_NAME:
+            if sw.placement_layout is not None:
+                grid = dtensor_grid(sw, dist, cache)
+            elif sw.flat_partition is not None:
+                grid = flat_partition_grid(sw, dist, cache)
         if sw.key not in kinds:
             rec.tensors.append((d.key, tuple(d.global_shape), d.dtype, grid))
             kinds[sw.key] = grid is not None
@@ -376,7 +426,10 @@ def describe_rank(leaves: Leaves, dist: DistWrapper, save_replicas: bool = False
             raise CheckpointError(f"rank {dist.rank} holds key {sw.key!r} as a DTensor and as another shard")
         if sw.tp_layout:
             rec.tp_layouts[sw.key] = sw.tp_layout
-        if grid is not None:
+        if isinstance(grid, FlatGrid):  # flat_partition_grid checked that a non-empty range is this rank's shard
+            if d.numel:
+                writes.append((d.key, tuple(d.global_offset), tuple(d.local_shape), d.flattened_range))
+        elif grid is not None:
             cell = grid.cell_of(d.global_shape, d.global_offset) if d.global_shape else ()
             if d.numel and cell is not None and grid.writer(cell) == dist.rank:
                 writes.append((d.key, tuple(d.global_offset), tuple(d.local_shape), None))
@@ -447,11 +500,22 @@ def build_layout(classes: Sequence[tuple[RankRecord, Sequence[int]]], world: int
                 raise CheckpointError(f"class member rank {m} outside a group of {world}")
             per_rank[m] = rec.listed
     skip: dict[int, list[str]] = {}
-    chosen: dict[str, GridLayout] = {}
+    chosen: dict[str, GridLayout | FlatGrid] = {}
+    for key in order:
+        found = grids.get(key)
+        if found and all(isinstance(g, FlatGrid) for g, _ in found) and (
+                key in listed_keys or any(not g.same_rule(found[0][0]) for g, _ in found)):
+            # flat buffers cut differently in different groups (parameters ordered or sized differently per TP
+            # rank), or ranks whose shard could not be one rule: the rules give every shard and its writer
+            # exactly, so the key is listed as if no rank had sent a rule; holders write named entries instead
+            _demote_flat(key, spec[key][:2], found, candidates, per_rank, skip)
+            listed_keys.setdefault(key, found[0][1])
+            del grids[key]
     for key in order:
         if key in grids and key in listed_keys:
-            raise CheckpointMismatchError(f"key {key!r}: rank {grids[key][0][1]} saves it as a DTensor, rank "
-                                          f"{listed_keys[key]} as a plain tensor or ShardedWeight")
+            raise CheckpointMismatchError(f"key {key!r}: rank {grids[key][0][1]} saves it as a grid (a DTensor or a "
+                                          f"flat partition), rank {listed_keys[key]} as a plain tensor or "
+                                          "ShardedWeight")
         found = grids.get(key)
         if not found:
             continue
@@ -459,9 +523,9 @@ def build_layout(classes: Sequence[tuple[RankRecord, Sequence[int]]], world: int
         for g, r in found[1:]:
             # DTensors on disjoint sub-meshes holding the same boxes (TP meshes of different DP replicas): one
             # mesh's copy is recorded, spread over the copies by key; the other meshes' ranks do not write it
-            if (g.chunks, g.strides, g.replicas) != (g0.chunks, g0.strides, g0.replicas):
-                raise CheckpointMismatchError(f"key {key!r}: ranks {r0} and {r} save it as DTensors with different "
-                                              "meshes or placements")
+            if not g.same_rule(g0):
+                raise CheckpointMismatchError(f"key {key!r}: ranks {r0} and {r} save it with different grid rules "
+                                              "(DTensor meshes or placements, or flat buffer partitions)")
         pick = sorted(found, key=lambda x: x[0].base)[zlib.crc32(key.encode()) % len(found)][0]
         chosen[key] = pick
         for g, _ in found:
@@ -486,6 +550,30 @@ def build_layout(classes: Sequence[tuple[RankRecord, Sequence[int]]], world: int
         nested.update(rec.nested)
     return SaveLayout(tensors, listed_writes, objects, nested, merge_tp_layouts([rec.tp_layouts for rec, _ in classes]),
                       skip)
+
+
+def _demote_flat(key: str, spec: tuple[tuple, str], found: list[tuple[FlatGrid, int]],
+                 candidates: dict[tuple[str, Any], list[int]], per_rank: list[list[tuple]],
+                 skip: dict[int, list[str]]) -> None:
+    """Turn the flat grid rules ranks sent for ``key`` into the listed shards they stand for (one per shard, on its
+    writer's list), and tell the rules' senders not to write the key as a packed piece (:func:`build_layout`)."""
+    gshape, dtype = spec
+    n = math.prod(gshape)
+    zeros = (0,) * len(gshape)
+    copied: set[int] = set()
+    for g, _ in found:
+        for i in range(g.count(n)):
+            a, b = g.shard(n, i)
+            w = g.writer(i)
+            if not 0 <= w < len(per_rank):
+                raise CheckpointError(f"key {key!r}: flat rule {g!r} names writer rank {w} outside a group of "
+                                      f"{len(per_rank)}")
+            if w not in copied:  # class members share one list object: copy before adding to it
+                per_rank[w] = list(per_rank[w])
+                copied.add(w)
+            per_rank[w].append((key, gshape, dtype, zeros, gshape, (a, b), (b - a) * dtype_itemsize(dtype)))
+        for m in candidates[(key, g)]:
+            skip.setdefault(m, []).append(key)
 
 
 @dataclass
@@ -669,14 +757,57 @@ _FP_FIELDS = 5  # spec, listed, objects, cached plan token, nonce: 32 hex digits
 _FP_BYTES = 1 + 32 * _FP_FIELDS
 
 
+def _fp_text(f: str | None) -> str:
+    return (f or "").ljust(32, "-")[:32]
+
+
+def _fp_of(text: str) -> str | None:
+    return None if text == "-" * 32 else text
+
+
+_NO_NONCE = (1 << 63) - 1
+
+
+def _agree_fingerprints(dist: DistWrapper, err: BaseException | None, fps: tuple | None) -> list[tuple] | None:
+    """The common case of :func:`exchange_fingerprints` in one ``all_reduce`` MIN of ``1 + 2 x 16 + 4`` int64s,
+    whatever the number of ranks: each fingerprint's 32 ASCII characters as four 8-byte integers, once as is and once
+    negated (so the minimum of the negation is minus the maximum), plus rank 0's nonce. When no rank failed and every
+    rank's first four fingerprints are equal (a regular layout: one class), returns the exchange's result;
+    otherwise None (the caller all-gathers)."""
+    n = 4 * (_FP_FIELDS - 1)
+    vals = [0] * (1 + 2 * n + 4)
+    if err is not None:
+        vals[0] = -1
+    else:
+        words = [int.from_bytes(_fp_text(f)[8 * c:8 * c + 8].encode("ascii"), "big") for f in fps[:4] for c in range(4)]
+        vals[1:1 + n] = words
+        vals[1 + n:1 + 2 * n] = [-w for w in words]
+    nonce = _fp_text(fps[4] if fps is not None else None)
+    vals[1 + 2 * n:] = ([int.from_bytes(nonce[8 * c:8 * c + 8].encode("ascii"), "big") for c in range(4)]
+                        if dist.rank == 0 else [_NO_NONCE] * 4)
+    got = dist.all_min(vals)
+    if got[0] < 0 or any(lo != -hi for lo, hi in zip(got[1:1 + n], got[1 + n:1 + 2 * n])):
+        return None
+    text = b"".join(w.to_bytes(8, "big") for w in got[1:1 + n]).decode("ascii")
+    common = tuple(_fp_of(text[32 * k:32 * (k + 1)]) for k in range(_FP_FIELDS - 1))
+    zero = _fp_of(b"".join(w.to_bytes(8, "big") for w in got[1 + 2 * n:]).decode("ascii"))
+    return [(None, (*common, zero if r == 0 else None)) for r in range(dist.size)]
+
+
 def exchange_fingerprints(dist: DistWrapper, err: BaseException | None, fps: tuple | None) -> list[tuple]:
-    """The fixed-size exchange that opens every save: one all-gather of ``1 + 5 x 32`` bytes per rank (a failure
-    flag and the fingerprints of :func:`prepare_save`); only when some rank failed, a second exchange of the error
+    """The fixed-size exchange that opens every save. First one ``all_reduce`` of 296 bytes whatever the world
+    size: when every rank's tensor specs, listed shards, JSON values and cached-plan token fingerprints agree (a
+    regular layout), that is all. Otherwise one all-gather of ``1 + 5 x 32`` bytes per rank (a failure flag and
+    the fingerprints of :func:`prepare_save`); only when some rank failed, a further exchange of the error
     reports, raised alike on every rank. Returns ``[(None, fps)]`` per rank in group-rank order (a missing token is
-    ``None``)."""
+    ``None``; only rank 0's nonce is kept when the ranks agree, the only one :func:`prepare_save` uses)."""
+    if dist.active:
+        agreed = _agree_fingerprints(dist, err, fps)
+        if agreed is not None:
+            return agreed
     row = bytearray(_FP_BYTES)
     if err is None:
-        row[1:] = "".join((f or "").ljust(32, "-")[:32] for f in fps).encode("ascii")
+        row[1:] = "".join(_fp_text(f) for f in fps).encode("ascii")
     else:
         row[0] = 1
     if not dist.active:
@@ -695,8 +826,7 @@ def exchange_fingerprints(dist: DistWrapper, err: BaseException | None, fps: tup
     both = []
     for r in rows:
         text = r[1:].decode("ascii")
-        f = [text[32 * k:32 * (k + 1)] for k in range(_FP_FIELDS)]
-        both.append((None, tuple(None if x == "-" * 32 else x for x in f)))
+        both.append((None, tuple(_fp_of(text[32 * k:32 * (k + 1)]) for k in range(_FP_FIELDS))))
     return both
 
 

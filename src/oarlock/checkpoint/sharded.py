@@ -127,6 +127,35 @@ class ShardDesc:
         return numel(self.local_shape)
 
 
+@dataclass(frozen=True)
+class FlatPartition:
+    """Where a flattened shard lies in a flat buffer split evenly over a process group (ZeRO stage 1/2 optimizer
+    states, FSDP1 flat parameters): the buffer concatenates the row-major flattenings of several tensors, and
+    group rank ``i`` holds its elements ``[i * partition_size, (i + 1) * partition_size)`` (ZeRO: Rajbhandari et
+    al. 2020, arXiv 1910.02054, section 5). With it a save records the tensor as one flat grid rule, decided on
+    each rank from its own shard, so the ranks' descriptions are equal and no rank sends its flat ranges to the
+    coordinator (``docs/checkpoint-format.md``, "Who writes what").
+
+    Attributes:
+        buffer_offset: element of the buffer where the box's flattening starts (>= 0).
+        partition_size: elements per partition (>= 1; the buffer is padded to ``group size x partition_size``).
+        index: the partition this rank holds (its rank in ``group``).
+        group: the process group the buffer is split over (``None``: the default group).
+    """
+
+    buffer_offset: int
+    partition_size: int
+    index: int
+    group: Any = field(default=None, compare=False, hash=False)
+
+    def span(self, n: int) -> tuple[int, int]:
+        """The elements ``[a, b)`` of an ``n``-element flattening inside partition ``index`` (``a == b`` when it
+        holds none of them)."""
+        lo = self.index * self.partition_size - self.buffer_offset
+        a, b = min(max(lo, 0), n), min(max(lo + self.partition_size, 0), n)
+        return (a, b) if b > a else (a, a)
+
+
 @dataclass
 class ShardedWeight:
     """One rank's shard of a global tensor, with the tensor itself.
@@ -157,6 +186,9 @@ class ShardedWeight:
     """``(device_mesh, placements)`` of the DTensor this shard came from (set by :meth:`from_dtensor`): lets a save
     record the tensor as one grid rule and decide locally whether this rank writes it
     (:mod:`oarlock.checkpoint.grid`)."""
+    flat_partition: FlatPartition | None = field(default=None, repr=False, compare=False)
+    """For a flattened shard of an evenly split flat buffer: where it lies in the buffer (:class:`FlatPartition`).
+    A save then records the tensor as one flat grid rule instead of listing every rank's range."""
 
     def __post_init__(self) -> None:
         self.local_shape = tuple(int(x) for x in self.local_shape)
@@ -188,6 +220,19 @@ class ShardedWeight:
             if self.local_tensor.dim() != 1 or self.local_tensor.numel() != b - a:
                 raise CheckpointError(f"ShardedWeight {self.key!r}: a flattened shard needs a 1-D local_tensor of "
                                       f"{b - a} elements, got shape {tuple(self.local_tensor.shape)}")
+        fp = self.flat_partition
+        if fp is not None:
+            if self.flattened_range is None:
+                raise CheckpointError(f"ShardedWeight {self.key!r}: a flat_partition needs a flattened_range")
+            if fp.buffer_offset < 0 or fp.partition_size < 1 or fp.index < 0:
+                raise CheckpointError(f"ShardedWeight {self.key!r}: malformed {fp!r} (needs buffer_offset >= 0, "
+                                      "partition_size >= 1, index >= 0)")
+            a, b = self.flattened_range
+            want = fp.span(numel(self.local_shape))
+            if (b > a or want[1] > want[0]) and (a, b) != want:
+                raise CheckpointError(f"ShardedWeight {self.key!r}: flattened_range {self.flattened_range} is not "
+                                      f"partition {fp.index} of {fp.partition_size} elements of a buffer where the "
+                                      f"tensor starts at element {fp.buffer_offset} (that partition holds {want})")
 
     @property
     def desc(self) -> ShardDesc:

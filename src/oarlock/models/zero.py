@@ -35,6 +35,8 @@ class FlatShard:
     global parameter (``global_offset`` all zeros and ``local_shape == global_shape`` unless tensor parallel).
     ``flattened_range``: ``(start, stop)`` in the row-major flattening of ``local_shape`` (``start == stop`` when the
     rank owns nothing of it). ``buffer_offset``: where that range starts in the rank's flat state buffers.
+    ``param_offset``: where the box's flattening starts in the group's concatenated (unpartitioned) buffer;
+    ``partition_size``: elements each DP rank owns of that buffer (rank ``r`` owns ``[r * size, (r + 1) * size)``).
     """
 
     name: str
@@ -43,6 +45,8 @@ class FlatShard:
     local_shape: tuple[int, ...]
     flattened_range: tuple[int, int]
     buffer_offset: int
+    param_offset: int | None = None
+    partition_size: int | None = None
 
     @property
     def numel(self) -> int:
@@ -143,7 +147,7 @@ class ZeroRedundancyAdamW:
             start, stop = min(max(lo - off, 0), n), min(max(hi - off, 0), n)
             buf = off + start - lo if stop > start else 0
             gshape, goff, lshape = _box(p)
-            self._shards[name] = FlatShard(name, gshape, goff, lshape, (start, stop), buf)
+            self._shards[name] = FlatShard(name, gshape, goff, lshape, (start, stop), buf, off, per_rank)
             if stop > start:
                 master[buf:buf + stop - start] = _local(p).detach().reshape(-1)[start:stop].to(torch.float32)
             sl = slice(buf, buf + stop - start)
