@@ -127,14 +127,8 @@ def rank_main(rank: int, world: int, port: int, root: str, size_mib: int, device
         done = threading.Event()
         if lib == "oarlock":
             h = async_save(state, path)
-
-            def watch():
-                try:
-                    h.wait()
-                finally:
-                    done.set()
-
-            threading.Thread(target=watch, daemon=True).start()
+            # a callback, as for DCP's futures: a watcher thread started here would put its start-up in the stall
+            h.add_done_callback(lambda _: done.set())
             return h.wait_staged, done
         if lib == "dcp-thread":
             fut = dcp.async_save(state, checkpoint_id=str(path), async_checkpointer_type=AsyncCheckpointerType.THREAD)
@@ -232,17 +226,17 @@ def table(launches: list[dict[str, dict[str, float]]]) -> str:
     for lib in LIBS:
         m = med[lib]
         exact = all(L[lib]["exact"] for L in launches)
-        lines.append(f"| {lib} | {m['stall']:.3f} | {m['snapshot_wait']:.3f} | {m['slowdown']:.2f}x | "
+        lines.append(f"| {lib} | {m['stall']:.4f} | {m['snapshot_wait']:.3f} | {m['slowdown']:.2f}x | "
                      f"{m['commit']:.3f} | {exact} |")
     o = med["oarlock"]
     best = min(("dcp-thread", "dcp-stager"), key=lambda lib: med[lib]["stall"])
     d = med[best]
-    lines += ["", f"oarlock / {best} (DCP's shortest stall): stall {o['stall'] / d['stall']:.2f}, "
+    lines += ["", f"oarlock / {best} (DCP's shortest stall): stall {o['stall'] / d['stall']:.3f}, "
               f"slowdown excess {(o['slowdown'] - 1) / max(d['slowdown'] - 1, 1e-9):.2f} "
               f"(of the slowdown beyond 1x), commit {o['commit'] / d['commit']:.2f}"]
     per = ["", "Per launch (stall s / slowdown / commit s):", ""]
     for i, L in enumerate(launches):
-        per.append(f"- launch {i + 1}: " + "; ".join(f"{lib} {L[lib]['stall']:.3f} / {L[lib]['slowdown']:.2f}x / "
+        per.append(f"- launch {i + 1}: " + "; ".join(f"{lib} {L[lib]['stall']:.4f} / {L[lib]['slowdown']:.2f}x / "
                                                       f"{L[lib]['commit']:.3f}" for lib in LIBS))
     return "\n".join(lines + per)
 

@@ -189,6 +189,54 @@ def test_the_stall_ends_before_the_snapshot_and_a_premature_update_fails_the_sav
     _load_equal(tmp_path / "ok", sd)
 
 
+def test_the_call_fixes_the_state_dict_before_its_shards_are_described(tmp_path, monkeypatch):
+    """The shards are described in the background; what the call fixed is saved: an entry rebound to another
+    tensor, a key added and a JSON value changed after the call do not reach the checkpoint."""
+    gate = threading.Event()
+    real = async_mod.collect_leaves
+    monkeypatch.setattr(async_mod, "collect_leaves", lambda *a, **k: gate.wait(60) and real(*a, **k))
+    sd = _state()
+    sd["sched"] = {"lr": [0.1, 0.2]}
+    before = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in sd.items() if k != "sched"}
+    h = async_save(sd, tmp_path / "c")
+    sd["w"] = torch.zeros(32, 16)  # rebound, not updated in place: the call's tensor is saved
+    sd["extra"] = torch.ones(3)
+    sd["sched"]["lr"].append(0.3)
+    sd["step"] = 99
+    gate.set()
+    h.wait()
+    _load_equal(tmp_path / "c", before)
+    got = {"sched": {"lr": None}, "extra": torch.zeros(3)}
+    report = load_state_dict(got, tmp_path / "c", strict=False)
+    assert got["sched"]["lr"] == [0.1, 0.2] and "extra" in report.missing_keys, (got, report.missing_keys)
+
+
+def test_done_callbacks_run_once_finished_and_at_once_after(tmp_path, caplog):
+    """A callback added while the save runs is called when it has committed; one added afterwards at once; a
+    callback's exception is logged and the others still run."""
+    gate = threading.Event()
+    real = async_mod.collect_leaves
+    calls: list[tuple[str, bool]] = []
+    import oarlock.checkpoint.async_save as mod
+
+    mod.collect_leaves = lambda *a, **k: gate.wait(60) and real(*a, **k)
+    try:
+        h = async_save(_state(), tmp_path / "c")
+        h.add_done_callback(lambda hh: calls.append(("early", hh.done() and (tmp_path / "c" / "metadata.json").exists())))
+        h.add_done_callback(lambda hh: 1 / 0)
+        ran = threading.Event()
+        h.add_done_callback(lambda hh: calls.append(("second", hh is h)) or ran.set())
+        assert calls == []
+        gate.set()
+        h.wait()
+    finally:
+        mod.collect_leaves = real
+    assert ran.wait(60)  # the callbacks run on the writer thread right after it marks the save finished
+    h.add_done_callback(lambda hh: calls.append(("late", True)))
+    assert calls == [("early", True), ("second", True), ("late", True)], calls
+    assert "done callback" in caplog.text and "ZeroDivisionError" in caplog.text
+
+
 def test_manager_async_three_saves_keep_last_two(tmp_path):
     m = CheckpointManager(tmp_path / "ck", keep_last=2)
     sd = _state()

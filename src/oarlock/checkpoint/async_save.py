@@ -1,8 +1,10 @@
 """Asynchronous checkpoint saves: return at once; plan, snapshot and write in the background.
 
-:func:`async_save` does only local work before it returns: it collects the state's leaves (the tensors to save,
-fixed at the call), records every tensor's version counter and, per CUDA device, an event on the caller's current
-stream. The caller's stall is that and nothing else: no collective, so it does not wait for the slowest rank. The
+:func:`async_save` does only local work before it returns: it copies the state dict's containers (the tensors to
+save are fixed at the call: an entry rebound or added afterwards does not count; JSON values are deep-copied),
+records every tensor's version counter and, per CUDA device, an event on the caller's current stream. The shards
+are described (DTensor boxes, keys) in the background. The caller's stall is that and nothing else: no
+collective, so it does not wait for the slowest rank. The
 collective planning of the save (:func:`oarlock.checkpoint.save.prepare_save`: a fixed-size fingerprint exchange
 and, when the keys, shapes, dtypes, placements and group equal those of the previous save, the reuse of its plan)
 runs in the background on a *separate* gloo group with the same ranks, created on the first async save, so its
@@ -53,8 +55,8 @@ import torch
 
 from oarlock.checkpoint.dist import DistWrapper
 from oarlock.checkpoint.errors import CheckpointError
-from oarlock.checkpoint.save import local_tensors, prepare_save, write_and_commit, write_order
-from oarlock.checkpoint.traversal import collect_leaves
+from oarlock.checkpoint.save import local_tensors, prepare_save, shard_id, write_and_commit, write_order
+from oarlock.checkpoint.traversal import _holds_tensor, collect_leaves
 from oarlock.utils import logger
 
 _lock = threading.Lock()
@@ -81,6 +83,31 @@ class AsyncSaveHandle:
         self._stager: "_Stager | None" = None
         self._error: BaseException | None = None
         self._reported = False  # the error reached the caller (wait) or stderr (exit)
+        self._callbacks: list[Any] = []
+        self._cb_lock = threading.Lock()
+
+    def add_done_callback(self, fn: Any) -> None:
+        """Call ``fn(handle)`` once the save has finished (committed or failed: ``fn`` may call :meth:`wait` to
+        see which), on the background writer thread, or at once on this thread when it already has (as
+        ``concurrent.futures.Future.add_done_callback``). An exception ``fn`` raises is logged, not propagated."""
+        with self._cb_lock:
+            if not self._finished.is_set():
+                self._callbacks.append(fn)
+                return
+        self._call(fn)
+
+    def _call(self, fn: Any) -> None:
+        try:
+            fn(self)
+        except Exception:  # a caller's callback must not kill the writer thread
+            logger.exception("async save to %s: done callback %r raised", self.path, fn)
+
+    def _finish(self) -> None:
+        with self._cb_lock:
+            self._finished.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            self._call(fn)
 
     @property
     def plan_reused(self) -> bool:
@@ -150,8 +177,8 @@ def async_save(state_dict: Mapping[str, Any], path: str | os.PathLike, *, proces
 
     Call ``handle.wait_staged()`` before updating the saved tensors in place (a tensor updated before its copy
     fails the save), and ``handle.wait()`` before relying on the checkpoint. The values saved are those at the
-    call: the leaves are collected, and their version counters and the CUDA streams' positions recorded, before
-    this returns.
+    call: the state dict's containers are copied (JSON values deep-copied), and the tensors' version counters and
+    the CUDA streams' positions recorded, before this returns; the shards are described in the background.
 
     Args:
         state_dict, path, process_group, save_replicas, overwrite: as for ``save_state_dict``.
@@ -166,14 +193,8 @@ def async_save(state_dict: Mapping[str, Any], path: str | os.PathLike, *, proces
     """
     wait_pending()  # saves never overlap: the previous one commits first and its staging buffers are free
     group = _side_group(process_group) if DistWrapper(process_group).active else None
-    live: dict[tuple, torch.Tensor] = {}
-    try:
-        leaves: Any = collect_leaves(state_dict)
-        live = local_tensors(leaves)
-    except Exception as e:  # reported to every rank by the background planning
-        leaves = e
-    versions = {i: _version(t) for i, t in live.items()}
-    starts = _stream_positions(live.values())
+    frozen, counters, locals_ = _capture(state_dict)
+    starts = _stream_positions(locals_)
     handle = AsyncSaveHandle(path)
 
     plan_box: list[Any] = []
@@ -181,6 +202,17 @@ def async_save(state_dict: Mapping[str, Any], path: str | os.PathLike, *, proces
     def plan_and_stage() -> None:  # the stage thread, at the caller's priority: the loop waits for the snapshot
         stager = None
         try:
+            # the shards are described here, off the caller's path, from the leaves the call captured; each keeps
+            # the version counter its leaf had at the call
+            live: dict[tuple, torch.Tensor] = {}
+            versions: dict[tuple, int | None] = {}
+            try:
+                origins: list[tuple[Any, int]] = []
+                leaves: Any = collect_leaves(frozen, origins)
+                live = local_tensors(leaves)
+                versions = {shard_id(sw): counters[id(leaf)][i] for sw, (leaf, i) in zip(leaves.shards, origins)}
+            except Exception as e:  # reported to every rank by the planning
+                leaves = e
             plan = prepare_save(state_dict, path, group, save_replicas, overwrite, leaves=leaves)
             handle._reused = plan.reused
             order = [i for i in write_order(plan) if i in live or i[0] in live]
@@ -215,7 +247,7 @@ def async_save(state_dict: Mapping[str, Any], path: str | os.PathLike, *, proces
         finally:
             if stager is not None:
                 stager.snapshot.clear()
-            handle._finished.set()
+            handle._finish()
 
     global _pending
     with _lock:
@@ -225,6 +257,47 @@ def async_save(state_dict: Mapping[str, Any], path: str | os.PathLike, *, proces
     _STAGE_WORKER.submit(plan_and_stage)
     _WRITE_WORKER.submit(write)
     return handle
+
+
+def _capture(state_dict: Any) -> tuple[Any, dict[int, list], list[torch.Tensor]]:
+    """What :func:`async_save` fixes at the call, cheaply (no shard is described here): a copy of the state dict's
+    containers holding the same tensor leaves (JSON values deep-copied), each tensor leaf's version counters (one
+    per local tensor: a ShardedTensor has several) by ``id`` of the leaf, and the local tensors (for the CUDA
+    stream positions). A state dict that is not a plain dict is passed on as is (collect_leaves reports it)."""
+    import copy
+
+    from oarlock.checkpoint.sharded import ShardedWeight, is_dtensor, is_sharded_tensor
+
+    counters: dict[int, list] = {}
+    locals_: list[torch.Tensor] = []
+
+    def tensors_of(leaf: Any) -> list[torch.Tensor]:
+        if isinstance(leaf, ShardedWeight):
+            return [leaf.local_tensor]
+        if is_dtensor(leaf):
+            return [leaf._local_tensor]
+        if is_sharded_tensor(leaf):
+            return [sh.tensor for sh in leaf.local_shards()]
+        return [leaf]
+
+    def freeze(obj: Any) -> Any:
+        if isinstance(obj, dict):
+            return {k: freeze(v) for k, v in obj.items()}
+        if isinstance(obj, (torch.Tensor, ShardedWeight)):
+            ts = tensors_of(obj)
+            counters[id(obj)] = [_version(t) for t in ts]
+            locals_.extend(ts)
+            return obj
+        if isinstance(obj, (list, tuple)) and _holds_tensor(obj):
+            return type(obj)(freeze(v) for v in obj) if type(obj) in (list, tuple) else [freeze(v) for v in obj]
+        try:
+            return copy.deepcopy(obj)
+        except Exception:  # not JSON data either: collect_leaves names it
+            return obj
+
+    if not isinstance(state_dict, dict):
+        return state_dict, counters, locals_
+    return freeze(state_dict), counters, locals_
 
 
 def _stream_positions(tensors: Any) -> dict[int, Any]:

@@ -71,8 +71,10 @@ class Leaves:
     nested: dict[str, list] = field(default_factory=dict)
 
 
-def collect_leaves(state_dict: Mapping[str, Any]) -> Leaves:
-    """Split a nested state dict into shards (tensors, DTensors, ShardedWeights) and JSON objects.
+def collect_leaves(state_dict: Mapping[str, Any], origins: list | None = None) -> Leaves:
+    """Split a nested state dict into shards (tensors, DTensors, ShardedWeights) and JSON objects. ``origins``,
+    when given, receives for each shard appended to ``Leaves.shards`` its ``(leaf, i)``: the state-dict leaf it came
+    from and its index among that leaf's shards (a ShardedTensor's local shards; 0 otherwise).
 
     Raises:
         CheckpointError: two leaves with the same flat key, or a leaf that is neither a tensor nor JSON data.
@@ -93,11 +95,16 @@ def collect_leaves(state_dict: Mapping[str, Any]) -> Leaves:
         if isinstance(leaf, ShardedWeight):
             several.add(key)
         if is_sharded_tensor(leaf):
-            out.shards.extend(sharded_tensor_shards(key, leaf))
+            got = sharded_tensor_shards(key, leaf)
+            out.shards.extend(got)
+            if origins is not None:
+                origins.extend((leaf, i) for i in range(len(got)))
         elif isinstance(leaf, (torch.Tensor, ShardedWeight)):
             sw = to_sharded_weight(key, leaf)
             if sw is not None:
                 out.shards.append(sw)
+                if origins is not None:
+                    origins.append((leaf, 0))
         else:
             try:
                 json.dumps(leaf, allow_nan=True)
