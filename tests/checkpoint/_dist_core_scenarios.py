@@ -148,3 +148,50 @@ def scenario_reshape_load_moves_pieces_between_ranks(ctx):
         assert torch.equal(v, want_v), (method, v, want_v)
         assert torch.equal(u, want_u), (method, u, want_u)
         assert rep.comm_method == ("direct" if method == "auto" else method), rep.comm_method
+
+
+def scenario_fixed_size_agreements_and_gather_if_any(ctx):
+    """DistWrapper.agree gives each value all ranks share and None for the others; gather_if_any returns None when
+    every rank's result is empty, every rank's results when one is not, and raises one rank's error on all."""
+    from oarlock.checkpoint.dist import DistWrapper
+
+    d = DistWrapper(None)
+    got = d.agree([7, ctx.rank, -(2 ** 62), 5 if ctx.rank else 6])
+    assert got == [7, None, -(2 ** 62), None], got
+    assert d.gather_if_any(lambda: []) is None
+    assert d.gather_if_any(lambda: ["x"] if ctx.rank == 2 else []) == [[], [], ["x"], []]
+
+    def fails():
+        if ctx.rank == 1:
+            raise CheckpointError("rank one's request is bad")
+        return []
+
+    err = raised(lambda: d.gather_if_any(fails))
+    assert isinstance(err, CheckpointError) and "rank one's request is bad" in str(err), err
+
+
+def scenario_a_shared_filesystem_reshard_load_gathers_nothing_per_rank(ctx):
+    """A column reshard of row-saved DTensors on a shared directory: every collective of the load is a fixed-size
+    all-reduce (no all-gather or gather of per-rank data), and the values are exact."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (ctx.world,))
+    full = {f"k{i}": torch.arange(64 * 8, dtype=torch.float32).reshape(64, 8) + i for i in range(3)}
+    save_state_dict({k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}, ctx.root / "ck")
+    tgt = {k: DTensor.from_local(torch.zeros(64, 8 // ctx.world), mesh, [Shard(1)], shape=torch.Size((64, 8)),
+                                 stride=(8, 1), run_check=False) for k in full}
+    calls: list[str] = []
+    names = ("all_gather", "all_gather_object", "gather", "gather_object", "broadcast_object_list", "all_reduce")
+    real = {n: getattr(dist, n) for n in names}
+    for n in names:
+        setattr(dist, n, (lambda n: lambda *a, **k: calls.append(n) or real[n](*a, **k))(n))
+    try:
+        load_state_dict(tgt, ctx.root / "ck")
+    finally:
+        for n in names:
+            setattr(dist, n, real[n])
+    cols = 8 // ctx.world
+    for k, t in tgt.items():
+        assert torch.equal(t.to_local(), full[k][:, ctx.rank * cols:(ctx.rank + 1) * cols]), k
+    assert calls and set(calls) == {"all_reduce"}, calls

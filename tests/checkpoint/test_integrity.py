@@ -316,7 +316,7 @@ def test_threaded_reads_equal_sequential_reads(tmp_path, monkeypatch):
     load_state_dict({k: ShardedWeight(k, p, (64, 48), (64, 96), (0, 48)) for k, p in params.items()},
                     tmp_path / "ck")
     assert all(torch.equal(params[k].detach(), sd[k][:, 48:]) for k in params)
-    assert threads and all(t.startswith("oarlock-read") for t in threads)  # read on the pool, not the caller
+    assert threads and all(t.startswith("oarlock-io") for t in threads)  # read on the pool, not the caller
 
 
 def test_streamed_reads_of_one_file_run_on_the_pool(tmp_path, monkeypatch):
@@ -350,7 +350,7 @@ def test_streamed_reads_of_one_file_run_on_the_pool(tmp_path, monkeypatch):
     load_state_dict({k: ShardedWeight(k, p, (512, 256), (1024, 256), (512, 0)) for k, p in got.items()},
                     tmp_path / "ck")
     assert all(torch.equal(got[k].detach(), sd[k][512:]) for k in sd)
-    assert len(threads) == 6 and len(set(threads)) == 3 and all(t.startswith("oarlock-read") for t in threads)
+    assert len(threads) == 6 and len(set(threads)) == 3 and all(t.startswith("oarlock-io") for t in threads)
 
 
 @pytest.mark.parametrize("data_format", ["distcp", "safetensors"])

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import builtins
 import importlib
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
@@ -65,6 +65,15 @@ def dist_active() -> bool:
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized()
+
+
+def fingerprint_words(text: str) -> list[int]:
+    """Two non-negative 62-bit ints from the SHA-256 of ``text``: a fixed-size stand-in for a string in
+    :meth:`DistWrapper.agree` (equal texts, equal words; a collision needs 124 bits to match)."""
+    import hashlib
+
+    d = hashlib.sha256(text.encode()).digest()
+    return [int.from_bytes(d[:8], "little") >> 2, int.from_bytes(d[8:16], "little") >> 2]
 
 
 def error_report(e: BaseException, rank: int) -> ErrorReport:
@@ -248,6 +257,15 @@ class DistWrapper:
         dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group)
         return buf.cpu()
 
+    def agree(self, values: Sequence[int]) -> list[int | None]:
+        """Collective, fixed size: for each of ``values`` (ints within +-2**62), that value when every rank passed
+        the same one, else None. One ``all_reduce`` MIN of ``2 x len(values)`` int64s (each value and its
+        negation: the minimum of the negations is minus the maximum) whatever the world size; alone, the values."""
+        vals = [int(v) for v in values]
+        got = self.all_min(vals + [-v for v in vals])
+        n = len(vals)
+        return [lo if lo == -hi else None for lo, hi in zip(got[:n], got[n:])]
+
     # ------------------------------------------------------------ error agreement
 
     def check(self, error: BaseException | None) -> None:
@@ -283,6 +301,27 @@ class DistWrapper:
             err = e
         self.check(err)
         return result
+
+    def gather_if_any(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any] | None:
+        """Collective: call ``fn`` here; when it fails on some rank, raise on every rank (as :meth:`run`); when its
+        result is empty (falsy) on every rank, return None after one ``all_reduce`` of two ints, whatever the world
+        size; otherwise all-gather the results (falsy ones included) and return them in rank order."""
+        result, err = None, None
+        try:
+            result = fn(*args, **kwargs)
+        except Exception as e:
+            err = e
+        if not self.active:
+            if err is not None:
+                raise err
+            return [result] if result else None
+        ok, empty = self.all_min([int(err is None), int(err is not None or not result)])
+        if not ok:
+            reports = self.all_gather_object(None if err is None else error_report(err, self.rank))
+            self.raise_reports(reports, err)
+        if empty:
+            return None
+        return self.all_gather_object(result)
 
     def gather(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """Collective: call ``fn`` here and all-gather its result with the error agreement in one exchange."""

@@ -8,7 +8,10 @@ go straight into that view when nothing needs permuting or casting (``os.preadv`
 
 from __future__ import annotations
 
+import functools
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -426,6 +429,37 @@ def io_threads() -> int:
     return max(1, min(4, os.cpu_count() or 1))
 
 
+_pool_local = threading.local()
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_pool(workers: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"oarlock-io{workers}")
+
+
+if hasattr(os, "register_at_fork"):  # a forked child inherits the pools but not their threads
+    os.register_at_fork(after_in_child=_shared_pool.cache_clear)
+
+
+def pool_map(fn: Any, items: Any, workers: int) -> list:
+    """``[fn(x) for x in items]`` on up to ``workers`` threads kept for the life of the process (one pool per
+    size: a load's reads and hashing start no thread, which on a loaded machine cost milliseconds each). Every
+    call has finished when this returns, also when one raised (the first exception, in item order, is
+    re-raised). Called from one of these threads, or with one worker or item, it runs inline (no nesting)."""
+    items = list(items)
+    if workers <= 1 or len(items) <= 1 or getattr(_pool_local, "inside", False):
+        return [fn(x) for x in items]
+
+    def run(x: Any) -> Any:
+        _pool_local.inside = True
+        return fn(x)
+
+    pool = _shared_pool(workers)
+    futures = [pool.submit(run, x) for x in items]
+    wait(futures)
+    return [f.result() for f in futures]
+
+
 def execute_work(reader: CheckpointReader, work: list[tuple[Any, torch.Tensor]], threads: int | None = None,
                  prepared: dict[str, FileReads] | None = None) -> int:
     """Run ``(read item, target)`` pairs; returns the bytes read.
@@ -491,14 +525,11 @@ def _contiguous_runs(things: list, sizes: list[int], n: int) -> list[list]:
 def _on_pool(fn: Any, runs: list[list]) -> int:
     """``sum(fn(run) for run in runs)``, one reader thread per run (without grad mode: it is per thread, and
     targets may be parameters)."""
-    from concurrent.futures import ThreadPoolExecutor
-
     def run(r: list) -> int:
         with torch.no_grad():
             return fn(r)
 
-    with ThreadPoolExecutor(max_workers=len(runs), thread_name_prefix="oarlock-read") as pool:
-        return sum(pool.map(run, runs))
+    return sum(pool_map(run, runs, len(runs)))
 
 
 def _read_items_on_pool(reader: CheckpointReader, work: list[tuple[Any, torch.Tensor]], n: int) -> int:

@@ -35,7 +35,6 @@ import math
 import mmap
 import os
 import re
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -44,7 +43,7 @@ import numpy as np
 import xxhash
 
 from oarlock.checkpoint.errors import CheckpointError, CheckpointFormatError
-from oarlock.checkpoint.executor import io_threads
+from oarlock.checkpoint.executor import io_threads, pool_map
 from oarlock.checkpoint.metadata import METADATA_FILE
 from oarlock.checkpoint.objectstore import is_object_path, kept_room, remember_verified_block, s3_concurrency
 from oarlock.checkpoint.plan import index_of
@@ -295,10 +294,7 @@ def prefetch_digests(sums: Sequence[FileChecksums]) -> None:
     n = min(len(todo), io_threads() * (2 if remote else 1))
     if n < 2:
         return
-    with ThreadPoolExecutor(max_workers=n, thread_name_prefix="oarlock-digests") as pool:
-        futures = [pool.submit(lambda fc=fc: fc.blocks) for fc in todo]
-    for f in futures:
-        f.result()
+    pool_map(lambda fc: fc.blocks, todo, n)
 
 
 def recorded(metadata: Any, path_of: Any = None) -> dict[str, FileChecksums] | None:
@@ -433,40 +429,39 @@ class BlockVerifier:
         if not objects:
             return out
         n = min(s3_concurrency(), len(objects) + sum(len(b) for _, _, b in objects))
-        with ThreadPoolExecutor(max_workers=n, thread_name_prefix="oarlock-hash") as pool:
-            for (fc, path, _), size in zip(objects, pool.map(lambda o: o[1].storage.size(o[1].key), objects)):
-                if size != fc.size:
-                    raise ChecksumError(f"{path}: object has {size} bytes, {fc.size} were written at save "
-                                        "(truncated or overwritten)")
-            tasks: list[tuple[FileChecksums, Any, list[str], list[int]]] = []
-            for fc, path, blocks in objects:
-                digests = fc.blocks
-                # runs of consecutive blocks fetched by one GET of up to the store's read part (fewer requests)
-                per_get = max(1, getattr(path.storage, "READ_PART", 0) // fc.block_size)
-                run: list[int] = []
-                for b in blocks:
-                    if run and (b != run[-1] + 1 or len(run) == per_get):
-                        tasks.append((fc, path, digests, run))
-                        run = []
-                    run.append(b)
-                tasks.append((fc, path, digests, run))
+        for (fc, path, _), size in zip(objects, pool_map(lambda o: o[1].storage.size(o[1].key), objects, n)):
+            if size != fc.size:
+                raise ChecksumError(f"{path}: object has {size} bytes, {fc.size} were written at save "
+                                    "(truncated or overwritten)")
+        tasks: list[tuple[FileChecksums, Any, list[str], list[int]]] = []
+        for fc, path, blocks in objects:
+            digests = fc.blocks
+            # runs of consecutive blocks fetched by one GET of up to the store's read part (fewer requests)
+            per_get = max(1, getattr(path.storage, "READ_PART", 0) // fc.block_size)
+            run: list[int] = []
+            for b in blocks:
+                if run and (b != run[-1] + 1 or len(run) == per_get):
+                    tasks.append((fc, path, digests, run))
+                    run = []
+                run.append(b)
+            tasks.append((fc, path, digests, run))
 
-            def check(task: tuple) -> list[bool]:
-                fc, path, digests, run = task
-                bs = fc.block_size
-                lo = run[0] * bs
-                buf = np.empty(run[-1] * bs + fc.block_length(run[-1]) - lo, dtype=np.uint8)  # every byte fetched
-                path.storage.read_into(path.key, lo, memoryview(buf))
-                ok = []
-                for b in run:
-                    block = buf[b * bs - lo:b * bs - lo + fc.block_length(b)]
-                    good = _digest(block) == digests[b]
-                    if good:  # the load's reads of this block copy these bytes instead of fetching them again
-                        remember_verified_block(path.storage.bucket, path.key, b * bs, bs, block)
-                    ok.append(good)
-                return ok
+        def check(task: tuple) -> list[bool]:
+            fc, path, digests, run = task
+            bs = fc.block_size
+            lo = run[0] * bs
+            buf = np.empty(run[-1] * bs + fc.block_length(run[-1]) - lo, dtype=np.uint8)  # every byte fetched
+            path.storage.read_into(path.key, lo, memoryview(buf))
+            ok = []
+            for b in run:
+                block = buf[b * bs - lo:b * bs - lo + fc.block_length(b)]
+                good = _digest(block) == digests[b]
+                if good:  # the load's reads of this block copy these bytes instead of fetching them again
+                    remember_verified_block(path.storage.bucket, path.key, b * bs, bs, block)
+                ok.append(good)
+            return ok
 
-            verdicts = list(pool.map(check, tasks))
+        verdicts = pool_map(check, tasks, n)
         for (fc, _, _, run), ok in zip(tasks, verdicts):
             bad = [b for b, good in zip(run, ok) if not self._record(fc, b, good)]
             if bad:
@@ -484,11 +479,7 @@ class BlockVerifier:
                     ) -> list[int]:
         """Run ``check(block) -> bool`` over ``todo`` (on ``workers`` threads when ``parallel``), record the good
         blocks and the bytes hashed; returns the bad blocks."""
-        if parallel:
-            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="oarlock-hash") as pool:
-                ok = list(pool.map(check, todo))
-        else:
-            ok = [check(b) for b in todo]
+        ok = pool_map(check, todo, workers if parallel else 1)
         return [b for b, good in zip(todo, ok) if not self._record(fc, b, good)]
 
 

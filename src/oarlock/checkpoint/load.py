@@ -159,13 +159,15 @@ MAX_BROADCAST_CLASSES = 8
 
 def gather_requests(request: Callable[[], dict], dist: DistWrapper) -> list[dict]:
     """Collective: the distinct request records of the group (:func:`request_record`), in order of their lowest
-    rank; raises alike on every rank when ``request`` fails on any. One all-gather of a fixed-size fingerprint per
-    rank, then one broadcast per distinct record (all-gather of the records when there are many): a load of
-    DTensors moves one record whatever the world size."""
+    rank; raises alike on every rank when ``request`` fails on any. First one all-reduce of a few ints whatever the
+    world size (:meth:`DistWrapper.agree` of a failure flag and the record's fingerprint): when no rank failed and
+    every rank holds the same record (a load of DTensors), that is all. Otherwise one all-gather of a fixed-size
+    fingerprint per rank, then one broadcast per distinct record (all-gather of the records when there are
+    many)."""
     import hashlib
     import json as _json
 
-    from oarlock.checkpoint.dist import error_report
+    from oarlock.checkpoint.dist import error_report, fingerprint_words
 
     rec, err, fp = None, None, None
     try:
@@ -173,6 +175,9 @@ def gather_requests(request: Callable[[], dict], dist: DistWrapper) -> list[dict
         fp = hashlib.sha256(_json.dumps(rec, sort_keys=True, default=list).encode()).hexdigest()
     except Exception as e:
         err = e
+    if dist.active and None not in dist.agree([int(err is not None)] + fingerprint_words(fp or "")) \
+            and err is None:
+        return [rec]
     both = dist.all_gather_object((None if err is None else error_report(err, dist.rank), fp))
     dist.raise_reports([b[0] for b in both], err)
     firsts: dict[str, int] = {}
@@ -307,15 +312,18 @@ def _run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process
             def on_file(f: str, pairs: list, p: Any) -> None:
                 touched.update(touched_blocks(reader, (it for it, _ in pairs), checksums, {f: p.nbytes}, {f}))
         prepared.update(prepare_work(reader, work, reader.visible_files(set(files)), on_file))
-        return {"missing": sorted(missing), "skipped": sorted(skipped)}
+        return {"missing": sorted(missing), "skipped": sorted(skipped)} if missing or skipped else None
 
     try:
-        status = dist.gather(plan)
+        # missing or skipped keys are rare: one fixed-size agreement that no rank has any, else an all-gather
+        status = dist.gather_if_any(plan)
     except BaseException:
         if reader is not None:
             reader.close()
         raise
+    status = status or []
     assert reader is not None
+    status = [s for s in status if s]  # ranks with nothing missing or skipped
     all_missing = sorted({k for s in status for k in s["missing"]})
     foreign = not_mine(reader.metadata, model_only, ignore_unexpected)
     unexpected_strict = [k for k in unexpected if not foreign(k)]

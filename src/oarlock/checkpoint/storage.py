@@ -31,7 +31,6 @@ data objects under the final prefix and ``metadata.json`` last as the commit rec
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import re
 import shutil
@@ -40,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from oarlock.checkpoint.dist import DistWrapper
+from oarlock.checkpoint.dist import DistWrapper, fingerprint_words
 from oarlock.checkpoint.errors import CheckpointError, CheckpointFormatError
 from oarlock.checkpoint.formats import load_formats
 from oarlock.checkpoint.formats.huggingface import HF_INDEX, HF_SINGLE, PADDLE_HF_CACHE
@@ -112,7 +111,8 @@ class View:
 
 
 def gather_view(path: str | os.PathLike, dist: DistWrapper) -> View:
-    """Collective: all-gather each rank's listing of ``path`` and detected format; ship the format's metadata
+    """Collective: each rank's listing of ``path`` and detected format (on a shared filesystem one fixed-size
+    agreement that they are equal; on node-local disks an all-gather of the listings); ship the format's metadata
     files to ranks lacking them. Never raises (problems surface when the checkpoint is opened, on every rank
     alike)."""
     p = location(path)
@@ -129,11 +129,11 @@ def gather_view(path: str | os.PathLike, dist: DistWrapper) -> View:
         fmt = None
     # a shared filesystem gives every rank the same listing: exchange a fingerprint of it first (fixed size per
     # rank), and the listings themselves only when they differ (node-local disks)
-    digest = hashlib.sha256("\0".join(names).encode()).hexdigest()
-    prints = dist.all_gather_object((digest, fmt))
-    if len({d for d, _ in prints}) == 1:
+    # (one all-reduce of four ints whatever the world size: see DistWrapper.agree)
+    digest = "\0".join(names) + f"\1{fmt}"
+    if None not in dist.agree(fingerprint_words(digest)):
         shared = set(names)
-        return _view({r: shared for r in range(len(prints))}, prints, p, dist, same=True)
+        return _view({r: shared for r in range(dist.size)}, [(None, fmt)] * dist.size, p, dist, same=True)
     gathered = dist.all_gather_object((names, fmt))
     visible = {r: set(n) for r, (n, _) in enumerate(gathered)}
     return _view(visible, gathered, p, dist)
