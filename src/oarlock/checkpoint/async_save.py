@@ -56,7 +56,7 @@ import torch
 from oarlock.checkpoint.dist import DistWrapper
 from oarlock.checkpoint.errors import CheckpointError
 from oarlock.checkpoint.save import local_tensors, prepare_save, shard_id, write_and_commit, write_order
-from oarlock.checkpoint.traversal import _holds_tensor, collect_leaves
+from oarlock.checkpoint.traversal import collect_leaves, holds_tensor
 from oarlock.utils import logger
 
 _lock = threading.Lock()
@@ -288,7 +288,7 @@ def _capture(state_dict: Any) -> tuple[Any, dict[int, list], list[torch.Tensor]]
             counters[id(obj)] = [_version(t) for t in ts]
             locals_.extend(ts)
             return obj
-        if isinstance(obj, (list, tuple)) and _holds_tensor(obj):
+        if isinstance(obj, (list, tuple)) and holds_tensor(obj):
             return type(obj)(freeze(v) for v in obj) if type(obj) in (list, tuple) else [freeze(v) for v in obj]
         try:
             return copy.deepcopy(obj)

@@ -18,8 +18,8 @@ from oarlock.checkpoint.errors import CheckpointError
 from oarlock.checkpoint.sharded import (ShardedWeight, is_dtensor, is_sharded_tensor, sharded_tensor_shards,
                                         to_sharded_weight)
 
-__all__ = ["Leaves", "collect_leaves", "flat_key", "is_dtensor", "iter_leaves", "leaf_key", "set_path",
-           "to_sharded_weight"]
+__all__ = ["Leaves", "collect_leaves", "flat_key", "holds_tensor", "is_dtensor", "iter_leaves", "leaf_key",
+           "set_path", "to_sharded_weight"]
 
 
 def iter_leaves(obj: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
@@ -28,20 +28,22 @@ def iter_leaves(obj: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
     if isinstance(obj, dict):
         for k, v in obj.items():
             yield from iter_leaves(v, path + (k,))
-    elif isinstance(obj, (list, tuple)) and _holds_tensor(obj):
+    elif isinstance(obj, (list, tuple)) and holds_tensor(obj):
         for i, v in enumerate(obj):
             yield from iter_leaves(v, path + (i,))
     else:
         yield path, obj
 
 
-def _holds_tensor(obj: Any) -> bool:
+def holds_tensor(obj: Any) -> bool:
+    """True when ``obj`` is, or nests inside dicts/lists/tuples, a tensor or ShardedWeight (what makes a list a
+    container rather than a JSON leaf for :func:`iter_leaves`)."""
     if isinstance(obj, (torch.Tensor, ShardedWeight)):
         return True
     if isinstance(obj, dict):
-        return any(_holds_tensor(v) for v in obj.values())
+        return any(holds_tensor(v) for v in obj.values())
     if isinstance(obj, (list, tuple)):
-        return any(_holds_tensor(v) for v in obj)
+        return any(holds_tensor(v) for v in obj)
     return False
 
 
