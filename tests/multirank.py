@@ -40,7 +40,6 @@ import datetime
 import importlib
 import json
 import os
-import socket
 import sys
 import time
 import traceback
@@ -147,10 +146,34 @@ def link_files(src: str | os.PathLike, dst: str | os.PathLike, files) -> Path:
 
 # ---------------------------------------------------------------- the rank process
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+PORT_FILE = "rendezvous.port"
+
+
+def _rendezvous(rank: int, world: int, root: str, timeout_s: float) -> Any:
+    """The process group's store without a port race: rank 0 binds its TCPStore to a port the system picks (port
+    0) and writes the port to a file in ``root``; the other ranks wait for that file and connect. (A port chosen
+    free by the parent and bound by rank 0 later may be taken in between by another test's server, and ranks
+    connecting to a foreign listener wait until the timeout.)"""
+    import torch.distributed as dist
+
+    path = Path(root, PORT_FILE)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(str(store.port))
+        os.replace(tmp, path)  # atomic: a reader sees no file or the whole port
+        port = store.port
+    else:
+        deadline = time.monotonic() + timeout_s
+        while not path.is_file():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank 0 did not publish its rendezvous port in {path} within {timeout_s} s")
+            time.sleep(0.02)
+        port = int(path.read_text())
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
+    os.environ["MASTER_PORT"] = str(port)  # for code that reads the usual variables
+    return store
 
 
 def _write_json(path: Path, data: Any) -> None:
@@ -159,10 +182,10 @@ def _write_json(path: Path, data: Any) -> None:
     os.replace(tmp, path)  # the parent never reads half a file, even after a kill
 
 
-def _rank_main(rank: int, world: int, port: int, module: str, names: list[str], root: str, path: list[str],
+def _rank_main(rank: int, world: int, module: str, names: list[str], root: str, path: list[str],
                timeout_s: float = TIMEOUT_S, threads: int | None = None, env: dict | None = None) -> None:
     sys.path[:0] = [p for p in path if p not in sys.path]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OARLOCK_PROGRESS="0", **(env or {}))
+    os.environ.update(MASTER_ADDR="127.0.0.1", OARLOCK_PROGRESS="0", **(env or {}))
     import torch
     import torch.distributed as dist
 
@@ -171,8 +194,8 @@ def _rank_main(rank: int, world: int, port: int, module: str, names: list[str], 
     out: dict[str, Any] = {}
     outcome, progress = Path(root, f"outcome.{rank}.json"), Path(root, f"progress.{rank}.json")
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group("gloo", store=_rendezvous(rank, world, root, timeout_s), rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
         try:  # a scenario may call pytest.skip
             import pytest
 
@@ -307,10 +330,10 @@ def run_scenarios(module: str, world: int, root: str | os.PathLike, names: list[
     names = names or scenario_names(module, world)
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    for f in [*root.glob("progress.*.json"), *root.glob("outcome.*.json")]:  # of an earlier launch here
-        f.unlink()
+    for f in [*root.glob("progress.*.json"), *root.glob("outcome.*.json"), *root.glob(PORT_FILE)]:  # of an earlier
+        f.unlink()  # launch here
     limits = {n: getattr(getattr(mod, n), "multirank_timeout_s", SCENARIO_TIMEOUT_S) for n in names}
-    proc = mp.start_processes(_rank_main, args=(world, _free_port(), module, names, str(root), list(sys.path),
+    proc = mp.start_processes(_rank_main, args=(world, module, names, str(root), list(sys.path),
                                                 timeout_s, threads, env),
                               nprocs=world, start_method="spawn", join=False)
     lost: dict[int, str] = {}
