@@ -290,3 +290,34 @@ def test_file_work_makes_each_files_reads_in_order_and_holds_templates_not_items
     tracemalloc.stop()
     assert count == 96 * 64
     assert streamed * 4 < everything, (streamed, everything)
+
+
+def _flat_record(key: str, shape: tuple, grid: FlatGrid, rank: int):
+    from oarlock.checkpoint.save import RankRecord
+
+    rec = RankRecord()
+    rec.tensors.append((key, shape, "float32", grid))
+    return rec
+
+
+def test_flat_rules_of_disjoint_groups_record_one_copy_and_disagreeing_ranks_are_named():
+    """Two data-parallel groups ({0, 1} and {2, 3}) holding copies of one buffer cut alike: one group's rule is
+    recorded and the other group's ranks are told not to write the key. Ranks of one group that disagree on the
+    partition: an error naming both ranks and FlatPartition (it was a tiling error naming one file twice)."""
+    from oarlock.checkpoint.errors import CheckpointMismatchError
+    from oarlock.checkpoint.save import build_layout
+
+    n, shape = 20, (4, 5)
+    g01, _ = FlatGrid.of_partition(n, 3, 12, base=0)  # shards [0, 9), [9, 20) on ranks 0, 1
+    g23, _ = FlatGrid.of_partition(n, 3, 12, base=2)  # the same cuts on ranks 2, 3
+    layout = build_layout([(_flat_record("m", shape, g01, 0), [0, 1]), (_flat_record("m", shape, g23, 2), [2, 3])],
+                          4)
+    kept = layout.tensors["m"].grid
+    assert kept in (g01, g23)
+    others = [2, 3] if kept == g01 else [0, 1]
+    assert layout.grid_skip == {r: ["m"] for r in others}
+    assert [s.flattened_range for s in layout.tensors["m"].shards] == [(0, 9), (9, 20)]
+    bad, _ = FlatGrid.of_partition(n, 0, 13, base=0)  # rank 1's view of the same group's buffer
+    with pytest.raises(CheckpointMismatchError, match=r"'m': ranks 0 and 1 describe its flat buffer partition "
+                                                      r"differently \(FlatPartition"):
+        build_layout([(_flat_record("m", shape, g01, 0), [0]), (_flat_record("m", shape, bad, 1), [1])], 2)

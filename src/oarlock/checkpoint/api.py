@@ -40,16 +40,16 @@ def save_state_dict(state_dict: Mapping[str, Any], path: str | os.PathLike, *, p
             files): those entries are kept in the new checkpoint directory, only files oarlock wrote are replaced.
             A foreign checkpoint of another format there is still refused.
 
+        save_replicas: every rank also writes the replicas it holds (``replica_id >= 1`` in the metadata), so a
+            restart in the same layout reads only its own file with no communication (see
+            :func:`oarlock.checkpoint.comm.try_warm_start`). Costs disk space for every replica.
+        async_save: return at once with an :class:`~oarlock.checkpoint.AsyncSaveHandle` and write in the
+            background (see :func:`oarlock.checkpoint.async_save`).
+
     On disk: ``rank-XXXXX.safetensors`` data files (only ranks with something to write) and ``metadata.json``
     (JSON, see :mod:`oarlock.checkpoint.metadata`). Everything is written into a hidden temporary directory
     next to ``path`` holding an incomplete-marker file, fsynced, and renamed to ``path`` only when complete,
     so an interrupted save never leaves a directory that loads and never touches other checkpoints.
-
-        save_replicas: every rank also writes the replicas it holds (``replica_id >= 1`` in the metadata), so a
-            restart in the same layout reads only its own file with no communication (see
-            :func:`oarlock.checkpoint.comm.try_warm_start`). Costs disk space for every replica.
-        async_save: return at once with an :class:`~oarlock.checkpoint.async_save.AsyncSaveHandle` and write in
-            the background (see :func:`oarlock.checkpoint.async_save.async_save`).
 
     Raises:
         CheckpointError: (on every rank alike) bad leaves, disagreeing shapes/dtypes, shards that do not tile a

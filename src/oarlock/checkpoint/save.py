@@ -505,9 +505,10 @@ def build_layout(classes: Sequence[tuple[RankRecord, Sequence[int]]], world: int
         found = grids.get(key)
         if found and all(isinstance(g, FlatGrid) for g, _ in found) and (
                 key in listed_keys or any(not g.same_rule(found[0][0]) for g, _ in found)):
-            # flat buffers cut differently in different groups (parameters ordered or sized differently per TP
-            # rank), or ranks whose shard could not be one rule: the rules give every shard and its writer
-            # exactly, so the key is listed as if no rank had sent a rule; holders write named entries instead
+            # some ranks' shards could not be one rule (listed), or the rules differ: the rules give every shard
+            # and its writer exactly, so the key is listed as if no rank had sent a rule and its holders write
+            # named entries (ranks of one group that disagree are named by _demote_flat; copies cut differently
+            # in disjoint groups overlap and fail the tiling check, as their listed ranges always did)
             _demote_flat(key, spec[key][:2], found, candidates, per_rank, skip)
             listed_keys.setdefault(key, found[0][1])
             del grids[key]
@@ -561,13 +562,21 @@ def _demote_flat(key: str, spec: tuple[tuple, str], found: list[tuple[FlatGrid, 
     n = math.prod(gshape)
     zeros = (0,) * len(gshape)
     copied: set[int] = set()
-    for g, _ in found:
+    claimed: dict[int, tuple[FlatGrid, int]] = {}  # writer rank -> (rule, a rank that sent it)
+    for g, sender in found:
         for i in range(g.count(n)):
             a, b = g.shard(n, i)
             w = g.writer(i)
             if not 0 <= w < len(per_rank):
                 raise CheckpointError(f"key {key!r}: flat rule {g!r} names writer rank {w} outside a group of "
                                       f"{len(per_rank)}")
+            other = claimed.setdefault(w, (g, sender))
+            if other[0] != g:  # copies of one buffer in disjoint groups never share a writer: these ranks disagree
+                raise CheckpointMismatchError(
+                    f"key {key!r}: ranks {other[1]} and {sender} describe its flat buffer partition differently "
+                    f"(FlatPartition buffer_offset / partition_size): rank {other[1]}'s cuts it after element "
+                    f"{other[0].first} and then every {other[0].step} elements, rank {sender}'s after {g.first} "
+                    f"and every {g.step}, and both give rank {w} a shard")
             if w not in copied:  # class members share one list object: copy before adding to it
                 per_rank[w] = list(per_rank[w])
                 copied.add(w)

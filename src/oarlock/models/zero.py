@@ -87,7 +87,9 @@ class ZeroRedundancyAdamW:
 
     Args:
         params: ``(name, parameter)`` pairs (``model.named_parameters()``), or a list of dicts ``{"params":
-            [(name, p), ...], "lr": ..., "weight_decay": ...}`` as parameter groups. DTensor parameters (tensor
+            [(name, p), ...], "lr": ..., "weight_decay": ...}`` as parameter groups. Bare tensors
+            (``model.parameters()``) are accepted and named by their position (``"0"``, ``"1"``, ...); checkpoint
+            keys still come from the model's state dict, matched by storage. DTensor parameters (tensor
             parallel) are handled through their local shards.
         lr, betas, eps, weight_decay: AdamW hyper-parameters (defaults of ``torch.optim.AdamW``).
         group: the data-parallel process group (``model.parallel_state.dp_group``, or ``dist.group.WORLD``);
