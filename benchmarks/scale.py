@@ -36,7 +36,7 @@ ranks the one requesting the most bytes, the same rank for every library):
 * save coordination: bytes the coordinator (rank 0) and any other rank receive, counted as torch's object
   collectives move them (``all_gather_object`` / ``gather_object`` pad every object to the largest one; sizes
   are exchanged as 8-byte ints), for the planning exchange and the write-results exchange (oarlock: the
-  fingerprints agree in one all-reduce of 37 int64s, counted as twice its size for a ring); and the time of the
+  fingerprints agree in one all-reduce of 42 int64s, counted as twice its size for a ring); and the time of the
   coordinator's work (oarlock-v1: ``assign_writes`` + tiling checks, on every rank; oarlock: ``build_layout``;
   DCP: ``create_global_plan``).
 * reads: read items, files, bytes. DCP reads every stored chunk a read item touches whole (``FileSystemReader``
@@ -717,9 +717,9 @@ class OarlockGrid(OarlockV1):
         self.file_sizes = self._file_sizes()
         scatter = [psize((None, "/ckpt/.tmp-save", "0" * 32, layout.listed_writes.get(r, []),
                           layout.grid_skip.get(r, []))) for r in range(D)]
-        # the ranks' fingerprints agree (one class): one all-reduce of a fixed-size int64 vector
-        # (save._agree_fingerprints); a ring all-reduce receives about twice its size
-        fp_b = 2 * 8 * (1 + 2 * 16 + 4)
+        # the ranks' fingerprints agree (one class): one all-reduce of 21 ints and their negations, as int64
+        # (save._agree_fingerprints via DistWrapper.min_max); a ring all-reduce receives about twice its size
+        fp_b = 2 * 8 * 2 * (1 + 16 + 4)
         # the class records travel point to point from their senders (DistWrapper.gather_from): a length and the
         # payload per distinct record, nothing from the other ranks
         rec_coord, rec_other = sum(8 + s for s in rec_sizes if s > psize(None)), 0

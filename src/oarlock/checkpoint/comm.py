@@ -330,8 +330,8 @@ def try_warm_start(state_dict: Any, path: str | os.PathLike, dist: DistWrapper, 
     # save), some rank read metadata.json, and every rank's data file is of one save (equal codes: min == max)
     ok = ok and (not has_meta or meta_id == file_id)
     code = int.from_bytes(hashlib.sha256(file_id.encode()).digest()[:7], "little") + 1 if file_id else 0
-    agreed = dist.all_min([int(ok), -int(has_meta), code, -code])
-    ok = agreed[0] == 1 and agreed[1] == -1 and agreed[2] == -agreed[3]
+    lo, hi = dist.min_max([int(ok), int(has_meta), code])
+    ok = lo[0] == 1 and hi[1] == 1 and lo[2] == hi[2]
     if not ok:
         if sf is not None:
             sf.close()

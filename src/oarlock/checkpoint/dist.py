@@ -257,14 +257,20 @@ class DistWrapper:
         dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group)
         return buf.cpu()
 
-    def agree(self, values: Sequence[int]) -> list[int | None]:
-        """Collective, fixed size: for each of ``values`` (ints within +-2**62), that value when every rank passed
-        the same one, else None. One ``all_reduce`` MIN of ``2 x len(values)`` int64s (each value and its
-        negation: the minimum of the negations is minus the maximum) whatever the world size; alone, the values."""
+    def min_max(self, values: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Collective, fixed size: the element-wise minimum and maximum over the ranks of ``values`` (ints within
+        +-(2**63 - 1)). One ``all_reduce`` MIN of ``2 x len(values)`` int64s whatever the world size: each value
+        and its negation (the minimum of the negations is minus the maximum). Alone: the values, twice."""
         vals = [int(v) for v in values]
         got = self.all_min(vals + [-v for v in vals])
         n = len(vals)
-        return [lo if lo == -hi else None for lo, hi in zip(got[:n], got[n:])]
+        return got[:n], [-x for x in got[n:]]
+
+    def agree(self, values: Sequence[int]) -> list[int | None]:
+        """Collective, fixed size (:meth:`min_max`): for each of ``values``, that value when every rank passed the
+        same one, else None."""
+        lo, hi = self.min_max(values)
+        return [a if a == b else None for a, b in zip(lo, hi)]
 
     # ------------------------------------------------------------ error agreement
 

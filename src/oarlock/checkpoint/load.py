@@ -321,9 +321,8 @@ def _run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process
         if reader is not None:
             reader.close()
         raise
-    status = status or []
     assert reader is not None
-    status = [s for s in status if s]  # ranks with nothing missing or skipped
+    status = [s for s in status or () if s]  # ranks with something missing or skipped
     all_missing = sorted({k for s in status for k in s["missing"]})
     foreign = not_mine(reader.metadata, model_only, ignore_unexpected)
     unexpected_strict = [k for k in unexpected if not foreign(k)]

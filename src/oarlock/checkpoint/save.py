@@ -276,8 +276,13 @@ def _mesh_affine(mesh: Any, dist: DistWrapper) -> tuple[tuple[int, ...], int, tu
     """``(mesh shape, base, strides)`` when the group rank at mesh coordinate ``m`` is ``base + sum(m * strides)``
     (true of meshes built by ``init_device_mesh`` and their sub-meshes), else None."""
     m = mesh.mesh
-    shape = tuple(int(n) for n in m.shape)
-    ranks = m.reshape(-1).tolist()
+    return _affine_ranks(m.reshape(-1).tolist(), tuple(int(n) for n in m.shape), dist)
+
+
+def _affine_ranks(ranks: list[int], shape: tuple[int, ...], dist: DistWrapper
+                  ) -> tuple[tuple[int, ...], int, tuple[int, ...]] | None:
+    """:func:`_mesh_affine` of global ``ranks`` laid out row-major in ``shape``: their ranks in the save's group
+    must be ``base + sum(m * strides)`` at coordinate ``m``; None when they are not, or one is outside the group."""
     if dist.group is not None and dist.active:
         import torch.distributed as tdist
 
@@ -356,16 +361,13 @@ def _group_affine(group: Any, dist: DistWrapper) -> tuple[int, int, int] | None:
 
     try:
         ranks = tdist.get_process_group_ranks(group if group is not None else tdist.group.WORLD)
-        if dist.group is not None:
-            ranks = [tdist.get_group_rank(dist.group, r) for r in ranks]
     except (ValueError, RuntimeError):
         return None
-    if not ranks:
+    aff = _affine_ranks(ranks, (len(ranks),), dist) if ranks else None
+    if aff is None:
         return None
-    stride = ranks[1] - ranks[0] if len(ranks) > 1 else 1
-    if any(r != ranks[0] + i * stride for i, r in enumerate(ranks)):
-        return None
-    return len(ranks), ranks[0], stride
+    (size,), base, (stride,) = aff
+    return size, base, stride or 1  # (a one-rank group has no step: 1, as a flat rule's writers need one)
 
 
 def flat_partition_grid(sw: ShardedWeight, dist: DistWrapper, cache: dict) -> FlatGrid | None:
@@ -777,35 +779,35 @@ def _fp_of(text: str) -> str | None:
 _NO_NONCE = (1 << 63) - 1
 
 
+def _fp_words(f: str | None) -> list[int]:
+    """A fingerprint's 32 ASCII characters as four 8-byte integers (non-negative: ASCII has no top bit)."""
+    text = _fp_text(f)
+    return [int.from_bytes(text[8 * c:8 * c + 8].encode("ascii"), "big") for c in range(4)]
+
+
+def _fp_from_words(words: Sequence[int]) -> str | None:
+    return _fp_of(b"".join(w.to_bytes(8, "big") for w in words).decode("ascii"))
+
+
 def _agree_fingerprints(dist: DistWrapper, err: BaseException | None, fps: tuple | None) -> list[tuple] | None:
-    """The common case of :func:`exchange_fingerprints` in one ``all_reduce`` MIN of ``1 + 2 x 16 + 4`` int64s,
-    whatever the number of ranks: each fingerprint's 32 ASCII characters as four 8-byte integers, once as is and once
-    negated (so the minimum of the negation is minus the maximum), plus rank 0's nonce. When no rank failed and every
-    rank's first four fingerprints are equal (a regular layout: one class), returns the exchange's result;
-    otherwise None (the caller all-gathers)."""
+    """The common case of :func:`exchange_fingerprints`: one :meth:`~oarlock.checkpoint.dist.DistWrapper.min_max`
+    of 21 ints (42 int64s on the wire) whatever the number of ranks: a failure flag, the first four fingerprints as
+    :func:`_fp_words`, and rank 0's nonce (the other ranks pass the largest int64, so the minimum is rank 0's).
+    When no rank failed and every rank's first four fingerprints are equal (a regular layout: one class), returns
+    the exchange's result; otherwise None (the caller all-gathers)."""
     n = 4 * (_FP_FIELDS - 1)
-    vals = [0] * (1 + 2 * n + 4)
-    if err is not None:
-        vals[0] = -1
-    else:
-        words = [int.from_bytes(_fp_text(f)[8 * c:8 * c + 8].encode("ascii"), "big") for f in fps[:4] for c in range(4)]
-        vals[1:1 + n] = words
-        vals[1 + n:1 + 2 * n] = [-w for w in words]
-    nonce = _fp_text(fps[4] if fps is not None else None)
-    vals[1 + 2 * n:] = ([int.from_bytes(nonce[8 * c:8 * c + 8].encode("ascii"), "big") for c in range(4)]
-                        if dist.rank == 0 else [_NO_NONCE] * 4)
-    got = dist.all_min(vals)
-    if got[0] < 0 or any(lo != -hi for lo, hi in zip(got[1:1 + n], got[1 + n:1 + 2 * n])):
+    words = [0] * n if err is not None else [w for f in fps[:4] for w in _fp_words(f)]
+    nonce = _fp_words(fps[4] if fps is not None else None) if dist.rank == 0 else [_NO_NONCE] * 4
+    lo, hi = dist.min_max([int(err is not None)] + words + nonce)
+    if hi[0] or lo[1:1 + n] != hi[1:1 + n]:
         return None
-    text = b"".join(w.to_bytes(8, "big") for w in got[1:1 + n]).decode("ascii")
-    common = tuple(_fp_of(text[32 * k:32 * (k + 1)]) for k in range(_FP_FIELDS - 1))
-    zero = _fp_of(b"".join(w.to_bytes(8, "big") for w in got[1 + 2 * n:]).decode("ascii"))
-    return [(None, (*common, zero if r == 0 else None)) for r in range(dist.size)]
+    common = tuple(_fp_from_words(lo[1 + 4 * k:5 + 4 * k]) for k in range(_FP_FIELDS - 1))
+    return [(None, (*common, _fp_from_words(lo[1 + n:]) if r == 0 else None)) for r in range(dist.size)]
 
 
 def exchange_fingerprints(dist: DistWrapper, err: BaseException | None, fps: tuple | None) -> list[tuple]:
-    """The fixed-size exchange that opens every save. First one ``all_reduce`` of 296 bytes whatever the world
-    size: when every rank's tensor specs, listed shards, JSON values and cached-plan token fingerprints agree (a
+    """The fixed-size exchange that opens every save. First one ``all_reduce`` of 336 bytes whatever the world
+    size (:func:`_agree_fingerprints`): when every rank's tensor specs, listed shards, JSON values and cached-plan token fingerprints agree (a
     regular layout), that is all. Otherwise one all-gather of ``1 + 5 x 32`` bytes per rank (a failure flag and
     the fingerprints of :func:`prepare_save`); only when some rank failed, a further exchange of the error
     reports, raised alike on every rank. Returns ``[(None, fps)]`` per rank in group-rank order (a missing token is
