@@ -32,6 +32,7 @@ _LAZY = {
     **dict.fromkeys(("FlatPartition", "ShardDesc", "ShardedWeight", "sharded_state_dict"), "sharded"),
     **dict.fromkeys(("CheckpointReader", "detect_format", "open_checkpoint", "read_metadata"), "storage"),
     **dict.fromkeys(("ObjectPath", "ObjectStoreError", "UnsupportedLocationError", "location"), "objectstore"),
+    "ChecksumError": "integrity",
 }
 
 __all__ = [
@@ -44,7 +45,7 @@ __all__ = [
     "convert_checkpoint", "plan_conversion", "ConversionPlan", "ConversionLayout", "ParallelLayout",
     "MappingProgram", "IdentityProgram", "SliceMapping", "TensorSpec",
     "CheckpointError", "CheckpointFormatError", "CheckpointMismatchError", "CheckpointTilingError",
-    "UnsafePickleError", "CheckpointDestinationError", "ObjectStoreError", "UnsupportedLocationError",
+    "UnsafePickleError", "CheckpointDestinationError", "ObjectStoreError", "UnsupportedLocationError", "ChecksumError",
     "ObjectPath", "location",
     "CheckpointMetadata", "ShardMeta", "TensorMeta",
     "CheckpointReader", "detect_format", "open_checkpoint", "read_metadata",

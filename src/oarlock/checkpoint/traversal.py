@@ -111,7 +111,7 @@ def collect_leaves(state_dict: Mapping[str, Any], origins: list | None = None) -
             try:
                 json.dumps(leaf, allow_nan=True)
             except (TypeError, ValueError):
-                raise CheckpointError(f"state_dict key {key!r}: a {type(leaf).__name__} is neither a tensor nor "
+                raise CheckpointError(f"state_dict key {key!r}: a value of type {type(leaf).__name__} is neither a tensor nor "
                                       "JSON data (int, float, str, bool, None, lists and dicts of those)") from None
             out.objects[key] = leaf
             out.object_paths[key] = path
