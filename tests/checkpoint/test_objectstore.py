@@ -178,6 +178,41 @@ def test_multipart_upload_and_partial_ranged_reads(s3, monkeypatch):
     assert 0 < rep.bytes_hashed <= 2 * 4 * 1024 * 1024
 
 
+@pytest.mark.parametrize("sign", ["0", "1"])
+def test_upload_bodies_are_unsigned_unless_asked(s3, monkeypatch, sign):
+    """Part bodies go as ``UNSIGNED-PAYLOAD`` (no SHA-256 pass over every byte; their integrity is the block
+    checksums); ``OARLOCK_S3_SIGN_PAYLOAD=1`` restores body signing. The header each UploadPart carried is
+    captured on the wire side of botocore and compared with hashlib's SHA-256 of the part."""
+    import hashlib
+
+    monkeypatch.setenv("OARLOCK_S3_PART_BYTES", str(5 * 1024 * 1024))
+    monkeypatch.setenv("OARLOCK_S3_SIGN_PAYLOAD", sign)
+    big = torch.arange(3 * 1024 * 1024, dtype=torch.int32)  # 12 MiB: parts of 5, 5 and 2 MiB
+    url = s3.url + f"/sign{sign}"
+    client = location(url).storage.client
+    seen: list[tuple[str, bytes]] = []
+
+    def capture(request, **_):
+        body = request.body
+        data = bytes(body.read()) if hasattr(body, "read") else bytes(body or b"")
+        if hasattr(body, "seek"):
+            body.seek(0)
+        seen.append((request.headers["x-amz-content-sha256"].decode(), data))
+
+    client.meta.events.register("before-send.s3.UploadPart", capture)
+    try:
+        save_state_dict({"big": big}, url)
+    finally:
+        client.meta.events.unregister("before-send.s3.UploadPart", capture)
+    assert len(seen) >= 2, "the 12 MiB file should go as a multipart upload"
+    for header, data in seen:
+        want = hashlib.sha256(data).hexdigest() if sign == "1" else "UNSIGNED-PAYLOAD"
+        assert header == want, (header, len(data))
+    out = {"big": torch.zeros_like(big)}
+    load_state_dict(out, url)
+    assert torch.equal(out["big"], big)
+
+
 @pytest.mark.multiproc
 def test_multirank_save_and_resharded_load(s3, multirank):
     out = multirank("_objectstore_scenarios", 3, env={**s3.env, "OARLOCK_TEST_S3_URL": s3.url})

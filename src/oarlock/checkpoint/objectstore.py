@@ -25,7 +25,8 @@ s3fs route is built on, so the benchmark compares storage protocols rather than 
 ``AWS_DEFAULT_REGION``; default ``us-east-1``), ``AWS_ENDPOINT_URL`` (a non-AWS endpoint: path-style addressing
 is used then). Tuning: ``OARLOCK_S3_PART_BYTES`` (multipart part size, default 16 MiB, at least 5 MiB),
 ``OARLOCK_S3_CONCURRENCY`` (ranged GETs in flight per process, default 8), ``OARLOCK_S3_MAX_ATTEMPTS``
-(attempts per request, default 8). See ``docs/checkpoint-format.md`` ("Object stores").
+(attempts per request, default 8), ``OARLOCK_S3_SIGN_PAYLOAD=1`` (SHA-256-sign request bodies; by default they
+are sent as ``UNSIGNED-PAYLOAD``, their integrity being the checkpoint's block checksums). See ``docs/checkpoint-format.md`` ("Object stores").
 """
 
 from __future__ import annotations
@@ -478,7 +479,8 @@ class S3Storage(Storage):
         region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or None
         profile = os.environ.get("AWS_PROFILE") or None
         conc = s3_concurrency()
-        k = (os.getpid(), endpoint, region, profile, os.environ.get("AWS_ACCESS_KEY_ID"), conc)
+        sign = _env_int("OARLOCK_S3_SIGN_PAYLOAD", 0, lo=0) != 0
+        k = (os.getpid(), endpoint, region, profile, os.environ.get("AWS_ACCESS_KEY_ID"), conc, sign)
         c = _clients.get(k)
         if c is None:
             with _clients_lock:
@@ -494,7 +496,11 @@ class S3Storage(Storage):
                         # retries are ours (below): they also cover a response body cut off while being read
                         retries={"mode": "standard", "total_max_attempts": 1},
                         max_pool_connections=2 * conc + 8, connect_timeout=10, read_timeout=120,
-                        s3={"addressing_style": "path"} if endpoint else None,
+                        # Bodies are sent as UNSIGNED-PAYLOAD: botocore otherwise SHA-256s every uploaded part
+                        # (always over http, and over https when no request checksum is sent), a second pass
+                        # over each byte at about 1.8 GB/s; the signature still covers the request's headers.
+                        s3=dict({"addressing_style": "path"} if endpoint else {},
+                                payload_signing_enabled=sign),
                         # data integrity is the checkpoint's own block checksums (verified at load)
                         request_checksum_calculation="when_required", response_checksum_validation="when_required")
                     c = session.client("s3", endpoint_url=endpoint, region_name=region or session.region_name
