@@ -114,6 +114,37 @@ def test_a_verified_load_fetches_each_block_once(s3):
     assert size <= sum(fetched) <= size + 256 * 1024, (sum(fetched), size)
 
 
+def test_a_load_lists_nothing_and_a_missing_object_is_named(s3):
+    """A load from a store makes no listing request (a listing costs one request per 1,000 objects, on every
+    rank: O(ranks of the save) per rank at scale): the commit record is found with one HEAD, the data objects are
+    those it names. When one of them is gone after the commit, the load fails naming its key, and the targets
+    keep their values."""
+    state = _state(4)
+    url = s3.url + "/nolist"
+    save_state_dict(state, url)
+    client = location(url).storage.client
+    ops: list[str] = []
+
+    def note(model, **_):
+        ops.append(model.name)
+
+    client.meta.events.register("before-call.s3", note)
+    try:
+        out = _empty_like(state)
+        load_state_dict(out, url)
+    finally:
+        client.meta.events.unregister("before-call.s3", note)
+    _assert_equal(out, state)
+    assert "ListObjectsV2" not in ops, ops
+    # the commit record, the prefix itself (once per process) and the size of the data object read
+    assert ops.count("HeadObject") <= 3, ops
+    s3.client().delete_object(Bucket=s3.bucket, Key=s3.prefix + "/nolist/rank-00000.safetensors")
+    out = _empty_like(state)
+    with pytest.raises(CheckpointFormatError, match="nolist/rank-00000.safetensors: .*no such object"):
+        load_state_dict(out, url)
+    _assert_equal(out, _empty_like(state))
+
+
 def test_kept_blocks_stay_within_their_budget(s3, monkeypatch):
     """OARLOCK_S3_KEEP_BYTES bounds the verified blocks a load keeps for its reads: with room for one 4 MiB block
     of the three (4, 4 and about 2 MiB), the load is still exact, never holds more than one block, and fetches

@@ -117,7 +117,7 @@ def execute(reader: CheckpointReader, work: list[tuple[Any, torch.Tensor]], *, c
         return stats
     files = reader.metadata.files
     sets = [next(iter(view.visible.values()))] if view.same and view.visible else list(view.visible.values())
-    if comm_method == "auto" and all(f in v for v in sets for f in files):
+    if comm_method == "auto" and (view.store or all(f in v for v in sets for f in files)):
         # every rank lists every data file (a shared filesystem): no further exchange needed
         stats.bytes_read = direct(reader, work)
         stats.files_read = list(reader.files_opened)

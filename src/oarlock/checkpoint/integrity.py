@@ -246,11 +246,9 @@ class FileChecksums:
         want = 8 * self.n_blocks
         what = f"{path} (the block checksums of data file {self.file!r})"
         try:
-            if is_object_path(path):
-                size = path.storage.size(path.key)
-                data = bytearray(want) if size == want else None
-                if data is not None:
-                    path.storage.read_into(path.key, 0, memoryview(data))
+            if is_object_path(path):  # one ranged GET answers both the bytes and the object's size
+                data, size = path.storage.read_head(path.key, want) if want else (b"", path.storage.size(path.key))
+                data = data if size == want else None
             else:
                 with open(path, "rb") as fh:
                     size = os.fstat(fh.fileno()).st_size

@@ -250,11 +250,12 @@ class CheckpointReader:
         known = self.__dict__.setdefault("_visible", {})
         wanted = self.metadata.files if files is None else files
         todo = [f for f in dict.fromkeys(wanted) if f not in known]
-        if todo and is_object_path(self.root):  # one listing instead of a request per file
+        if todo and is_object_path(self.root):
+            # a store holds every object its commit record names (uploaded before it): nothing is asked of the
+            # store (a missing object fails its read, naming the key)
             for f in todo:
-                self.path_of(f)  # the key rule, before anything is asked of the store
-            names = self.root.storage.list(self.root.key)
-            known.update((f, names.get(f, -1) >= 0) for f in todo)
+                self.path_of(f)  # the key rule, before anything is read
+            known.update((f, True) for f in todo)
         else:
             known.update((f, self.path_of(f).is_file()) for f in todo)
         return {f for f in dict.fromkeys(wanted) if known[f]}

@@ -108,6 +108,9 @@ class View:
     format: str | None = None
     shipped: dict[str, bytes] | None = None
     same: bool = False  # every rank lists the same names (a shared filesystem): visible holds one set for all
+    # one object store for every rank: every object its commit record names is visible to all (visible is empty:
+    # nothing was listed)
+    store: bool = False
 
 
 def gather_view(path: str | os.PathLike, dist: DistWrapper) -> View:
@@ -116,6 +119,15 @@ def gather_view(path: str | os.PathLike, dist: DistWrapper) -> View:
     files to ranks lacking them. Never raises (problems surface when the checkpoint is opened, on every rank
     alike)."""
     p = location(path)
+    if is_object_path(p):
+        # every rank reads the same store: no listing (O(objects) requests per rank at scale), only one fixed-size
+        # agreement on the format found (a commit landing between ranks' looks would split them)
+        try:
+            fmt: str | None = detect_format(p)
+        except CheckpointFormatError:
+            fmt = None
+        if None not in dist.agree(fingerprint_words(f"\2{fmt}")):
+            return View({}, fmt, same=True, store=True)
     try:
         if is_object_path(p):
             names = sorted(p.storage.list(p.key))
@@ -124,7 +136,7 @@ def gather_view(path: str | os.PathLike, dist: DistWrapper) -> View:
     except (OSError, CheckpointError):
         names = []
     try:
-        fmt: str | None = detect_format(p)
+        fmt = detect_format(p)
     except CheckpointFormatError:
         fmt = None
     # a shared filesystem gives every rank the same listing: exchange a fingerprint of it first (fixed size per
@@ -179,6 +191,11 @@ def open_checkpoint(path: str | os.PathLike, *, view: View | None = None, rank: 
         cls = formats[view.format]
         partial = True
         reader = cls.open(p, shipped=view.shipped, partial=True)
+    elif view is not None and view.store and view.format in formats:
+        # a store: the data objects are those the commit record names (written before it); one missing fails its
+        # read, naming the key. Checking each here would cost a request per object on every rank.
+        reader = formats[view.format].open(p, partial=True)
+        partial = False
     else:
         cls = formats[detect_format(p)]
         partial = view is not None and bool(cls.metadata_files) and p.is_dir()
@@ -717,8 +734,12 @@ def resolve_manager_root(path: str | os.PathLike) -> tuple[Path, str | None]:
 def _detect_object_format(p: ObjectPath) -> str:
     """:func:`detect_format` of a prefix in an object store: ``metadata.json`` is the commit record (a prefix
     without it holds no checkpoint, whatever else is there). Object stores hold oarlock checkpoints only."""
+    # one HEAD of the commit record (read once, by the reader: another tool's metadata.json fails its parse
+    # there); a listing, which costs a request per 1,000 objects, only to say what a prefix without it holds
+    if p.storage.exists(f"{p.key}/{METADATA_FILE}" if p.key else METADATA_FILE):
+        return "oarlock"
     names = p.storage.list(p.key)
-    if METADATA_FILE in names:  # read once, by the reader (another tool's metadata.json fails its parse there)
+    if METADATA_FILE in names:
         return "oarlock"
     if INCOMPLETE_MARKER in names or any(_DATA_OBJECT.fullmatch(n) for n in names):
         raise CheckpointFormatError(f"{p}: incomplete checkpoint (a save to this prefix did not finish: no "
