@@ -26,7 +26,8 @@ s3fs route is built on, so the benchmark compares storage protocols rather than 
 is used then). Tuning: ``OARLOCK_S3_PART_BYTES`` (multipart part size, default 16 MiB, at least 5 MiB),
 ``OARLOCK_S3_CONCURRENCY`` (ranged GETs in flight per process, default 8), ``OARLOCK_S3_MAX_ATTEMPTS``
 (attempts per request, default 8), ``OARLOCK_S3_SIGN_PAYLOAD=1`` (SHA-256-sign request bodies; by default they
-are sent as ``UNSIGNED-PAYLOAD``, their integrity being the checkpoint's block checksums). See ``docs/checkpoint-format.md`` ("Object stores").
+are sent as ``UNSIGNED-PAYLOAD``, their integrity being the checkpoint's block checksums). See
+``docs/checkpoint-format.md`` ("Object stores").
 """
 
 from __future__ import annotations

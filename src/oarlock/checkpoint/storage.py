@@ -119,15 +119,14 @@ def gather_view(path: str | os.PathLike, dist: DistWrapper) -> View:
     files to ranks lacking them. Never raises (problems surface when the checkpoint is opened, on every rank
     alike)."""
     p = location(path)
-    if is_object_path(p):
-        # every rank reads the same store: no listing (O(objects) requests per rank at scale), only one fixed-size
-        # agreement on the format found (a commit landing between ranks' looks would split them)
-        try:
-            fmt: str | None = detect_format(p)
-        except CheckpointFormatError:
-            fmt = None
-        if None not in dist.agree(fingerprint_words(f"\2{fmt}")):
-            return View({}, fmt, same=True, store=True)
+    try:
+        fmt: str | None = detect_format(p)
+    except CheckpointFormatError:
+        fmt = None
+    # every rank reads the same store: no listing (O(objects) requests per rank at scale), only one fixed-size
+    # agreement on the format found (a commit landing between ranks' looks would split them)
+    if is_object_path(p) and None not in dist.agree(fingerprint_words(f"\2{fmt}")):
+        return View({}, fmt, same=True, store=True)
     try:
         if is_object_path(p):
             names = sorted(p.storage.list(p.key))
@@ -135,10 +134,6 @@ def gather_view(path: str | os.PathLike, dist: DistWrapper) -> View:
             names = sorted(os.listdir(p)) if p.is_dir() else ([p.name] if p.exists() else [])
     except (OSError, CheckpointError):
         names = []
-    try:
-        fmt = detect_format(p)
-    except CheckpointFormatError:
-        fmt = None
     # a shared filesystem gives every rank the same listing: exchange a fingerprint of it first (fixed size per
     # rank), and the listings themselves only when they differ (node-local disks)
     # (one all-reduce of four ints whatever the world size: see DistWrapper.agree)
