@@ -205,12 +205,30 @@ def _trained_engine(ctx, optimizer: dict, stage: int) -> Any:
     cfg = {"train_batch_size": world, "train_micro_batch_size_per_gpu": 1, "optimizer": optimizer,
            "zero_optimization": {"stage": stage}}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    _unlink_shm_buffer(rank)
     ids = torch.randint(0, 96, (1, 8), generator=torch.Generator().manual_seed(rank))
     for _ in range(2):
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
         engine.step()
     return engine
+
+
+def _unlink_shm_buffer(rank: int) -> None:
+    """Remove this rank's name of DeepSpeed's shared-memory allreduce buffer once every rank has mapped it.
+
+    DeepSpeed's CPU op creates ``/dev/shm/deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>``
+    (69 MB) per rank and never unlinks it, so each test run left them behind, in memory, until reboot. The
+    mappings stay valid after the unlink; the barrier makes sure no rank still has to open another's name."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+            f"{os.environ.get('MASTER_PORT', '')}_{rank}")
+    try:
+        os.unlink(name)
+    except FileNotFoundError:  # DeepSpeed did not use its shared-memory path
+        pass
 
 
 def _full_reference(engine: Any) -> dict[str, torch.Tensor]:
