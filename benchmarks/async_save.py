@@ -12,6 +12,8 @@ libraries rotates from launch to launch):
 * **loop slowdown**: mean step time of the compute loop while the save is in flight, over the mean step time
   alone (mean over ranks). A step is ``--matmul``-sized matrix products (CPU, or the GPU's current stream)
   followed by an in-place update of one row of every saved tensor (the optimizer step, after the snapshot);
+* **loop time lost**: the steps run while the save was in flight took this much longer in all than as many steps
+  alone (mean over ranks): the slowdown times its duration, what the job pays beside the stall;
 * **commit**: time from the call until the checkpoint is committed (slowest rank; a watcher thread waits on the
   save's completion).
 
@@ -174,7 +176,7 @@ def rank_main(rank: int, world: int, port: int, root: str, size_mib: int, device
         while not committed:
             time.sleep(0.001)
         res["libs"][lib] = {"stall": stall, "snapshot_wait": blocked[0], "beside": statistics.mean(times),
-                            "steps": len(times), "commit": committed[0]}
+                            "steps": len(times), "commit": committed[0], "busy": sum(times)}
         dist.barrier()
         if check:  # what was saved is what the state held at the call
             got = {k: DTensor.from_local(torch.zeros_like(v.to_local()), mesh, [Shard(0)], shape=v.shape,
@@ -213,6 +215,8 @@ def summarize(per_rank: list[dict]) -> dict[str, dict[str, float]]:
         out[lib] = {"stall": max(x["stall"] for x in rows), "snapshot_wait": max(x["snapshot_wait"] for x in rows),
                     "slowdown": statistics.mean(x["beside"] / r["alone"] for x, r in zip(rows, per_rank)),
                     "commit": max(x["commit"] for x in rows), "steps": min(x["steps"] for x in rows),
+                    # the loop's steps beside the save took this much longer in all than as many steps alone
+                    "lost": statistics.mean(x["busy"] - x["steps"] * r["alone"] for x, r in zip(rows, per_rank)),
                     "exact": all(x.get("exact", True) for x in rows)}
     return out
 
@@ -220,20 +224,21 @@ def summarize(per_rank: list[dict]) -> dict[str, dict[str, float]]:
 def table(launches: list[dict[str, dict[str, float]]]) -> str:
     """Markdown table of the medians over launches, with oarlock / DCP ratios."""
     med = {lib: {k: statistics.median(L[lib][k] for L in launches) for k in ("stall", "snapshot_wait", "slowdown",
-                                                                           "commit")} for lib in LIBS}
-    lines = ["| library | stall s | snapshot wait s | loop slowdown beside the save | commit s | saved values exact |",
-             "|---|---:|---:|---:|---:|---|"]
+                                                                           "commit", "lost")} for lib in LIBS}
+    lines = ["| library | stall s | snapshot wait s | loop slowdown beside the save | loop time lost s | commit s | "
+             "saved values exact |", "|---|---:|---:|---:|---:|---:|---|"]
     for lib in LIBS:
         m = med[lib]
         exact = all(L[lib]["exact"] for L in launches)
         lines.append(f"| {lib} | {m['stall']:.4f} | {m['snapshot_wait']:.3f} | {m['slowdown']:.2f}x | "
-                     f"{m['commit']:.3f} | {exact} |")
+                     f"{m['lost']:.3f} | {m['commit']:.3f} | {exact} |")
     o = med["oarlock"]
     best = min(("dcp-thread", "dcp-stager"), key=lambda lib: med[lib]["stall"])
     d = med[best]
     lines += ["", f"oarlock / {best} (DCP's shortest stall): stall {o['stall'] / d['stall']:.3f}, "
               f"slowdown excess {(o['slowdown'] - 1) / max(d['slowdown'] - 1, 1e-9):.2f} "
-              f"(of the slowdown beyond 1x), commit {o['commit'] / d['commit']:.2f}"]
+              f"(of the slowdown beyond 1x), loop time lost {o['lost'] / max(d['lost'], 1e-9):.2f}, "
+              f"commit {o['commit'] / d['commit']:.2f}"]
     per = ["", "Per launch (stall s / slowdown / commit s):", ""]
     for i, L in enumerate(launches):
         per.append(f"- launch {i + 1}: " + "; ".join(f"{lib} {L[lib]['stall']:.4f} / {L[lib]['slowdown']:.2f}x / "
@@ -285,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"Command: `{cmd.strip()}` ({time.strftime('%Y-%m-%d', time.gmtime())}, torch "
                     f"{torch.__version__}). Stall: until the call returns; snapshot wait: the loop's first step "
                     "waiting for the snapshot; slowdown: mean step time of the compute loop while the save is in "
-                    "flight / alone; commit: from the call.\n\n" + text + "\n")
+                    "flight / alone; loop time lost: those steps' total time minus as many steps alone; commit: "
+                    "from the call.\n\n" + text + "\n")
     return 0
 
 
