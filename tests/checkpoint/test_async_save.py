@@ -5,6 +5,7 @@ torch tensors; files are compared byte for byte. Nothing here is timed."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import signal
@@ -386,6 +387,38 @@ def test_writeback_ranges_follow_out_of_order_puts(tmp_path, writeback_calls):
         covered.append((a, b))
     assert _merge(covered) == _merge(spans)
     assert all(torch.equal(load_file(tmp_path / "x.safetensors")[k], v) for k, v in ts.items())
+
+
+@pytest.mark.parametrize("finish", ["close", "abandon"])
+def test_writeback_requests_finish_before_the_file_is_closed(tmp_path, writeback_calls, monkeypatch, finish):
+    """Writeback requests run on a background thread; a slow one must still see the writer's own file (its
+    descriptor neither closed nor reused), also when the file is abandoned after an error."""
+    import time
+
+    counting = safetensors_io._sync_file_range
+    seen: list = []
+
+    def slow(fd, off, n, flags):
+        time.sleep(0.02)  # the writer reaches close() while requests are still queued
+        try:
+            seen.append(os.fstat(fd).st_ino)
+        except OSError as e:
+            seen.append(e)
+        return counting(fd, off, n, flags)
+
+    monkeypatch.setattr(safetensors_io, "_sync_file_range", slow)
+    ts = {f"t{i}": torch.full((2048,), float(i)) for i in range(5)}
+    path = tmp_path / "x.safetensors"
+    with pytest.raises(RuntimeError, match="stop here") if finish == "abandon" else contextlib.nullcontext():
+        with safetensors_io.SafetensorsWriter(path, [(k, tuple(v.shape), v.dtype) for k, v in ts.items()]) as w:
+            for k, v in ts.items():
+                w.put(k, v)
+            ino = os.fstat(w.fd).st_ino
+            if finish == "abandon":
+                raise RuntimeError("stop here")
+    assert len(seen) >= 4 and seen == [ino] * len(seen), seen
+    if finish == "close":
+        assert all(torch.equal(load_file(path)[k], v) for k, v in ts.items())
 
 
 def _merge(spans):
