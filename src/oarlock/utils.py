@@ -112,6 +112,33 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
+def submit(pool: Any, fn: Callable[..., T], *args: Any) -> Any:
+    """``pool.submit(fn, *args)`` (a ``concurrent.futures`` executor), or, once the interpreter has begun to exit,
+    ``fn(*args)`` run in the calling thread with its outcome in a finished ``Future``.
+
+    Why: Python ends every ``concurrent.futures`` pool before ``atexit`` hooks run, and from then on ``submit``
+    raises ``RuntimeError``; an asynchronous save started on a script's last line finishes after that point (its
+    ``atexit`` hook waits for the commit), and its writes, uploads and hashing still have to run.
+
+    Raises:
+        RuntimeError: from ``pool.submit`` when the pool itself was shut down and the interpreter is not exiting.
+    """
+    from concurrent.futures import Future
+    from concurrent.futures import thread as cf_thread
+
+    try:
+        return pool.submit(fn, *args)
+    except RuntimeError:
+        if not getattr(cf_thread, "_shutdown", False):
+            raise
+    fut: Future = Future()
+    try:
+        fut.set_result(fn(*args))
+    except BaseException as e:  # delivered by result(), as the pool would
+        fut.set_exception(e)
+    return fut
+
+
 def balanced_range(n: int, parts: int, index: int) -> range:
     """The ``index``-th of ``parts`` contiguous near-equal ranges of ``range(n)`` (the first ``n % parts`` get one
     more): the one split rule for pipeline stages (layers) and expert-parallel ranks (experts)."""

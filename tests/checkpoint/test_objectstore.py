@@ -193,6 +193,23 @@ def test_a_save_holds_at_most_two_upload_parts(s3, monkeypatch):
     _assert_equal(out, state)
 
 
+def test_async_save_on_the_last_line_of_a_script_is_uploaded(s3):
+    """Python ends its thread pools before ``atexit`` hooks run; the async save finishing in the hook must still
+    upload its parts (several, on the upload threads when they are alive) and commit."""
+    n = 3 * 1024 * 1024  # 12 MiB of float32: three 5 MiB parts
+    script = textwrap.dedent(f"""
+        import torch
+        from oarlock.checkpoint import save_state_dict
+        save_state_dict({{"w": torch.arange({n}, dtype=torch.float32)}}, {s3.url + '/last'!r}, async_save=True)
+    """)
+    env = {**os.environ, **s3.env, "OARLOCK_S3_PART_BYTES": str(5 * 1024 * 1024)}
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "FAILED" not in r.stderr, r.stderr
+    out = {"w": torch.zeros(n)}
+    load_state_dict(out, s3.url + "/last")
+    assert torch.equal(out["w"], torch.arange(n, dtype=torch.float32))
+
+
 def test_multipart_upload_and_partial_ranged_reads(s3, monkeypatch):
     monkeypatch.setenv("OARLOCK_S3_PART_BYTES", str(5 * 1024 * 1024))
     g = torch.Generator().manual_seed(5)

@@ -57,7 +57,7 @@ from oarlock.checkpoint.save import (SHARDS_DIGEST_HEADER, SHARDS_HEADER, WORLD_
                                     sharded_weight_record)
 from oarlock.checkpoint.storage import INCOMPLETE_MARKER, View
 from oarlock.checkpoint.traversal import collect_leaves, set_path
-from oarlock.utils import dtype_itemsize, numel, torch_dtype
+from oarlock.utils import dtype_itemsize, numel, submit, torch_dtype
 
 COMM_METHODS = ("auto", "grouped_send_recv", "broadcast")
 BATCH_BYTES = 128 * 1024 * 1024  # bytes of pieces per grouped send/recv batch (bounds receive buffers)
@@ -197,10 +197,10 @@ def _grouped(remote, readers, consumers, mine, dist, stats, read, alloc, pbytes)
 
     # the next batch is read in a thread (preads release the GIL) while this one is on the wire
     with ThreadPoolExecutor(1) as pool:
-        nxt = pool.submit(read_batch, batches[0]) if batches else None
+        nxt = submit(pool, read_batch, batches[0]) if batches else None
         for k, batch in enumerate(batches):
             bufs = nxt.result()
-            nxt = pool.submit(read_batch, batches[k + 1]) if k + 1 < len(batches) else None
+            nxt = submit(pool, read_batch, batches[k + 1]) if k + 1 < len(batches) else None
             _exchange(batch, bufs, readers, consumers, mine, dist, stats, alloc, pbytes)
 
 

@@ -22,7 +22,7 @@ from oarlock.checkpoint.mapping import box_extent, box_slices, cast_tensor
 from oarlock.checkpoint.objectstore import is_object_path, s3_concurrency
 from oarlock.checkpoint.reader import CheckpointReader
 from oarlock.checkpoint.sharded import box_volume
-from oarlock.utils import dtype_itemsize, numel
+from oarlock.utils import dtype_itemsize, numel, submit
 
 
 @dataclass
@@ -455,7 +455,7 @@ def pool_map(fn: Any, items: Any, workers: int) -> list:
         return fn(x)
 
     pool = _shared_pool(workers)
-    futures = [pool.submit(run, x) for x in items]
+    futures = [submit(pool, run, x) for x in items]
     wait(futures)
     return [f.result() for f in futures]
 

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from oarlock.checkpoint.errors import CheckpointError, CheckpointFormatError
+from oarlock.utils import submit
 
 __all__ = ["LocalStorage", "ObjectPath", "ObjectStoreError", "ObjectWriter", "S3Storage", "Storage",
            "UnsupportedLocationError", "is_object_path", "location", "storage_for"]
@@ -629,7 +630,7 @@ class S3Storage(Storage):
             self._get_range(key, offset, buf)
             return
         pool = _read_pool()
-        futs: list[Future] = [pool.submit(self._get_range, key, offset + a, buf[a:min(n, a + self.READ_PART)])
+        futs: list[Future] = [submit(pool, self._get_range, key, offset + a, buf[a:min(n, a + self.READ_PART)])
                               for a in range(0, n, self.READ_PART)]
         err = None
         for f in futs:
@@ -760,7 +761,7 @@ class S3Writer(ObjectWriter):
         while len(self.pending) >= self.limit:
             self.pending.pop(0).result()
         self.count += 1
-        f = self._exec.submit(self._upload, self.count, data)
+        f = submit(self._exec, self._upload, self.count, data)
         self.pending.append(f)
         if copied:
             self.copied = f

@@ -33,7 +33,7 @@ import torch
 
 from oarlock.checkpoint.errors import CheckpointError, CheckpointFormatError
 from oarlock.checkpoint.objectstore import is_object_path, pread_into
-from oarlock.utils import dtype_itemsize, dtype_name, numel, safetensors_code, torch_dtype
+from oarlock.utils import dtype_itemsize, dtype_name, numel, safetensors_code, submit, torch_dtype
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 #: The header entry safetensors reserves for its metadata block: no tensor of a file can carry this name. An
@@ -605,7 +605,7 @@ class SafetensorsWriter:
                 self._pending.append((start, start + n))
             self._unflushed += n
             if self._unflushed >= _WRITEBACK_BYTES:
-                self._writebacks.append(_writeback_pool().submit(_start_writebacks, self.fd, self._pending))
+                self._writebacks.append(submit(_writeback_pool(), _start_writebacks, self.fd, self._pending))
                 self._pending, self._unflushed = [], 0
         return n
 
