@@ -441,6 +441,42 @@ def test_cli_inspect_verify_diff_convert(s3, tmp_path):
     assert any(n.endswith(".safetensors") for n in names), names
 
 
+def test_cli_convert_into_the_bucket_as_hf_and_dcp(s3):
+    """``oarlock convert`` writes HF safetensors and DCP into a bucket (it used to upload them, then fail on its
+    own read-back). Checked independently: the HF objects with the safetensors library, the DCP prefix with
+    torch's ``dcp.load`` through AWS's s3torchconnector reader (oarlock reads only its own format from a store)."""
+    import safetensors.torch
+
+    env = {**os.environ, **s3.env}
+    state = _state(8)
+    del state["n"]
+    url = s3.url + "/ckpt"
+    save_state_dict(state, url)
+    r = subprocess.run([sys.executable, "-m", "oarlock.cli", "convert", url, s3.url + "/hf", "--to", "hf"], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "3 tensors in 1 safetensors file(s)" in r.stdout, r.stdout
+    c = s3.client()
+    names = [o["Key"].rsplit("/", 1)[1] for o in c.list_objects_v2(Bucket=s3.bucket,
+                                                                  Prefix=s3.prefix + "/hf/")["Contents"]]
+    files = [n for n in names if n.endswith(".safetensors")]
+    assert len(files) == 1, names
+    got = safetensors.torch.load(c.get_object(Bucket=s3.bucket, Key=f"{s3.prefix}/hf/{files[0]}")["Body"].read())
+    _assert_equal(got, state)
+
+    r = subprocess.run([sys.executable, "-m", "oarlock.cli", "convert", url, s3.url + "/dcp", "--to", "dcp",
+                        "--tp", "2"], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "torch.distributed.checkpoint (DCP), 3 tensors" in r.stdout, r.stdout
+    s3dcp = pytest.importorskip("s3torchconnector.dcp", reason="s3torchconnector (test extra) not installed")
+    import torch.distributed.checkpoint as dcp
+
+    out = _empty_like(state)
+    dcp.load(out, storage_reader=s3dcp.S3StorageReader(region=s3.env["AWS_REGION"], path=s3.url + "/dcp"),
+             no_dist=True)
+    _assert_equal(out, state)
+
+
 def test_storage_protocol_local_and_s3_agree(s3, tmp_path, monkeypatch):
     from oarlock.checkpoint.objectstore import LocalStorage, S3Storage
 

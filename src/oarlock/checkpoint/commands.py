@@ -257,12 +257,13 @@ def cmd_convert(args: argparse.Namespace) -> int:
             # a foreign source (Megatron) carries no HF config: the one the preset was built from goes along
             cfg_file = Path(args.model_config)
             extra["config.json"] = cfg_file / "config.json" if cfg_file.is_dir() else cfg_file
-        out = export_hf(args.src, args.dst, aoa_config=config, max_shard_size=args.max_shard_size,
-                        copy_side_files=not args.no_side_files, include=args.include, exclude=args.exclude,
-                        optimizer_state=keep_opt, verify_checksums=not args.no_verify, overwrite=args.overwrite,
-                        extra_files=extra, model_prefix=args.model_prefix)
-        files = sorted(p.name for p in out.iterdir() if p.suffix == ".safetensors")
-        print(f"{args.dst}: HuggingFace checkpoint, {len(plan.keys)} tensors in {len(files)} safetensors file(s)")
+        export_hf(args.src, args.dst, aoa_config=config, max_shard_size=args.max_shard_size,
+                  copy_side_files=not args.no_side_files, include=args.include, exclude=args.exclude,
+                  optimizer_state=keep_opt, verify_checksums=not args.no_verify, overwrite=args.overwrite,
+                  extra_files=extra, model_prefix=args.model_prefix)
+        # the plan names the files: listing the output would cost requests on an object store
+        print(f"{args.dst}: HuggingFace checkpoint, {len(plan.keys)} tensors in {len(plan.files)} safetensors "
+              "file(s)")
         if plan.dropped_optimizer_keys:
             print(f"left out {len(plan.dropped_optimizer_keys)} optimizer state tensor(s) (model weights only; "
                   "--keep-optimizer-state keeps them)")

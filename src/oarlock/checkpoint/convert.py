@@ -784,7 +784,7 @@ def convert_to_dcp(source: str | os.PathLike, out_dir: str | os.PathLike, *, aoa
             not a DCP checkpoint holding only files oarlock wrote (nor empty) without ``overwrite`` (which keeps
             the other entries; see :func:`~oarlock.checkpoint.storage.check_destination`).
     """
-    from oarlock.checkpoint.formats.dcp import DcpWriter
+    from oarlock.checkpoint.formats.dcp import DcpWriter, parse_dcp_metadata
 
     out_dir = location(out_dir)  # a local directory or an s3:// prefix (other schemes refused)
     storage_check_destination(out_dir, "dcp", [source], overwrite=overwrite)
@@ -821,9 +821,11 @@ def convert_to_dcp(source: str | os.PathLike, out_dir: str | os.PathLike, *, aoa
             if copy_side_files:
                 for name, f in side_files(source).items():
                     shutil.copyfile(f, tmp / name)
+            # read back from the staged copy: an object store holds oarlock checkpoints only, so the published
+            # prefix would not open here (torch's DCP readers for S3 read it)
+            meta = parse_dcp_metadata(tmp)[0]
             publish_directory(tmp, out_dir, overwrite=overwrite)
-    with open_checkpoint(out_dir) as r:
-        return r.metadata
+    return meta
 
 
 def _byte_bar(total: int, show: bool | None) -> Any:
