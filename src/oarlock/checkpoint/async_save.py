@@ -49,6 +49,7 @@ import os
 import queue
 import sys
 import threading
+import weakref
 from typing import Any, Mapping
 
 import torch
@@ -61,7 +62,9 @@ from oarlock.utils import logger
 
 _lock = threading.Lock()
 _pending: "AsyncSaveHandle | None" = None
-_side_groups: dict[Any, Any] = {}
+# user group -> side group, held no longer than the user's group: a kept group keeps its gloo threads running
+# past ``destroy_process_group()`` into finalization, where they abort the process (see save._cache_key)
+_side_groups: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 
 
 class AsyncSaveHandle:
@@ -160,11 +163,11 @@ def _side_group(process_group: Any) -> Any:
     once per group, by all its ranks: the first async save is collective like every save)."""
     import torch.distributed as dist
 
-    if process_group in _side_groups:
-        return _side_groups[process_group]
-    ranks = sorted(dist.get_process_group_ranks(process_group if process_group is not None else dist.group.WORLD))
-    g = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
-    _side_groups[process_group] = g
+    user = process_group if process_group is not None else dist.group.WORLD  # a re-initialised world is new
+    g = _side_groups.get(user)
+    if g is None:
+        ranks = sorted(dist.get_process_group_ranks(user))
+        g = _side_groups[user] = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
     return g
 
 

@@ -20,6 +20,7 @@ import math
 import os
 import shutil
 import uuid
+import weakref
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -627,15 +628,19 @@ plan_cache = PlanCache()
 
 
 def _cache_key(process_group: Any, dist: DistWrapper, save_replicas: bool) -> tuple:
-    """The plan cache's key: the group object itself (a new group with the same ranks is a new group; the default
-    group is named by its current object, so a re-initialised world never meets an old plan) and ``save_replicas``
-    (it changes the write assignment for equal records)."""
+    """The plan cache's key: a weak reference to the group object (a new group with the same ranks is a new group;
+    the default group is named by its current object, so a re-initialised world never meets an old plan) and
+    ``save_replicas`` (it changes the write assignment for equal records).
+
+    Weak, because a cache that kept the group alive kept its gloo threads running past ``destroy_process_group()``
+    into interpreter finalization, where one of them freeing a finished collective's tensor needs the GIL and
+    aborts the process ("terminate called without an active exception", about 1 run in 5 of save + destroy)."""
     group = process_group
     if group is None and dist.active:
         import torch.distributed as tdist
 
         group = tdist.group.WORLD
-    return (group, dist.size, bool(save_replicas))
+    return (None if group is None else weakref.ref(group), dist.size, bool(save_replicas))
 
 
 def _merge_objects(parts: Mapping[int, dict[str, Any]]) -> dict[str, Any]:
