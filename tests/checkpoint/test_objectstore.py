@@ -477,6 +477,24 @@ def test_cli_convert_into_the_bucket_as_hf_and_dcp(s3):
     _assert_equal(out, state)
 
 
+def test_verify_reports_a_missing_data_object_as_a_problem(s3, tmp_path):
+    """A deleted data object is a finding of ``oarlock verify`` (exit 1, the file named), as a deleted local file
+    is, not a failure to run (exit 2)."""
+    env = {**os.environ, **s3.env}
+    state = _state(9)
+    url = s3.url + "/ckpt"
+    save_state_dict(state, url)
+    save_state_dict(state, tmp_path / "local")
+    s3.client().delete_object(Bucket=s3.bucket, Key=f"{s3.prefix}/ckpt/rank-00000.safetensors")
+    (tmp_path / "local" / "rank-00000.safetensors").unlink()
+    for where in (url, str(tmp_path / "local")):
+        r = subprocess.run([sys.executable, "-m", "oarlock.cli", "verify", where], env=env, capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 1, (where, r.stdout, r.stderr)
+        assert "rank-00000.safetensors" in r.stdout and "missing" in r.stdout, (where, r.stdout)
+        assert "1 problem(s)" in r.stdout, (where, r.stdout)
+
+
 def test_storage_protocol_local_and_s3_agree(s3, tmp_path, monkeypatch):
     from oarlock.checkpoint.objectstore import LocalStorage, S3Storage
 

@@ -997,6 +997,10 @@ def _hash_file(reader: Any, fc: FileChecksums) -> tuple[list[Problem], int]:
         bad = v.bad_blocks(fc.file, range(fc.n_blocks))
     except ChecksumError as e:
         return [Problem(fc.file, str(e), [])], 0
+    except CheckpointFormatError as e:  # an object store's answer: no such object, a short object
+        if not path.is_file():
+            return [], 0  # _check_structure reports the missing file, as for a local one
+        return [Problem(fc.file, str(e), [])], 0
     except OSError as e:
         return [Problem(fc.file, f"cannot read: {e.strerror or e}", [])], 0
     out = []
