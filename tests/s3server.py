@@ -62,6 +62,7 @@ class S3Server:
     root: Path
     log: Path
     env: dict[str, str] = field(default_factory=dict)
+    sockets: list[Path] = field(default_factory=list)  # the Unix sockets weed makes in /tmp, one per gRPC/S3 port
 
     def client(self, endpoint: str | None = None):
         import boto3
@@ -79,6 +80,9 @@ class S3Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        for sock in self.sockets:  # a killed weed leaves them behind (hundreds after a few test runs)
+            if sock.is_socket():
+                sock.unlink()
 
 
 def start_server(root: Path, timeout_s: float = 90.0) -> S3Server:
@@ -104,11 +108,14 @@ def start_server(root: Path, timeout_s: float = 90.0) -> S3Server:
            f"-volume.port={vol}", f"-volume.port.grpc={vol_g}", "-volume.max=0", "-volume.preStopSeconds=0",
            "-filer", f"-filer.port={filer}", f"-filer.port.grpc={filer_g}",
            "-s3", f"-s3.port={s3}", f"-s3.port.grpc={s3_g}", "-s3.port.iceberg=0", "-s3.port.lance=0",
-           f"-s3.config={cfg}"]
+           f"-s3.config={cfg}", "-master.telemetry=false"]  # it reports usage to seaweedfs.com by default
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
     server = S3Server(proc, f"http://127.0.0.1:{s3}", root, log)
+    server.sockets = [Path(f"/tmp/seaweedfs-{name}-{port}.sock") for name, port in
+                      (("master-grpc", master_g), ("volume-grpc", vol_g), ("filer", filer), ("filer-grpc", filer_g),
+                       ("s3", s3), ("s3-grpc", s3_g))]
     server.env = {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
                   "AWS_ENDPOINT_URL": server.endpoint, "AWS_REGION": "us-east-1"}
     deadline = time.monotonic() + timeout_s

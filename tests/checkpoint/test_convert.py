@@ -363,3 +363,23 @@ def test_convert_of_metadata_with_an_edited_dtype_reports_the_tensor_not_a_check
     err = capsys.readouterr().err
     assert "rank-00000.safetensors: tensor 'a' is float32, metadata says float16" in err, err
     assert sorted(os.listdir(tmp_path)) == ["ck"]
+
+
+def test_convert_carries_the_json_values(tmp_path):
+    """A conversion to oarlock keeps the source's non-tensor values under their keys (a resumed job needs its
+    step and settings), filtered like the tensors; ``oarlock diff`` then finds the two checkpoints equal."""
+    import subprocess
+    import sys
+
+    a = torch.randn(8, 4, generator=torch.Generator().manual_seed(5))
+    save_state_dict({"a": a, "step": 7, "cfg": {"lr": 0.1, "names": ["x", "y"]}}, tmp_path / "src")
+    convert_checkpoint(tmp_path / "src", tmp_path / "tp2", tp=2)
+    out = {"a": torch.zeros(8, 4), "step": 0, "cfg": {"lr": 0.0, "names": []}}
+    load_state_dict(out, tmp_path / "tp2")
+    assert torch.equal(out["a"], a) and out["step"] == 7 and out["cfg"] == {"lr": 0.1, "names": ["x", "y"]}
+    r = subprocess.run([sys.executable, "-m", "oarlock.cli", "diff", str(tmp_path / "src"), str(tmp_path / "tp2")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    convert_checkpoint(tmp_path / "src", tmp_path / "nocfg", exclude=["cfg.*"])
+    with open_checkpoint(tmp_path / "nocfg") as rd:
+        assert rd.metadata.objects == {"step": 7}

@@ -495,6 +495,19 @@ def test_verify_reports_a_missing_data_object_as_a_problem(s3, tmp_path):
         assert "1 problem(s)" in r.stdout, (where, r.stdout)
 
 
+def test_wrong_credentials_are_named_as_the_likely_cause(s3, monkeypatch):
+    """A refused request (wrong secret key, on the real server) says to check the credentials, naming the
+    variables, and leaves the target untouched."""
+    save_state_dict({"x": torch.ones(4)}, s3.url + "/ckpt")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    monkeypatch.setenv("OARLOCK_S3_MAX_ATTEMPTS", "1")
+    out = {"x": torch.zeros(4)}
+    with pytest.raises(ObjectStoreError, match=r"HTTP 403.*check the credentials \(AWS_ACCESS_KEY_ID and "
+                                               r"AWS_SECRET_ACCESS_KEY, or AWS_PROFILE\)"):
+        load_state_dict(out, s3.url + "/ckpt")
+    assert torch.equal(out["x"], torch.zeros(4))
+
+
 def test_storage_protocol_local_and_s3_agree(s3, tmp_path, monkeypatch):
     from oarlock.checkpoint.objectstore import LocalStorage, S3Storage
 

@@ -48,8 +48,8 @@ from oarlock.checkpoint.integrity import CHECKSUMS_KEY, BlockHasher, make_record
 from oarlock.checkpoint.hf import (HF_INDEX, HF_SINGLE, hf_shard_names, parse_size, reserved_hf_key_message,
                                    save_hf_checkpoint, write_hf_index)
 from oarlock.checkpoint.mapping import IdentityProgram, MappingProgram, TensorSpec
-from oarlock.checkpoint.metadata import (METADATA_FILE, OPTIMIZER_KEYS_EXTRA, CheckpointMetadata, key_selected,
-                                         parse_json)
+from oarlock.checkpoint.metadata import (METADATA_FILE, OPTIMIZER_KEYS_EXTRA, PARAM_GROUPS_KEY, CheckpointMetadata,
+                                         key_selected, parse_json)
 from oarlock.checkpoint.plan import Planner, index_of, source_specs
 from oarlock.checkpoint.reader import CheckpointReader, checkpoint_file
 from oarlock.checkpoint.safetensors_io import RESERVED_NAME, SafetensorsWriter, contiguous_run
@@ -298,6 +298,26 @@ def select_keys(program: MappingProgram, metadata: CheckpointMetadata, *, includ
         elif key_selected(k, include, exclude):
             keep.append(k)
     return SelectedKeys(program, keep), dropped
+
+
+def carried_objects(metadata: CheckpointMetadata, *, include: Sequence[str] | None = None,
+                    exclude: Sequence[str] | None = None, optimizer_state: bool = True) -> dict[str, Any]:
+    """The source's non-tensor values a conversion to oarlock keeps, under their stored keys (an AOA mapping
+    names tensors only): those the ``include``/``exclude`` globs keep, without the optimizer's records
+    (``param_groups`` and the like, :attr:`~oarlock.checkpoint.metadata.CheckpointMetadata.non_model_keys`)
+    unless ``optimizer_state``, and only JSON values (what an oarlock checkpoint stores; a foreign format's other
+    objects are left out)."""
+    out: dict[str, Any] = {}
+    skip = set() if optimizer_state else set(metadata.non_model_keys) | {PARAM_GROUPS_KEY}
+    for k, v in metadata.objects.items():
+        if k in skip or not key_selected(k, include, exclude):
+            continue
+        try:
+            json.dumps(v, allow_nan=False)
+        except (TypeError, ValueError):
+            continue
+        out[k] = v
+    return out
 
 
 def _program_for_layout(metadata: CheckpointMetadata, aoa_config: Any, layout: ConversionLayout
@@ -703,7 +723,10 @@ def convert_checkpoint(source: str | os.PathLike, out_dir: str | os.PathLike, *,
         tensors, writes = assign_writes(rank_descriptions(program, axes, layout))
         for t in tensors.values():
             index_of(t)
-        meta = CheckpointMetadata("oarlock", tensors=tensors, save_id=new_save_id())
+        meta = CheckpointMetadata("oarlock", tensors=tensors, save_id=new_save_id(),
+                                  objects=carried_objects(reader.metadata, include=include, exclude=exclude,
+                                                          optimizer_state=optimizer_state))
+        meta.nested = {k: v for k, v in reader.metadata.nested.items() if k in meta.objects}
         if getattr(program, "tp_layouts", None):  # fused_ffn/fused_qkv_old blocks: a load at another TP re-lays out
             meta.extra["tp_layouts"] = program.tp_layouts
         marked = set(reader.metadata.optimizer_keys)  # a foreign reader's marking survives under the same names

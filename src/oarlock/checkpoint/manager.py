@@ -48,7 +48,7 @@ from typing import Any, Mapping
 
 import torch
 
-from oarlock.checkpoint.objectstore import is_object_path, location
+from oarlock.checkpoint.objectstore import ObjectPath, is_object_path, location
 from oarlock.checkpoint.storage import object_entries
 from oarlock.checkpoint.api import load_state_dict, save_state_dict
 from oarlock.checkpoint.dist import DistWrapper
@@ -227,8 +227,9 @@ class CheckpointManager:
 
     # ------------------------------------------------------------ queries
 
-    def path(self, step: int) -> Path:
-        """The directory of ``step``."""
+    def path(self, step: int) -> Path | ObjectPath:
+        """The directory of ``step`` (an :class:`~oarlock.checkpoint.objectstore.ObjectPath` prefix when ``root`` is
+        ``s3://...``)."""
         return self.root / f"{self.prefix}{int(step):08d}"
 
     def steps(self) -> list[int]:

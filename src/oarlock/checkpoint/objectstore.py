@@ -425,8 +425,19 @@ def _reason(e: BaseException) -> str:
     if isinstance(e, bx.ClientError):
         err = e.response.get("Error", {})
         status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        return f"{err.get('Code', 'error')} (HTTP {status}): {err.get('Message', '')}".rstrip(": ")
+        text = f"{err.get('Code', 'error')} (HTTP {status}): {err.get('Message', '')}".rstrip(": ")
+        if status in (401, 403) or err.get("Code") in _CREDENTIAL_CODES:
+            text += (" -- check the credentials (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE), "
+                     "AWS_ENDPOINT_URL and AWS_REGION, and that they may access this bucket")
+        return text
+    if isinstance(e, bx.NoCredentialsError):
+        return f"{e} -- set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE"
     return f"{type(e).__name__}: {e}"
+
+
+# answers that mean "who you are" or "what you may do", whatever HTTP status a store gives them
+_CREDENTIAL_CODES = ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
+                     "InvalidToken", "AuthorizationHeaderMalformed")
 
 
 def _not_found(e: BaseException) -> bool:
@@ -482,7 +493,9 @@ class S3Storage(Storage):
         profile = os.environ.get("AWS_PROFILE") or None
         conc = s3_concurrency()
         sign = _env_int("OARLOCK_S3_SIGN_PAYLOAD", 0, lo=0) != 0
-        k = (os.getpid(), endpoint, region, profile, os.environ.get("AWS_ACCESS_KEY_ID"), conc, sign)
+        # every credential variable is part of the key: a changed secret or token must not meet an old client
+        k = (os.getpid(), endpoint, region, profile, conc, sign,
+             *(os.environ.get(v) for v in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")))
         c = _clients.get(k)
         if c is None:
             with _clients_lock:
@@ -651,7 +664,7 @@ class S3Storage(Storage):
             return data, int(total) if total.isdigit() else len(data)
 
         try:
-            return self.call("GetObject bytes 0-", key, get)
+            return self.call(f"GetObject bytes 0-{n - 1}", key, get)
         except ObjectStoreError as e:
             if "InvalidRange" in str(e):  # an empty object
                 return b"", 0
