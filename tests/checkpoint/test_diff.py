@@ -226,3 +226,24 @@ def test_diff_preset_compares_a_training_checkpoint_with_hf(tmp_path, capsys):
     assert "only in" in capsys.readouterr().out
     assert main(["diff", str(tmp_path / "hf"), str(tmp_path / "hf2"), "--preset", "llama"]) == 2
     assert "neither A nor B is an oarlock checkpoint" in capsys.readouterr().err
+
+
+def test_a_corrupted_byte_is_an_error_not_a_difference(tmp_path, capsys):
+    """Two saves of one state; a byte of B's data flipped on disk afterwards. diff hashes the compared files against
+    their recorded checksums first: the corruption is a ChecksumError naming B's file (CLI exit 2), while
+    ``verify_checksums=False`` compares the bytes as they are and finds the one changed element."""
+    from oarlock.checkpoint.integrity import ChecksumError
+
+    t = {"a": torch.arange(1000, dtype=torch.float32)}
+    save_state_dict(t, tmp_path / "x")
+    save_state_dict(t, tmp_path / "y")
+    f = tmp_path / "y" / "rank-00000.safetensors"
+    raw = bytearray(f.read_bytes())
+    raw[-10] ^= 0xFF  # inside the last element's bytes
+    f.write_bytes(bytes(raw))
+    with pytest.raises(ChecksumError, match=r"y/rank-00000.safetensors: block\(s\) \[0\]"):
+        diff_checkpoints(tmp_path / "x", tmp_path / "y")
+    rep = diff_checkpoints(tmp_path / "x", tmp_path / "y", verify_checksums=False)
+    assert [(d.key, d.num_different) for d in rep.changed] == [("a", 1)]
+    assert main(["diff", str(tmp_path / "x"), str(tmp_path / "y")]) == 2
+    assert "do not match the checksums recorded at save" in capsys.readouterr().err

@@ -322,7 +322,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
             cfg = args.model_config or (other if (Path(other) / "config.json").is_file() else sides[i])
             aoa[i] = preset(args.preset, cfg, reverse=True, source=sides[i])
     rep = diff_checkpoints(args.a, args.b, rtol=args.rtol, atol=args.atol, include=args.include,
-                           exclude=args.exclude, aoa_a=aoa[0], aoa_b=aoa[1])
+                           exclude=args.exclude, aoa_a=aoa[0], aoa_b=aoa[1], verify_checksums=not args.no_verify)
     return print_report(args.json, rep.to_json, rep.render, rep.equal)
 
 
@@ -373,6 +373,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "its HF export)")
     d.add_argument("--model-config", metavar="CONFIG.json",
                    help="the model's config.json for --preset (default: the other side's, else the side's own)")
+    d.add_argument("--no-verify", action="store_true",
+                   help="skip hashing the compared files against their recorded checksums first (a corrupted byte "
+                        "then shows as a difference instead of an error)")
     _add_filters(d)
     d.set_defaults(func=cmd_diff)
 

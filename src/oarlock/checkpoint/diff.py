@@ -170,7 +170,8 @@ def compare_tensors(key: str, a: torch.Tensor, b: torch.Tensor, *, rtol: float =
 
 def diff_checkpoints(a: str | Path, b: str | Path, *, rtol: float = 0.0, atol: float = 0.0,
                      include: Sequence[str] | None = None, exclude: Sequence[str] | None = None,
-                     use_checksums: bool = True, aoa_a: Any = None, aoa_b: Any = None) -> DiffReport:
+                     use_checksums: bool = True, aoa_a: Any = None, aoa_b: Any = None,
+                     verify_checksums: bool = True) -> DiffReport:
     """Compare the logical tensors (and JSON objects) of checkpoints ``a`` and ``b``, streaming one key at a time.
 
     Args:
@@ -185,6 +186,9 @@ def diff_checkpoints(a: str | Path, b: str | Path, *, rtol: float = 0.0, atol: f
         aoa_a, aoa_b: AOA configs (docs/aoa.md) through which side A / B is read, as a conversion would read it:
             keys are then that config's destination keys (e.g. a reverse preset compares a training checkpoint
             with fused QKV against an HF directory). ``include``/``exclude`` select those keys.
+        verify_checksums: before any comparison, hash every data file of either side holding a compared key
+            against the block checksums recorded at its save (sides without recorded checksums are read as
+            they are): a corrupted byte is then an error naming the file and block, not a "difference".
 
     Raises:
         CheckpointFormatError: either side unreadable (naming the file); CheckpointTilingError: a key whose
@@ -211,9 +215,13 @@ def diff_checkpoints(a: str | Path, b: str | Path, *, rtol: float = 0.0, atol: f
         la, lb = recorded_layouts(ma), recorded_layouts(mb)
         same = _checksum_equal_keys(ma, mb) if use_checksums and aoa_a is None and aoa_b is None else set()
         same = {k for k in same if la.get(k) == lb.get(k)}  # equal bytes mean equal tensors only in one layout
-        if same:  # recorded checksums prove equality only of intact files: check the files they cover first
-            for reader, meta in ((ra, ma), (rb, mb)):
-                _verify_files(reader, meta, {sh.file for k in same for sh in meta.tensors[k].shards})
+        common = [k for k in ka if k in sb]
+        for reader, meta, aoa in ((ra, ma, aoa_a), (rb, mb, aoa_b)):
+            # recorded checksums prove equality only of intact files, and a corrupted byte must not pass for a
+            # change: the files are checked first (through an AOA config, every file: its keys are renamed)
+            keys = (set(meta.tensors) if aoa is not None else set(common)) if verify_checksums else same
+            _verify_files(reader, meta, {sh.file for k in keys if k in meta.tensors
+                                         for sh in meta.tensors[k].shards})
         for k in ka:
             if k not in sb:
                 continue
@@ -242,8 +250,10 @@ def diff_checkpoints(a: str | Path, b: str | Path, *, rtol: float = 0.0, atol: f
 
 def _verify_files(reader, meta: CheckpointMetadata, files: set[str]) -> None:
     sums = recorded(meta, reader.path_of)
+    if not sums or not files:  # a format without recorded checksums has nothing to check
+        return
     verifier = BlockVerifier(reader.path_of, sums)
-    for f in sorted(files):
+    for f in sorted(files & set(sums)):
         bad = verifier.bad_blocks(f, range(sums[f].n_blocks))
         if bad:
             path = reader.path_of(f)
