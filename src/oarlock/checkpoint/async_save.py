@@ -40,6 +40,10 @@ A new save (async or not) first waits for the previous one to finish, so saves n
 buffers are free again; :meth:`AsyncSaveHandle.wait` re-raises the background error, if any. A save still
 running when the interpreter exits is not lost: an ``atexit`` hook waits for it to commit, and a save that failed
 without anyone calling ``wait()`` is reported on stderr (and the ``oarlock`` logger) naming its path and error.
+The exit status stays what the script set (Python gives ``atexit`` hooks no way to change it short of
+``os._exit``, which would skip other hooks and lose unflushed files): a job that must fail when its last
+checkpoint failed calls ``handle.wait()``. At exit, Python has already ended every ``concurrent.futures`` pool,
+so the save's writeback, hashing and uploads run in its own thread then (:func:`oarlock.utils.submit`).
 """
 
 from __future__ import annotations
