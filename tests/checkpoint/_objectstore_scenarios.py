@@ -71,3 +71,37 @@ def scenario_replicated_readers_fetch_each_block_once(ctx):
     assert rep.bytes_hashed >= data, (rep.bytes_hashed, data)  # every block it reads whole, owned or not
     assert data <= sum(fetched) <= data + 256 * 1024, (sum(fetched), data)  # once, plus header reads
     return {"hashed": rep.bytes_hashed}
+
+
+def scenario_one_rank_refused_by_the_store_fails_every_rank(ctx):
+    """Only the last rank holds a wrong secret key. Its refused request must reach every rank as an error of the
+    same load, and of the same save (no rank left waiting in a collective); no target is written."""
+    from oarlock.checkpoint import CheckpointError
+
+    url = os.environ["OARLOCK_TEST_S3_URL"] + "/refused"
+    r, w = dist.get_rank(), dist.get_world_size()
+    save_state_dict({"x": torch.arange(12.0)}, url)
+    dist.barrier()
+    saved = dict(os.environ)
+    if r == w - 1:
+        os.environ["AWS_SECRET_ACCESS_KEY"] = "not-the-secret"
+    os.environ["OARLOCK_S3_MAX_ATTEMPTS"] = "1"
+    out = {"x": torch.zeros(12)}
+    mine = {"y": ShardedWeight("y", torch.ones(2), (2,), (2 * w,), (2 * r,))}  # every rank uploads its rows
+    texts = []
+    try:
+        for step in (lambda: load_state_dict(out, url), lambda: save_state_dict(mine, url + "-2")):
+            try:
+                step()
+            except CheckpointError as e:
+                texts.append(str(e))
+            else:
+                texts.append("")
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    for text in texts:  # the load, then a save
+        assert "HTTP 403" in text and "check the credentials" in text, repr(text)
+        if r != w - 1:
+            assert f"rank {w - 1}" in text, text
+    assert torch.equal(out["x"], torch.zeros(12))

@@ -428,6 +428,23 @@ def test_restricted_unpickler_still_reads_plain_arrays(tmp_path):
 
 # ---------------------------------------------------------------- 4. async saves are not lost at exit
 
+def test_a_failed_async_save_nobody_waited_for_is_reported_once_at_exit(tmp_path):
+    """The destination is a regular file: the background planning refuses it. Nobody calls ``wait()``, so the exit
+    hook reports the failure: once on stderr (logging unconfigured), naming the path and the reason; the file is
+    left as it was."""
+    target = tmp_path / "file"
+    target.write_text("hi")
+    script = textwrap.dedent(f"""
+        import torch
+        from oarlock.checkpoint import save_state_dict
+        save_state_dict({{"w": torch.ones(3)}}, {str(target)!r}, async_save=True)
+    """)
+    r = subprocess.run([PY, "-c", script], capture_output=True, text=True, timeout=300)
+    assert r.stderr.count("FAILED") == 1, r.stderr
+    assert f"async save to {target} FAILED" in r.stderr and "not a directory" in r.stderr, r.stderr
+    assert target.read_text() == "hi"
+
+
 def test_async_save_on_the_last_line_of_a_script_is_committed(tmp_path):
     ck = tmp_path / "ckpt"
     script = textwrap.dedent(f"""

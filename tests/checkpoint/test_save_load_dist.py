@@ -119,3 +119,59 @@ def test_destroy_process_group_frees_the_group_after_saves_and_loads(tmp_path):
     for rank in (0, 1):
         assert (f"rank {rank}: world freed True, side groups 0, torch.distributed.nn imported False"
                 in r.stdout), r.stdout
+
+
+_DESTROY_DURING_SAVE = '''
+import os, sys, time
+import torch, torch.distributed as dist, torch.multiprocessing as mp
+
+
+def worker(rank, port, root):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    from oarlock.checkpoint import ShardedWeight, save_state_dict
+    asy = sys.modules["oarlock.checkpoint.async_save"]
+    real = asy.write_and_commit
+
+    def late(*a, **k):  # the write starts after the script destroyed the group (a slow disk, a big state)
+        time.sleep(1.0)
+        return real(*a, **k)
+
+    asy.write_and_commit = late
+    full = torch.arange(24.0).reshape(6, 4)
+    sd = {"w": ShardedWeight("w", full[rank * 3:rank * 3 + 3].clone(), (3, 4), (6, 4), (rank * 3, 0))}
+    h = save_state_dict(sd, root + "/ckpt", async_save=True)
+    h.wait_staged()
+    dist.destroy_process_group()  # no h.wait(): the script's mistake
+    try:
+        h.wait()
+        print(f"rank {rank}: committed", flush=True)
+    except Exception as e:
+        print(f"rank {rank}: failed {type(e).__name__}: {e}", flush=True)
+
+
+if __name__ == "__main__":
+    import socket
+    s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+    mp.spawn(worker, args=(port, sys.argv[1]), nprocs=2)
+'''
+
+
+def test_an_async_save_outliving_its_group_fails_and_commits_nothing(tmp_path):
+    """An async save whose process group is destroyed before its write runs fails on every rank, naming the cause,
+    and publishes nothing: it must never carry on as a one-rank save (a fresh user's script committed a
+    metadata.json naming rank 1's file, which rank 0's writer, alone, never waited for)."""
+    import subprocess
+    import sys
+
+    from oarlock.checkpoint import CheckpointError
+
+    script = tmp_path / "destroy.py"
+    script.write_text(_DESTROY_DURING_SAVE)
+    r = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank}: failed" in r.stdout and "process group" in r.stdout, r.stdout
+    with pytest.raises(CheckpointError):
+        load_state_dict({"w": torch.zeros(6, 4)}, tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt" / "metadata.json").exists()

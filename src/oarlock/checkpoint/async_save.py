@@ -39,7 +39,9 @@ view) are not caught. :class:`~oarlock.checkpoint.manager.CheckpointManager` wai
 A new save (async or not) first waits for the previous one to finish, so saves never overlap and the staging
 buffers are free again; :meth:`AsyncSaveHandle.wait` re-raises the background error, if any. A save still
 running when the interpreter exits is not lost: an ``atexit`` hook waits for it to commit, and a save that failed
-without anyone calling ``wait()`` is reported on stderr (and the ``oarlock`` logger) naming its path and error.
+without anyone calling ``wait()`` is reported once, naming its path and error: on the ``oarlock`` logger when
+logging is configured, else on stderr. A save whose process group is destroyed before it finishes fails on every
+rank (nothing is committed): call ``handle.wait()`` before ``destroy_process_group()``.
 The exit status stays what the script set (Python gives ``atexit`` hooks no way to change it short of
 ``os._exit``, which would skip other hooks and lose unflushed files): a job that must fail when its last
 checkpoint failed calls ``handle.wait()``. At exit, Python has already ended every ``concurrent.futures`` pool,
@@ -552,8 +554,10 @@ def _report_unseen(h: AsyncSaveHandle) -> None:
     if h._error is not None and not h._reported:
         h._reported = True
         msg = f"oarlock: async save to {h.path} FAILED, no checkpoint was written: {h._error}"
-        logger.error(msg)
-        print(msg, file=sys.stderr, flush=True)
+        if logger.hasHandlers():  # the application's logging decides where it goes
+            logger.error(msg)
+        else:  # once, on stderr (logging's last-resort handler would print it a second time)
+            print(msg, file=sys.stderr, flush=True)
 
 
 @atexit.register

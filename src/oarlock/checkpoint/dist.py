@@ -110,6 +110,11 @@ def rebuild_error(rep: ErrorReport, rank: int) -> BaseException:
     return CheckpointError(msg)
 
 
+GROUP_DESTROYED = ("the process group of this checkpoint operation was destroyed before it finished "
+                   "(torch.distributed is no longer initialised); nothing is committed. An async save must finish "
+                   "first: call handle.wait() (or CheckpointManager.wait()) before destroy_process_group()")
+
+
 class DistWrapper:
     """Collectives and error agreement over ``group`` (None: the default group, or a single process).
 
@@ -119,6 +124,8 @@ class DistWrapper:
     def __init__(self, group: Any = None):
         self.group = group
         self._initialised = dist_active()
+        if group is not None and not self._initialised:
+            raise CheckpointError(GROUP_DESTROYED)
         if self._initialised:
             import torch.distributed as dist
 
@@ -129,7 +136,14 @@ class DistWrapper:
 
     @property
     def active(self) -> bool:
-        """A real process group with more than one rank (collectives communicate)."""
+        """A real process group with more than one rank (collectives communicate).
+
+        Raises:
+            CheckpointError: the group existed when this wrapper was made and torch.distributed has since been
+                shut down (a save or load must never go on as a single process then: it would commit alone).
+        """
+        if self._initialised and not dist_active():
+            raise CheckpointError(GROUP_DESTROYED)
         return self._initialised and self.size > 1
 
     @property

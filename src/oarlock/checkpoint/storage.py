@@ -121,8 +121,8 @@ def gather_view(path: str | os.PathLike, dist: DistWrapper) -> View:
     p = location(path)
     try:
         fmt: str | None = detect_format(p)
-    except CheckpointFormatError:
-        fmt = None
+    except (CheckpointError, OSError):  # also a store refusing this rank alone (its credentials): the open
+        fmt = None                      # below fails inside the agreed step, so every rank hears of it
     # every rank reads the same store: no listing (O(objects) requests per rank at scale), only one fixed-size
     # agreement on the format found (a commit landing between ranks' looks would split them)
     if is_object_path(p) and None not in dist.agree(fingerprint_words(f"\2{fmt}")):
