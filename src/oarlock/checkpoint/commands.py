@@ -274,7 +274,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
         elif config is None and detect_format(args.src) in ("oarlock", "dcp", "paddle"):
             # a training checkpoint's keys are the training model's: without a mapping they are not HF names
             print(f"note: keys written under their stored names (e.g. {plan.keys[0].key!r}) since no --aoa/--preset "
-                  "was given; a model trained in oarlock.models maps to HF names with --preset NAME "
+                  "was given: right when the model was saved under transformers' names; a model trained in "
+                  "oarlock.models (fused or renamed weights) maps to HF names with --preset NAME "
                   "--model-config CONFIG.json (see `oarlock convert --help`, docs/aoa.md)" if plan.keys else
                   "note: no tensors selected")
     elif to == "dcp":
