@@ -440,6 +440,6 @@ def test_the_writer_runs_at_a_lower_priority_and_the_stager_does_not(tmp_path, m
     h.wait()
     threads = {t.name: t.native_id for t in threading.enumerate()}
     base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    assert async_mod.background_nice() == 3  # the default, OARLOCK_ASYNC_NICE unset in the tests
-    assert os.getpriority(os.PRIO_PROCESS, threads["oarlock-async-save"]) == min(19, base + 3)
+    assert async_mod.background_nice() == 8  # the default, OARLOCK_ASYNC_NICE unset in the tests
+    assert os.getpriority(os.PRIO_PROCESS, threads["oarlock-async-save"]) == min(19, base + 8)
     assert os.getpriority(os.PRIO_PROCESS, threads["oarlock-async-stage"]) == base
