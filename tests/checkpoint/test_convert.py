@@ -383,3 +383,15 @@ def test_convert_carries_the_json_values(tmp_path):
     convert_checkpoint(tmp_path / "src", tmp_path / "nocfg", exclude=["cfg.*"])
     with open_checkpoint(tmp_path / "nocfg") as rd:
         assert rd.metadata.objects == {"step": 7}
+    # a NaN is a value a save stores, so it is carried; the optimizer's records go only with optimizer state
+    import math
+
+    save_state_dict({"a": a, "loss": float("nan"), "optimizer": {"algorithm": "adamw", "param_groups": [{"lr": 0.1}]}},
+                    tmp_path / "opt")
+    convert_checkpoint(tmp_path / "opt", tmp_path / "opt-model", optimizer_state=False)
+    with open_checkpoint(tmp_path / "opt-model") as rd:
+        assert list(rd.metadata.objects) == ["loss"] and math.isnan(rd.metadata.objects["loss"])
+    convert_checkpoint(tmp_path / "opt", tmp_path / "opt-all")
+    with open_checkpoint(tmp_path / "opt-all") as rd:
+        assert rd.metadata.objects["optimizer.algorithm"] == "adamw"
+        assert rd.metadata.objects["optimizer.param_groups"] == [{"lr": 0.1}]

@@ -48,8 +48,8 @@ from oarlock.checkpoint.integrity import CHECKSUMS_KEY, BlockHasher, make_record
 from oarlock.checkpoint.hf import (HF_INDEX, HF_SINGLE, hf_shard_names, parse_size, reserved_hf_key_message,
                                    save_hf_checkpoint, write_hf_index)
 from oarlock.checkpoint.mapping import IdentityProgram, MappingProgram, TensorSpec
-from oarlock.checkpoint.metadata import (METADATA_FILE, OPTIMIZER_KEYS_EXTRA, PARAM_GROUPS_KEY, CheckpointMetadata,
-                                         key_selected, parse_json)
+from oarlock.checkpoint.metadata import (ALGORITHM_KEY, METADATA_FILE, OPTIMIZER_KEYS_EXTRA, PARAM_GROUPS_KEY,
+                                         CheckpointMetadata, key_selected, parse_json)
 from oarlock.checkpoint.plan import Planner, index_of, source_specs
 from oarlock.checkpoint.reader import CheckpointReader, checkpoint_file
 from oarlock.checkpoint.safetensors_io import RESERVED_NAME, SafetensorsWriter, contiguous_run
@@ -308,12 +308,12 @@ def carried_objects(metadata: CheckpointMetadata, *, include: Sequence[str] | No
     unless ``optimizer_state``, and only JSON values (what an oarlock checkpoint stores; a foreign format's other
     objects are left out)."""
     out: dict[str, Any] = {}
-    skip = set() if optimizer_state else set(metadata.non_model_keys) | {PARAM_GROUPS_KEY}
+    skip = set() if optimizer_state else set(metadata.non_model_keys) | {PARAM_GROUPS_KEY, ALGORITHM_KEY}
     for k, v in metadata.objects.items():
         if k in skip or not key_selected(k, include, exclude):
             continue
         try:
-            json.dumps(v, allow_nan=False)
+            json.dumps(v, allow_nan=True)  # the rule a save applies to its values (a NaN loss is kept)
         except (TypeError, ValueError):
             continue
         out[k] = v
