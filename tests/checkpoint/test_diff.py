@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -229,14 +230,14 @@ def test_diff_preset_compares_a_training_checkpoint_with_hf(tmp_path, capsys):
 
 
 def test_a_corrupted_byte_is_an_error_not_a_difference(tmp_path, capsys):
-    """Two saves of one state; a byte of B's data flipped on disk afterwards. diff hashes the compared files against
+    """A save and a copy of it; a byte of the copy's data flipped on disk afterwards. diff hashes the compared files against
     their recorded checksums first: the corruption is a ChecksumError naming B's file (CLI exit 2), while
     ``verify_checksums=False`` compares the bytes as they are and finds the one changed element."""
     from oarlock.checkpoint.integrity import ChecksumError
 
     t = {"a": torch.arange(1000, dtype=torch.float32)}
     save_state_dict(t, tmp_path / "x")
-    save_state_dict(t, tmp_path / "y")
+    shutil.copytree(tmp_path / "x", tmp_path / "y")  # a copy: its recorded checksums equal x's
     f = tmp_path / "y" / "rank-00000.safetensors"
     raw = bytearray(f.read_bytes())
     raw[-10] ^= 0xFF  # inside the last element's bytes
@@ -247,3 +248,6 @@ def test_a_corrupted_byte_is_an_error_not_a_difference(tmp_path, capsys):
     assert [(d.key, d.num_different) for d in rep.changed] == [("a", 1)]
     assert main(["diff", str(tmp_path / "x"), str(tmp_path / "y")]) == 2
     assert "do not match the checksums recorded at save" in capsys.readouterr().err
+    # the recorded checksums of both sides are equal and untouched: --no-verify must not trust them either
+    assert main(["diff", str(tmp_path / "x"), str(tmp_path / "y"), "--no-verify"]) == 1
+    assert "1/1000 elements differ" in capsys.readouterr().out

@@ -188,7 +188,9 @@ def diff_checkpoints(a: str | Path, b: str | Path, *, rtol: float = 0.0, atol: f
             with fused QKV against an HF directory). ``include``/``exclude`` select those keys.
         verify_checksums: before any comparison, hash every data file of either side holding a compared key
             against the block checksums recorded at its save (sides without recorded checksums are read as
-            they are): a corrupted byte is then an error naming the file and block, not a "difference".
+            they are): a corrupted byte is then an error naming the file and block, not a "difference". False
+            compares every key by its bytes as they are (``use_checksums`` then has no effect: equal recorded
+            checksums stand for equal tensors only in verified files).
 
     Raises:
         CheckpointFormatError: either side unreadable (naming the file); CheckpointTilingError: a key whose
@@ -213,15 +215,17 @@ def diff_checkpoints(a: str | Path, b: str | Path, *, rtol: float = 0.0, atol: f
         rep.only_in_a = [k for k in ka if k not in sb]
         rep.only_in_b = [k for k in kb if k not in set(ka)]
         la, lb = recorded_layouts(ma), recorded_layouts(mb)
-        same = _checksum_equal_keys(ma, mb) if use_checksums and aoa_a is None and aoa_b is None else set()
+        # recorded checksums prove equality only of intact files, so without verification every key is compared
+        # by its bytes (a corrupted byte then shows as a difference)
+        trust = use_checksums and verify_checksums and aoa_a is None and aoa_b is None
+        same = _checksum_equal_keys(ma, mb) if trust else set()
         same = {k for k in same if la.get(k) == lb.get(k)}  # equal bytes mean equal tensors only in one layout
-        common = [k for k in ka if k in sb]
-        for reader, meta, aoa in ((ra, ma, aoa_a), (rb, mb, aoa_b)):
-            # recorded checksums prove equality only of intact files, and a corrupted byte must not pass for a
-            # change: the files are checked first (through an AOA config, every file: its keys are renamed)
-            keys = (set(meta.tensors) if aoa is not None else set(common)) if verify_checksums else same
-            _verify_files(reader, meta, {sh.file for k in keys if k in meta.tensors
-                                         for sh in meta.tensors[k].shards})
+        if verify_checksums:  # a corrupted byte must not pass for a change: the compared files are checked first
+            common = {k for k in ka if k in sb}
+            for reader, meta, aoa in ((ra, ma, aoa_a), (rb, mb, aoa_b)):
+                keys = set(meta.tensors) if aoa is not None else common  # through an AOA config keys are renamed
+                _verify_files(reader, meta, {sh.file for k in keys if k in meta.tensors
+                                             for sh in meta.tensors[k].shards})
         for k in ka:
             if k not in sb:
                 continue
