@@ -99,7 +99,17 @@ def _tiny_hf_dir(cache: Path, seed: int) -> Path:
                         pad_token_id=None)
     model = LlamaForCausalLM(cfg).to(torch.float32)
     tmp = d.with_name(d.name + f".partial-{os.getpid()}")
-    model.save_pretrained(tmp, safe_serialization=True)
+    from transformers.utils import logging as hf_logging
+
+    # transformers draws a "Writing model shards" bar on stderr: the one-line error a demo run gives must not
+    # depend on whether this run happened to build the cached model first
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     if d.exists():  # another run finished first
         import shutil
 
