@@ -18,9 +18,92 @@ from pathlib import Path
 import torch
 
 from oarlock.attention import flashmask_attention, to_dense_mask, to_flex_block_mask
+from oarlock.attention.masks import TILE_SKIP, canonicalize, classify_tiles, dense_keep_rows
 
 sys.path.insert(0, str(Path(__file__).parent))
 from flashmask_cpu import masks  # noqa: E402  (the same mask grid)
+
+FLOP_BLOCK = 128  # tile edge for "unmasked tiles" FLOP counts (FlexAttention's block; FlashMask V3's too)
+
+
+def mask_stats(idx: torch.Tensor, causal: bool, seqlen_q: int, *, block: int = FLOP_BLOCK,
+               chunk: int = 4096) -> dict:
+    """Sparsity of a FlashMask mask (batch 0, mask head 0) without an ``Sq x Sk`` matrix.
+
+    Returns ``density``: the attended fraction of the score matrix (the FlashMask paper's FLOP basis), and
+    ``tile_density``: the fraction of ``block x block`` tiles not wholly masked (what a tile-skipping kernel
+    computes; FLOPs "counting only unmasked tiles"). Rows are expanded ``chunk`` at a time on the mask's device.
+    """
+    canon = canonicalize(idx[:1, :1], causal=causal, seqlen_q=seqlen_q)
+    sk = canon.shape[2]
+    kept = 0
+    for r0 in range(0, seqlen_q, chunk):
+        rows = torch.arange(r0, min(r0 + chunk, seqlen_q), device=canon.device)
+        kept += int(dense_keep_rows(canon, rows, None, causal=causal, seqlen_q=seqlen_q).sum())
+    cls = classify_tiles(canon, causal=causal, seqlen_q=seqlen_q, block_m=block, block_n=block)
+    return {"density": kept / max(1, seqlen_q * sk), "tile_density": float((cls != TILE_SKIP).float().mean())}
+
+
+def forward_flops(fraction: float, b: int, h: int, sq: int, sk: int, d: int) -> float:
+    """Forward FLOPs of attention over ``fraction`` of the score matrix (``4 * fraction * B * H * Sq * Sk * D``);
+    the backward counts 2.5x that, forward+backward 3.5x."""
+    return 4.0 * fraction * b * h * sq * sk * d
+
+
+def attention_fns(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, idx: torch.Tensor,
+                  causal: bool, *, flex=None, block_mask=None, sdpa: str | None = None) -> tuple[dict, tuple]:
+    """``(fns, (qt, kt, vt))``: callables timing one mask, ``oarlock_fwd`` / ``oarlock_fwdbwd`` (``flashmask_attention`` on ``[B, S, H, D]``
+    inputs), and with ``flex`` (a compiled ``flex_attention``) and its ``block_mask`` ``flex_fwd`` /
+    ``flex_fwdbwd``; with ``sdpa`` (``"causal"``: the flash back end with ``is_causal``; ``"dense"``: the dense
+    boolean mask of ``idx``) ``sdpa_fwd`` / ``sdpa_fwdbwd``; and the ``[B, H, S, D]`` copies of the inputs that Flex
+    and SDPA get (None without them)."""
+    fns = {}
+
+    def fm_f():
+        with torch.no_grad():
+            return flashmask_attention(q, k, v, idx, causal=causal)
+
+    def fm_fb():
+        out = flashmask_attention(q, k, v, idx, causal=causal)
+        return torch.autograd.grad(out, (q, k, v), dout)
+
+    fns["oarlock_fwd"], fns["oarlock_fwdbwd"] = fm_f, fm_fb
+    if flex is None and sdpa is None:
+        return fns, None
+    qt, kt, vt = (x.detach().transpose(1, 2).contiguous().requires_grad_(True) for x in (q, k, v))
+    dt = dout.transpose(1, 2).contiguous()
+    if flex is not None:
+        def fx_f():
+            with torch.no_grad():
+                return flex(qt, kt, vt, block_mask=block_mask)
+
+        def fx_fb():
+            out = flex(qt, kt, vt, block_mask=block_mask)
+            return torch.autograd.grad(out, (qt, kt, vt), dt)
+
+        fns["flex_fwd"], fns["flex_fwdbwd"] = fx_f, fx_fb
+    if sdpa is not None:
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        if sdpa == "causal":
+            backends, kw = [SDPBackend.FLASH_ATTENTION], {"is_causal": True}
+        else:
+            dense = to_dense_mask(idx, causal=causal, seqlen_q=q.shape[1])  # [B, Hm, Sq, Sk] bool
+            backends = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]
+            kw = {"attn_mask": dense}
+
+        def sd_f():
+            with torch.no_grad(), sdpa_kernel(backends):
+                return F.scaled_dot_product_attention(qt, kt, vt, **kw)
+
+        def sd_fb():
+            with sdpa_kernel(backends):
+                out = F.scaled_dot_product_attention(qt, kt, vt, **kw)
+            return torch.autograd.grad(out, (qt, kt, vt), dt)
+
+        fns["sdpa_fwd"], fns["sdpa_fwdbwd"] = sd_f, sd_fb
+    return fns, (qt, kt, vt)
 
 
 def main(argv=None) -> int:
@@ -45,31 +128,14 @@ def main(argv=None) -> int:
     for s in args.seqlens:
         q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
         dout = torch.randn(b, s, h, d, device="cuda", dtype=dtype)
-        qt, kt, vt = (x.detach().transpose(1, 2).contiguous().requires_grad_(True) for x in (q, k, v))
         for name, (idx, causal) in masks(s).items():
             idx = idx.cuda().expand(b, -1, -1, -1).contiguous()
-            density = float(to_dense_mask(idx[:1, :1], causal=causal).float().mean())
-            flops_f = 4 * density * b * h * s * s * d
-            bmask = to_flex_block_mask(idx, causal=causal, block_size=128)
-
-            def fm_f():
-                with torch.no_grad():
-                    flashmask_attention(q, k, v, idx, causal=causal)
-
-            def fm_fb():
-                out = flashmask_attention(q, k, v, idx, causal=causal)
-                torch.autograd.grad(out, (q, k, v), dout)
-
-            def fx_f():
-                with torch.no_grad():
-                    flex(qt, kt, vt, block_mask=bmask)
-
-            def fx_fb():
-                out = flex(qt, kt, vt, block_mask=bmask)
-                torch.autograd.grad(out, (qt, kt, vt), dout.transpose(1, 2))
-
-            t = {n: triton.testing.do_bench(f) / 1e3 for n, f in
-                 (("fm_f", fm_f), ("fm_fb", fm_fb), ("fx_f", fx_f), ("fx_fb", fx_fb))}
+            density = mask_stats(idx, causal, s)["density"]
+            flops_f = forward_flops(density, b, h, s, s, d)
+            bmask = to_flex_block_mask(idx, causal=causal, block_size=FLOP_BLOCK)
+            fns, _ = attention_fns(q, k, v, dout, idx, causal, flex=flex, block_mask=bmask)
+            t = {n: triton.testing.do_bench(fns[f]) / 1e3 for n, f in
+                 (("fm_f", "oarlock_fwd"), ("fm_fb", "oarlock_fwdbwd"), ("fx_f", "flex_fwd"), ("fx_fb", "flex_fwdbwd"))}
             r = dict(mask=name, S=s, density=density, **t,
                      tf_fm_f=flops_f / t["fm_f"] / 1e12, tf_fx_f=flops_f / t["fx_f"] / 1e12,
                      tf_fm_fb=3.5 * flops_f / t["fm_fb"] / 1e12, tf_fx_fb=3.5 * flops_f / t["fx_fb"] / 1e12)
