@@ -56,11 +56,11 @@ TENSOR_MIB = 8
 LIBS = ("oarlock", "dcp-thread", "dcp-stager")
 
 
-def tensor_shapes(size_mib: int) -> list[tuple[int, int]]:
-    """Global shapes of the saved tensors: ``size_mib`` MiB of fp32 in tensors of about 8 MiB (at least 4), rows a
-    multiple of the world size."""
+def tensor_shapes(size_mib: int, itemsize: int = 4) -> list[tuple[int, int]]:
+    """Global shapes of the saved tensors: ``size_mib`` MiB of elements of ``itemsize`` bytes (fp32 by default) in
+    tensors of about 8 MiB (at least 4), rows a multiple of the world size."""
     n = max(4, size_mib // TENSOR_MIB)
-    rows = max(WORLD, (size_mib * 2**20 // (n * COLS * 4)) // WORLD * WORLD)
+    rows = max(WORLD, (size_mib * 2**20 // (n * COLS * itemsize)) // WORLD * WORLD)
     return [(rows, COLS)] * n
 
 
@@ -90,7 +90,9 @@ class Loop:
 
 
 def rank_main(rank: int, world: int, port: int, root: str, size_mib: int, device_kind: str, steps: int,
-              matmul: int, check: bool, order: tuple[str, ...] = LIBS) -> None:
+              matmul: int, check: bool, order: tuple[str, ...] = LIBS, dtype: torch.dtype = torch.float32) -> None:
+    """One rank of a launch (also called in-process with ``world=1`` by scripts/gpu_check.py): writes its figures
+    to ``root/result-{rank}.json``. ``dtype``: of the saved tensors (fp32 for this script's tables)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
@@ -115,8 +117,8 @@ def rank_main(rank: int, world: int, port: int, root: str, size_mib: int, device
     root = Path(root)
     g = torch.Generator().manual_seed(100 + rank)
     state = {}
-    for i, (rows, cols) in enumerate(tensor_shapes(size_mib)):
-        local = torch.randn(rows // world, cols, generator=g).to(dev)
+    for i, (rows, cols) in enumerate(tensor_shapes(size_mib, dtype.itemsize)):
+        local = torch.randn(rows // world, cols, generator=g).to(dev, dtype)
         state[f"layers.{i}.weight"] = DTensor.from_local(local, mesh, [Shard(0)], shape=torch.Size((rows, cols)),
                                                          stride=(cols, 1), run_check=False)
     loop = Loop(dev, matmul, state)
