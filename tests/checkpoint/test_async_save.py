@@ -141,6 +141,7 @@ def test_values_are_those_at_the_snapshot(tmp_path):
     assert h.staged_bytes == sum(v.numel() * v.element_size() for v in sd.values() if isinstance(v, torch.Tensor))
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned staging on a side stream)")
 def test_cuda_snapshot_in_reused_pinned_buffers(tmp_path):
     g = torch.Generator().manual_seed(4)

@@ -273,6 +273,7 @@ def test_four_ranks_errors_name_the_detecting_rank(launched):
     assert len(hashed) == 4 and all(0 < h < sum(hashed) / 2 for h in hashed), hashed
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned staging of device tensors)")
 def test_async_save_stages_cuda_tensors_in_pinned_memory(tmp_path):
     from oarlock.checkpoint import async_save

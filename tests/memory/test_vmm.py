@@ -122,6 +122,7 @@ def _cuda_driver():
         pytest.skip(f"no CUDA driver: {e}")
 
 
+@pytest.mark.cuda
 def test_cuda_driver_unavailable_is_clean_or_real_remap_works():
     drv = _cuda_driver()  # skips on machines without a GPU driver
     import torch
@@ -146,6 +147,7 @@ def test_cuda_driver_unavailable_is_clean_or_real_remap_works():
     m.empty_cache()
 
 
+@pytest.mark.cuda
 def test_vmm_arena_tensors_on_gpu():
     _cuda_driver()
     import torch
