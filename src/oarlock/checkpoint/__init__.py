@@ -5,7 +5,8 @@ Public surface: :func:`save_state_dict` / :func:`load_state_dict` (any layout to
 :func:`sharded_optimizer_state_dict` / :func:`load_sharded_optimizer_state_dict` for optimizers (exact resume), :func:`async_save`, the pure
 load planner (:func:`plan_load`), the metadata model, readers for every source format, HF/Paddle interop
 (:func:`export_hf`, :func:`export_hf_sharded`, :func:`convert_checkpoint`, :func:`full_state_dict`),
-:class:`CheckpointManager` (save every N steps, keep the last K, resume; :class:`RNGState`, :class:`RankLocal`, :class:`OptimizerState`), and errors.
+:class:`CheckpointManager` (save every N steps, keep the last K, resume; :class:`RNGState`, :class:`RankLocal`, :class:`OptimizerState`),
+live resharding between running process groups (:func:`reshard_state_dict`, :class:`WeightSync`, :func:`join_group`), and errors.
 """
 
 # The names import their submodule on first use (PEP 562; see oarlock.lazy): the CLI's checkpoint commands
@@ -33,6 +34,8 @@ _LAZY = {
     **dict.fromkeys(("CheckpointReader", "detect_format", "open_checkpoint", "read_metadata"), "storage"),
     **dict.fromkeys(("ObjectPath", "ObjectStoreError", "UnsupportedLocationError", "location"), "objectstore"),
     "ChecksumError": "integrity",
+    **dict.fromkeys(("ReshardReport", "WeightSync", "reshard_state_dict"), "live"),
+    **dict.fromkeys(("PeerGroup", "join_group"), "transfer"),
 }
 
 __all__ = [
@@ -50,6 +53,7 @@ __all__ = [
     "CheckpointMetadata", "ShardMeta", "TensorMeta",
     "CheckpointReader", "detect_format", "open_checkpoint", "read_metadata",
     "CheckpointManager", "OptimizerState", "RankLocal", "RNGState",
+    "reshard_state_dict", "WeightSync", "ReshardReport", "join_group", "PeerGroup",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())

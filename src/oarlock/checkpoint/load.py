@@ -191,6 +191,23 @@ def gather_requests(request: Callable[[], dict], dist: DistWrapper) -> list[dict
     return [dist.broadcast_object(rec if dist.rank == r else None, r) for r in sorted(firsts.values())]
 
 
+def destination_request(gathered: list[dict]) -> tuple[dict[str, TensorSpec], dict[str, int]]:
+    """From the gathered request records (:func:`gather_requests`): every requested key's global spec, and its TP
+    shard count (distinct offsets, or a DTensor grid's cell count) for the TP-dependent AOA layouts."""
+    dest_all: dict[str, TensorSpec] = {}
+    offsets: dict[str, set] = {}
+    counts: dict[str, int] = {}
+    for g in gathered:
+        for k, (shape, dt) in g["tensors"].items():
+            dest_all.setdefault(k, TensorSpec(tuple(shape), dt))
+        for k, off in g["offsets"]:
+            offsets.setdefault(k, set()).add(tuple(off))
+        for k, n in g["counts"].items():
+            counts[k] = max(counts.get(k, 0), n)
+    counts.update({k: len(v) for k, v in offsets.items()})
+    return dest_all, counts
+
+
 def run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process_group: Any = None,
              aoa_config: Any = None, strict: bool = True, program: MappingProgram | None = None,
              comm_method: str = "auto", model_only: bool = False, ignore_unexpected: Any = False,
@@ -256,21 +273,10 @@ def _run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process
         reader = open_checkpoint(path, view=view, rank=dist.rank)
         meta = reader.metadata
         missing: set[str] = set()
-        dest_all: dict[str, TensorSpec] = {}
-        for g in gathered:
-            for k, (shape, dt) in g["tensors"].items():
-                dest_all.setdefault(k, TensorSpec(tuple(shape), dt))
+        dest_all, counts = destination_request(gathered)
         if aoa_config is None and program is None and meta.extra.get("tp_layouts"):
             aoa_config = []  # keys saved in a TP-blocked layout: compiled below, re-laid out if needed
         if aoa_config is not None:
-            offsets: dict[str, set] = {}
-            counts: dict[str, int] = {}
-            for g in gathered:
-                for k, off in g["offsets"]:
-                    offsets.setdefault(k, set()).add(tuple(off))
-                for k, n in g["counts"].items():
-                    counts[k] = max(counts.get(k, 0), n)
-            counts.update({k: len(v) for k, v in offsets.items()})
             program = compile_aoa_for_load(aoa_config, source_specs(meta), dest_all, meta, counts)
         planner = Planner(meta, program)
         for sw in leaves.shards:

@@ -14,6 +14,7 @@ layout on disk is described in ``docs/checkpoint-format.md``. Errors are agreed 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 import math
@@ -318,11 +319,18 @@ def dtensor_grid(sw: ShardedWeight, dist: DistWrapper, cache: dict) -> GridLayou
                 d.local_shape)
     hit = _GRID_MEMO.get(memo_key)
     if hit is not None and hit[0][0] is mesh and hit[0][1] is dist.group:  # the objects themselves, not an old id
-        return hit[1]
-    grid = _dtensor_grid(sw, dist, cache)
-    if len(_GRID_MEMO) >= 8192:
-        _GRID_MEMO.clear()
-    _GRID_MEMO[memo_key] = ((mesh, dist.group), grid)
+        grid = hit[1]
+    else:
+        grid = _dtensor_grid(sw, dist, cache)
+        if len(_GRID_MEMO) >= 8192:
+            _GRID_MEMO.clear()
+        _GRID_MEMO[memo_key] = ((mesh, dist.group), grid)
+    if grid is not None and grid.replicas:
+        # the replica rotation is the key's own (the memo is shared by every key of one geometry): without it every
+        # same-shaped replicated tensor was written, and sent by a live reshard, by the same holders
+        rot = zlib.crc32(d.key.encode()) % grid.nreplicas
+        if rot != grid.rotate:
+            grid = dataclasses.replace(grid, rotate=rot)
     return grid
 
 
