@@ -24,7 +24,7 @@ def test_one_process_rename_transpose_cast():
     W = torch.randn(6, 4)
     tgt = {"b.weight": torch.zeros(4, 6, dtype=torch.bfloat16)}
     rep = reshard_state_dict({"a.weight": W}, tgt,
-                             aoa_config=["a.weight -> b.weight, permute='[1, 0]', dtype='bfloat16'"])
+                             aoa_config=["a.weight -> t, permute='[1, 0]'", "t -> b.weight, dtype='bfloat16'"])
     assert torch.equal(tgt["b.weight"], W.t().bfloat16())
     assert rep.bytes_received == rep.bytes_local == 4 * 6 * 2 and rep.messages_sent == 0
 
@@ -55,3 +55,10 @@ def test_cut_stream_cuts_both_ends_alike():
     assert chunks == [[Segment(0, 0, 4, 0)], [Segment(0, 4, 5, 0), Segment(1, 0, 1, 1), Segment(2, 0, 2, 2)],
                       [Segment(2, 2, 6, 0)], [Segment(2, 6, 9, 0)]]
     assert sum(sg.stop - sg.start for c in chunks for sg in c) == 15
+
+
+def test_cut_stream_big_slices_travel_alone():
+    # a 10-byte slice (>= alone=8) gets chunks of its own; the small ones around it are packed
+    chunks = cut_stream([2, 10, 3, 1], 4, alone=8)
+    assert chunks == [[Segment(0, 0, 2, 0)], [Segment(1, 0, 4, 0)], [Segment(1, 4, 8, 0)], [Segment(1, 8, 10, 0)],
+                      [Segment(2, 0, 3, 0), Segment(3, 0, 1, 3)]]

@@ -50,7 +50,9 @@ class Row:
     ``[Q; K; V]`` tensor, optionally ``[in, out]`` -> ``fused_qkv`` order), ``"experts_ffn"`` (every expert's
     gate and up -> one ``[E, 2 * I, hidden]`` tensor, expert e's ``[gate_e; up_e]`` at index e) and ``"experts"``
     (every expert's ``[hidden, I]`` tensor -> one ``[E, hidden, I]`` tensor); the two stacking ops add the expert
-    axis with ``reshape=`` and concatenate on it, one statement set per layer. ``when``: a feature of
+    axis with ``reshape=`` and concatenate on it, one statement set per layer; ``"qkv_tp"`` (separate q, k, v ->
+    ``fused_qkv_old``: per TP rank its own ``[q_r; k_r; v_r]`` rows, vLLM's ``QKVParallelLinear`` layout, whose
+    degree is the number of shards the destination asks for). ``when``: a feature of
     :class:`Params` that must hold (``"qkv_bias"``, ``"o_bias"``, ``"mlp_bias"``, ``"untied"``, ``"gemma2"``,
     ``"stacked_experts"``, ...), ``"!feature"`` one that must not, ``None`` = always.
     """
@@ -187,6 +189,24 @@ _STACKED = ["*experts.gate_up_proj.weight", "*experts.down_proj.weight"]
 TP_RULES = tuple([(p, 0) for p in _STACKED + _VOCAB + _COLUMN] + [(p, 1) for p in _ROW])
 
 _LLAMA_LIKE = DECODER_BASE + ATTENTION + DENSE_MLP
+
+# vLLM's own parameter layout (oarlock.integrations.vllm, docs/vllm.md): HF names kept (with the ``model.`` prefix),
+# q/k/v fused into ``qkv_proj`` as vLLM's QKVParallelLinear holds them -- each TP rank's rows are its own
+# ``[q_r; k_r; v_r]`` (AOA ``fused_qkv_old``) -- and gate/up into ``gate_up_proj`` as MergedColumnParallelLinear
+# holds them -- each rank's ``[gate_r; up_r]`` (AOA ``fused_ffn``). Both layouts depend on the TP degree, which AOA
+# takes from the number of shards the destination asks for (a live reshard gathers every worker's request).
+# Every other key (embeddings, norms, o_proj, down_proj, an untied lm_head) has the same name on both sides.
+_VA = "model.layers.{L}.self_attn."
+_VM = "model.layers.{L}.mlp."
+VLLM_DECODER = (
+    # a tied lm_head is a parameter of its own in vLLM's CPU path (each layer packs its own copy): fed from the embedding
+    _r("rename", "embed_tokens.weight", "model.embed_tokens.weight", "!untied"),
+    _r("rename", "embed_tokens.weight", "lm_head.weight", "!untied"),
+    _r("qkv_tp", (_A + "q_proj.weight", _A + "k_proj.weight", _A + "v_proj.weight"), _VA + "qkv_proj.weight"),
+    _r("qkv_tp", (_A + "q_proj.bias", _A + "k_proj.bias", _A + "v_proj.bias"), _VA + "qkv_proj.bias", "qkv_bias"),
+    _r("ffn", (_M + "gate_proj.weight", _M + "up_proj.weight"), _VM + "gate_up_proj.weight"),
+    _r("ffn", (_M + "gate_proj.bias", _M + "up_proj.bias"), _VM + "gate_up_proj.bias", "mlp_bias"),
+)
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("llama", ("llama", "mistral"), "model.", _LLAMA_LIKE, TP_RULES),
     Architecture("qwen2", ("qwen2",), "model.", _LLAMA_LIKE, TP_RULES, features=("qkv_bias",)),
@@ -199,9 +219,15 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("deepseek_v3", ("deepseek_v3",), "", DEEPSEEK_V3, TP_RULES),
     Architecture("gpt2", ("gpt2",), "", GPT2, TP_RULES),
     Architecture("bert", ("bert",), "", BERT, TP_RULES),
+    # HF -> vLLM's parameters (the `oarlock` weight-transfer back end; after the training layouts, so that 'auto'
+    # keeps picking those)
+    Architecture("vllm_llama", ("llama", "mistral"), "model.", VLLM_DECODER, TP_RULES),
+    Architecture("vllm_qwen2", ("qwen2",), "model.", VLLM_DECODER, TP_RULES, features=("qkv_bias",)),
 )}
 ALIASES = {"mistral": "llama", "smollm2": "llama", "smollm": "llama", "qwen2-moe": "qwen2_moe",
-           "deepseek-v3": "deepseek_v3", "minilm": "bert"}
+           "deepseek-v3": "deepseek_v3", "minilm": "bert", "vllm_mistral": "vllm_llama"}
+#: ``preset("vllm", config)``: the vLLM preset whose architecture fits ``config``'s ``model_type``.
+VLLM_AUTO = "vllm"
 
 
 def _features(arch: Architecture, cfg: Mapping[str, Any]) -> frozenset[str]:
@@ -278,6 +304,8 @@ def row_statements(row: Row, prefix: str, p: Params) -> list[str]:
         return [f"{hf[0]}^T -> {m}"]
     if row.op == "qkv":
         return [f"{', '.join(hf)} -> {m}, {qkv}"]
+    if row.op == "qkv_tp":
+        return [f"{', '.join(hf)} -> {m}, fused_qkv_old, num_heads={p.h}, num_key_value_groups={p.g}, axis=0"]
     if row.op == "ffn":
         return [f"{', '.join(hf)} -> {m}, fused_ffn, axis=0"]
     if row.op == "ffn_fused":
@@ -316,7 +344,7 @@ def _stacked_statements(row: Row, prefix: str, p: Params) -> list[str]:
 
 def row_export_statements(row: Row, prefix: str, p: Params) -> list[str]:
     """The explicit inverse of :func:`row_statements` (training layout -> HF), for rows whose inverse is one
-    statement (rename, T, qkv, ffn, ffn_fused); ``aoa_config_reverse`` inverts every row."""
+    statement (rename, T, qkv, qkv_tp, ffn, ffn_fused); ``aoa_config_reverse`` inverts every row."""
     hf = [_expand(n, prefix) for n in row.hf]
     m = _model_name(row.model)
     qkv = f"fused_qkv, num_heads={p.h}, num_key_value_groups={p.g}, axis=0"
@@ -326,6 +354,8 @@ def row_export_statements(row: Row, prefix: str, p: Params) -> list[str]:
         return [f"{m}^T -> {hf[0]}"]
     if row.op == "qkv":
         return [f"{m} -> {', '.join(hf)}, {qkv}"]
+    if row.op == "qkv_tp":
+        return [f"{m} -> {', '.join(hf)}, fused_qkv_old, num_heads={p.h}, num_key_value_groups={p.g}, axis=0"]
     if row.op == "ffn":
         return [f"{m} -> {', '.join(hf)}, fused_ffn, axis=0"]
     if row.op == "ffn_fused":
@@ -404,7 +434,8 @@ def preset(name: str | os.PathLike, config: Any = None, *, reverse: bool = False
     """An AOA config for an HF architecture, built from the model's ``config.json``.
 
     Args:
-        name: a preset name (see :data:`ARCHITECTURES`; ``"auto"`` = from ``config["model_type"]``), or a
+        name: a preset name (see :data:`ARCHITECTURES`; ``"auto"`` = from ``config["model_type"]``; ``"vllm"`` =
+            the ``vllm_*`` preset of that ``model_type``: HF keys -> vLLM's own parameters), or a
             checkpoint directory holding ``config.json`` (then ``config`` may be omitted: ``"auto"`` with it).
             ``"megatron_gpt"`` (aliases ``megatron``, ``megatron_llama``) maps a Megatron-Core GPT/Llama
             ``torch_dist`` checkpoint to HF Llama keys (:data:`MEGATRON_GPT`; ``config`` is then the target HF
@@ -443,6 +474,12 @@ def preset(name: str | os.PathLike, config: Any = None, *, reverse: bool = False
         if not fits:
             raise PresetError(f"no preset for model_type {model_type!r}; known presets: "
                               f"{', '.join(sorted(ARCHITECTURES))}")
+        arch = fits[0]
+    elif str(name).lower() == VLLM_AUTO:
+        fits = [a for a in ARCHITECTURES.values() if a.name.startswith("vllm_") and model_type in a.model_types]
+        if not fits:
+            raise PresetError(f"no vLLM preset for model_type {model_type!r}; vLLM presets: "
+                              f"{', '.join(sorted(a for a in ARCHITECTURES if a.startswith('vllm_')))}")
         arch = fits[0]
     else:
         arch = architecture(str(name))
@@ -680,6 +717,8 @@ def reference_convert(arch: Architecture, p: Params, hf_state_dict: Mapping[str,
                 val = src[0].T
             elif row.op == "qkv":
                 val = gqa(*src)
+            elif row.op == "qkv_tp":  # per rank its own q, k, v rows
+                val = torch.cat([x.chunk(tp)[r] for r in range(tp) for x in src])
             elif row.op == "ffn":
                 val = blocked(*src)
             elif row.op == "ffn_fused":

@@ -268,14 +268,28 @@ class Segment:
     offset: int
 
 
-def cut_stream(sizes: Sequence[int], chunk_bytes: int) -> list[list[Segment]]:
-    """The chunks of a stream whose slices have ``sizes`` bytes: chunk ``k`` holds the stream's bytes
-    ``[k * chunk_bytes, (k + 1) * chunk_bytes)``, as segments of the slices (a slice may straddle chunks).
-    Both ends of a stream call this with the same arguments."""
+#: A slice of at least this many bytes travels in chunks of its own (sent from the source and received into the
+#: target without staging when both are contiguous); smaller slices are packed together.
+ALONE_BYTES = 1 << 20
+
+
+def cut_stream(sizes: Sequence[int], chunk_bytes: int, alone: int | None = None) -> list[list[Segment]]:
+    """The chunks of a stream whose slices have ``sizes`` bytes, in order: small slices are packed into chunks of
+    at most ``chunk_bytes`` (a slice may straddle two); a slice of ``alone`` bytes or more (default
+    :data:`ALONE_BYTES`) starts a new chunk and has its chunks to itself. Both ends of a stream call this with the
+    same arguments, so they cut it alike."""
+    alone = ALONE_BYTES if alone is None else alone
     chunks: list[list[Segment]] = []
     cur: list[Segment] = []
     fill = 0
     for i, n in enumerate(sizes):
+        if n >= alone:
+            if cur:
+                chunks.append(cur)
+                cur, fill = [], 0
+            for a in range(0, n, chunk_bytes):
+                chunks.append([Segment(i, a, min(n, a + chunk_bytes), 0)])
+            continue
         a = 0
         while a < n:
             take = min(n - a, chunk_bytes - fill)
