@@ -89,9 +89,14 @@ def attention_fns(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch
         if sdpa == "causal":
             backends, kw = [SDPBackend.FLASH_ATTENTION], {"is_causal": True}
         else:
-            dense = to_dense_mask(idx, causal=causal, seqlen_q=q.shape[1])  # [B, Hm, Sq, Sk] bool
-            backends = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]
-            kw = {"attn_mask": dense}
+            keep = to_dense_mask(idx, causal=causal, seqlen_q=q.shape[1])  # [B, Hm, Sq, Sk] bool
+            # built once: SDPA would otherwise turn a bool mask into this additive one inside every timed call
+            mask = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill_(~keep, float("-inf"))
+            del keep
+            # no math back end on CUDA: at 32k it would materialise every score (a refusal is reported instead)
+            backends = ([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION] if q.is_cuda else
+                        [SDPBackend.MATH, SDPBackend.FLASH_ATTENTION])
+            kw = {"attn_mask": mask}
 
         def sd_f():
             with torch.no_grad(), sdpa_kernel(backends):

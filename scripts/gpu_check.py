@@ -404,7 +404,7 @@ def section_tests(ctx: Ctx) -> None:
 MASK_KINDS = ["causal", "sliding_window", "bidirectional_window", "causal_document", "document", "shared_question",
               "global_sliding_window", "prefix_lm_causal", "prefix_lm_document", "qk_sparse", "random_eviction",
               "causal_blockwise"]
-CHEAP_TILE_DENSITY = 0.3  # masks this sparse (unmasked 128x128 tiles) also run at S = 128k
+CHEAP_TILE_DENSITY = 0.31  # masks this sparse (unmasked 128x128 tiles) also run at S = 128k
 REF_GRAD_MAX_S = 8192  # float32 reference forward+backward up to here
 REF_FWD_MAX_S = 32768  # forward only up to here (the reference is chunked by rows: memory O(S * 1024))
 SDPA_DENSE_MAX_S = 32768  # SDPA with a dense mask up to here (a bool S x S mask, 1 GiB at 32k)
@@ -463,9 +463,10 @@ def section_flashmask(ctx: Ctx) -> None:
         return inputs[(s, dtype)]
 
     kinds = MASK_KINDS if cuda else ["causal", "document", "global_sliding_window"]  # dry run: n = 1, 2, 4
-    cases = [(s, dt, kind) for s in seqlens for dt in dtypes for kind in kinds]
-    if long_s:
-        cases += [(long_s, dt, kind) for dt in dtypes for kind in kinds]
+    # pass A's order: both dtypes at the shortest S first (a kernel bug shows there), then bf16 at every S, then
+    # fp16 at the longer ones; pass B (compiles per S) goes bf16 first, shortest S first
+    grid = [(seqlens[0], dt) for dt in dtypes] + [(s, dt) for dt in dtypes for s in seqlens[1:] + ([long_s] if long_s else [])]
+    cases = [(s, dt, kind) for s, dt in grid for kind in kinds]
 
     # pass A: oarlock against the float32 reference, timed with SDPA (at most ~45% of the budget)
     pass_a_end = time.monotonic() + 0.45 * max(0.0, ctx.left())
@@ -652,6 +653,7 @@ def vmm_scenario(alloc, free, fill, check, ptr, pool, sync, page: int) -> dict:
     for i in list(live)[1::2]:
         free(live.pop(i)[0])
     sync()
+    addrs = {ptr(h) for h, _ in live.values()}
     calls0, remapped0 = dict(pool.calls), pool.counters["granules_remapped"]
     t0 = time.perf_counter()
     big = alloc(8 * page)
@@ -661,7 +663,10 @@ def vmm_scenario(alloc, free, fill, check, ptr, pool, sync, page: int) -> dict:
     remapped = pool.counters["granules_remapped"] - remapped0
     fill(big, 255)
     sync()
-    stable = all(ptr(h) == p for h, p in live.values())
+    # every live block is still handed out at its address (the pool moved pages, not blocks) ...
+    active = {addr for addr, _, state, _ in pool.blocks() if state == "active"}
+    stable = addrs <= active and all(ptr(h) == p for h, p in live.values())
+    # ... and holds the bytes written before the remap
     intact = all(check(h, i % 251) for i, (h, _) in live.items()) and check(big, 255)
     free(big)
     for h, _ in live.values():
@@ -702,8 +707,7 @@ def section_memory(ctx: Ctx) -> None:
         envs = {"caching": {}, "expandable": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, "remap": {}}
         for m in modes:
             def measure(m=m):
-                env = {**os.environ, **envs[m]}
-                env.pop("PYTORCH_CUDA_ALLOC_CONF", None) if not envs[m] else None
+                env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"} | envs[m]
                 r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "memory_gpu.py"), "--mode", m,
                                     "--scale", str(scale)], env=env, capture_output=True, text=True,
                                    timeout=max(5.0, min(ctx.left() - 10, 60)))
