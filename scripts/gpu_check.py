@@ -990,10 +990,11 @@ def drive(out: Path, dry_run: bool, only: list[str] | None, budgets: dict[str, f
               f"skipped, {len(data.get('failed', []))} checks failed, {len(data.get('errors', []))} errors", flush=True)
     wall = time.monotonic() - t_start
     meta = {"dry_run": dry_run, "wall_s": round(wall, 1), "total_budget_s": total,
-            "argv": sys.argv[1:], "utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "argv": [("OUTDIR" if Path(x).resolve() == out else x) for x in sys.argv[1:]], "utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "sections": [n for n, _, _ in SECTIONS if not only or n in only]}
     (out / "figures.json").write_text(json.dumps({"meta": meta, "sections": results}, indent=1, default=_json_default))
     (out / "report.md").write_text(render_report(meta, results))
+    (out / "results-section.md").write_text(render_results_section(meta, results))
     print(f"gpu_check: done in {wall:.0f} s: {out / 'report.md'}", flush=True)
     for name, d in results.items():
         print(f"  {name:11s} {d['status']:8s} {d.get('reason') or ''}", flush=True)
@@ -1034,6 +1035,30 @@ def render_report(meta: dict, results: dict) -> str:
             lines += ["", f"Error in {e['what']}: {e['error']}", "", "```", e.get("traceback", "").rstrip(), "```"]
     lines += ["", "Raw: figures.json (every figure, per section), logs/ (each section's output).", ""]
     return "\n".join(lines)
+
+
+def render_results_section(meta: dict, results: dict) -> str:
+    """The block to append to benchmarks/RESULTS.md (docs/gpu.md, "Where the results go"): the run's line, the
+    status table and each section's tables, without the tracebacks and skip lists (those stay in report.md)."""
+    h = results.get("header", {}).get("figures", {})
+    lines = ["", f"## GPU check (issue 40): {h.get('device', 'no CUDA device')}, {meta['utc'][:10]}", "",
+             f"Command: `bash scripts/gpu_check.sh {' '.join(meta['argv'])}`; commit {str(h.get('commit', '?'))[:12]}; "
+             f"torch {h.get('torch', '?')}, triton {h.get('triton', '?')}; nvidia-smi: "
+             f"{((h.get('nvidia_smi') or '-').splitlines() or ['-'])[-1]}; {meta['wall_s']:.0f} s.", "",
+             "| section | status | seconds | skipped items | failed checks | errors |", "|---|---|---|---|---|---|"]
+    for name in meta["sections"]:
+        d = results.get(name)
+        if d is not None:
+            lines.append(f"| {name} | {d['status']} | {d.get('seconds', 0):.0f} | {len(d.get('skipped', []))} | "
+                         f"{len(d.get('failed', []))} | {len(d.get('errors', []))} |")
+    for name in meta["sections"]:
+        d = results.get(name)
+        if d is None or name == "header" or not d.get("md"):
+            continue
+        lines += ["", f"### {name}", ""] + [m + "\n" for m in d["md"]]
+        if d.get("failed"):
+            lines += ["Failed checks: " + "; ".join(d["failed"]), ""]
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -46,6 +46,8 @@ def test_dry_run_reports_every_section_with_its_skip_reason(tmp_path):
     report = (out / "report.md").read_text()
     assert fig["meta"]["dry_run"] is True and list(fig["sections"]) == SECTIONS
     assert report.startswith("# oarlock GPU check (dry run)")
+    block = (out / "results-section.md").read_text()  # what goes into benchmarks/RESULTS.md
+    assert "## GPU check (issue 40)" in block and "`bash scripts/gpu_check.sh --dry-run OUTDIR`" in block
     for name in SECTIONS:
         d = fig["sections"][name]
         assert f"## {name}: " in report and f"| {name} | {d['status']} |" in report
