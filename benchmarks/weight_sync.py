@@ -16,7 +16,7 @@ B. ``full_tensor+bcast``: per tensor ``DTensor.full_tensor()`` on the trainer ra
 C. files: ``oarlock`` save + load through a directory; ``dcp`` ``torch.distributed.checkpoint`` save + load;
 D. ``reshard_state_dict`` (plans every call) and ``WeightSync.run()`` (replayed plan);
 E. ``floor``: one ``batch_isend_irecv`` per (sender, receiver) pair of exactly the bytes the receiver needs from
-   that sender, packed before the clock starts.
+   that sender, packed before the clock starts, and one copy of the bytes a rank needs from itself (colocated).
 
 Columns: wall seconds (median), ratio to WeightSync, bytes received per engine rank (max over engine ranks),
 point-to-point/collective messages per engine rank, peak RSS above the rank's RSS at the method's start
@@ -102,7 +102,8 @@ class RssPeak:
         return self.peak - self.base
 
 
-def rank_main(rank: int, world: int, port: int, layers: int, reps: int, only: str | None, out: str) -> None:
+def rank_main(rank: int, world: int, port: int, layers: int, reps: int, only: str | None, out: str,
+              methods_only: str | None = None) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import DeviceMesh
@@ -227,7 +228,13 @@ def rank_main(rank: int, world: int, port: int, layers: int, reps: int, only: st
         send_bufs = [(torch.empty(n, dtype=torch.uint8), r) for (s, r), n in need.items() if s == rank and r != rank]
         recv_bufs = [(torch.empty(n, dtype=torch.uint8), s) for (s, r), n in need.items() if r == rank and s != rank]
 
+        # the bytes a rank needs from its own sources (colocated) still cost one copy each
+        self_bufs = [(torch.ones(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8))
+                     for (s, r), n in need.items() if s == rank and r == rank]
+
         def m_floor(targets):
+            for a, b in self_bufs:
+                b.copy_(a)
             ops = [dist.P2POp(dist.isend, b, r) for b, r in send_bufs] + \
                   [dist.P2POp(dist.irecv, b, s) for b, s in recv_bufs]
             for w in dist.batch_isend_irecv(ops) if ops else ():
@@ -238,6 +245,8 @@ def rank_main(rank: int, world: int, port: int, layers: int, reps: int, only: st
                    ("C oarlock files", m_oarlock_files), ("C dcp files", m_dcp),
                    ("D reshard_state_dict", m_reshard), ("D WeightSync.run", m_sync), ("E floor", m_floor)]
         for name, fn in methods:
+            if methods_only and not any(m.strip() in name for m in methods_only.split(",")):
+                continue
             times, peaks, msgs = [], [], 0
             targets = new_targets()
             fn(targets)  # warm-up (plans, caches, first-touch of the targets), not timed
@@ -333,6 +342,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--only", choices=("disagg", "coloc"))
     ap.add_argument("--json")
+    ap.add_argument("--methods", help="comma-separated substrings of method names to run (default: all)")
     a = ap.parse_args()
     import torch.multiprocessing as mp
 
@@ -340,7 +350,7 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tempfile.mktemp(suffix=".json")
-    mp.spawn(rank_main, args=(4, port, a.layers, a.reps, a.only, out), nprocs=4)
+    mp.spawn(rank_main, args=(4, port, a.layers, a.reps, a.only, out, a.methods), nprocs=4)
     rows = json.loads(Path(out).read_text())
     os.unlink(out)
     total = sum(torch.Size(s).numel() * 4 for s in model_shapes(a.layers).values())
@@ -349,7 +359,7 @@ def main() -> None:
         sub = [r for r in rows if r["config"] == config]
         if not sub:
             continue
-        ws = next(r["seconds"] for r in sub if r["method"] == "D WeightSync.run")
+        ws = next((r["seconds"] for r in sub if r["method"] == "D WeightSync.run"), float("nan"))
         print(f"\n{config}: | method | seconds (median) | x WeightSync | bytes recv / engine rank (MiB) | "
               f"messages / engine rank | peak RSS above (MiB) |")
         print("|---|---|---|---|---|---|")

@@ -33,7 +33,7 @@ import torch
 from oarlock.checkpoint import transfer
 from oarlock.checkpoint.dist import DistWrapper, error_report
 from oarlock.checkpoint.errors import CheckpointError, CheckpointMismatchError
-from oarlock.checkpoint.executor import destination_view, place
+from oarlock.checkpoint.executor import destination_view, place, source_shaped_view
 from oarlock.checkpoint.grid import rank_of_file
 from oarlock.checkpoint.mapping import MappingProgram, box_extent, box_slices
 from oarlock.checkpoint.metadata import CheckpointMetadata
@@ -64,6 +64,9 @@ class ReshardReport:
         seconds: wall time of the call on this rank; plan_seconds: the part spent describing, agreeing and
             planning (on a replayed :class:`WeightSync` run, the fingerprint check).
         plan_reused: the plan of the previous :meth:`WeightSync.run` was replayed.
+        staging_peak_bytes: the most bytes of staging buffers (packed chunks, receive buffers, casts, gathered
+            strided slices, slices being assembled) this rank held at once; at most ``bucket_bytes`` plus one
+            round's and one straddling slice's worth.
     """
 
     missing_keys: list[str] = field(default_factory=list)
@@ -78,6 +81,7 @@ class ReshardReport:
     seconds: float = 0.0
     plan_seconds: float = 0.0
     plan_reused: bool = False
+    staging_peak_bytes: int = 0
 
 
 # ---------------------------------------------------------------- the plan of one rank
@@ -129,13 +133,21 @@ def _strip_layouts(leaves: Leaves) -> None:
 def _fingerprint(src: Leaves, tgt: Leaves, dw: DistWrapper, settings: tuple) -> str:
     """SHA-256 over what a plan depends on: every shard's key, dtype, global shape, box, flat range, device and
     placements on both sides, the JSON keys, the group, and the settings."""
+    meshes: dict[int, str] = {}  # DeviceMesh.mesh is rebuilt on every access (0.1 ms): once per mesh and call
+
+    def ranks_of(mesh: Any) -> str:
+        got = meshes.get(id(mesh))
+        if got is None:
+            got = meshes[id(mesh)] = repr(mesh.mesh.tolist())
+        return got
+
     def rows(leaves: Leaves) -> list:
         out = []
         for sw in leaves.shards:
             pl = sw.placement_layout
             out.append((sw.key, str(sw.local_tensor.dtype), sw.global_shape, sw.global_offset, sw.local_shape,
                         sw.flattened_range, sw.local_tensor.device.type,
-                        None if pl is None else (repr(pl[1]), repr(getattr(pl[0], "mesh", None).tolist()))))
+                        None if pl is None else (repr(pl[1]), ranks_of(pl[0]))))
         return out + sorted(leaves.objects)
 
     group = dw.group
@@ -201,6 +213,17 @@ def _source_view(t: torch.Tensor, flat_start: int, shape: tuple[int, ...], box: 
     if flat_start or t.dim() != len(shape):
         t = t.reshape(-1)[flat_start:flat_start + numel(shape)].view(shape)
     return t[box_slices(box)]
+
+
+def _row_bytes(box: tuple, dtype: torch.dtype) -> int:
+    """Bytes of one row (the trailing dims) of a slice with ``box``: the unit a big slice's chunks are cut in."""
+    return numel(b - a for a, b in box[1:]) * dtype.itemsize if box else dtype.itemsize
+
+
+def _aligned(buf: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``buf`` (bytes) where it can be viewed as ``t``'s dtype: copied when it starts at an odd offset (a slice
+    packed after an odd-sized one)."""
+    return buf.clone() if buf.data_ptr() % t.element_size() else buf
 
 
 def _encode(items: list[tuple[ReadItem, torch.dtype]], key_ids: dict[str, int], shard_ids: Any) -> list[int]:
@@ -379,55 +402,73 @@ class _Mover:
     """Step 4 on one rank: local copies, then the rounds (see :mod:`oarlock.checkpoint.transfer`)."""
 
     def __init__(self, plan: _Plan, src: Leaves, tgt: Leaves, dw: DistWrapper, verify: bool,
-                 report: ReshardReport):
+                 report: ReshardReport, bucket_bytes: int):
         self.plan, self.src, self.tgt, self.dw, self.verify, self.report = plan, src, tgt, dw, verify, report
         self.dev = dw.comm_device()
         c = plan.chunk_bytes
-        self.out_chunks = {r: transfer.cut_stream([s.nbytes for s in ss], c) for r, ss in plan.sends.items()}
-        self.in_chunks = {r: transfer.cut_stream([x.nbytes for x in xs], c) for r, xs in plan.recvs.items()}
+        self.out_chunks = {r: transfer.cut_stream([s.nbytes for s in ss], c, units=[_row_bytes(s.box, s.dtype)
+                                                                                      for s in ss])
+                           for r, ss in plan.sends.items()}
+        self.in_chunks = {r: transfer.cut_stream([x.nbytes for x in xs], c, units=[self._unit(x) for x in xs])
+                          for r, xs in plan.recvs.items()}
         self.packed: dict[tuple[int, int], torch.Tensor] = {}  # (receiver, slice) -> bytes, while it straddles
         self.staged: dict[tuple[int, int], torch.Tensor] = {}  # (sender, slice) -> bytes being assembled
         self.bad: set[str] = set()
+        self.staging = 0  # bytes of round-owned staging made so far (a round's share is its growth while it starts)
+        self.bucket_bytes = bucket_bytes
+
+    def _unit(self, x: _Recv) -> int:
+        return _row_bytes(x.item.src_box, self.tgt.shards[x.leaf].local_tensor.dtype)
 
     # -- sender side
-    def _slice_bytes(self, r: int, i: int, s: _Send, whole: bool) -> torch.Tensor:
-        key = (r, i)
-        got = self.packed.get(key)
-        if got is not None:
-            return got
+    def _slice_rows(self, s: _Send, a: int, b: int) -> torch.Tensor:
+        """Bytes ``[a, b)`` of a slice's stream form (row-aligned for slices that travel alone; the whole slice
+        otherwise), cast and gathered into contiguous memory only when it has to be (counted as staging)."""
         v = _source_view(self.src.shards[s.leaf].local_tensor, s.flat_start, s.shape, s.box)
+        whole = a == 0 and b == s.nbytes
+        if not whole:
+            u = _row_bytes(s.box, s.dtype)
+            v = v[a // u:b // u]
+        src = v
         if v.dtype != s.dtype:
             v = v.to(s.dtype)
         if v.device != self.dev:
             v = v.to(self.dev)
-        b = transfer.as_bytes(v.contiguous())
-        if not whole:
-            self.packed[key] = b
-        return b
+        out = transfer.as_bytes(v.contiguous())
+        if out.data_ptr() != src.data_ptr() or v is not src:
+            self.staging += out.numel()  # a cast, a device move or a gather of a strided slice
+        return out
+
+    def _small_bytes(self, r: int, i: int, s: _Send) -> torch.Tensor:
+        """The whole stream form of a small slice (packed with others), kept while it straddles two chunks."""
+        got = self.packed.get((r, i))
+        if got is None:
+            v = _source_view(self.src.shards[s.leaf].local_tensor, s.flat_start, s.shape, s.box)
+            got = self.packed[(r, i)] = transfer.as_bytes(v.to(device=self.dev, dtype=s.dtype).contiguous())
+        return got
 
     def _pack(self, r: int, k: int) -> torch.Tensor:
         segs = self.out_chunks[r][k]
         slices = self.plan.sends[r]
         n = segs[-1].offset + segs[-1].stop - segs[-1].start
-        if len(segs) == 1 and not self.verify:
-            sg = segs[0]
-            s = slices[sg.index]
-            b = self._slice_bytes(r, sg.index, s, whole=sg.start == 0 and sg.stop == s.nbytes)
-            out = b[sg.start:sg.stop]
+        if len(segs) == 1 and slices[segs[0].index].nbytes >= transfer.ALONE_BYTES:
+            sg = segs[0]  # a big slice's rows: from the source, gathered only if strided
+            out = self._slice_rows(slices[sg.index], sg.start, sg.stop)
+            if self.verify:
+                out = torch.cat([out, torch.zeros(transfer._HASH_BYTES, dtype=torch.uint8, device=self.dev)])
+                self.staging += out.numel()
         else:
             out = torch.empty(n + (transfer._HASH_BYTES if self.verify else 0), dtype=torch.uint8, device=self.dev)
+            self.staging += out.numel()
             for sg in segs:
-                s = slices[sg.index]
-                whole = sg.start == 0 and sg.stop == s.nbytes
-                out[sg.offset:sg.offset + sg.stop - sg.start] = self._slice_bytes(r, sg.index, s, whole)[
+                out[sg.offset:sg.offset + sg.stop - sg.start] = self._small_bytes(r, sg.index, slices[sg.index])[
                     sg.start:sg.stop]
-            if self.verify:
-                out[n:] = torch.tensor([transfer.chunk_hash(out[:n])], dtype=torch.int64).view(torch.uint8)
-                if transfer._tamper is not None:
-                    transfer._tamper(self.dw.rank, r, k, out)
-        for sg in segs:
-            if sg.stop == slices[sg.index].nbytes:
-                self.packed.pop((r, sg.index), None)
+                if sg.stop == slices[sg.index].nbytes:
+                    self.packed.pop((r, sg.index), None)
+        if self.verify:
+            out[n:] = torch.tensor([transfer.chunk_hash(out[:n])], dtype=torch.int64).view(torch.uint8)
+            if transfer._tamper is not None:
+                transfer._tamper(self.dw.rank, r, k, out)
         self.report.messages_sent += 1
         self.report.bytes_sent += n
         return out
@@ -449,6 +490,7 @@ class _Mover:
             d = self._direct(self.plan.recvs[s][sg.index])
             if d is not None:
                 return d[sg.start:sg.stop]
+        self.staging += n
         return torch.empty(n + (transfer._HASH_BYTES if self.verify else 0), dtype=torch.uint8, device=self.dev)
 
     def _unpack(self, s: int, k: int, buf: torch.Tensor) -> None:
@@ -474,46 +516,76 @@ class _Mover:
                 if d.data_ptr() + sg.start != part.data_ptr():
                     d[sg.start:sg.stop].copy_(part)
                 continue
+            t = self.tgt.shards[x.leaf].local_tensor
             whole = sg.start == 0 and sg.stop == x.nbytes
-            st = part if whole else self.staged.setdefault((s, sg.index), torch.empty(x.nbytes, dtype=torch.uint8,
-                                                                                      device=self.dev))
+            if not whole and x.nbytes >= transfer.ALONE_BYTES and x.item.permute is None:
+                u = self._unit(x)  # whole rows of a big slice: straight into their rows of the target
+                rows = source_shaped_view(x.item, t)[sg.start // u:sg.stop // u]
+                rows.copy_(_aligned(part, t).view(t.dtype).view(rows.shape))
+                continue
+            st = part if whole else self.staged.get((s, sg.index))
+            if st is None:
+                st = self.staged[(s, sg.index)] = torch.empty(x.nbytes, dtype=torch.uint8, device=self.dev)
             if not whole:
                 st[sg.start:sg.stop].copy_(part)
             if sg.stop == x.nbytes:
                 self.staged.pop((s, sg.index), None)
-                t = self.tgt.shards[x.leaf].local_tensor
-                if st.data_ptr() % t.element_size():  # a slice packed after an odd-sized one: viewed aligned
-                    st = st.clone()
-                data = st.view(t.dtype).view(box_extent(x.item.src_box))
-                place(data, x.item, t)
+                place(_aligned(st, t).view(t.dtype).view(box_extent(x.item.src_box)), x.item, t)
 
     # -- the whole transfer
     def run(self) -> None:
+        """Post rounds in order while the staging of the rounds in flight is within the bound (zero-copy rounds
+        cost none, so they all go out at once), copy this rank's own slices while the first rounds are on the
+        wire, then wait for and unpack the rounds in order. Every rank posts round ``k`` before it waits for
+        round ``k``, so the rounds complete whatever each rank's window."""
+        from collections import deque
+
         rep = self.report
+        rounds = max([len(c) for c in self.out_chunks.values()] + [len(c) for c in self.in_chunks.values()] + [0])
+        rep.rounds = rounds
+        budget = self.bucket_bytes
+
+        def start(k: int) -> tuple[int, list, list, int]:
+            before = self.staging
+            sends = [(self._pack(r, k), r) for r in sorted(self.out_chunks) if k < len(self.out_chunks[r])]
+            recvs = [(self._recv_buffer(s, k), s) for s in sorted(self.in_chunks) if k < len(self.in_chunks[s])]
+            return k, transfer.post(self.dw, sends, recvs), recvs, self.staging - before
+
         with torch.no_grad():
-            for s, x in self.plan.local:
+            flight: deque = deque()
+            held = 0
+            nxt = 0
+
+            def fill() -> None:
+                nonlocal nxt, held
+                while nxt < rounds and (not flight or held < budget) and len(flight) < 64:
+                    got = start(nxt)
+                    flight.append(got)
+                    held += got[3]
+                    rep.staging_peak_bytes = max(rep.staging_peak_bytes, held + self._assembling())
+                    nxt += 1
+
+            fill()
+            for s, x in self.plan.local:  # while the first rounds travel
                 v = _source_view(self.src.shards[s.leaf].local_tensor, s.flat_start, s.shape, s.box)
                 t = self.tgt.shards[x.leaf].local_tensor
                 place(v if v.dtype == t.dtype else v.to(t.dtype), x.item, t)
                 rep.bytes_local += x.nbytes
             rep.bytes_sent += rep.bytes_local
             rep.bytes_received += rep.bytes_local
-            rounds = max([len(c) for c in self.out_chunks.values()] + [len(c) for c in self.in_chunks.values()] + [0])
-            rep.rounds = rounds
-
-            def start(k: int) -> tuple[list, list]:
-                sends = [(self._pack(r, k), r) for r in sorted(self.out_chunks) if k < len(self.out_chunks[r])]
-                recvs = [(self._recv_buffer(s, k), s) for s in sorted(self.in_chunks) if k < len(self.in_chunks[s])]
-                return transfer.post(self.dw, sends, recvs), recvs
-
-            nxt = start(0) if rounds else None
-            for k in range(rounds):
-                works, recvs = nxt
-                nxt = start(k + 1) if k + 1 < rounds else None  # packed and posted while round k is on the wire
+            while flight:
+                k, works, recvs, staged = flight.popleft()
                 for w in works:
                     w.wait()
                 for buf, s in recvs:
                     self._unpack(s, k, buf)
+                held -= staged
+                del works, recvs
+                fill()
+
+    def _assembling(self) -> int:
+        """Staging that outlives a round: small slices straddling two chunks, on either end."""
+        return sum(t.numel() for t in self.staged.values()) + sum(t.numel() for t in self.packed.values())
 
 
 # ---------------------------------------------------------------- public API
@@ -585,7 +657,7 @@ class WeightSync:
         self.plan_reused = reuse
         if plan.recvs or plan.local:
             self.torn = True
-        mover = _Mover(plan, src, tgt, dw, self.verify, rep)
+        mover = _Mover(plan, src, tgt, dw, self.verify, rep, self.bucket_bytes)
         err: BaseException | None = None
         try:
             mover.run()

@@ -273,11 +273,13 @@ class Segment:
 ALONE_BYTES = 1 << 20
 
 
-def cut_stream(sizes: Sequence[int], chunk_bytes: int, alone: int | None = None) -> list[list[Segment]]:
+def cut_stream(sizes: Sequence[int], chunk_bytes: int, alone: int | None = None,
+               units: Sequence[int] | None = None) -> list[list[Segment]]:
     """The chunks of a stream whose slices have ``sizes`` bytes, in order: small slices are packed into chunks of
     at most ``chunk_bytes`` (a slice may straddle two); a slice of ``alone`` bytes or more (default
-    :data:`ALONE_BYTES`) starts a new chunk and has its chunks to itself. Both ends of a stream call this with the
-    same arguments, so they cut it alike."""
+    :data:`ALONE_BYTES`) starts a new chunk and has its chunks to itself, cut at multiples of its row size
+    (``units[i]`` bytes; at least one row a chunk), so each chunk is whole rows that either end can read or write
+    in place. Both ends of a stream call this with the same arguments, so they cut it alike."""
     alone = ALONE_BYTES if alone is None else alone
     chunks: list[list[Segment]] = []
     cur: list[Segment] = []
@@ -287,8 +289,10 @@ def cut_stream(sizes: Sequence[int], chunk_bytes: int, alone: int | None = None)
             if cur:
                 chunks.append(cur)
                 cur, fill = [], 0
-            for a in range(0, n, chunk_bytes):
-                chunks.append([Segment(i, a, min(n, a + chunk_bytes), 0)])
+            u = units[i] if units is not None and units[i] > 0 and n % units[i] == 0 else 1
+            step = max(chunk_bytes // u, 1) * u
+            for a in range(0, n, step):
+                chunks.append([Segment(i, a, min(n, a + step), 0)])
             continue
         a = 0
         while a < n:
