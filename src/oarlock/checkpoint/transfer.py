@@ -229,7 +229,17 @@ def post(dw: DistWrapper, sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequ
     if not sends and not recvs:
         return []
     if isinstance(dw, PeerDistWrapper):
-        return [dw.isend(t, p) for t, p in sends] + [dw.irecv(t, p) for t, p in recvs]
+        if dw.group.backend != "nccl":
+            return [dw.isend(t, p) for t, p in sends] + [dw.irecv(t, p) for t, p in recvs]
+        # NCCL runs point-to-point calls in order on one stream: a send waiting for its peer's receive would block
+        # the receive behind it, so a round goes out as one coalesced group (what batch_isend_irecv does)
+        dev = dw.comm_device()
+        dw._pg._start_coalescing(dev)
+        for t, p in sends:
+            dw.isend(t, p)
+        for t, p in recvs:
+            dw.irecv(t, p)
+        return [dw._pg._end_coalescing(dev)]
     import torch.distributed as dist
 
     ops = [dist.P2POp(dist.isend, t, dw.global_rank(p), dw.group) for t, p in sends]
