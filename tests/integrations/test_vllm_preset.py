@@ -17,8 +17,9 @@ transformers = pytest.importorskip("transformers")
 
 def build(arch):
     T = transformers
-    base = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2)
+    # 4 KV heads over TP=2: a rank's [q_r; k_r; v_r] differs from the per-KV-group order of the training layout
+    base = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=8,
+                num_key_value_heads=4)
     if arch == "llama":
         return T.LlamaForCausalLM(T.LlamaConfig(**base, tie_word_embeddings=False))
     if arch == "llama_tied":
@@ -120,8 +121,8 @@ def test_aoa_explain_shows_the_vllm_preset(tmp_path):
     assert r.returncode == 0, r.stderr
     out = r.stdout
     assert "fused_qkv_old blocks for tp=2: rank 0: 0:32; rank 1: 32:64" in out, out
-    # rank 0's rows: q heads 0-1, k head 0, v head 0; rank 1's: q heads 2-3, k head 1, v head 1 (head dim 8)
-    assert "[8:16, 0:32] <- model.layers.0.self_attn.q_proj.weight[8:16, 0:32]" in out, out
-    assert "[32:40, 0:32] <- model.layers.0.self_attn.q_proj.weight[16:24, 0:32]" in out, out
-    assert "[16:24, 0:32] <- model.layers.0.self_attn.k_proj.weight[0:8, 0:32]" in out, out
-    assert "[24:32, 0:32] <- model.layers.0.self_attn.v_proj.weight[0:8, 0:32]" in out, out
+    # rank 0's rows: q heads 0-3, k heads 0-1, v heads 0-1; rank 1's: q heads 4-7, k 2-3, v 2-3 (head dim 4)
+    assert "[12:16, 0:32] <- model.layers.0.self_attn.q_proj.weight[12:16, 0:32]" in out, out
+    assert "[16:20, 0:32] <- model.layers.0.self_attn.k_proj.weight[0:4, 0:32]" in out, out
+    assert "[24:28, 0:32] <- model.layers.0.self_attn.v_proj.weight[0:4, 0:32]" in out, out
+    assert "[32:36, 0:32] <- model.layers.0.self_attn.q_proj.weight[16:20, 0:32]" in out, out

