@@ -988,6 +988,12 @@ def drive(out: Path, dry_run: bool, only: list[str] | None, budgets: dict[str, f
         extra = f" ({data['reason']})" if data.get("reason") else ""
         print(f"[{name}] {data['status']} in {data['seconds']:.0f} s{extra}; {len(data.get('skipped', []))} items "
               f"skipped, {len(data.get('failed', []))} checks failed, {len(data.get('errors', []))} errors", flush=True)
+        for kind, items in (("skipped", data.get("skipped", [])), ("FAILED", data.get("failed", [])),
+                            ("ERROR", [f"{e['what']}: {e['error'][:200]}" for e in data.get("errors", [])])):
+            for item in items[:15]:
+                print(f"    {kind} {item}", flush=True)
+            if len(items) > 15:
+                print(f"    ... {len(items) - 15} more {kind} items in report.md", flush=True)
     wall = time.monotonic() - t_start
     meta = {"dry_run": dry_run, "wall_s": round(wall, 1), "total_budget_s": total,
             "argv": [("OUTDIR" if Path(x).resolve() == out else x) for x in sys.argv[1:]], "utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
