@@ -126,3 +126,32 @@ def test_aoa_explain_shows_the_vllm_preset(tmp_path):
     assert "[16:20, 0:32] <- model.layers.0.self_attn.k_proj.weight[0:4, 0:32]" in out, out
     assert "[24:28, 0:32] <- model.layers.0.self_attn.v_proj.weight[0:4, 0:32]" in out, out
     assert "[32:36, 0:32] <- model.layers.0.self_attn.q_proj.weight[16:20, 0:32]" in out, out
+
+
+def test_with_casts_fp32_master_weights_into_bf16_vllm_targets():
+    """``OarlockTrainerInitInfo(dtype="bfloat16")``: the vLLM preset plus a cast of every key it produces; a live
+    reshard (one process) fills bf16 targets in vLLM's layout at TP=1 with the rounded fp32 values."""
+    from oarlock.checkpoint import reshard_state_dict
+    from oarlock.integrations.vllm import with_casts
+
+    torch.manual_seed(3)
+    model = build("llama")
+    src = {k: v.detach().clone() for k, v in model.named_parameters()}
+    cfg = with_casts(preset("vllm", model.config), src, "bfloat16")
+    assert "model.layers.1.self_attn.qkv_proj.weight -> model.layers.1.self_attn.qkv_proj.weight, " \
+           "dtype='bfloat16'" in cfg["aoa_statements"]
+    want = {}
+    for k, v in src.items():
+        if "q_proj" in k or "gate_proj" in k:
+            a = k.replace("q_proj", "{}").replace("gate_proj", "{}")
+            parts = ["q_proj", "k_proj", "v_proj"] if "q_proj" in k else ["gate_proj", "up_proj"]
+            fused = a.format("qkv_proj" if "q_proj" in k else "gate_up_proj")
+            want[fused] = torch.cat([src[a.format(p)] for p in parts]).to(torch.bfloat16)
+        elif not any(x in k for x in ("k_proj", "v_proj", "up_proj")) or "down_proj" in k:
+            want[k] = v.to(torch.bfloat16)
+    targets = {k: torch.zeros_like(v) for k, v in want.items()}
+    rep = reshard_state_dict(src, targets, aoa_config=cfg)
+    assert not rep.missing_keys and not rep.unexpected_keys
+    for k in want:
+        assert targets[k].dtype == torch.bfloat16 and torch.equal(targets[k], want[k]), k
+    assert rep.bytes_received == sum(v.numel() * 2 for v in want.values())

@@ -95,6 +95,29 @@ def aoa_config_for(config: Any) -> dict[str, Any]:
     return {"aoa_statements": list(cfg["aoa_statements"]), "aoa_config_reverse": False}
 
 
+def with_casts(aoa_config: Any, sources: Mapping[str, Any], dtype: str) -> dict[str, Any]:
+    """``aoa_config`` followed by a cast to ``dtype`` of every key it produces from ``sources`` (the trainer's
+    state dict: fp32 master weights into a bf16 engine). The cast happens on the way (each sender casts the slices
+    it sends); no full tensor is converted."""
+    from oarlock.checkpoint.aoa import compile_aoa
+    from oarlock.checkpoint.mapping import TensorSpec
+    from oarlock.utils import dtype_name
+
+    if isinstance(aoa_config, Mapping):
+        cfg = dict(aoa_config)
+    else:
+        cfg = {"aoa_statements": [aoa_config] if isinstance(aoa_config, str) else list(aoa_config or [])}
+    if cfg.get("aoa_config_reverse"):
+        raise ValueError("with_casts: a reverse AOA config cannot be extended with forward casts")
+    specs = {k: TensorSpec(tuple(int(x) for x in v.shape), dtype_name(v.dtype)) for k, v in sources.items()
+             if isinstance(v, torch.Tensor)}
+    keys = compile_aoa(cfg, specs, None).destination_keys()
+    name = dtype_name(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
+    cfg["aoa_statements"] = list(cfg.get("aoa_statements") or []) + [f"{k} -> {k}, dtype='{name}'"
+                                                                     for k in sorted(keys)]
+    return cfg
+
+
 def _plain_config(aoa_config: Any) -> Any:
     """``aoa_config`` as JSON-native values (it travels to the workers in vLLM's init request, and both sides must
     hand WeightSync equal configs)."""
@@ -393,6 +416,8 @@ class OarlockTrainerInitInfo(TrainerInitInfo):
         comm_backend: ``"gloo"`` (CPU tensors) or ``"nccl"`` (CUDA tensors on both sides).
         timeout: seconds for the rendezvous and for each operation of the group (a dead peer raises within it).
         bucket_bytes, verify: as :class:`~oarlock.checkpoint.WeightSync`.
+        dtype: the engine's dtype when it differs from the trainer's (``"bfloat16"`` for fp32 master weights):
+            every key is cast on the way (:func:`with_casts`).
     """
 
     backend: ClassVar[str] = BACKEND
@@ -407,6 +432,7 @@ class OarlockTrainerInitInfo(TrainerInitInfo):
     timeout: float = 300.0
     bucket_bytes: int | None = None
     verify: bool = False
+    dtype: str | None = None
     rank: int = field(default=0, kw_only=True)
 
 
@@ -466,8 +492,10 @@ class OarlockTrainerWeightTransferEngine(TrainerWeightTransferEngine):
                 raise ValueError("OarlockTrainerInitInfo needs aoa_config or model_config (the HF config) when the "
                                  "source is not a transformers model")
             aoa = aoa_config_for(config)
-        aoa = _plain_config(aoa)
         engine = cls(client=client, source=source, is_sender=init_info.is_sender)
+        if init_info.dtype is not None:
+            aoa = with_casts(aoa, engine._read(), init_info.dtype)
+        aoa = _plain_config(aoa)
         engine.timeout = float(init_info.timeout)
         worker_info = asdict(OarlockWorkerInitInfo(
             host=init_info.host, port=int(init_info.port), world_size=t + e, rank_offset=t, aoa_config=aoa,
@@ -582,6 +610,6 @@ class LLMClient:
         self.llm.shutdown_weight_transfer_engine()
 
 
-__all__ = ["BACKEND", "register", "aoa_config_for", "describe_targets", "worker_states", "LLMClient",
+__all__ = ["BACKEND", "register", "aoa_config_for", "with_casts", "describe_targets", "worker_states", "LLMClient",
            "OarlockWeightTransferEngine", "OarlockTrainerWeightTransferEngine", "OarlockWorkerInitInfo",
            "OarlockTrainerInitInfo", "OarlockUpdateInfo", "TornWeightsError", "HAVE_VLLM"]
