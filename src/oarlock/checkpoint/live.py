@@ -39,7 +39,7 @@ from oarlock.checkpoint.mapping import MappingProgram, box_extent, box_slices
 from oarlock.checkpoint.metadata import CheckpointMetadata
 from oarlock.checkpoint.plan import Planner, ReadItem, source_specs
 from oarlock.checkpoint.sharded import ShardedWeight, box_volume
-from oarlock.checkpoint.traversal import Leaves, collect_leaves, set_path
+from oarlock.checkpoint.traversal import Leaves, collect_leaves
 from oarlock.utils import dtype_itemsize, dtype_name, gc_paused, numel, torch_dtype
 
 #: Wire dtype codes of a request (an index into this tuple).
@@ -116,7 +116,6 @@ class _Plan:
     recvs: dict[int, list[_Recv]]
     local: list[tuple[_Send, _Recv]]
     chunk_bytes: int
-    objects: list[tuple[tuple, Any]]
     missing: list[str]
     unexpected: list[str]
     skipped: list[str]
@@ -132,7 +131,7 @@ def _strip_layouts(leaves: Leaves) -> None:
 
 def _fingerprint(src: Leaves, tgt: Leaves, dw: DistWrapper, settings: tuple) -> str:
     """SHA-256 over what a plan depends on: every shard's key, dtype, global shape, box, flat range, device and
-    placements on both sides, the JSON keys, the group, and the settings."""
+    placements on both sides, the group, and the settings."""
     meshes: dict[int, str] = {}  # DeviceMesh.mesh is rebuilt on every access (0.1 ms): once per mesh and call
 
     def ranks_of(mesh: Any) -> str:
@@ -148,7 +147,7 @@ def _fingerprint(src: Leaves, tgt: Leaves, dw: DistWrapper, settings: tuple) -> 
             out.append((sw.key, str(sw.local_tensor.dtype), sw.global_shape, sw.global_offset, sw.local_shape,
                         sw.flattened_range, sw.local_tensor.device.type,
                         None if pl is None else (repr(pl[1]), ranks_of(pl[0]))))
-        return out + sorted(leaves.objects)
+        return out
 
     group = dw.group
     if isinstance(group, transfer.PeerGroup):
@@ -161,6 +160,26 @@ def _fingerprint(src: Leaves, tgt: Leaves, dw: DistWrapper, settings: tuple) -> 
         gid = ("group", tuple(dist.get_process_group_ranks(group)), dw.rank)
     doc = [rows(src), rows(tgt), gid, settings]
     return hashlib.sha256(json.dumps(doc, default=repr).encode()).hexdigest()
+
+
+def _quick_signature(state: Any) -> list:
+    """Identity of every tensor leaf and its storage (object, data pointer, shape, dtype): equal signatures mean
+    the same tensors as last run, so their descriptions (and the fingerprint) still hold. A DTensor's placements
+    cannot change without a new DTensor object."""
+    from oarlock.checkpoint.traversal import iter_leaves
+
+    out = []
+    for path, leaf in iter_leaves(state):
+        t = getattr(leaf, "_local_tensor", None) if not isinstance(leaf, ShardedWeight) else leaf.local_tensor
+        t = leaf if t is None else t
+        if isinstance(leaf, ShardedWeight):
+            out.append((path, id(t), t.data_ptr(), tuple(t.shape), t.dtype, leaf.global_shape, leaf.global_offset,
+                        leaf.local_shape, leaf.flattened_range))
+        elif isinstance(t, torch.Tensor):
+            out.append((path, id(leaf), id(t), t.data_ptr(), tuple(t.shape), t.dtype))
+        else:
+            out.append((path, id(leaf)))
+    return out
 
 
 def _describe_sources(src: Leaves, dw: DistWrapper) -> CheckpointMetadata:
@@ -313,7 +332,6 @@ def _plan(src: Leaves, tgt: Leaves, dw: DistWrapper, aoa_config: Any, program: M
             p = planner.plan_rank([sw.desc])
             missing.update(p.missing_keys)
             items.extend((i, it) for it in p.all_items())
-        missing.update(k for k in tgt.objects if k not in meta.objects)
         skipped = missing & set(getattr(planner.program, "skipped", ()) or ())
         missing -= skipped
         dest_keys = set(planner.program.destination_keys())
@@ -377,9 +395,8 @@ def _plan(src: Leaves, tgt: Leaves, dw: DistWrapper, aoa_config: Any, program: M
     local = list(zip(sends.pop(me, []), recvs.pop(me, [])))
     fan = max(len(sends), len(recvs))
     fan = int(dw.all_max_tensor(torch.tensor([fan], dtype=torch.int64))[0]) if dw.active else fan
-    objects = [(tgt.object_paths[k], meta.objects[k]) for k in tgt.objects if k in meta.objects]
-    return _Plan(fingerprint, sends, recvs, local, transfer.chunk_bytes_for(bucket_bytes, fan), objects,
-                 missing, unexpected, skipped)
+    return _Plan(fingerprint, sends, recvs, local, transfer.chunk_bytes_for(bucket_bytes, fan), missing,
+                 unexpected, skipped)
 
 
 def _local_index(src: Leaves, meta: CheckpointMetadata) -> dict:
@@ -414,7 +431,8 @@ class _Mover:
         self.packed: dict[tuple[int, int], torch.Tensor] = {}  # (receiver, slice) -> bytes, while it straddles
         self.staged: dict[tuple[int, int], torch.Tensor] = {}  # (sender, slice) -> bytes being assembled
         self.bad: set[str] = set()
-        self.staging = 0  # bytes of round-owned staging made so far (a round's share is its growth while it starts)
+        self.staging = 0  # bytes of send staging made so far (in the packing thread; a round's share is its growth)
+        self.recv_staging = 0  # the same for receive buffers (in the calling thread)
         self.bucket_bytes = bucket_bytes
 
     def _unit(self, x: _Recv) -> int:
@@ -490,7 +508,7 @@ class _Mover:
             d = self._direct(self.plan.recvs[s][sg.index])
             if d is not None:
                 return d[sg.start:sg.stop]
-        self.staging += n
+        self.recv_staging += n
         return torch.empty(n + (transfer._HASH_BYTES if self.verify else 0), dtype=torch.uint8, device=self.dev)
 
     def _unpack(self, s: int, k: int, buf: torch.Tensor) -> None:
@@ -537,24 +555,39 @@ class _Mover:
         """Post rounds in order while the staging of the rounds in flight is within the bound (zero-copy rounds
         cost none, so they all go out at once), copy this rank's own slices while the first rounds are on the
         wire, then wait for and unpack the rounds in order. Every rank posts round ``k`` before it waits for
-        round ``k``, so the rounds complete whatever each rank's window."""
+        round ``k``, so the rounds complete whatever each rank's window. The sends of the next round are packed
+        (strided slices gathered, casts) in a thread while this one posts and copies: torch's copies release the
+        GIL, and with gloo a send may write its bytes in the posting thread."""
         from collections import deque
+        from concurrent.futures import ThreadPoolExecutor
+
+        from oarlock.utils import submit
 
         rep = self.report
         rounds = max([len(c) for c in self.out_chunks.values()] + [len(c) for c in self.in_chunks.values()] + [0])
         rep.rounds = rounds
         budget = self.bucket_bytes
 
-        def start(k: int) -> tuple[int, list, list, int]:
-            before = self.staging
-            sends = [(self._pack(r, k), r) for r in sorted(self.out_chunks) if k < len(self.out_chunks[r])]
-            recvs = [(self._recv_buffer(s, k), s) for s in sorted(self.in_chunks) if k < len(self.in_chunks[s])]
-            return k, transfer.post(self.dw, sends, recvs), recvs, self.staging - before
+        def pack_round(k: int) -> tuple[list, int]:  # in the packing thread, one round after the other
+            with torch.no_grad():
+                before = self.staging
+                sends = [(self._pack(r, k), r) for r in sorted(self.out_chunks) if k < len(self.out_chunks[r])]
+                return sends, self.staging - before
 
-        with torch.no_grad():
+        with torch.no_grad(), ThreadPoolExecutor(1, thread_name_prefix="oarlock-pack") as pool:
+            packing: dict[int, Any] = {}
             flight: deque = deque()
             held = 0
             nxt = 0
+
+            def start(k: int) -> tuple[int, list, list, int]:
+                for j in (k, k + 1):  # this round's packing, and the next one's ahead of time
+                    if j < rounds and j not in packing:
+                        packing[j] = submit(pool, pack_round, j)
+                sends, staged = packing.pop(k).result()
+                before = self.recv_staging
+                recvs = [(self._recv_buffer(s, k), s) for s in sorted(self.in_chunks) if k < len(self.in_chunks[s])]
+                return k, transfer.post(self.dw, sends, recvs), recvs, staged + self.recv_staging - before
 
             def fill() -> None:
                 nonlocal nxt, held
@@ -566,13 +599,12 @@ class _Mover:
                     nxt += 1
 
             fill()
+            local = 0
             for s, x in self.plan.local:  # while the first rounds travel
                 v = _source_view(self.src.shards[s.leaf].local_tensor, s.flat_start, s.shape, s.box)
                 t = self.tgt.shards[x.leaf].local_tensor
                 place(v if v.dtype == t.dtype else v.to(t.dtype), x.item, t)
-                rep.bytes_local += x.nbytes
-            rep.bytes_sent += rep.bytes_local
-            rep.bytes_received += rep.bytes_local
+                local += x.nbytes
             while flight:
                 k, works, recvs, staged = flight.popleft()
                 for w in works:
@@ -582,6 +614,11 @@ class _Mover:
                 held -= staged
                 del works, recvs
                 fill()
+            for f in packing.values():  # none unless a round failed: let the thread finish before raising
+                f.result()
+        rep.bytes_local += local
+        rep.bytes_sent += local
+        rep.bytes_received += local
 
     def _assembling(self) -> int:
         """Staging that outlives a round: small slices straddling two chunks, on either end."""
@@ -620,6 +657,7 @@ class WeightSync:
         self.process_group, self.aoa_config, self.program = process_group, aoa_config, program
         self.strict, self.bucket_bytes, self.verify = strict, bucket_bytes, verify
         self._plan: _Plan | None = None
+        self._described: tuple | None = None  # (quick signature, (source leaves, target leaves, fingerprint))
         self.plan_reused = False
         self.torn = False
 
@@ -640,12 +678,18 @@ class WeightSync:
         t0 = time.perf_counter()
         dw = transfer.wrapper_for(self.process_group)
         with gc_paused():
-            src, tgt = collect_leaves(self.sources), collect_leaves(self.targets)
-            if isinstance(dw, transfer.PeerDistWrapper):
-                _strip_layouts(src)
-                _strip_layouts(tgt)
             settings = (repr(self.aoa_config), id(self.program), self.strict, self.bucket_bytes, self.verify)
-            fp = _fingerprint(src, tgt, dw, settings)
+            quick = (_quick_signature(self.sources), _quick_signature(self.targets), id(self.process_group),
+                     settings)
+            if self._described is not None and self._described[0] == quick:
+                src, tgt, fp = self._described[1]  # the same tensor objects as last run: described already
+            else:
+                src, tgt = collect_leaves(self.sources), collect_leaves(self.targets)
+                if isinstance(dw, transfer.PeerDistWrapper):
+                    _strip_layouts(src)
+                    _strip_layouts(tgt)
+                fp = _fingerprint(src, tgt, dw, settings)
+                self._described = (quick, (src, tgt, fp))
             same = self._plan is not None and self._plan.fingerprint == fp
             reuse = dw.all_true(same) if dw.active else same
             if not reuse:
@@ -673,8 +717,6 @@ class WeightSync:
         except Exception as e:  # the group itself failed (a dead peer, a timeout)
             raise CheckpointError(f"live reshard failed on rank {dw.rank}: {type(e).__name__}: {e}"
                                   f"{self._torn_note()}") from e
-        for path, value in plan.objects:
-            set_path(self.targets, path, value)
         self.torn = False
         rep.seconds = time.perf_counter() - t0
         return rep
@@ -688,12 +730,12 @@ def reshard_state_dict(sources: Mapping[str, Any], targets: Mapping[str, Any], *
                        bucket_bytes: int | None = None, verify: bool = False) -> ReshardReport:
     """Collective: fill every rank's ``targets`` in place from the tensors the ranks hold in ``sources``, in memory.
 
-    Each rank passes what it holds and what it wants (either may be ``{}``): nested dicts of tensors (whole,
-    treated as replicated), DTensors on any mesh and placements, :class:`~oarlock.checkpoint.ShardedWeight` s
-    (ZeRO flat ranges included) and JSON values. Target keys are matched to source keys through AOA exactly as a
-    load matches checkpoint keys (rename, fused qkv/ffn, split, transpose, cast, macros, presets). Bytes go from
-    one holder straight to each rank that needs them (``batch_isend_irecv``: NCCL for CUDA, gloo for CPU); no
-    rank gathers a tensor it does not hold as a target; replicated sources are spread over their holders by
+    Each rank passes what it holds and what it wants (either may be ``{}``): nested dicts of tensors (whole, treated
+    as replicated), DTensors on any mesh and placements, :class:`~oarlock.checkpoint.ShardedWeight` s (ZeRO flat
+    ranges included); JSON values are left alone (tensors only move). Target keys are matched to source keys through
+    AOA exactly as a load matches checkpoint keys (rename, fused qkv/ffn, split, transpose, cast, macros, presets).
+    Bytes go from one holder straight to each rank that needs them (``batch_isend_irecv``: NCCL for CUDA, gloo for
+    CPU); no rank gathers a tensor it does not hold as a target; replicated sources are spread over their holders by
     bytes. Staging is bounded by ``bucket_bytes`` plus the largest slice that straddles a chunk.
 
     Args:
