@@ -16,7 +16,9 @@ B. ``full_tensor+bcast``: per tensor ``DTensor.full_tensor()`` on the trainer ra
 C. files: ``oarlock`` save + load through a directory; ``dcp`` ``torch.distributed.checkpoint`` save + load;
 D. ``reshard_state_dict`` (plans every call) and ``WeightSync.run()`` (replayed plan);
 E. ``floor``: one ``batch_isend_irecv`` per (sender, receiver) pair of exactly the bytes the receiver needs from
-   that sender, packed before the clock starts, and one copy of the bytes a rank needs from itself (colocated).
+   that sender, packed before the clock starts, and one copy of the bytes a rank needs from itself (colocated);
+   ``floor + strided gathers`` adds the copies that column-split weights force on any sender (each o/down shard's
+   rows gathered per receiver's column block).
 
 Columns: wall seconds (median), ratio to WeightSync, bytes received per engine rank (max over engine ranks),
 point-to-point/collective messages per engine rank, peak RSS above the rank's RSS at the method's start
@@ -241,9 +243,21 @@ def rank_main(rank: int, world: int, port: int, layers: int, reps: int, only: st
                 w.wait()
             return len(recv_bufs)
 
+        def m_floor_gathers(targets):
+            # the floor plus the one copy a strided layout forces on a sender: each column-split weight's local rows
+            # gathered per receiving rank's column block (what any sender of these slices must pack)
+            if in_t:
+                for k, s in shapes.items():
+                    if len(s) == 2 and any(f".{c}." in k for c in COL):
+                        loc = sources[k].to_local()
+                        for blk in loc.chunk(len(engine_ranks), dim=1):
+                            blk.contiguous()
+            return m_floor(targets)
+
         methods = [("A gather+bcast", m_gather), ("B full_tensor+bcast", m_full_tensor),
                    ("C oarlock files", m_oarlock_files), ("C dcp files", m_dcp),
-                   ("D reshard_state_dict", m_reshard), ("D WeightSync.run", m_sync), ("E floor", m_floor)]
+                   ("D reshard_state_dict", m_reshard), ("D WeightSync.run", m_sync), ("E floor", m_floor),
+                   ("E floor + strided gathers", m_floor_gathers)]
         for name, fn in methods:
             if methods_only and not any(m.strip() in name for m in methods_only.split(",")):
                 continue
@@ -261,7 +275,7 @@ def rank_main(rank: int, world: int, port: int, layers: int, reps: int, only: st
                     dt = time.perf_counter() - t0
                 times.append(dt)
                 peaks.append(rss.above)
-            if name != "E floor":
+            if not name.startswith("E floor"):
                 check(targets, name)
             recv = sum(v.to_local().numel() * 4 for v in targets.values())
             got = [None] * world
