@@ -395,3 +395,25 @@ def test_convert_carries_the_json_values(tmp_path):
     with open_checkpoint(tmp_path / "opt-all") as rd:
         assert rd.metadata.objects["optimizer.algorithm"] == "adamw"
         assert rd.metadata.objects["optimizer.param_groups"] == [{"lr": 0.1}]
+
+
+def test_hf_export_of_a_wrapped_model_strips_the_wrapper_and_names_dropped_values(tmp_path, capsys):
+    """``{"model": model.state_dict(), "step": 100}`` (no optimizer beside it) exports to the model's own names
+    (before: 'model.0.weight'), and stderr names the value an HF checkpoint cannot hold (before: 'step' dropped
+    silently). A flat state whose keys merely start with 'model.' (an HF Llama's) keeps them."""
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    save_state_dict({"model": m.state_dict(), "step": 100}, tmp_path / "ck")
+    assert main(["convert", str(tmp_path / "ck"), str(tmp_path / "hf"), "--to", "hf"]) == 0
+    cap = capsys.readouterr()
+    got = st_tensors(tmp_path / "hf")
+    assert sorted(got) == sorted(m.state_dict())
+    assert all(torch.equal(got[k], v) for k, v in m.state_dict().items())
+    assert "left out 1 non-tensor value(s) (an HF checkpoint holds tensors only): 'step'" in cap.err, cap.err
+    assert "without their wrapper prefix 'model.'" in cap.out, cap.out
+    flat = {"model.embed.weight": torch.randn(3, 2), "model.norm.weight": torch.randn(2)}
+    save_state_dict(flat, tmp_path / "flat")
+    assert main(["convert", str(tmp_path / "flat"), str(tmp_path / "hf_flat"), "--to", "hf"]) == 0
+    assert "non-tensor" not in capsys.readouterr().err
+    assert sorted(st_tensors(tmp_path / "hf_flat")) == sorted(flat)
+    export_hf(tmp_path / "ck", tmp_path / "hf_api")  # the Python entry point strips it too
+    assert sorted(st_tensors(tmp_path / "hf_api")) == sorted(m.state_dict())

@@ -132,6 +132,31 @@ def test_objects_and_nan(tmp_path):
     assert d.num_different == 1 and d.max_abs_diff == 2.0 and d.max_rel_diff == float("inf")
 
 
+
+def test_summary_counts_objects_as_it_lists_them(tmp_path, capsys):
+    """A training state against its HF export: the wrapper prefix is read off as the export strips it (the 2
+    tensors equal), and the summary counts the object it lists as only in A (before: 'object only in A: step'
+    above a summary saying '0 only in A'); both sides saved with the object: counted equal."""
+    from oarlock.checkpoint import export_hf
+
+    m = torch.nn.Linear(3, 2)
+    save_state_dict({"model": m.state_dict(), "step": 100}, tmp_path / "ck")
+    export_hf(tmp_path / "ck", tmp_path / "hf")
+    assert main(["diff", str(tmp_path / "ck"), str(tmp_path / "hf")]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out == ["object only in A: step",
+                   "differ: 2 common tensor keys, 2 equal, 0 changed, 0 only in A, 0 only in B; "
+                   "0 common objects, 0 equal, 0 changed, 1 only in A, 0 only in B"], out
+    assert main(["diff", str(tmp_path / "hf"), str(tmp_path / "ck"), "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["objects_only_in_b"] == ["step"] and doc["equal_keys"] == 2 and doc["equal_objects"] == 0
+    save_state_dict({"model": m.state_dict(), "step": 100, "lr": 0.5}, tmp_path / "ck2")
+    save_state_dict({"model": m.state_dict(), "step": 100, "lr": 0.1}, tmp_path / "ck3")
+    rep = diff_checkpoints(tmp_path / "ck2", tmp_path / "ck3")
+    assert rep.render().splitlines()[-1] == ("differ: 2 common tensor keys, 2 equal, 0 changed, 0 only in A, 0 only "
+                                             "in B; 2 common objects, 1 equal, 1 changed, 0 only in A, 0 only in B")
+
+
 def test_inspect_include_exclude(ckpts, capsys):
     tmp, ref, _ = ckpts
     assert main(["inspect", str(tmp / "tp4"), "--json", "--include", "model.layers.*", "--exclude", "*proj*"]) == 0

@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from oarlock.checkpoint import CheckpointFormatError, UnsafePickleError, open_checkpoint
+from oarlock.checkpoint import CheckpointFormatError, UnsafePickleError, open_checkpoint, save_state_dict
 from oarlock.cli import main
 from testkit import run_cli, tree_digest, write_paddle_checkpoint
 
@@ -255,3 +255,23 @@ def test_truncated_data_section_is_named_with_byte_counts(tmp_path, capsys):
     assert want in capsys.readouterr().out
     assert main(["inspect", str(d)]) == 2
     assert want in capsys.readouterr().err
+
+
+def test_inspect_of_a_directory_with_a_truncated_data_file_fails_naming_it(tmp_path, capsys):
+    """An oarlock checkpoint whose data file lost its last 10 bytes: `inspect` exits 2 naming the file and both
+    byte counts (as convert and diff do), not 0 with the listing; intact, it still lists it (exit 0)."""
+    ck = tmp_path / "ck"
+    save_state_dict({"w": torch.randn(4, 4), "step": 3}, ck)
+    assert main(["inspect", str(ck)]) == 0
+    assert "'w'" not in capsys.readouterr().err
+    f = ck / "rank-00000.safetensors"
+    size = os.path.getsize(f)
+    os.truncate(f, size - 10)
+    assert main(["inspect", str(ck)]) == 2
+    cap = capsys.readouterr()
+    assert cap.out == ""
+    assert f"{f}: invalid safetensors file: the header's data offsets run to byte {size}, the file has only " \
+           f"{size - 10} bytes (truncated" in cap.err, cap.err
+    os.unlink(f)
+    assert main(["inspect", str(ck), "--json"]) == 2
+    assert f"{f}: data file named in metadata.json is missing" in capsys.readouterr().err

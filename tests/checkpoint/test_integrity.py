@@ -480,3 +480,24 @@ def test_digests_of_many_files_are_read_together_and_a_bad_one_is_named(tmp_path
     with pytest.raises(ChecksumError, match=re.escape(str(sides[2])) + ".*does not match"):
         load_state_dict(out, tmp_path / "ck", strict=False)
     assert bool((out[key] == 5).all())
+
+
+def test_verify_names_a_damaged_file_once_per_problem(tmp_path, capsys):
+    """`verify` of a checkpoint whose data file lost 10 bytes: each problem line names the file once (before:
+    'rank-00000.safetensors: trunc/rank-00000.safetensors: file has ...'), with both byte counts; the JSON
+    problem messages carry no second copy either."""
+    ck = tmp_path / "trunc"
+    save_state_dict({"w": torch.randn(4, 4)}, ck)
+    f = ck / "rank-00000.safetensors"
+    size = os.path.getsize(f)
+    os.truncate(f, size - 10)
+    assert main(["verify", str(ck)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:2] == [
+        f"rank-00000.safetensors: file has {size - 10} bytes, {size} were written at save (truncated or overwritten)",
+        f"rank-00000.safetensors: invalid safetensors file: the header's data offsets run to byte {size}, the file "
+        f"has only {size - 10} bytes (truncated, or a corrupt header)"], lines
+    assert main(["verify", str(ck), "--json"]) == 1
+    probs = json.loads(capsys.readouterr().out)["problems"]
+    assert [p["file"] for p in probs] == ["rank-00000.safetensors"] * 2
+    assert not any("rank-00000.safetensors" in p["message"] for p in probs), probs

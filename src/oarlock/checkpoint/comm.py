@@ -49,7 +49,7 @@ from oarlock.checkpoint.errors import CheckpointError
 from oarlock.checkpoint.executor import LoadReport, place, source_shaped_view
 from oarlock.checkpoint.formats import load_formats
 from oarlock.checkpoint.grid import GridLayout, data_file_name, rank_of_file
-from oarlock.checkpoint.integrity import verify_own_file
+from oarlock.checkpoint.integrity import verify_own_file, verify_reads_for_others
 from oarlock.checkpoint.metadata import METADATA_FILE, SAVE_ID_HEADER
 from oarlock.checkpoint.reader import CheckpointReader, checkpoint_file
 from oarlock.checkpoint.safetensors_io import SafetensorsFile
@@ -80,6 +80,7 @@ class CommStats:
     bytes_sent: int = 0
     bytes_received: int = 0
     messages_sent: int = 0
+    bytes_hashed: int = 0  # blocks hashed for pieces read only for other ranks
     files_read: list[str] = field(default_factory=list)
 
 
@@ -102,12 +103,17 @@ def _direct_view(entries: list | None, device: torch.device) -> torch.Tensor | N
 
 
 def execute(reader: CheckpointReader, work: list[tuple[Any, torch.Tensor]], *, comm_method: str, view: View | None,
-            dist: DistWrapper, direct: Callable[[CheckpointReader, list], int]) -> CommStats:
+            dist: DistWrapper, direct: Callable[[CheckpointReader, list], int], verify_checksums: bool = False
+            ) -> CommStats:
     """Run this rank's read items ``work`` ((ReadItem, target tensor) pairs). Collective unless the group has one
     rank. ``direct(reader, work)`` performs byte-range reads into targets and returns the bytes read.
+    ``verify_checksums``: also hash the blocks this rank reads only for ranks that cannot see their file
+    (``CommStats.bytes_hashed``); what ranks read for themselves was verified before (``verify_group``).
 
     Raises:
-        CheckpointError: (every rank alike) a needed file visible to no rank.
+        CheckpointError: (every rank alike) a needed file visible to no rank; a piece read for another rank
+            whose file is truncated or lacks the array (:class:`CheckpointFormatError`) or whose blocks do not
+            match their checksums (:class:`ChecksumError`), before any piece is read or written.
     """
     stats = CommStats()
     world = dist.size
@@ -152,6 +158,20 @@ def execute(reader: CheckpointReader, work: list[tuple[Any, torch.Tensor]], *, c
             needs[r][p[0]] = needs[r].get(p[0], 0) + pbytes[p]
     readers = assign_readers(needs, visible, file_bytes)  # raises alike on every rank
     order = sorted(consumers)
+    # The pieces this rank reads only for other ranks were checked by nobody (the load checks, and verifies, what
+    # each rank reads for itself in the files it sees): their files are opened here (the header's data offsets
+    # against the file size: a truncated copy), their arrays checked and, with ``verify_checksums``, the blocks
+    # they touch hashed; the ranks agree before any piece is read, sent or written into a target.
+    err = None
+    try:
+        theirs = [p for p in order if readers[p[0]] == rank and p not in mine]
+        for p in theirs:
+            reader.check_read(p[2], p[0], p[1], p[3], p[4])
+        if verify_checksums and theirs:
+            stats.bytes_hashed = verify_reads_for_others(reader, theirs, (it for it, _ in work))
+    except Exception as e:  # reported on every rank alike
+        err = e
+    dist.check(err)
     remote = [p for p in order if any(c != readers[p[0]] for c in consumers[p])]
     device = dist.comm_device()
 

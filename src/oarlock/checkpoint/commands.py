@@ -76,6 +76,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     args.path = _resolve(args.path)
     with open_checkpoint(args.path) as reader:
         meta = reader.metadata
+        reader.check_files()  # a missing or truncated data file is an error (exit 2), as for convert and diff
     if args.include or args.exclude:
         meta = meta.filtered(args.include, args.exclude)
     return print_report(args.json, lambda: _inspect_json(args.path, meta), lambda: _inspect_text(args.path, meta))
@@ -269,6 +270,13 @@ def cmd_convert(args: argparse.Namespace) -> int:
                   "--keep-optimizer-state keeps them)")
         with open_checkpoint(args.src) as reader:
             stripped = reader.metadata.model_prefix if args.model_prefix is None else args.model_prefix
+            from oarlock.checkpoint.metadata import key_selected
+
+            values = [k for k in reader.metadata.objects if key_selected(k, args.include, args.exclude)]
+        if values:  # an HF checkpoint holds tensors only: say what did not go (a step counter, param groups...)
+            more = f" ... ({len(values) - 10} more)" if len(values) > 10 else ""
+            print(f"left out {len(values)} non-tensor value(s) (an HF checkpoint holds tensors only): "
+                  f"{', '.join(repr(k) for k in values[:10])}{more}", file=sys.stderr)
         if config is None and stripped:
             print(f"model keys written without their wrapper prefix {stripped!r} (--model-prefix '' keeps it)")
         elif config is None and detect_format(args.src) in ("oarlock", "dcp", "paddle"):

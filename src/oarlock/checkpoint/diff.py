@@ -68,7 +68,8 @@ class DiffReport:
         only_in_a, only_in_b: tensor keys present on one side only (after the include/exclude filters).
         changed: :class:`KeyDiff` per common key that differs (shape, dtype or values).
         equal_keys: number of common keys that are equal.
-        objects_only_in_a, objects_only_in_b, objects_changed: the same for JSON objects saved beside the tensors.
+        objects_only_in_a, objects_only_in_b, objects_changed, equal_objects: the same for JSON objects saved
+            beside the tensors.
         equal_by_checksum: common keys found equal from stored checksums alone, without reading their bytes.
     """
 
@@ -84,6 +85,7 @@ class DiffReport:
     objects_only_in_b: list[str] = field(default_factory=list)
     objects_changed: list[str] = field(default_factory=list)
     equal_by_checksum: int = 0
+    equal_objects: int = 0
 
     @property
     def equal(self) -> bool:
@@ -123,8 +125,13 @@ class DiffReport:
             lines.append(f"object differs: {k}")
         tol = f" (rtol={self.rtol:g}, atol={self.atol:g})" if self.rtol or self.atol else ""
         n = self.equal_keys + len(self.changed)
-        lines.append(f"{'equal' if self.equal else 'differ'}: {n} common tensor keys, {self.equal_keys} equal{tol}, "
-                     f"{len(self.changed)} changed, {len(self.only_in_a)} only in A, {len(self.only_in_b)} only in B")
+        summary = (f"{'equal' if self.equal else 'differ'}: {n} common tensor keys, {self.equal_keys} equal{tol}, "
+                   f"{len(self.changed)} changed, {len(self.only_in_a)} only in A, {len(self.only_in_b)} only in B")
+        n_obj = self.equal_objects + len(self.objects_changed)
+        if n_obj or self.objects_only_in_a or self.objects_only_in_b:  # counted like the tensors, listed above
+            summary += (f"; {n_obj} common objects, {self.equal_objects} equal, {len(self.objects_changed)} changed, "
+                        f"{len(self.objects_only_in_a)} only in A, {len(self.objects_only_in_b)} only in B")
+        lines.append(summary)
         return "\n".join(lines)
 
 
@@ -168,6 +175,10 @@ def compare_tensors(key: str, a: torch.Tensor, b: torch.Tensor, *, rtol: float =
     return d
 
 
+#: Formats an HF export is read as (whole tensors under the model's own names).
+HF_FORMATS = ("huggingface", "safetensors")
+
+
 def diff_checkpoints(a: str | Path, b: str | Path, *, rtol: float = 0.0, atol: float = 0.0,
                      include: Sequence[str] | None = None, exclude: Sequence[str] | None = None,
                      use_checksums: bool = True, aoa_a: Any = None, aoa_b: Any = None,
@@ -185,7 +196,10 @@ def diff_checkpoints(a: str | Path, b: str | Path, *, rtol: float = 0.0, atol: f
             their recorded checksums (a corrupted copy with an intact ``metadata.json`` is not "equal").
         aoa_a, aoa_b: AOA configs (docs/aoa.md) through which side A / B is read, as a conversion would read it:
             keys are then that config's destination keys (e.g. a reverse preset compares a training checkpoint
-            with fused QKV against an HF directory). ``include``/``exclude`` select those keys.
+            with fused QKV against an HF directory). ``include``/``exclude`` select those keys. Without one, a
+            side whose model weights sit under a wrapper prefix
+            (:attr:`~oarlock.checkpoint.metadata.CheckpointMetadata.model_prefix`) compared with an HF directory
+            or ``.safetensors`` file is read with the prefix stripped, as ``convert --to hf`` exports it.
         verify_checksums: before any comparison, hash every data file of either side holding a compared key
             against the block checksums recorded at its save (sides without recorded checksums are read as
             they are): a corrupted byte is then an error naming the file and block, not a "difference". False
@@ -201,9 +215,17 @@ def diff_checkpoints(a: str | Path, b: str | Path, *, rtol: float = 0.0, atol: f
     from oarlock.checkpoint.plan import Planner
     from oarlock.checkpoint.storage import open_checkpoint
 
+    from oarlock.checkpoint.convert import strip_model_prefix
+
     rep = DiffReport(str(a), str(b), float(rtol), float(atol))
     with open_checkpoint(a) as ra, open_checkpoint(b) as rb:
         ma, mb = ra.metadata, rb.metadata
+        # a training checkpoint against an HF export: its model keys are read without their wrapper prefix, as
+        # ``convert --to hf`` writes them ({"model": ..., "step": ...} against its export compares equal)
+        if aoa_a is None and ma.model_prefix and mb.format in HF_FORMATS:
+            aoa_a = strip_model_prefix(ma)
+        if aoa_b is None and mb.model_prefix and ma.format in HF_FORMATS:
+            aoa_b = strip_model_prefix(mb)
         # keys saved in a TP-blocked layout (fused_ffn / fused_qkv_old at some TP degree, recorded in the metadata)
         # are compared in the layout of degree 1, as a conversion to HF writes them: the logical tensor
         pa, pb = Planner(ma, compile_program(ma, aoa_a)), Planner(mb, compile_program(mb, aoa_b))
@@ -249,6 +271,7 @@ def diff_checkpoints(a: str | Path, b: str | Path, *, rtol: float = 0.0, atol: f
         rep.objects_only_in_b = [k for k in ob if k not in oa]
         rep.objects_changed = [k for k in oa if k in ob and json.dumps(oa[k], sort_keys=True)
                                != json.dumps(ob[k], sort_keys=True)]
+        rep.equal_objects = sum(1 for k in oa if k in ob) - len(rep.objects_changed)
     return rep
 
 

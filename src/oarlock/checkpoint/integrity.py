@@ -755,6 +755,41 @@ def verify_group(reader: Any, items: Iterable[Any], dist: Any, file_bytes: dict[
     return verifier.bytes_verified
 
 
+def verify_reads_for_others(reader: Any, pieces: Iterable[tuple], own_items: Iterable[Any]) -> int:
+    """Hash the blocks that ``pieces`` touch and this rank's own read items ``own_items`` do not: the pieces a rank
+    reads only to ship them to ranks that cannot see their file (node-local disks, see
+    :mod:`oarlock.checkpoint.comm`). :func:`verify_group` counts a block only for ranks that see its file, so a
+    block read solely for such ranks has no owner there; the blocks this rank's own items touch had one.
+    ``pieces``: ``(file, name, key, flat_start, shape, box)``. Not collective (the caller agrees on the verdict
+    before any piece is read). Returns the bytes hashed; 0 when the checkpoint records no checksums.
+
+    Raises:
+        ChecksumError: naming the file, the block and the keys stored in it.
+    """
+    checksums = recorded(reader.metadata, reader.path_of)
+    if not checksums:
+        return 0
+    own = touched_blocks(reader, own_items, checksums)
+    todo: dict[str, set[int]] = {}
+    for file, name, _key, flat_start, shape, box in pieces:
+        fc = checksums.get(file)
+        if fc is None:
+            continue
+        seen = own.get(file, {})
+        todo.setdefault(file, set()).update(b for b in block_bytes(reader, fc, name, flat_start, shape, box)
+                                            if b not in seen)
+    todo = {f: sorted(b) for f, b in todo.items() if b}
+    if not todo:
+        return 0
+    prefetch_digests([checksums[f] for f in todo])
+    verifier = BlockVerifier(reader.path_of, checksums)
+    bad = verifier.bad_blocks_of(todo)
+    if bad:
+        file = min(bad)
+        raise ChecksumError(_mismatch(reader, checksums[file], bad[file]))
+    return verifier.bytes_verified
+
+
 def _mismatch(reader: Any, fc: FileChecksums, bad: list[int]) -> str:
     b = bad[0]
     lo, hi = b * fc.block_size, min(fc.size, (b + 1) * fc.block_size)
@@ -902,6 +937,12 @@ class Problem:
     block: int | None = None
     start: int | None = None
     stop: int | None = None
+
+    def __post_init__(self) -> None:
+        # the report names the file once: an error's own leading path of the same file is dropped from the message
+        head, sep, rest = self.message.partition(": ")
+        if self.file and sep and (head == self.file or head.endswith(("/" + self.file, os.sep + self.file))):
+            self.message = rest
 
 
 @dataclass

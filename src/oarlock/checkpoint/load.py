@@ -365,8 +365,10 @@ def _run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process
                                                touched=touched)
         # one rank's read error reaches every rank (they would otherwise run into their next collective)
         st = dist.run(comm.execute, reader, work, comm_method=comm_method, view=view, dist=dist,
-                      direct=lambda r, w: execute_work(r, w, prepared=prepared if w is work else None))
+                      direct=lambda r, w: execute_work(r, w, prepared=prepared if w is work else None),
+                      verify_checksums=verify_checksums)
         report.bytes_read, report.comm_method, report.files_read = st.bytes_read, st.method, st.files_read
+        report.bytes_hashed += st.bytes_hashed
         report.bytes_sent, report.bytes_received, report.messages_sent = st.bytes_sent, st.bytes_received, st.messages_sent
         for k, value in ((k, reader.metadata.objects[k]) for k in leaves.objects if k in reader.metadata.objects):
             set_path(state_dict, leaves.object_paths[k], value)

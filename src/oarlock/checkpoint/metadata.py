@@ -407,11 +407,14 @@ def mark_training_layout(meta: CheckpointMetadata) -> CheckpointMetadata:
     * in a checkpoint saved from a nested state dict (oarlock's own and torch DCP: :data:`WRAPPED_FORMATS`) that
       holds torch's optimizer entries (``optim.state.*``, ``optim.param_groups``, ``optimizer.state.*``) or
       torchtitan's, when every remaining tensor key starts with ``model.``,
-      :attr:`~CheckpointMetadata.model_prefix` becomes ``"model."`` (an HF export strips it).
+      :attr:`~CheckpointMetadata.model_prefix` becomes ``"model."`` (an HF export strips it);
+    * the same without such entries when the recorded nesting (:attr:`~CheckpointMetadata.nested`) shows every
+      tensor saved inside a ``"model"`` dict: ``{"model": model.state_dict(), "step": 100}``.
 
-    A checkpoint without any such entry keeps its keys (a plain model saved under ``model.``, an HF Llama with
-    tied embeddings, oarlock's own optimizer checkpoint, whose ``optimizer.param_groups`` alone is marked);
-    DeepSpeed's and Megatron-Core's names are the model's own and get no prefix. Returns ``meta``."""
+    A checkpoint without any such entry or nesting keeps its keys (a flat state dict whose every key starts with
+    ``model.``, e.g. an HF Llama with tied embeddings; oarlock's own optimizer checkpoint, whose
+    ``optimizer.param_groups`` alone is marked); DeepSpeed's and Megatron-Core's names are the model's own and get
+    no prefix. Returns ``meta``."""
     marked_opt = set(meta.optimizer_keys)
     marked = set(meta.non_model_keys)
     found = False
@@ -441,10 +444,19 @@ def mark_training_layout(meta: CheckpointMetadata) -> CheckpointMetadata:
         groups = [k for k in (*meta.tensors, *meta.objects) if _under(k, "param_groups") and k not in marked]
         meta.non_model_keys += groups
         marked.update(groups)
-    if found and meta.model_prefix is None and meta.format in WRAPPED_FORMATS:
+    if meta.model_prefix is None and meta.format in WRAPPED_FORMATS:
         rest = [k for k in meta.tensors if k not in marked_opt and k not in marked]
         for w in MODEL_WRAPPERS:
-            if rest and all(k.startswith(w + ".") for k in rest):
+            if not rest or not all(k.startswith(w + ".") for k in rest):
+                continue
+            # without training entries beside, only when the recorded nesting shows ``w`` was a dict of the saved
+            # state ({"model": model.state_dict(), "step": 100}), not the first part of the model's own names
+            if found or all(_nested_under(meta.nested.get(k), w) for k in rest):
                 meta.model_prefix = w + "."
                 break
     return meta
+
+
+def _nested_under(path: Any, wrapper: str) -> bool:
+    """Whether a recorded nesting ``path`` (:attr:`CheckpointMetadata.nested`) starts inside dict ``wrapper``."""
+    return isinstance(path, (list, tuple)) and len(path) > 1 and path[0] == wrapper

@@ -287,6 +287,26 @@ class CheckpointReader:
             self.files_opened.append(file)
         return f
 
+    def check_files(self) -> None:
+        """Check, without reading data, every data file of the metadata: a safetensors data file opens, belongs to
+        this save and is as long as its header's data offsets say (a truncated copy is named here); any other
+        data file is there (formats with data files of their own check what their ``open`` reads).
+        ``oarlock inspect`` runs it, so that a damaged checkpoint is not listed as if it loaded. Each file is
+        closed again after its check.
+
+        Raises:
+            CheckpointFormatError: naming the file (missing, invalid or truncated header, another save's file).
+        """
+        for file in self.metadata.files:
+            if not file.endswith(".safetensors"):
+                if not self.path_of(file).is_file():
+                    raise CheckpointFormatError(f"{self.path_of(file)}: data file is missing")
+                continue
+            kept = file in self._st_files
+            self.safetensors_file(file)
+            if not kept:  # thousands of files must not hold thousands of descriptors
+                self._st_files.pop(file).close()
+
     def check_read(self, key: str, file: str, name: str, flat_start: int, shape: tuple[int, ...]) -> None:
         """Check, without reading data, that :meth:`read_box` of any box of this array would succeed: the file
         opens and belongs to this save, the tensor is there with the metadata's dtype and holds the array. The
