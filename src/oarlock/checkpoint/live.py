@@ -431,8 +431,8 @@ class _Mover:
         self.packed: dict[tuple[int, int], torch.Tensor] = {}  # (receiver, slice) -> bytes, while it straddles
         self.staged: dict[tuple[int, int], torch.Tensor] = {}  # (sender, slice) -> bytes being assembled
         self.bad: set[str] = set()
-        self.staging = 0  # bytes of send staging made so far (in the packing thread; a round's share is its growth)
-        self.recv_staging = 0  # the same for receive buffers (in the calling thread)
+        self.staging = 0  # bytes of send staging made so far (a round's share is its growth while it is packed)
+        self.recv_staging = 0  # the same for receive buffers
         self.bucket_bytes = bucket_bytes
 
     def _unit(self, x: _Recv) -> int:
@@ -555,36 +555,28 @@ class _Mover:
         """Post rounds in order while the staging of the rounds in flight is within the bound (zero-copy rounds
         cost none, so they all go out at once), copy this rank's own slices while the first rounds are on the
         wire, then wait for and unpack the rounds in order. Every rank posts round ``k`` before it waits for
-        round ``k``, so the rounds complete whatever each rank's window. The sends of the next round are packed
-        (strided slices gathered, casts) in a thread while this one posts and copies: torch's copies release the
-        GIL, and with gloo a send may write its bytes in the posting thread."""
+        round ``k``, so the rounds complete whatever each rank's window. (Packing the next round in a thread
+        was tried: no faster on the benchmark, and it held a round more of staging.)"""
         from collections import deque
-        from concurrent.futures import ThreadPoolExecutor
-
-        from oarlock.utils import submit
 
         rep = self.report
         rounds = max([len(c) for c in self.out_chunks.values()] + [len(c) for c in self.in_chunks.values()] + [0])
         rep.rounds = rounds
         budget = self.bucket_bytes
 
-        def pack_round(k: int) -> tuple[list, int]:  # in the packing thread, one round after the other
+        def pack_round(k: int) -> tuple[list, int]:
             with torch.no_grad():
                 before = self.staging
                 sends = [(self._pack(r, k), r) for r in sorted(self.out_chunks) if k < len(self.out_chunks[r])]
                 return sends, self.staging - before
 
-        with torch.no_grad(), ThreadPoolExecutor(1, thread_name_prefix="oarlock-pack") as pool:
-            packing: dict[int, Any] = {}
+        with torch.no_grad():
             flight: deque = deque()
             held = 0
             nxt = 0
 
             def start(k: int) -> tuple[int, list, list, int]:
-                for j in (k, k + 1):  # this round's packing, and the next one's ahead of time
-                    if j < rounds and j not in packing:
-                        packing[j] = submit(pool, pack_round, j)
-                sends, staged = packing.pop(k).result()
+                sends, staged = pack_round(k)
                 before = self.recv_staging
                 recvs = [(self._recv_buffer(s, k), s) for s in sorted(self.in_chunks) if k < len(self.in_chunks[s])]
                 return k, transfer.post(self.dw, sends, recvs), recvs, staged + self.recv_staging - before
@@ -614,8 +606,6 @@ class _Mover:
                 held -= staged
                 del works, recvs
                 fill()
-            for f in packing.values():  # none unless a round failed: let the thread finish before raising
-                f.result()
         rep.bytes_local += local
         rep.bytes_sent += local
         rep.bytes_received += local
