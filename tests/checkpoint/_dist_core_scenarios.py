@@ -195,3 +195,59 @@ def scenario_a_shared_filesystem_reshard_load_gathers_nothing_per_rank(ctx):
     for k, t in tgt.items():
         assert torch.equal(t.to_local(), full[k][:, ctx.rank * cols:(ctx.rank + 1) * cols]), k
     assert calls and set(calls) == {"all_reduce"}, calls
+
+
+def _held_by_oarlock(targets: list) -> list[str]:
+    """Paths from a module-level name of an ``oarlock`` module to any object of ``targets``, through containers,
+    functools caches and oarlock objects (weak references do not count)."""
+    import gc
+    import sys
+    import types
+    import weakref
+
+    want = {id(t) for t in targets}
+    found: list[str] = []
+    seen: set[int] = set()
+
+    def walk(obj, path: str, depth: int) -> None:
+        if id(obj) in want:
+            found.append(path)
+            return
+        if depth > 8 or id(obj) in seen or isinstance(obj, (weakref.ref, types.ModuleType, type, str, bytes)):
+            return
+        seen.add(id(obj))
+        if isinstance(obj, dict):
+            for k, v in list(obj.items()):
+                walk(k, f"{path}[key]", depth + 1)
+                walk(v, f"{path}[{k!r:.40}]", depth + 1)
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            for i, v in enumerate(list(obj)):
+                walk(v, f"{path}[{i}]", depth + 1)
+        elif type(obj).__name__ == "_lru_cache_wrapper" or type(obj).__module__.startswith("oarlock"):
+            for v in gc.get_referents(obj):
+                walk(v, f"{path}.<ref>", depth + 1)
+
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("oarlock") and mod is not None:
+            for k, v in list(vars(mod).items()):
+                if not isinstance(v, types.ModuleType):
+                    walk(v, f"{name}.{k}", 0)
+    return found
+
+
+def scenario_no_process_group_or_mesh_is_kept_after_dtensor_save_and_load(ctx):
+    """After a DTensor save and a reshard load, no oarlock module-level state holds the DeviceMesh (which holds
+    its process groups) or the group itself: a kept group keeps its gloo threads running past
+    ``destroy_process_group()`` into interpreter finalization (docs/checkpoint-format.md, "Ending a multi-rank
+    script"). Before, a DTensor-box cache and the grid memo held both."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (ctx.world,))
+    full = _full_weight()
+    save_state_dict({"w": distribute_tensor(full.clone(), mesh, [Shard(0)])}, ctx.root / "ck")
+    out = {"w": distribute_tensor(torch.zeros(8, 8), mesh, [Shard(1)])}
+    load_state_dict(out, ctx.root / "ck")
+    assert torch.equal(out["w"].to_local(), full.chunk(ctx.world, dim=1)[ctx.rank])
+    held = _held_by_oarlock([mesh, dist.group.WORLD])
+    assert held == [], held

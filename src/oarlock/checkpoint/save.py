@@ -318,13 +318,13 @@ def dtensor_grid(sw: ShardedWeight, dist: DistWrapper, cache: dict) -> GridLayou
     memo_key = (id(mesh), id(dist.group), dist.rank, tuple(placements), d.global_shape, d.global_offset,
                 d.local_shape)
     hit = _GRID_MEMO.get(memo_key)
-    if hit is not None and hit[0][0] is mesh and hit[0][1] is dist.group:  # the objects themselves, not an old id
+    if hit is not None and hit[0][0]() is mesh and hit[0][1]() is dist.group:  # the objects, not an old id
         grid = hit[1]
     else:
         grid = _dtensor_grid(sw, dist, cache)
         if len(_GRID_MEMO) >= 8192:
             _GRID_MEMO.clear()
-        _GRID_MEMO[memo_key] = ((mesh, dist.group), grid)
+        _GRID_MEMO[memo_key] = ((weakref.ref(mesh), _weak(dist.group)), grid)
     if grid is not None and grid.replicas:
         # the replica rotation is the key's own (the memo is shared by every key of one geometry): without it every
         # same-shaped replicated tensor was written, and sent by a live reshard, by the same holders
@@ -334,7 +334,15 @@ def dtensor_grid(sw: ShardedWeight, dist: DistWrapper, cache: dict) -> GridLayou
     return grid
 
 
+#: dtensor_grid's memo. Mesh and group are held weakly: a mesh holds its process groups (``_pg_registry``), and a
+#: module-level reference kept the group's gloo threads running past ``destroy_process_group()`` into interpreter
+#: finalization (see :func:`_cache_key`).
 _GRID_MEMO: dict[tuple, tuple[tuple, GridLayout | None]] = {}
+
+
+def _weak(obj: Any) -> Any:
+    """A weak reference to ``obj``, or a callable returning None for None (no group: a single process)."""
+    return weakref.ref(obj) if obj is not None else (lambda: None)
 
 
 def _dtensor_grid(sw: ShardedWeight, dist: DistWrapper, cache: dict) -> GridLayout | None:

@@ -10,9 +10,9 @@ in flat order, so the planner treats flattened shards like a few regular ones.
 
 from __future__ import annotations
 
-import functools
 import math
 import sys
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -340,21 +340,38 @@ def _process_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else -1
 
 
-@functools.lru_cache(maxsize=4096)
+#: _dtensor_box's cache: (id(mesh), placements, shape, rank) -> (weak reference to the mesh, box).
+_BOX_CACHE: dict[tuple, tuple[Any, Any]] = {}
+
+
 def _dtensor_box(mesh: Any, placements: tuple, gshape: tuple[int, ...], rank: int) -> Any:
     """``(local shape, global offset)`` of this rank's box of a DTensor (torch's own
     ``compute_local_shape_and_global_offset``), None off the mesh, ``_PARTIAL`` for a Partial placement. Cached:
     the tensors of a model share a few (mesh, placements, shape) triples, and torch's computation costs a
     millisecond or more per call, which dominated describing a state of thousands of DTensors. ``rank`` (this
-    process's global rank) is part of the key because equal meshes compare equal across process groups."""
+    process's global rank) is part of the key because equal meshes compare equal across process groups.
+
+    The mesh is held weakly (an entry counts only for the very mesh object it was made for): a mesh holds its
+    process groups (``DeviceMesh._pg_registry``), and a module-level cache that kept it kept the group's gloo
+    threads running past ``destroy_process_group()`` into interpreter finalization (docs/checkpoint-format.md,
+    "Ending a multi-rank script")."""
+    key = (id(mesh), placements, gshape, rank)
+    hit = _BOX_CACHE.get(key)
+    if hit is not None and hit[0]() is mesh:
+        return hit[1]
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     if mesh.get_coordinate() is None:
-        return None
-    if any(p.is_partial() for p in placements):
-        return _PARTIAL
-    local_shape, offset = compute_local_shape_and_global_offset(gshape, mesh, placements)
-    return tuple(int(x) for x in local_shape), tuple(int(x) for x in offset)
+        box = None
+    elif any(p.is_partial() for p in placements):
+        box = _PARTIAL
+    else:
+        local_shape, offset = compute_local_shape_and_global_offset(gshape, mesh, placements)
+        box = tuple(int(x) for x in local_shape), tuple(int(x) for x in offset)
+    if len(_BOX_CACHE) >= 4096:
+        _BOX_CACHE.clear()
+    _BOX_CACHE[key] = (weakref.ref(mesh), box)
+    return box
 
 
 def is_dtensor(x: Any) -> bool:
