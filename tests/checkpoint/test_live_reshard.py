@@ -47,6 +47,9 @@ def test_dtype_mismatch_names_key_and_leaves_target():
 def test_bad_bucket_bytes():
     with pytest.raises(CheckpointError, match="bucket_bytes"):
         WeightSync({}, {}, bucket_bytes=0)
+    for bad in ("65536", 65536.9, True):
+        with pytest.raises(CheckpointError, match="bucket_bytes must be a positive int"):
+            WeightSync({}, {}, bucket_bytes=bad)
 
 
 def test_cut_stream_cuts_both_ends_alike():

@@ -640,9 +640,10 @@ class WeightSync:
                  bucket_bytes: int | None = None, verify: bool = False):
         if aoa_config is not None and program is not None:
             raise CheckpointError("pass either aoa_config or program, not both")
-        bucket_bytes = transfer.DEFAULT_BUCKET_BYTES if bucket_bytes is None else int(bucket_bytes)
-        if bucket_bytes <= 0:
-            raise CheckpointError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        if bucket_bytes is None:
+            bucket_bytes = transfer.DEFAULT_BUCKET_BYTES
+        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
+            raise CheckpointError(f"bucket_bytes must be a positive int (bytes), got {bucket_bytes!r}")
         self.sources, self.targets = sources, targets
         self.process_group, self.aoa_config, self.program = process_group, aoa_config, program
         self.strict, self.bucket_bytes, self.verify = strict, bucket_bytes, verify
@@ -681,7 +682,11 @@ class WeightSync:
                 fp = _fingerprint(src, tgt, dw, settings)
                 self._described = (quick, (src, tgt, fp))
             same = self._plan is not None and self._plan.fingerprint == fp
-            reuse = dw.all_true(same) if dw.active else same
+            try:
+                reuse = dw.all_true(same) if dw.active else same
+            except RuntimeError as e:  # the group itself is broken (a peer died before this run)
+                raise CheckpointError(f"live reshard failed on rank {dw.rank} before any byte moved: "
+                                      f"{type(e).__name__}: {e}") from e
             if not reuse:
                 self._plan = None
                 self._plan = _plan(src, tgt, dw, self.aoa_config, self.program, self.strict, self.bucket_bytes, fp)
