@@ -15,6 +15,7 @@ from oarlock.checkpoint.aoa import AOAError
 from oarlock.checkpoint.convert import convert_checkpoint, export_hf
 from oarlock.checkpoint.presets import PresetError, preset
 from oarlock.checkpoint.storage import open_checkpoint
+from testkit import st_tensors
 
 transformers = pytest.importorskip("transformers")
 
@@ -63,14 +64,6 @@ ARCHS = ["llama", "llama_bias", "mistral", "qwen2", "qwen2_moe", "mixtral", "dee
          "phi3", "gpt2", "bert"]
 
 
-def files(d):
-    out = {}
-    for f in sorted(d.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as fh:
-            out.update({k: fh.get_tensor(k) for k in fh.keys()})
-    return out
-
-
 def make(arch, tp, d):
     cls, cfg = build(arch, tp)
     torch.manual_seed(1234)
@@ -104,7 +97,7 @@ def test_round_trip_through_tp_layout(arch, tp, tmp_path):
     for k in fused:  # every fused tensor really is split over the ranks
         assert len({s.global_offset for s in meta.tensors[k].shards}) == tp, k
     export_hf(tmp_path / "tp", tmp_path / "back", aoa_config=preset(hf, reverse=True))
-    ref, got = files(hf), files(tmp_path / "back")
+    ref, got = st_tensors(hf), st_tensors(tmp_path / "back")
     assert set(got) == set(ref)
     for k in ref:
         assert torch.equal(got[k], ref[k]), k
@@ -218,7 +211,7 @@ def test_aoa_statements_equal_the_table_run_in_plain_torch(arch, tmp_path):
     cfg = preset(hf)
     table = ARCHITECTURES[cfg["preset"]]
     params = params_from_config(table, json.loads((hf / "config.json").read_text()))
-    want = reference_convert(table, params, files(hf), tp=2)
+    want = reference_convert(table, params, st_tensors(hf), tp=2)
     meta = convert_checkpoint(hf, tmp_path / "tp2", aoa_config=cfg, tp=2, tp_rules=cfg["tp_rules"],
                               show_progress=False)
     assert set(meta.tensors) == set(want)
@@ -240,7 +233,7 @@ def test_stacked_experts_round_trip_tp2(arch, tmp_path):
 
     hf = tmp_path / "hf"
     model = make(arch, 2, hf)
-    sd = files(hf)
+    sd = st_tensors(hf)
     cfg = preset(hf, stacked_experts=True)
     meta = convert_checkpoint(hf, tmp_path / "tp2", aoa_config=cfg, tp=2, tp_rules=cfg["tp_rules"],
                               show_progress=False)
@@ -266,7 +259,7 @@ def test_stacked_experts_round_trip_tp2(arch, tmp_path):
                              sd, tp=2)
     assert set(meta.tensors) == set(want)
     export_hf(tmp_path / "tp2", tmp_path / "back", aoa_config=preset(hf, reverse=True, stacked_experts=True))
-    got = files(tmp_path / "back")
+    got = st_tensors(tmp_path / "back")
     assert set(got) == set(sd)
     for k in sd:
         assert torch.equal(got[k], sd[k]), k

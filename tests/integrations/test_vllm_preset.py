@@ -10,7 +10,7 @@ from safetensors import safe_open
 
 from oarlock.checkpoint.convert import convert_checkpoint, export_hf
 from oarlock.checkpoint.presets import PresetError, preset
-from testkit import run_cli
+from testkit import run_cli, st_tensors
 
 transformers = pytest.importorskip("transformers")
 
@@ -41,14 +41,6 @@ def make(arch, d):
     return model
 
 
-def files(d):
-    out = {}
-    for f in sorted(d.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as fh:
-            out.update({k: fh.get_tensor(k) for k in fh.keys()})
-    return out
-
-
 def rank_parts(ckpt, meta, key):
     """{global offset: this shard's tensor} of ``key`` in a converted checkpoint."""
     out = {}
@@ -63,7 +55,7 @@ def test_vllm_layout_per_tp_rank_and_back(arch, tmp_path):
     tp = 2
     hf = tmp_path / "hf"
     make(arch, hf)
-    src = files(hf)
+    src = st_tensors(hf)
     cfg = preset("vllm", hf)
     assert cfg["preset"] == ("vllm_qwen2" if arch == "qwen2" else "vllm_llama")
     meta = convert_checkpoint(hf, tmp_path / "tp", aoa_config=cfg, tp=tp, tp_rules=cfg["tp_rules"],
@@ -99,7 +91,7 @@ def test_vllm_layout_per_tp_rank_and_back(arch, tmp_path):
     if arch == "llama_tied":
         return  # the fan-out has no single inverse (two vLLM tensors hold the embedding)
     export_hf(tmp_path / "tp", tmp_path / "back", aoa_config=preset("vllm", hf, reverse=True))
-    got = files(tmp_path / "back")
+    got = st_tensors(tmp_path / "back")
     assert set(got) == set(src)
     for k in src:
         assert torch.equal(got[k], src[k]), k

@@ -8,20 +8,13 @@ import torch
 from safetensors import safe_open
 
 from oarlock.cli import main
-
-
-def files(d):
-    out = {}
-    for f in sorted(d.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as fh:
-            out.update({k: fh.get_tensor(k) for k in fh.keys()})
-    return out
+from testkit import st_tensors
 
 
 def test_convert_preset_minilm_tp2_and_back(minilm_dir, tmp_path, capsys):
     """The real all-MiniLM-L6-v2 (BERT) through the bert preset: fused QKV at TP=2, then back, bit-identical."""
     assert main(["convert", str(minilm_dir), str(tmp_path / "tp2"), "--preset", "minilm", "--tp", "2"]) == 0
-    ref = files(minilm_dir)
+    ref = st_tensors(minilm_dir)
     # rank 0 holds the first 6 heads' [q_i; k_i; v_i] row blocks of layer 3 (plain torch reference)
     p = "encoder.layer.3.attention.self."
     q, k, v = (ref[p + n + ".weight"].chunk(12) for n in ("query", "key", "value"))
@@ -29,7 +22,7 @@ def test_convert_preset_minilm_tp2_and_back(minilm_dir, tmp_path, capsys):
     with safe_open(str(tmp_path / "tp2" / "rank-00000.safetensors"), "pt") as fh:
         assert torch.equal(fh.get_tensor(p + "qkv_proj.weight"), want)
     assert main(["convert", str(tmp_path / "tp2"), str(tmp_path / "back"), "--preset", "bert", "--to", "hf"]) == 0
-    got = files(tmp_path / "back")
+    got = st_tensors(tmp_path / "back")
     assert set(got) == set(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
     capsys.readouterr()
     # the wrong preset: one line naming both model types, exit 2
