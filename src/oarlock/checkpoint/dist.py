@@ -211,8 +211,6 @@ class DistWrapper:
             return {self.rank: obj} if self.rank in senders or not senders else {}
         import pickle
 
-        import torch.distributed as dist
-
         dev = self.comm_device()
         if self.rank == dst:
             out = {dst: obj} if dst in senders else {}
@@ -220,18 +218,28 @@ class DistWrapper:
                 if r == dst:
                     continue
                 n = torch.empty(1, dtype=torch.int64, device=dev)
-                dist.recv(n, src=self.global_rank(r), group=self.group)
+                self._recv(n, r)
                 buf = torch.empty(int(n.item()), dtype=torch.uint8, device=dev)
-                dist.recv(buf, src=self.global_rank(r), group=self.group)
+                self._recv(buf, r)
                 out[r] = pickle.loads(buf.cpu().numpy().tobytes())  # torch's own object collectives do the same
             return out
         if self.rank in senders:
             data = pickle.dumps(obj)
-            dist.send(torch.tensor([len(data)], dtype=torch.int64, device=dev), dst=self.global_rank(dst),
-                      group=self.group)
-            dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev), dst=self.global_rank(dst),
-                      group=self.group)
+            self._send(torch.tensor([len(data)], dtype=torch.int64, device=dev), dst)
+            self._send(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev), dst)
         return None
+
+    def _send(self, t: torch.Tensor, dst: int) -> None:
+        """Blocking send of ``t`` to group rank ``dst`` (a subclass over another kind of group overrides it)."""
+        import torch.distributed as dist
+
+        dist.send(t, dst=self.global_rank(dst), group=self.group)
+
+    def _recv(self, t: torch.Tensor, src: int) -> None:
+        """Blocking receive into ``t`` from group rank ``src``."""
+        import torch.distributed as dist
+
+        dist.recv(t, src=self.global_rank(src), group=self.group)
 
     def scatter_from(self, objs: list[Any] | None, src: int = 0) -> Any:
         """Rank ``src`` gives each rank ``r`` its ``objs[r]``; returns this rank's (``objs[0]`` without a

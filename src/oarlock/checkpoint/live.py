@@ -40,7 +40,7 @@ from oarlock.checkpoint.metadata import CheckpointMetadata
 from oarlock.checkpoint.plan import Planner, ReadItem, source_specs
 from oarlock.checkpoint.sharded import ShardedWeight, box_volume
 from oarlock.checkpoint.traversal import Leaves, collect_leaves
-from oarlock.utils import dtype_itemsize, dtype_name, gc_paused, numel, torch_dtype
+from oarlock.utils import dtype_name, gc_paused, numel, torch_dtype
 
 #: Wire dtype codes of a request (an index into this tuple).
 _WIRE_DTYPES = ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "uint16",
@@ -170,12 +170,13 @@ def _quick_signature(state: Any) -> list:
 
     out = []
     for path, leaf in iter_leaves(state):
-        t = getattr(leaf, "_local_tensor", None) if not isinstance(leaf, ShardedWeight) else leaf.local_tensor
-        t = leaf if t is None else t
         if isinstance(leaf, ShardedWeight):
+            t = leaf.local_tensor
             out.append((path, id(t), t.data_ptr(), tuple(t.shape), t.dtype, leaf.global_shape, leaf.global_offset,
                         leaf.local_shape, leaf.flattened_range))
-        elif isinstance(t, torch.Tensor):
+            continue
+        t = getattr(leaf, "_local_tensor", leaf)  # a DTensor's local shard, else the leaf itself
+        if isinstance(t, torch.Tensor):
             out.append((path, id(leaf), id(t), t.data_ptr(), tuple(t.shape), t.dtype))
         else:
             out.append((path, id(leaf)))

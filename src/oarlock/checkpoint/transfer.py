@@ -198,9 +198,11 @@ class PeerDistWrapper(DistWrapper):
         self._pg.broadcast([buf], opts).wait()
         return pickle.loads(buf.cpu().numpy().tobytes()) if self.rank != src else obj
 
-    def gather_from(self, obj: Any, senders: Any, dst: int = 0) -> dict[int, Any] | None:
-        every = self.all_gather_object(obj if self.rank in set(senders) else None)
-        return {r: every[r] for r in sorted(set(senders))} if self.rank == dst else None
+    def _send(self, t: torch.Tensor, dst: int) -> None:  # gather_from's point to point, over the raw group
+        self._pg.send([t], dst, 0).wait()
+
+    def _recv(self, t: torch.Tensor, src: int) -> None:
+        self._pg.recv([t], src, 0).wait()
 
     def scatter_from(self, objs: list[Any] | None, src: int = 0) -> Any:
         every = self.broadcast_object(objs, src)
@@ -299,7 +301,7 @@ def cut_stream(sizes: Sequence[int], chunk_bytes: int, alone: int | None = None,
             if cur:
                 chunks.append(cur)
                 cur, fill = [], 0
-            u = units[i] if units is not None and units[i] > 0 and n % units[i] == 0 else 1
+            u = units[i] if units is not None else 1  # a slice's bytes are whole rows: n is a multiple of u
             step = max(chunk_bytes // u, 1) * u
             for a in range(0, n, step):
                 chunks.append([Segment(i, a, min(n, a + step), 0)])
