@@ -4,7 +4,6 @@ with identical transformers logits, and checkpoints written by PaddlePaddle 3.3.
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,9 +12,8 @@ from safetensors import safe_open
 
 from oarlock.checkpoint import ShardedWeight, load_state_dict
 from oarlock.checkpoint.convert import convert_checkpoint, export_hf
+from paddle_venv import paddle_python
 from testkit import st_tensors
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
@@ -111,13 +109,10 @@ if __name__ == "__main__":
 
 @pytest.fixture(scope="module")
 def paddle_checkpoints(tmp_path_factory):
-    r = subprocess.run(["bash", str(REPO / "scripts" / "paddle_env.sh")], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"PaddlePaddle 3.3.1 could not be installed: {(r.stderr or r.stdout)[-300:]}")
+    py = paddle_python()
     root = tmp_path_factory.mktemp("paddle")
     script = root / "save.py"
     script.write_text(PADDLE_SAVE)
-    py = str(REPO / ".paddle-venv" / "bin" / "python")
     r = subprocess.run([py, str(script), str(root)], capture_output=True, text=True, cwd=root, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     ref = {k: torch.from_numpy(v) for k, v in np.load(root / "ref.npz").items()}
