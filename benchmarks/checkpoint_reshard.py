@@ -134,13 +134,29 @@ def _drop_caches(rank: int) -> bool:
     return flag[0]
 
 
+def _needed_files(layout: str, rank: int) -> list[int]:
+    """The raw floor's reads: the ranks whose data files this rank reads whole, so that the group reads the bytes
+    its load needs with the fewest ``preadv`` calls. Same layout: its own file. Reshard ([Shard(0), Shard(1)] on a
+    2x2 mesh into [Shard(1), Replicate()]): rank (i, j) needs column half i, i.e. the whole files of source ranks
+    (0, i) and (1, i). Column reshard (1-D [Shard(0)] into [Shard(1)]): every rank needs a quarter of every row of
+    every file, 1 GiB in all; the floor reads the same 1 GiB as one file per rank."""
+    if layout == "reshard load":
+        i = rank // 2
+        return [i, 2 + i]
+    return [rank]
+
+
 def rank_main(rank: int, world: int, port: int, root: str, reps: int, quick: bool = False, save_reps: int = 8) -> None:
+    import resource
+
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultSavePlanner
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     from oarlock.checkpoint import load_state_dict, save_state_dict
+    from oarlock.checkpoint.save import plan_cache
 
     global N_TENSORS, ROWS, COLS
     if quick:
@@ -150,8 +166,9 @@ def rank_main(rank: int, world: int, port: int, root: str, reps: int, quick: boo
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     root = Path(root)
     mesh = init_device_mesh("cpu", (2, 2))
+    mesh1 = init_device_mesh("cpu", (4,))
     src_pl, dst_pl = [Shard(0), Shard(1)], [Shard(1), Replicate()]
-    res: dict = {"rank": rank, "rows": {}, "rss": {}}
+    res: dict = {"rank": rank, "rows": {}, "rss": {}, "phases": {}, "usage": {}}
 
     def timed(fn):
         dist.barrier()
@@ -161,9 +178,14 @@ def rank_main(rank: int, world: int, port: int, root: str, reps: int, quick: boo
         return time.perf_counter() - t0
 
     g = torch.Generator().manual_seed(rank)
-    src = {f"layers.{i}.weight": DTensor.from_local(torch.randn(ROWS // 2, COLS // 2, generator=g), mesh, src_pl,
-                                                    shape=torch.Size((ROWS, COLS)), stride=(COLS, 1))
-           for i in range(N_TENSORS)}
+
+    def dtensors(m, pl, fill):
+        return {f"layers.{i}.weight": DTensor.from_local(fill(_local_shape(pl, m)), m, pl,
+                                                        shape=torch.Size((ROWS, COLS)), stride=(COLS, 1))
+                for i in range(N_TENSORS)}
+
+    src = dtensors(mesh, src_pl, lambda shp: torch.randn(*shp, generator=g))
+
     def raw_save(d: Path, early_writeback: bool) -> None:
         """A floor of any save with the same durability: this rank's tensor bytes written into one file with
         plain writes and fsynced (no format, no metadata, no checksums, no coordination); ``early_writeback``
@@ -184,8 +206,11 @@ def rank_main(rank: int, world: int, port: int, root: str, reps: int, quick: boo
     # ---- saves: the order of the libraries rotates from one repetition to the next, and each library's previous
     # save is deleted (untimed) before its next, so every save writes into space a save just freed: on a thin
     # provisioned virtual disk, writing never-used blocks is several times slower than rewriting freed ones, and
-    # without this the library that happened to write first, or into fresh space, paid for it
-    save_libs = ["dcp", "oarlock", "raw", "raw-writeback"]
+    # without this the library that happened to write first, or into fresh space, paid for it. Both libraries are
+    # timed with and without their plan caches: DCP's DefaultSavePlanner(enable_plan_caching=True) keeps one
+    # planner object across saves; oarlock's cache is on by default and cleared before each "no cache" save.
+    save_libs = ["dcp", "dcp-cached", "oarlock", "oarlock-nocache", "raw", "raw-writeback"]
+    dcp_planner = DefaultSavePlanner(enable_plan_caching=True)
     for r in range(save_reps):
         for lib in save_libs[r % len(save_libs):] + save_libs[:r % len(save_libs)]:
             d = root / f"{lib}_save"
@@ -194,50 +219,99 @@ def rank_main(rank: int, world: int, port: int, root: str, reps: int, quick: boo
                 shutil.rmtree(d)
             if lib == "dcp":
                 t = timed(lambda: dcp.save(src, checkpoint_id=str(d)))
+            elif lib == "dcp-cached":
+                t = timed(lambda: dcp.save(src, checkpoint_id=str(d), planner=dcp_planner))
             elif lib.startswith("raw"):
                 t = timed(lambda: raw_save(d, lib == "raw-writeback"))
             else:
+                if lib == "oarlock-nocache":
+                    plan_cache.clear()
                 t = timed(lambda: save_state_dict(src, d))
             res["rows"].setdefault(("save", lib), []).append(t)
-    del src
+    # the column reshard reads a checkpoint saved from a 1-D mesh as row blocks (untimed)
+    src1 = dtensors(mesh1, [Shard(0)], lambda shp: torch.randn(*shp, generator=g))
+    save_state_dict(src1, root / "oarlock_col")
+    dcp.save(src1, checkpoint_id=str(root / "dcp_col"))
+    src = src1 = None  # freed before the loads
     gc.collect()
-    ckpt = {"dcp": root / "dcp_save", "oarlock": root / "oarlock_save"}
+    ckpt = {"same-layout load": ("oarlock_save", "dcp_save"), "reshard load": ("oarlock_save", "dcp_save"),
+            "column reshard load": ("oarlock_col", "dcp_col")}
     if rank == 0:  # the loads below verify what this save recorded
-        assert "checksums" in json.loads((ckpt["oarlock"] / "metadata.json").read_text())["extra"]
+        assert "checksums" in json.loads((root / "oarlock_save" / "metadata.json").read_text())["extra"]
+    layouts = (("same-layout load", mesh, src_pl), ("reshard load", mesh, dst_pl),
+               ("column reshard load", mesh1, [Shard(1)]))
 
-    def targets(pl):
-        return {f"layers.{i}.weight": DTensor.from_local(torch.zeros(*_local_shape(pl, mesh)), mesh, pl,
-                                                         shape=torch.Size((ROWS, COLS)), stride=(COLS, 1))
-                for i in range(N_TENSORS)}
+    def raw_read(layout: str) -> None:
+        for i in _needed_files(layout, rank):
+            f = root / ckpt[layout][0] / f"rank-{i:05d}.safetensors"
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                n = os.fstat(fd).st_size
+                got = os.preadv(fd, [raw_buf[:n]], 0)
+                assert got == n, (f, got, n)
+            finally:
+                os.close(fd)
 
+    def warm(layout: str) -> None:
+        """Read every file of both libraries' checkpoints of ``layout`` (a share per rank, untimed)."""
+        files = sorted(p for d in ckpt[layout] for p in (root / d).rglob("*") if p.is_file())
+        chunk = bytearray(1 << 24)
+        for f in files[rank::world]:
+            with open(f, "rb", buffering=0) as fh:
+                while fh.readinto(chunk):
+                    pass
+        dist.barrier()
+
+    file_bytes = max((root / "oarlock_save" / f"rank-{i:05d}.safetensors").stat().st_size for i in range(world))
+    raw_buf = memoryview(torch.zeros(file_bytes * 2, dtype=torch.uint8).numpy())
+    libs = ["dcp", "oarlock", "oarlock-noverify", "raw"]
     cold_ok = True
-    for layout, pl in (("same-layout load", src_pl), ("reshard load", dst_pl)):
-        for lib in LIBS:
+    # every repetition runs every (layout, temperature, library); the library order rotates per repetition and
+    # per row, so no library always runs first (after the page cache was dropped) or right after another
+    for r in range(reps):
+        for li, (layout, m, pl) in enumerate(layouts):
             for temp in ("cold", "hot"):
-                for r in range(reps):
+                k = (r + li) % len(libs)
+                for lib in libs[k:] + libs[:k]:
+                    row = (f"{layout} ({temp})", lib)
                     gc.collect()
                     base0 = PeakRSS().now()
-                    tgt = targets(pl)
+                    tgt = dtensors(m, pl, lambda shp: torch.zeros(*shp))
                     if temp == "cold":
                         cold_ok = _drop_caches(rank) and cold_ok
+                    elif lib == libs[k]:  # a hot row starts with both checkpoints wholly in the page cache
+                        warm(layout)
+                    u0 = resource.getrusage(resource.RUSAGE_SELF)
+                    report = None
                     with PeakRSS() as rss:
                         base = rss.now()
                         if lib == "dcp":
-                            t = timed(lambda: dcp.load(tgt, checkpoint_id=str(ckpt[lib])))
+                            t = timed(lambda: dcp.load(tgt, checkpoint_id=str(root / ckpt[layout][1])))
+                        elif lib == "raw":
+                            t = timed(lambda: raw_read(layout))
                         else:
-                            t = timed(lambda: load_state_dict(tgt, ckpt["oarlock"],
-                                                              verify_checksums=lib == "oarlock"))
-                    res["rows"].setdefault((f"{layout} ({temp})", lib), []).append(t)
+                            def run():
+                                nonlocal report
+                                report = load_state_dict(tgt, root / ckpt[layout][0],
+                                                         verify_checksums=lib == "oarlock")
+                            t = timed(run)
+                    u1 = resource.getrusage(resource.RUSAGE_SELF)
+                    res["rows"].setdefault(row, []).append(t)
+                    res["usage"].setdefault(row, []).append(
+                        {"user": u1.ru_utime - u0.ru_utime, "sys": u1.ru_stime - u0.ru_stime,
+                         "majflt": u1.ru_majflt - u0.ru_majflt, "minflt": u1.ru_minflt - u0.ru_minflt})
+                    if report is not None:
+                        res["phases"].setdefault(row, []).append(dict(report.phases))
                     tb = sum(v.to_local().numel() * 4 for v in tgt.values())
-                    res["rss"].setdefault((f"{layout} ({temp})", lib), []).append(
+                    res["rss"].setdefault(row, []).append(
                         {"peak": rss.peak - base0, "above_targets": rss.peak - base, "target_bytes": tb})
-                    if r == 0 and temp == "hot":  # correctness: every tensor equals the saved data in both
+                    if r == 0 and temp == "hot" and lib != "raw":  # correctness: equal data in both libraries
                         res.setdefault("checksums", {})[(layout, lib)] = float(
                             sum(v.to_local().double().sum() for v in tgt.values()))
-                    del tgt
+                    tgt = None
     res["cold_ok"] = cold_ok
-    res["rows"] = {f"{k[0]}|{k[1]}": v for k, v in res["rows"].items()}
-    res["rss"] = {f"{k[0]}|{k[1]}": v for k, v in res["rss"].items()}
+    for name in ("rows", "rss", "phases", "usage"):
+        res[name] = {f"{k[0]}|{k[1]}": v for k, v in res[name].items()}
     res["checksums"] = {f"{k[0]}|{k[1]}": v for k, v in res.get("checksums", {}).items()}
     (root / f"result-{rank}.json").write_text(json.dumps(res))
     dist.barrier()
@@ -357,7 +431,7 @@ def verification_floor(ckpt: Path, reps: int = 5) -> tuple[float, float, int]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temporary one, removed)")
-    ap.add_argument("--reps", type=int, default=2, help="repetitions of every row (the best counts)")
+    ap.add_argument("--reps", type=int, default=5, help="repetitions of every load row (the median counts)")
     ap.add_argument("--save-reps", type=int, default=8, help="repetitions of the saves (cheap, and the disk is noisy: "
                     "the best and the median are reported)")
     ap.add_argument("--append-results", action="store_true", help="append the tables to benchmarks/RESULTS.md")
@@ -382,68 +456,104 @@ def main(argv=None) -> int:
         if not args.dir:
             shutil.rmtree(scratch, ignore_errors=True)
     cold_ok = all(r["cold_ok"] for r in results)
-    lines = ["| operation | oarlock s | DCP s | oarlock / DCP |", "|---|---:|---:|---:|"]
-    # rows of "oarlock-noverify" are reported in their own table
+    rows0 = results[0]["rows"]  # times are between barriers: the slowest rank's, the same on every rank
+    med = {k: statistics.median(v) for k, v in rows0.items()}
     ops = []
-    for k in results[0]["rows"]:
+    for k in rows0:
         op = k.split("|")[0]
-        if op not in ops and "|raw" not in k:
+        if op not in ops:
             ops.append(op)
+    note = "" if cold_ok else " (cache NOT dropped: not root)"
+    lines = [f"Median of {args.reps} (loads) and {args.save_reps} (saves) repetitions, seconds; the order of the "
+             "libraries rotates between repetitions. Floor: the raw read of the same bytes (each rank `preadv`s the "
+             "whole data files its load needs; column reshard: one file per rank, the same 1 GiB) or the raw "
+             "fsynced write.", "",
+             "| operation | oarlock | DCP | DCP / oarlock | floor | oarlock / floor | oarlock no verify |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for op in ops:
-        o = min(results[0]["rows"][f"{op}|oarlock"])
-        d = min(results[0]["rows"][f"{op}|dcp"])
-        lines.append(f"| {op}{'' if cold_ok or 'cold' not in op else ' (cache NOT dropped: not root)'} | "
-                     f"{o:.3f} | {d:.3f} | {o / d:.2f} |")
-    saves = {lib: results[0]["rows"][f"save|{lib}"] for lib in ("dcp", "oarlock", "raw", "raw-writeback")}
-    best = {lib: min(v) for lib, v in saves.items()}
-    med = {lib: statistics.median(v) for lib, v in saves.items()}
-    floor_lib = min(("raw", "raw-writeback"), key=lambda lib: best[lib])
-    lines += ["", f"Saves, all {args.save_reps} repetitions (the order rotates; each save replaces that library's "
-              "previous one, so every save writes into freed space):", "",
-              "| save | best s | median s | DCP / it (best) | DCP / it (median) | every repetition, s |",
-              "|---|---:|---:|---:|---:|---|"]
-    for lib, label in (("dcp", "DCP"), ("oarlock", "oarlock"), ("raw", "floor: plain writes, fsync"),
+        if op == "save":
+            floor_s = min(med["save|raw"], med["save|raw-writeback"])
+            lines.append(f"| save (both with plan caches) | {med['save|oarlock']:.3f} | {med['save|dcp-cached']:.3f} | "
+                         f"{med['save|dcp-cached'] / med['save|oarlock']:.2f} | {floor_s:.3f} | "
+                         f"{med['save|oarlock'] / floor_s:.2f} | |")
+            lines.append(f"| save (no plan caches) | {med['save|oarlock-nocache']:.3f} | {med['save|dcp']:.3f} | "
+                         f"{med['save|dcp'] / med['save|oarlock-nocache']:.2f} | {floor_s:.3f} | "
+                         f"{med['save|oarlock-nocache'] / floor_s:.2f} | |")
+            continue
+        o, d, f, nv = (med[f"{op}|{x}"] for x in ("oarlock", "dcp", "raw", "oarlock-noverify"))
+        lines.append(f"| {op}{note if 'cold' in op else ''} | {o:.3f} | {d:.3f} | {d / o:.2f} | {f:.3f} | {o / f:.2f} "
+                     f"| {nv:.3f} |")
+    saves = {lib: rows0[f"save|{lib}"] for lib in ("dcp", "dcp-cached", "oarlock", "oarlock-nocache", "raw",
+                                                   "raw-writeback")}
+    lines += ["", f"Saves, all {args.save_reps} repetitions (each save replaces that library's previous one, so every "
+              "save writes into freed space):", "", "| save | median s | best s | every repetition, s |",
+              "|---|---:|---:|---|"]
+    for lib, label in (("dcp", "DCP"), ("dcp-cached", "DCP, DefaultSavePlanner(enable_plan_caching=True)"),
+                       ("oarlock", "oarlock (plan cache on, the default)"),
+                       ("oarlock-nocache", "oarlock, plan cache cleared before each save"),
+                       ("raw", "floor: plain writes, fsync"),
                        ("raw-writeback", "floor: writes with early writeback, fsync")):
-        lines.append(f"| {label} | {best[lib]:.3f} | {med[lib]:.3f} | {best['dcp'] / best[lib]:.2f} | "
-                     f"{med['dcp'] / med[lib]:.2f} | {' '.join(f'{x:.2f}' for x in saves[lib])} |")
-    lines += ["", f"Save floor (the faster raw variant, best): {best[floor_lib]:.3f} s. DCP / floor = "
-              f"{best['dcp'] / best[floor_lib]:.2f}: a save as durable as DCP's (every byte fsynced) can be faster "
-              f"than DCP by about that much here, no more; oarlock / floor = {best['oarlock'] / best[floor_lib]:.2f}."]
-    ver = ["| load | oarlock (verify) s | oarlock (no verify) s | verify / no verify |", "|---|---:|---:|---:|"]
+        v = saves[lib]
+        lines.append(f"| {label} | {statistics.median(v):.3f} | {min(v):.3f} | {' '.join(f'{x:.2f}' for x in v)} |")
+
+    # where a load's time goes: oarlock's own phases (LoadReport.phases), per rank, median over repetitions, and
+    # the slowest rank's; CPU time and page faults of the rank's process over the timed call
+    def per_rank(row: str, field: str, src: str) -> float:
+        return max(statistics.median(x.get(field, 0.0) for x in r[src][row]) for r in results)
+
+    phase = ["| load | library | total | plan | verify (hash) | verdict (wait) | read | CPU user | CPU sys "
+             "| major faults | minor faults |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for op in ops:
-        if "load" in op:
-            o = min(results[0]["rows"][f"{op}|oarlock"])
-            n = min(results[0]["rows"][f"{op}|oarlock-noverify"])
-            ver.append(f"| {op} | {o:.3f} | {n:.3f} | {o / n:.2f} |")
+        if op == "save":
+            continue
+        for lib in ("oarlock", "oarlock-noverify", "dcp", "raw"):
+            row = f"{op}|{lib}"
+            ph = [per_rank(row, k, "phases") if results[0]["phases"].get(row) else float("nan")
+                  for k in ("plan", "verify", "verdict", "read")]
+            phs = " | ".join("" if x != x else f"{x:.3f}" for x in ph)
+            us = [per_rank(row, k, "usage") for k in ("user", "sys", "majflt", "minflt")]
+            phase.append(f"| {op} | {lib} | {med[row]:.3f} | {phs} | {us[0]:.3f} | {us[1]:.3f} | {us[2]:.0f} | "
+                         f"{us[3]:.0f} |")
     read_s, hash_s, fbytes = floor
-    ver += ["", f"Floor, one thread, hot cache, rank 0's data file ({fbytes / 2**20:.0f} MiB): read into memory "
-            f"{read_s * 1e3:.1f} ms ({fbytes / read_s / 1e9:.1f} GB/s), hash every block {hash_s * 1e3:.1f} ms "
-            f"({fbytes / hash_s / 1e9:.1f} GB/s): verify-before-write adds at least {hash_s / read_s:.2f} of the "
-            "read time when the CPU is the limit."]
-    mem = ["| load | lib | target MiB/rank | peak RSS above targets, max over ranks (MiB) | largest slice (MiB) |",
-           "|---|---|---:|---:|---:|"]
-    rows_, cols_ = (QUICK_SIZES[1], QUICK_SIZES[2]) if args.quick else (ROWS, COLS)
-    slice_mib = {"same-layout load": (rows_ // 2) * (cols_ // 2) * 4 / 2**20,
-                 "reshard load": (rows_ // 2) * (cols_ // 2) * 4 / 2**20}
+    ver = [f"Floor of hashing, one thread, hot cache, rank 0's data file ({fbytes / 2**20:.0f} MiB): read into memory "
+           f"{read_s * 1e3:.1f} ms ({fbytes / read_s / 1e9:.1f} GB/s), hash every block {hash_s * 1e3:.1f} ms "
+           f"({fbytes / hash_s / 1e9:.1f} GB/s)."]
+    mem = ["| load | lib | target MiB/rank | peak RSS above targets, max over ranks (MiB) |", "|---|---|---:|---:|"]
     for op in ops:
         if "load" not in op:
             continue
         for lib in ("oarlock", "oarlock-noverify", "dcp"):
             above = max(max(x["above_targets"] for x in r["rss"][f"{op}|{lib}"]) for r in results) / 2**20
             tb = results[0]["rss"][f"{op}|{lib}"][0]["target_bytes"] / 2**20
-            mem.append(f"| {op} | {lib} | {tb:.0f} | {above:.1f} | {slice_mib[op.split(' (')[0]]:.0f} |")
-    same = all(abs(r["checksums"][f"{layout}|oarlock"] - r["checksums"][f"{layout}|dcp"]) == 0
-               for r in results for layout in ("same-layout load", "reshard load"))
+            mem.append(f"| {op} | {lib} | {tb:.0f} | {above:.1f} |")
+    same = all(r["checksums"][f"{layout}|{lib}"] == r["checksums"][f"{layout}|dcp"]
+               for r in results for layout in ("same-layout load", "reshard load", "column reshard load")
+               for lib in ("oarlock", "oarlock-noverify"))
+    goals = []
+    if not args.quick:
+        m = med
+        goals = ["Goals (issue 41): " + "; ".join([
+            f"reshard cold / floor = {m['reshard load (cold)|oarlock'] / m['reshard load (cold)|raw']:.2f} (<= 1.25)",
+            f"column reshard cold / floor = "
+            f"{m['column reshard load (cold)|oarlock'] / m['column reshard load (cold)|raw']:.2f} (<= 1.25)",
+            f"DCP / oarlock reshard cold = {m['reshard load (cold)|dcp'] / m['reshard load (cold)|oarlock']:.2f} "
+            "(>= 1.5)",
+            f"same-layout cold = {m['same-layout load (cold)|dcp'] / m['same-layout load (cold)|oarlock']:.2f} "
+            "(>= 1.3)",
+            f"hot = {min(m[f'{x} (hot)|dcp'] / m[f'{x} (hot)|oarlock'] for x in ('same-layout load', 'reshard load')):.2f}"
+            " (>= 1.5)",
+            f"save = {m['save|dcp-cached'] / m['save|oarlock']:.2f} (>= 2)"]), ""]
     plan = []
     if not args.quick:
         plan = ["| planner case | oarlock s | DCP s | oarlock / DCP | note |", "|---|---:|---:|---:|---|"]
-        for case, o, d, note in planner_benchmark():
-            plan.append(f"| {case} | {o:.2f} | {d:.2f} | {o / d:.2f} | {note} |")
+        for case, o, d, note_ in planner_benchmark():
+            plan.append(f"| {case} | {o:.2f} | {d:.2f} | {o / d:.2f} | {note_} |")
     load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
     text = "\n".join([f"Load average (1/5/15 min) at the end of the run: {load} on {os.cpu_count()} cores", ""]
-                     + lines + ["", f"Loaded data identical between oarlock and DCP (per-rank checksums): {same}", "",
-                                "Checksum verification overhead (same run, same checkpoint):", ""] + ver + [""]
-                     + mem + [""] + plan)
+                     + lines + ["", f"Loaded data identical between oarlock and DCP (per-rank checksums): {same}", ""]
+                     + goals + ["Where the time goes (seconds; phases from `LoadReport.phases`, the slowest rank's "
+                                "median; CPU time and faults of that rank's process):", ""]
+                     + phase + [""] + ver + [""] + mem + [""] + plan)
     print(text)
     if args.append_results:
         res = Path(__file__).resolve().parent / "RESULTS.md"
@@ -451,7 +561,7 @@ def main(argv=None) -> int:
         with open(res, "a") as f:
             f.write(f"\n## FlexCheckpoint core: save / load / reshard vs torch.distributed.checkpoint\n\n"
                     f"Command: `{cmd.strip()}` ({time.strftime('%Y-%m-%d', time.gmtime())}, 4 gloo ranks on "
-                    f"{os.cpu_count()} cores, torch {torch.__version__}; best of {args.reps} per load row, {args.save_reps} saves per library). "
+                    f"{os.cpu_count()} cores, torch {torch.__version__}; median of {args.reps} per load row, {args.save_reps} saves per library). "
                     "1 GiB fp32, 32 x [4096, 2048], saved as 2x2 mesh [Shard(0), Shard(1)]; reshard load into "
                     "[Shard(1), Replicate()].\n\n" + text + "\n")
     return 0

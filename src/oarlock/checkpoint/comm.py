@@ -37,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -319,6 +320,7 @@ def try_warm_start(state_dict: Any, path: str | os.PathLike, dist: DistWrapper, 
         CheckpointError (or the format error of the failing read): on every rank alike when a read fails on any
             rank after the ranks agreed on the warm path.
     """
+    t_start = time.perf_counter()
     p = Path(path)
     ok = has_meta = False
     sf = meta = None
@@ -357,14 +359,24 @@ def try_warm_start(state_dict: Any, path: str | os.PathLike, dist: DistWrapper, 
             sf.close()
         return None
     report = LoadReport(comm_method="warm", files_read=[data_file])
+    report.phases["plan"] = time.perf_counter() - t_start
     if verify_checksums:
         # the whole own file is read: each rank hashes all of it (and nothing else), and the ranks agree before
         # any rank writes a target, so a corrupt file on one rank leaves every rank's targets untouched
+        err = None
         try:
-            report.bytes_hashed = dist.run(verify_own_file, p, data_file)
+            report.bytes_hashed = verify_own_file(p, data_file)
+        except Exception as e:  # reported to every rank by the check below
+            err = e
+        t_verdict = time.perf_counter()
+        report.phases["verify"] = t_verdict - t_start - report.phases["plan"]
+        try:
+            dist.check(err)
         except BaseException:
             sf.close()
             raise
+        report.phases["verdict"] = time.perf_counter() - t_verdict
+    t_read = time.perf_counter()
 
     def read_own() -> None:
         try:
@@ -388,4 +400,5 @@ def try_warm_start(state_dict: Any, path: str | os.PathLike, dist: DistWrapper, 
     # every rank is on the warm path now: a read error on one rank must reach all of them (they would otherwise
     # go on into their next collective and wait for this rank forever)
     dist.run(read_own)
+    report.phases["read"] = time.perf_counter() - t_read
     return report

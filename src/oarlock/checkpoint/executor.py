@@ -56,6 +56,11 @@ class LoadReport:
     skipped_keys: list[str] = field(default_factory=list)
     """requested keys an AOA config deliberately does not load (``_ -> key``, or named like a key dropped with
     ``key -> _``): left untouched, and no error under ``strict=True``."""
+    phases: dict[str, float] = field(default_factory=dict)
+    """seconds this rank spent in each phase of the load, in order: ``plan`` (metadata, requests, planning, the
+    checks of every read), ``verify`` (hashing this rank's share of the touched blocks), ``verdict`` (waiting
+    for the group's verdict), ``read`` (reading into the targets, with any exchange between ranks). Wall-clock
+    time, for benchmarks and profiles."""
 
 
 def read_order(it: Any) -> tuple:

@@ -13,6 +13,7 @@ file is read once and slices are shipped between ranks, and a same-layout restar
 from __future__ import annotations
 
 import os
+import time
 from typing import Any, Callable, Mapping
 
 import torch
@@ -235,6 +236,7 @@ def _run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process
     if aoa_config is not None and program is not None:
         raise CheckpointError("pass either aoa_config or program to load_state_dict, not both")
     comm.check_comm_method(comm_method)
+    t_start = time.perf_counter()
     dist = DistWrapper(process_group)
     recover_publish(path)  # an interrupted replacement of this checkpoint is completed first (the warm path too)
     first: Leaves | None = None  # the state's leaves, collected once for the warm check and the normal path
@@ -357,18 +359,21 @@ def _run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process
         raise CheckpointMismatchError(f"{path}: " + "; ".join(parts) + hint)
 
     report = LoadReport(all_missing, unexpected, skipped_keys=sorted({k for s in status for k in s["skipped"]}))
+    report.phases["plan"] = time.perf_counter() - t_start
     with reader, torch.no_grad():
         if verify_checksums:  # collective, before any target is written: each touched block hashed by one rank
             # a FileWork's touched blocks were summed at the check (or it has no checksums: nothing to verify)
             items = () if isinstance(work, FileWork) else [it for it, _ in work]
             report.bytes_hashed = verify_group(reader, items, dist, {f: p.nbytes for f, p in prepared.items()},
-                                               touched=touched)
+                                               touched=touched, phases=report.phases)
+        t_read = time.perf_counter()  # after the verdict: the read phase alone
         # one rank's read error reaches every rank (they would otherwise run into their next collective)
         st = dist.run(comm.execute, reader, work, comm_method=comm_method, view=view, dist=dist,
                       direct=lambda r, w: execute_work(r, w, prepared=prepared if w is work else None),
                       verify_checksums=verify_checksums)
         report.bytes_read, report.comm_method, report.files_read = st.bytes_read, st.method, st.files_read
         report.bytes_hashed += st.bytes_hashed
+        report.phases["read"] = time.perf_counter() - t_read
         report.bytes_sent, report.bytes_received, report.messages_sent = st.bytes_sent, st.bytes_received, st.messages_sent
         for k, value in ((k, reader.metadata.objects[k]) for k in leaves.objects if k in reader.metadata.objects):
             set_path(state_dict, leaves.object_paths[k], value)

@@ -205,7 +205,16 @@ def safetensors_header(path: str | Path) -> dict[str, tuple[tuple[int, ...], str
 # ---------------------------------------------------------------- byte-range reads
 
 _RUN_BYTES = 256 * 1024  # contiguous runs at least this long are read one pread each
-_CHUNK_BYTES = 64 * 1024 * 1024  # bound on the staging buffer of a strided read
+_BOUNCE_BYTES = 2 * 1024 * 1024  # the rows of a strided read staged at a time: about a core's share of cache
+_bounce_local = threading.local()
+
+
+def _bounce(nbytes: int) -> torch.Tensor:
+    """This thread's staging buffer for strided reads, at least ``nbytes`` (uint8, reused: no page faults)."""
+    buf = getattr(_bounce_local, "buf", None)
+    if buf is None or buf.numel() < nbytes:
+        buf = _bounce_local.buf = torch.empty(max(nbytes, _BOUNCE_BYTES), dtype=torch.uint8)
+    return buf
 
 
 class SafetensorsFile:
@@ -353,14 +362,17 @@ class SafetensorsFile:
             offs = (offs.reshape(-1) + box[k][0] * strides[k]) * isz + base
             self._read_runs(out, offs.tolist(), run * isz)
             return out
-        # short runs: read whole rows of dim 0 (contiguous), then slice the box out of them
+        # short runs: read whole rows of dim 0 (contiguous) into a small buffer reused by this thread, then slice
+        # the box out of them while the rows are still in the CPU's cache (a fresh buffer per chunk cost a page
+        # fault per 4 KiB and a trip through memory: it made a column reshard's reads 4x slower than its I/O)
         row = strides[0]
-        rows_per_chunk = max(1, _CHUNK_BYTES // max(1, row * isz))
+        rows_per_chunk = max(1, _BOUNCE_BYTES // max(1, row * isz))
         inner = tuple(slice(a, b) for a, b in box[1:])
+        flat = _bounce(rows_per_chunk * row * isz)
         r = box[0][0]
         while r < box[0][1]:
             r2 = min(box[0][1], r + rows_per_chunk)
-            buf = torch.empty((r2 - r, *shape[1:]), dtype=tdt)
+            buf = flat[:(r2 - r) * row * isz].view(tdt).view(r2 - r, *shape[1:])
             self.read_into(tensor_bytes(buf), base + r * row * isz)
             out[r - box[0][0]:r2 - box[0][0]].copy_(buf[(slice(None), *inner)])
             r = r2

@@ -1,0 +1,54 @@
+"""Strided reads of short runs (a column slice of a row-major tensor) staged through each thread's small reused
+buffer, and the phases a load reports."""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from oarlock.checkpoint import load_state_dict, save_state_dict
+from oarlock.checkpoint.safetensors_io import _BOUNCE_BYTES, SafetensorsFile
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_column_slice_over_several_staging_chunks(tmp_path, dtype):
+    # rows of 1,200 bytes (fp32) or 600 (bf16): the box spans several staging chunks, the last one partial
+    rows = 3 * _BOUNCE_BYTES // (300 * dtype.itemsize) + 17
+    w = torch.randn(rows, 300).to(dtype)
+    save_file({"w": w, "z": torch.arange(10.0)}, str(tmp_path / "a.safetensors"))  # written by safetensors itself
+    f = SafetensorsFile(tmp_path / "a.safetensors")
+    name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
+    box = ((7, rows - 3), (11, 61))
+    got = f.read_box("w", 0, (rows, 300), box, name)
+    assert torch.equal(got, w[7:rows - 3, 11:61])
+    # into a strided destination (a column block of a larger tensor)
+    out = torch.zeros(rows, 100, dtype=dtype)
+    f.read_box("w", 0, (rows, 300), box, name, out=out[7:rows - 3, 20:70])
+    assert torch.equal(out[7:rows - 3, 20:70], w[7:rows - 3, 11:61])
+    assert not out[:, :20].any() and not out[:, 70:].any() and not out[:7].any()
+    f.close()
+
+
+def test_strided_reads_on_several_threads_do_not_share_staging(tmp_path):
+    w = torch.randn(4 * _BOUNCE_BYTES // 1024, 256)
+    save_file({"w": w}, str(tmp_path / "a.safetensors"))
+    f = SafetensorsFile(tmp_path / "a.safetensors")
+    boxes = [((0, w.shape[0]), (c, c + 16)) for c in range(0, 256, 16)]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda b: f.read_box("w", 0, tuple(w.shape), b, "float32"), boxes))
+    for b, g in zip(boxes, got):
+        assert torch.equal(g, w[:, b[1][0]:b[1][1]])
+    f.close()
+
+
+def test_load_report_phases(tmp_path):
+    sd = {"a": torch.randn(64, 32), "b": torch.randn(8)}
+    save_state_dict(sd, tmp_path / "c")
+    tgt = {"a": torch.zeros(64, 32), "b": torch.zeros(8)}
+    rep = load_state_dict(tgt, tmp_path / "c")
+    assert torch.equal(tgt["a"], sd["a"]) and torch.equal(tgt["b"], sd["b"])
+    assert list(rep.phases) == ["plan", "verify", "verdict", "read"], rep.phases
+    assert all(v >= 0 for v in rep.phases.values())
+    rep = load_state_dict({"a": torch.zeros(64, 32), "b": torch.zeros(8)}, tmp_path / "c", verify_checksums=False)
+    assert list(rep.phases) == ["plan", "read"], rep.phases
