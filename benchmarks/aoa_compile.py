@@ -9,7 +9,7 @@ hand-written conversion script does; no shapes, no slicing, no checks).
 
 Run: ``python benchmarks/aoa_compile.py`` (pins itself to one core; times are CPU time of this process, best
 of --repeat runs, so other load on the machine inflates them less). Appends to benchmarks/RESULTS.md with
-``--record``.
+``--record``. ``--smoke``: 2 layers of 8 experts, one run: checks the script runs (its figures mean nothing).
 """
 
 from __future__ import annotations
@@ -108,11 +108,15 @@ def best_of(fn, n):
     return min(ts), r
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--record", action="store_true", help="append the result to benchmarks/RESULTS.md")
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="2 layers of 8 experts, one run: checks the script runs")
+    args = ap.parse_args(argv)
+    global LAYERS, EXPERTS
+    if args.smoke:  # source_keys() reads them
+        LAYERS, EXPERTS, args.repeat, args.record = 2, 8, 1, False
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
     src = source_keys()
@@ -141,7 +145,8 @@ def main() -> None:
             f.write("\n## AOA compile, DeepSeek-V3-sized key set (issue 4)\n\n"
                     "Command: `python benchmarks/aoa_compile.py --record` (one core, best of "
                     f"{args.repeat})\n\n```\n" + "\n".join(lines) + "\n```\n")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -13,7 +13,9 @@ stored slice is needed by two ranks). Three variants, side by side in one run:
 Loads run cold (page cache dropped, needs root) and hot, timed between barriers (slowest rank), best of
 ``--reps``. Bytes read / sent / received per rank come from oarlock's LoadReport.
 
-Usage: python benchmarks/checkpoint_comm.py [--dir DIR] [--reps N] [--no-paddle] [--append-results]
+Usage: python benchmarks/checkpoint_comm.py [--dir DIR] [--reps N] [--no-paddle] [--smoke] [--append-results]
+(``--smoke``: 4 tensors of [256, 128], one repetition, no Paddle, the page cache left alone: checks the script
+runs; its figures mean nothing.)
 """
 
 from __future__ import annotations
@@ -34,17 +36,21 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from checkpoint_reshard import COLS, N_TENSORS, ROWS, _drop_caches, _local_shape  # noqa: E402
+from checkpoint_reshard import COLS, N_TENSORS, ROWS, _drop_caches  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 NODE = {0: 0, 1: 0, 2: 1, 3: 1}
 
 
-def rank_main(rank: int, world: int, port: int, root: str, reps: int) -> None:
+def rank_main(rank: int, world: int, port: int, root: str, reps: int,
+              sizes: tuple[int, int, int] = (N_TENSORS, ROWS, COLS), drop: bool = True) -> None:
+    """One rank: saves, then every load case cold and hot. ``sizes``: tensors, rows, columns; ``drop``: whether
+    the cold rows drop the page cache (the smoke run leaves a shared machine's cache alone)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     from oarlock.checkpoint import load_state_dict, save_state_dict
 
@@ -56,9 +62,10 @@ def rank_main(rank: int, world: int, port: int, root: str, reps: int) -> None:
     mesh = init_device_mesh("cpu", (2, 2))
     src_pl, dst_pl = [Shard(0), Shard(1)], [Shard(1), Replicate()]
     g = torch.Generator().manual_seed(rank)
-    src = {f"layers.{i}.weight": DTensor.from_local(torch.randn(ROWS // 2, COLS // 2, generator=g), mesh, src_pl,
-                                                    shape=torch.Size((ROWS, COLS)), stride=(COLS, 1))
-           for i in range(N_TENSORS)}
+    n_tensors, rows, cols = sizes
+    src = {f"layers.{i}.weight": DTensor.from_local(torch.randn(rows // 2, cols // 2, generator=g), mesh, src_pl,
+                                                    shape=torch.Size((rows, cols)), stride=(cols, 1))
+           for i in range(n_tensors)}
     save_state_dict(src, root / "oar")
     dcp.save(src, checkpoint_id=str(root / "dcp"))
     del src
@@ -68,14 +75,17 @@ def rank_main(rank: int, world: int, port: int, root: str, reps: int) -> None:
         for n in (0, 1):
             d = root / f"node{n}"
             d.mkdir()
-            for f in files[2 * n:2 * n + 2] + ["metadata.json"]:
+            # each node's two data files with what belongs to them (their block checksums, rank-*.safetensors.xxh3)
+            for f in [g.name for f in files[2 * n:2 * n + 2] for g in (root / "oar").glob(f + "*")] + ["metadata.json"]:
                 os.link(root / "oar" / f, d / f)
     dist.barrier()
 
+    local_shape = compute_local_shape_and_global_offset((rows, cols), mesh, dst_pl)[0]
+
     def targets():
-        return {f"layers.{i}.weight": DTensor.from_local(torch.zeros(*_local_shape(dst_pl, mesh)), mesh, dst_pl,
-                                                         shape=torch.Size((ROWS, COLS)), stride=(COLS, 1))
-                for i in range(N_TENSORS)}
+        return {f"layers.{i}.weight": DTensor.from_local(torch.zeros(*local_shape), mesh,
+                                                         dst_pl, shape=torch.Size((rows, cols)), stride=(cols, 1))
+                for i in range(n_tensors)}
 
     cases = [("shared FS", "oarlock direct", lambda t: load_state_dict(t, root / "oar")),
              ("shared FS", "DCP", lambda t: dcp.load(t, checkpoint_id=str(root / "dcp"))),
@@ -91,7 +101,7 @@ def rank_main(rank: int, world: int, port: int, root: str, reps: int) -> None:
                 gc.collect()
                 tgt = targets()
                 if temp == "cold":
-                    cold_ok = _drop_caches(rank) and cold_ok
+                    cold_ok = drop and _drop_caches(rank) and cold_ok
                 dist.barrier()
                 t0 = time.perf_counter()
                 rep = fn(tgt)
@@ -135,8 +145,14 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=2, help="repetitions of every row (the best counts)")
     ap.add_argument("--no-paddle", action="store_true", help="skip the PaddlePaddle rows")
     ap.add_argument("--append-results", action="store_true", help="append the tables to benchmarks/RESULTS.md")
+    ap.add_argument("--smoke", action="store_true", help="tiny tensors, one repetition, no Paddle, page cache "
+                    "not dropped: checks the script runs")
     args = ap.parse_args(argv)
     import torch.multiprocessing as mp
+
+    sizes = (N_TENSORS, ROWS, COLS)
+    if args.smoke:
+        args.reps, args.no_paddle, args.append_results, sizes = 1, True, False, (4, 256, 128)
 
     scratch = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="oarlock-comm-"))
     scratch.mkdir(parents=True, exist_ok=True)
@@ -144,7 +160,8 @@ def main(argv=None) -> int:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     try:
-        mp.start_processes(rank_main, args=(4, port, str(scratch), args.reps), nprocs=4, start_method="spawn")
+        mp.start_processes(rank_main, args=(4, port, str(scratch), args.reps, sizes, not args.smoke), nprocs=4,
+                           start_method="spawn")
         results = [json.loads((scratch / f"result-{r}.json").read_text()) for r in range(4)]
         for d in ("oar", "dcp", "node0", "node1"):  # free the disk before Paddle writes its copy
             shutil.rmtree(scratch / d, ignore_errors=True)
@@ -172,6 +189,7 @@ def main(argv=None) -> int:
                 return x
         return None
 
+    total = sizes[0] * sizes[1] * sizes[2] * 4  # bytes of the checkpoint's tensors
     for (v, lib) in rows + ([("Paddle 3.3.1", "Paddle broadcast")] if paddle is not None else []):
         moved = ""
         key = f"{v}|{lib}"
@@ -179,9 +197,9 @@ def main(argv=None) -> int:
             moved = "; ".join("{:.0f} / {:.0f} / {:.0f}".format(*(x / 2**20 for x in r["moved"][key][:3]))
                               for r in results)
         elif lib == "DCP":
-            moved = "512 read by each rank (own byte ranges), 0 sent"
+            moved = f"{total / 2 / 2**20:.0f} read by each rank (own byte ranges), 0 sent"
         elif lib == "Paddle broadcast":
-            moved = "256 read by each rank (whole own file), every slice broadcast to all 3 others"
+            moved = f"{total / 4 / 2**20:.0f} read by each rank (whole own file), every slice broadcast to all 3 others"
         sp = []
         for temp in ("cold", "hot"):
             a = anchor_time(lib, temp)
@@ -189,7 +207,8 @@ def main(argv=None) -> int:
         lines.append(f"| {v} | {lib} | {t[(v, lib, 'cold')]:.2f} | {t[(v, lib, 'hot')]:.2f} | "
                      f"{anchors.get(lib, '')} | {sp[0]} | {sp[1]} | {moved} |")
     same = all(len(set(r["checksums"].values())) == 1 for r in results)
-    notes = [f"Cold-cache rows: page cache {'dropped' if cold_ok else 'NOT dropped (not root)'} before each load.",
+    why = "--smoke" if args.smoke else "not root"
+    notes = [f"Cold-cache rows: page cache {'dropped' if cold_ok else f'NOT dropped ({why})'} before each load.",
              f"Loaded data identical across all oarlock and DCP rows (per-rank checksums): {same}.",
              f"Paddle: {note if paddle is None else 'ran (Tensor.cuda/pin_memory patched to no-ops on CPU), '}"
              f"{'' if paddle is None else 'its loaded data checked against the generator on every rank'}."]

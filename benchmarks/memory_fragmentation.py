@@ -7,7 +7,8 @@ the anchor is PyTorch's caching allocator (and expandable segments for driver ca
     PYTHONPATH=src .venv/bin/python benchmarks/memory_fragmentation.py [--write] [--sweep]
 
 ``--write`` appends the table to benchmarks/RESULTS.md; ``--sweep`` only compares remap settings (fixed page
-sizes, mixed, binary) on the traces where the caching model exceeds 10% fragmentation.
+sizes, mixed, binary) on the traces where the caching model exceeds 10% fragmentation; ``--smoke`` replays only
+the smallest synthetic trace and a one-step profiler trace of a small model (checks the script runs).
 """
 
 from __future__ import annotations
@@ -36,18 +37,20 @@ CONFIGS = {
 }
 
 
-def profiler_trace():
-    """Three AdamW training steps of a 4-layer transformer encoder (d=512, seq 512, batch 8), CPU profiler."""
+def profiler_trace(small: bool = False):
+    """Three AdamW training steps of a 4-layer transformer encoder (d=512, seq 512, batch 8), CPU profiler;
+    ``small``: one step of a 1-layer encoder (d=64, seq 32, batch 2)."""
     from oarlock.memory.observe import trace_region
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.TransformerEncoderLayer(512, 8, 2048, batch_first=True)
-                                  for _ in range(4)], torch.nn.Linear(512, 1000))
+    d, layers, seq, batch, steps = (64, 1, 32, 2, 1) if small else (512, 4, 512, 8, 3)
+    model = torch.nn.Sequential(*[torch.nn.TransformerEncoderLayer(d, 8, 4 * d, batch_first=True)
+                                  for _ in range(layers)], torch.nn.Linear(d, 1000))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    x = torch.randn(8, 512, 512)
-    y = torch.randint(0, 1000, (8, 512))
+    x = torch.randn(batch, seq, d)
+    y = torch.randint(0, 1000, (batch, seq))
     with trace_region("transformer train step (CPU profiler)", device="cpu") as region:
-        for _ in range(3):
+        for _ in range(steps):
             loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
             loss.backward()
             opt.step()
@@ -97,6 +100,7 @@ def main() -> int:
     ap.add_argument("--write", action="store_true", help="append the results to benchmarks/RESULTS.md")
     ap.add_argument("--sweep", action="store_true", help="only sweep the remap settings (SWEEP) on the "
                                                          "high-fragmentation synthetic traces")
+    ap.add_argument("--smoke", action="store_true", help="the smallest trace and a small profiler trace only")
     args = ap.parse_args()
     if args.sweep:
         text = sweep()
@@ -106,8 +110,9 @@ def main() -> int:
             res.write_text(res.read_text() + text)
         return 0
     t0 = time.time()
-    traces = {name: synthesize_moe(**kw) for name, kw in CONFIGS.items()}
-    traces["transformer CPU profiler"] = profiler_trace()
+    configs = dict(list(CONFIGS.items())[:1]) if args.smoke else CONFIGS
+    traces = {name: synthesize_moe(**kw) for name, kw in configs.items()}
+    traces["transformer CPU profiler"] = profiler_trace(small=args.smoke)
     lines = ["| trace | peak alloc | " + " | ".join(MODELS) + " |", "|---" * (len(MODELS) + 2) + "|"]
     verdicts = []
     for name, tr in traces.items():
@@ -144,7 +149,7 @@ def main() -> int:
             f"frag ratio {r1:.1f}x; call ratio {r2:.2f}x" for n, a, b, r1, r2 in verdicts]
     text = "\n".join(out) + "\n"
     print(text)
-    if args.write:
+    if args.write and not args.smoke:
         res = Path(__file__).with_name("RESULTS.md")
         res.write_text(res.read_text() + text)
     return 0

@@ -24,7 +24,8 @@ Columns: wall seconds (median), ratio to WeightSync, bytes received per engine r
 point-to-point/collective messages per engine rank, peak RSS above the rank's RSS at the method's start
 (sampled every 2 ms; max over ranks). Every method's targets are checked equal to the dense reference slices.
 
-Usage: python benchmarks/weight_sync.py [--layers N] [--reps N] [--only disagg|coloc] [--json OUT]
+Usage: python benchmarks/weight_sync.py [--layers N] [--reps N] [--only disagg|coloc] [--json OUT] [--smoke]
+(``--smoke``: one layer of hidden 256, one repetition: checks the script runs; its figures mean nothing.)
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ import os
 import shutil
 import socket
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -49,17 +49,19 @@ ROW = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 COL = ("o_proj", "down_proj")
 
 
-def model_shapes(layers: int) -> dict[str, tuple[int, ...]]:
+def model_shapes(layers: int, small: bool = False) -> dict[str, tuple[int, ...]]:
+    """Global shapes of the model's tensors; ``small``: hidden 256, intermediate 688 (the smoke run)."""
+    h, inter = (256, 688) if small else (H, I)
     out: dict[str, tuple[int, ...]] = {}
     for i in range(layers):
         p = f"layers.{i}."
         for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            out[p + f"self_attn.{n}.weight"] = (H, H)
-        out[p + "mlp.gate_proj.weight"] = (I, H)
-        out[p + "mlp.up_proj.weight"] = (I, H)
-        out[p + "mlp.down_proj.weight"] = (H, I)
-        out[p + "input_layernorm.weight"] = (H,)
-        out[p + "post_attention_layernorm.weight"] = (H,)
+            out[p + f"self_attn.{n}.weight"] = (h, h)
+        out[p + "mlp.gate_proj.weight"] = (inter, h)
+        out[p + "mlp.up_proj.weight"] = (inter, h)
+        out[p + "mlp.down_proj.weight"] = (h, inter)
+        out[p + "input_layernorm.weight"] = (h,)
+        out[p + "post_attention_layernorm.weight"] = (h,)
     return out
 
 
@@ -105,12 +107,11 @@ class RssPeak:
 
 
 def rank_main(rank: int, world: int, port: int, layers: int, reps: int, only: str | None, out: str,
-              methods_only: str | None = None) -> None:
+              methods_only: str | None = None, small: bool = False) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor import DTensor, Shard
 
     from oarlock.checkpoint import WeightSync, load_state_dict, reshard_state_dict, save_state_dict
 
@@ -118,7 +119,7 @@ def rank_main(rank: int, world: int, port: int, layers: int, reps: int, only: st
     os.environ["OARLOCK_PROGRESS"] = "0"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    shapes = model_shapes(layers)
+    shapes = model_shapes(layers, small)
     rows: list[dict] = []
     for config in ("disagg", "coloc"):
         if only and config != only:
@@ -357,17 +358,21 @@ def main() -> None:
     ap.add_argument("--only", choices=("disagg", "coloc"))
     ap.add_argument("--json")
     ap.add_argument("--methods", help="comma-separated substrings of method names to run (default: all)")
+    ap.add_argument("--smoke", action="store_true", help="one layer of hidden 256, one repetition: checks the "
+                    "script runs")
     a = ap.parse_args()
+    if a.smoke:
+        a.layers, a.reps = 1, 1
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tempfile.mktemp(suffix=".json")
-    mp.spawn(rank_main, args=(4, port, a.layers, a.reps, a.only, out, a.methods), nprocs=4)
+    mp.spawn(rank_main, args=(4, port, a.layers, a.reps, a.only, out, a.methods, a.smoke), nprocs=4)
     rows = json.loads(Path(out).read_text())
     os.unlink(out)
-    total = sum(torch.Size(s).numel() * 4 for s in model_shapes(a.layers).values())
+    total = sum(torch.Size(s).numel() * 4 for s in model_shapes(a.layers, a.smoke).values())
     print(f"model: {a.layers} layers, {total / 2**30:.2f} GiB fp32; load average: {os.getloadavg()}")
     for config in ("disagg", "coloc"):
         sub = [r for r in rows if r["config"] == config]
