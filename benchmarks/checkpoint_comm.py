@@ -11,7 +11,7 @@ stored slice is needed by two ranks). Three variants, side by side in one run:
    (scripts/paddle_env.sh), by benchmarks/_paddle_flex_load.py; skipped with a note if Paddle is unavailable.
 
 Loads run cold (page cache dropped, needs root) and hot, timed between barriers (slowest rank), best of
-``--reps``. Bytes read / sent / received per rank come from oarlock's LoadReport.
+``--reps``; each repetition starts with another case (the order rotates), so no library always loads first. Bytes read / sent / received per rank come from oarlock's LoadReport.
 
 Usage: python benchmarks/checkpoint_comm.py [--dir DIR] [--reps N] [--no-paddle] [--smoke] [--append-results]
 (``--smoke``: 4 tensors of [256, 128], one repetition, no Paddle, the page cache left alone: checks the script
@@ -95,9 +95,10 @@ def rank_main(rank: int, world: int, port: int, root: str, reps: int,
               lambda t: load_state_dict(t, root / f"node{NODE[rank]}", comm_method="broadcast"))]
     res: dict = {"rank": rank, "rows": {}, "moved": {}, "checksums": {}}
     cold_ok = True
-    for variant, lib, fn in cases:
-        for temp in ("cold", "hot"):
-            for _ in range(reps):
+    for r in range(reps):
+        # each repetition starts with another case, so no library always loads first
+        for variant, lib, fn in cases[r % len(cases):] + cases[:r % len(cases)]:
+            for temp in ("cold", "hot"):
                 gc.collect()
                 tgt = targets()
                 if temp == "cold":

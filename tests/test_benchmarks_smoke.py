@@ -66,7 +66,8 @@ SMOKE: dict[str, Smoke] = {
     "object_store": Smoke(("--quick",), ("| save |", "| load same layout |", "| load reshard |"),
                           needs=("s3fs", "boto3")),
     # both restores are checked equal to the saved optimizer state before the figures print (an assertion)
-    "optim_resume": Smoke(("--smoke",), ("save: oarlock", "load: oarlock")),
+    "optim_resume": Smoke(("--smoke",), ("save, plans cached: oarlock", "save, no plan caching: oarlock",
+                                         "load: oarlock")),
     "scale": Smoke(("--models", "tiny", "--layouts", "fsdp2", "--reshards", "lost", "--worlds", "16",
                     "--layers", "2"), ("| ",)),
     # every loaded tensor is compared with the saved values in the ranks (an assertion)
