@@ -25,6 +25,18 @@ def rows(t: torch.Tensor, rank: int, world: int) -> tuple[int, int]:
     return n * rank // world, n * (rank + 1) // world
 
 
+def data_object_sizes(url: str) -> dict[str, int]:
+    """``{file name: bytes}`` of the data objects under ``url`` (``s3://bucket/prefix``), from the store's own
+    listing through boto3 (endpoint and keys from the ``AWS_*`` variables), not through oarlock."""
+    import boto3
+    from botocore.config import Config
+
+    bucket, _, prefix = url[len("s3://"):].partition("/")
+    client = boto3.client("s3", config=Config(s3={"addressing_style": "path"}))
+    listed = client.list_objects_v2(Bucket=bucket, Prefix=prefix + "/")["Contents"]
+    return {o["Key"].rsplit("/", 1)[1]: o["Size"] for o in listed if o["Key"].endswith(".safetensors")}
+
+
 def scenario_save_rows_load_columns(ctx):
     url = os.environ["OARLOCK_TEST_S3_URL"] + "/ckpt"
     full = full_tensors()
@@ -44,8 +56,15 @@ def scenario_save_rows_load_columns(ctx):
     assert torch.equal(dst["e"].view(torch.int16), full["e"].view(torch.int16))
     assert torch.equal(dst["step"], full["step"])
     assert dst["note"] == "run-7"
-    assert rep.bytes_hashed >= 0 and rep.missing_keys == []
-    return {"files": sorted(rep.files_read)}
+    assert rep.missing_keys == []
+    # Every column band crosses every saved row shard, so the load touches every data object; each is smaller
+    # than one 4 MiB checksum block, read by no rank (almost) whole, so the group hashes each object once.
+    sizes = data_object_sizes(url)
+    assert len(sizes) == w and max(sizes.values()) < 4 * 1024 * 1024, sizes
+    hashed = [None] * w
+    dist.all_gather_object(hashed, rep.bytes_hashed)
+    assert sum(hashed) == sum(sizes.values()), (hashed, sizes)
+    return {"files": sorted(rep.files_read), "hashed": hashed}
 
 
 def scenario_replicated_readers_fetch_each_block_once(ctx):
@@ -68,7 +87,10 @@ def scenario_replicated_readers_fetch_each_block_once(ctx):
         rep = load_state_dict(out, url)
     assert torch.equal(out["big"], full)
     data = full.numel() * 4
-    assert rep.bytes_hashed >= data, (rep.bytes_hashed, data)  # every block it reads whole, owned or not
+    sizes = data_object_sizes(url)
+    assert sizes["rank-00000.safetensors"] > data, sizes
+    # every block it reads whole, owned or not: the whole of the one object holding the tensor, header included
+    assert rep.bytes_hashed == sizes["rank-00000.safetensors"], (rep.bytes_hashed, sizes)
     assert data <= sum(fetched) <= data + 256 * 1024, (sum(fetched), data)  # once, plus header reads
     return {"hashed": rep.bytes_hashed}
 

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 import _integrity_scenarios as W
 from multirank import each_scenario, launch_fixture
-from oarlock.checkpoint import ShardedWeight, convert_checkpoint, export_hf, load_state_dict, save_state_dict
+from oarlock.checkpoint import ShardedWeight, convert_checkpoint, load_state_dict, save_state_dict
 from oarlock.checkpoint.diff import diff_checkpoints
 from oarlock.checkpoint.integrity import BLOCK_SIZE, ChecksumError, file_checksums, verify_checkpoint
 from oarlock.checkpoint.safetensors_io import read_header
@@ -322,8 +322,10 @@ def test_threaded_reads_equal_sequential_reads(tmp_path, monkeypatch):
 
 def test_streamed_reads_of_one_file_run_on_the_pool(tmp_path, monkeypatch):
     """The file-by-file load path (forced: ``STREAM_MIN_ITEMS`` 0) with one data file of large reads: the file's
-    items are spread over three reader threads reading at once (a barrier of three), and every target equals the
-    saved rows."""
+    items are spread over three reader threads reading at once, and every target equals the saved rows. Each
+    thread's first read waits until three threads have entered (a generous limit only keeps a serial reader from
+    hanging); the log of entries and exits then shows three entries before any exit, which a pool running one
+    read at a time cannot produce."""
     import threading
 
     from oarlock.checkpoint import executor
@@ -334,16 +336,24 @@ def test_streamed_reads_of_one_file_run_on_the_pool(tmp_path, monkeypatch):
     monkeypatch.setattr(executor, "STREAM_MIN_ITEMS", 0)
     monkeypatch.setattr(executor, "PARALLEL_MIN_BYTES", 0)
     monkeypatch.setenv("OARLOCK_IO_THREADS", "3")
-    threads = []
+    threads, log = [], []
     real = executor.execute_items
-    together = threading.Barrier(3, timeout=10)  # passes only if three threads read at the same time
+    entered = threading.Condition()
 
     def spy(*a):
         name = threading.current_thread().name
-        if name not in threads:
-            together.wait()
-        threads.append(name)
-        return real(*a)
+        with entered:
+            first = name not in threads
+            threads.append(name)
+            log.append(("enter", name))
+            entered.notify_all()
+            if first:
+                entered.wait_for(lambda: len(set(threads)) >= 3, timeout=120)
+        try:
+            return real(*a)
+        finally:
+            with entered:
+                log.append(("exit", name))
 
     monkeypatch.setattr(executor, "execute_items", spy)
     # the second half of each tensor's rows (512 KiB each: large reads, item by item, not one coalesced span)
@@ -352,6 +362,8 @@ def test_streamed_reads_of_one_file_run_on_the_pool(tmp_path, monkeypatch):
                     tmp_path / "ck")
     assert all(torch.equal(got[k].detach(), sd[k][512:]) for k in sd)
     assert len(threads) == 6 and len(set(threads)) == 3 and all(t.startswith("oarlock-io") for t in threads)
+    first_exit = next(n for n, (event, _) in enumerate(log) if event == "exit")
+    assert len({name for _, name in log[:first_exit]}) == 3, log  # three threads inside at once
 
 
 @pytest.mark.parametrize("data_format", ["distcp", "safetensors"])

@@ -122,8 +122,74 @@ def _cuda_driver():
         pytest.skip(f"no CUDA driver: {e}")
 
 
+def _stand_in_bindings(monkeypatch, cu_init) -> None:
+    """Put a stand-in ``cuda.bindings.driver`` in ``sys.modules`` whose ``cuInit`` returns (or raises) what
+    ``cu_init(CUresult)`` does, so the driver's refusal is exercised on any machine."""
+    import enum
+    import sys
+    import types
+
+    class CUresult(enum.IntEnum):  # the codes the driver wrapper reads
+        CUDA_SUCCESS = 0
+        CUDA_ERROR_OUT_OF_MEMORY = 2
+        CUDA_ERROR_NO_DEVICE = 100
+
+    drv = types.ModuleType("cuda.bindings.driver")
+    drv.CUresult = CUresult
+    drv.cuInit = lambda flags: cu_init(CUresult)
+    drv.cuGetErrorString = lambda err: (CUresult.CUDA_SUCCESS, b"no CUDA-capable device is detected")
+    pkg = types.ModuleType("cuda.bindings")
+    pkg.driver = drv
+    monkeypatch.setitem(sys.modules, "cuda.bindings", pkg)
+    monkeypatch.setitem(sys.modules, "cuda.bindings.driver", drv)
+
+
+def _no_device(codes):
+    return (codes.CUDA_ERROR_NO_DEVICE,)
+
+
+def _no_library(codes):
+    raise RuntimeError("libcuda.so.1: cannot open shared object file")
+
+
+@pytest.mark.parametrize("cause,message", [
+    ("no cuda-python", "cuda-python is not installed"),
+    ("no device", "cuInit failed: CUDA_ERROR_NO_DEVICE: no CUDA-capable device is detected"),
+    ("no driver library", "CUDA driver library not usable: RuntimeError: libcuda.so.1: cannot open shared object"),
+])
+def test_cuda_driver_unavailable_is_clean(monkeypatch, cause, message):
+    """Without cuda-python, without a device or without the driver library, both the driver and the arena raise
+    ``DriverUnavailable`` (a ``DriverError``, so one ``except`` covers it) naming the cause, and nothing else."""
+    import sys
+
+    from oarlock.memory.vmm import VmmArena
+
+    if cause == "no cuda-python":
+        monkeypatch.setitem(sys.modules, "cuda.bindings", None)  # the import fails as if not installed
+    else:
+        _stand_in_bindings(monkeypatch, _no_device if cause == "no device" else _no_library)
+    for make in (lambda: CudaDriver(0), lambda: VmmArena(0)):
+        with pytest.raises(DriverUnavailable) as info:
+            make()
+        assert message in str(info.value) and isinstance(info.value, DriverError), str(info.value)
+
+
+def test_cuda_driver_unavailable_on_this_machine_is_clean():
+    """The real driver on a machine without a usable GPU (the CPU test machines): ``DriverUnavailable``, never
+    another exception; on a GPU machine the driver opens and reports a granularity."""
+    import torch
+
+    try:
+        drv = CudaDriver(0)
+    except DriverUnavailable as e:
+        assert not torch.cuda.is_available(), f"CUDA is available to torch but the driver refused: {e}"
+        assert str(e), "the refusal names no cause"
+    else:
+        assert torch.cuda.is_available() and drv.granularity() > 0
+
+
 @pytest.mark.cuda
-def test_cuda_driver_unavailable_is_clean_or_real_remap_works():
+def test_real_remap_works():
     drv = _cuda_driver()  # skips on machines without a GPU driver
     import torch
 
