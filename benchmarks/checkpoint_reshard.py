@@ -1,24 +1,28 @@
-"""oarlock FlexCheckpoint vs torch.distributed.checkpoint (DCP): save, same-layout load, reshard load.
+"""oarlock FlexCheckpoint vs torch.distributed.checkpoint (DCP): save, same-layout load, reshard loads.
 
 Workload (shared/design/environment.md): 1 GiB fp32 = 32 tensors of 4096x2048 on 4 CPU ranks (gloo), saved from
 a 2x2 mesh [Shard(0), Shard(1)] and loaded as [Shard(0), Shard(1)] (same layout) and as [Shard(1), Replicate()]
-(reshard). Loads run with a cold page cache (``sync; echo 3 > /proc/sys/vm/drop_caches``, needs root; skipped
-with a note otherwise) and hot. Every row is timed between barriers (slowest rank) in the same run for both
-libraries; the table reports oarlock / DCP ratios. Peak RSS per rank is sampled every millisecond during each
-load; "above targets" is the peak minus the RSS after the target tensors were allocated and zeroed.
+(reshard); and, saved untimed from a 1-D mesh as [Shard(0)] (row blocks), loaded as [Shard(1)] ("column
+reshard": every rank reads a quarter of every row of every file, the strided case). Loads run with a cold page
+cache (``sync; echo 3 > /proc/sys/vm/drop_caches`` as root; otherwise, and with ``--quick``, the benchmark's own
+files are evicted with ``POSIX_FADV_DONTNEED``) and hot (both libraries' files read once, untimed, first). Every row
+is timed between barriers (the slowest rank) in the same run for both libraries; the order of the libraries
+rotates between repetitions and rows; the table reports medians and ratios.
 
-Then the planner: 100,000 saved shards planned against 256 simulated ranks (pure planning, no files), with
-DCP's own planning function (``create_read_items_for_chunk_list``) on the same chunks as the anchor.
+Anchors in the same run: DCP; oarlock with ``verify_checksums=False``; a floor for loads, the raw read of the same
+bytes (each rank ``preadv``s the whole data files its load needs into a buffer allocated beforehand; for the
+column reshard, one file per rank: the same 1 GiB); a floor for saves, each rank's bytes written plainly into one
+file and fsynced, with and without early writeback (``sync_file_range``). Saves are timed with and without the
+plan caches of both libraries (DCP's ``DefaultSavePlanner(enable_plan_caching=True)``; oarlock's cache, on by
+default, cleared before each uncached save); each save replaces the previous one of its library, so all write
+into freed space (see the comment in ``rank_main``).
 
-Checksum verification (on by default in oarlock loads) is measured in the same run: every oarlock load is also
-timed with ``verify_checksums=False`` ("oarlock-noverify"), and a second table gives verify / no-verify per load.
-Below it, the floor of that overhead on this machine: one thread reading rank 0's data file from a hot page cache
-against hashing all its blocks (a load verifies every block before it writes a byte of a target, so with the CPU
-as the limit verification adds at least hash time / read time).
-The saves are compared with a floor in the same run: each rank's bytes written plainly into one file and fsynced,
-with and without early writeback (``sync_file_range``); the save order rotates between repetitions and each save
-replaces the previous one of its library, so all write into freed space (see the comment in ``rank_main``).
-The machine's load average is printed beside the tables.
+Where a load's time goes: oarlock's ``LoadReport.phases`` (plan, verify = hashing this rank's share of the
+touched blocks, verdict = waiting for the group, read), with each process's CPU time and page faults over the
+call, per library. Peak RSS per rank during each load ("above targets": the peak minus the RSS after the targets
+were allocated). Then the planner: 100,000 saved shards planned against 256 simulated ranks (no files), with
+DCP's own planning function (``create_read_items_for_chunk_list``) on the same chunks. The machine's load average
+is printed beside the tables.
 
 Usage: python benchmarks/checkpoint_reshard.py [--dir DIR] [--reps N] [--save-reps N] [--quick] [--append-results]
 (``--quick``: 4 small tensors, one repetition, no planner benchmark: checks that the script works, times nothing
@@ -118,19 +122,44 @@ class PeakRSS:
 
 # ---------------------------------------------------------------- rank body
 
-def _drop_caches(rank: int) -> bool:
+def _evict(root: Path, rank: int, world: int) -> None:
+    """Drop the files under ``root`` from the page cache (``POSIX_FADV_DONTNEED`` on each, after ``sync``; each
+    rank takes a share): cold reads of just this benchmark's files, without root and without emptying the cache
+    of everything else on the machine."""
+    files = sorted(p for p in root.rglob("*") if p.is_file())
+    for f in files[rank::world]:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _drop_caches(rank: int, root: Path | None = None, whole_machine: bool = True) -> bool:
+    """Collective: a cold page cache for the next load. ``whole_machine``: ``echo 3 > /proc/sys/vm/drop_caches``
+    (needs root; also drops the dentry and inode caches); otherwise, or where that is refused, the files under
+    ``root`` are evicted one by one (:func:`_evict`). Returns False when neither could be done."""
     import torch.distributed as dist
 
     ok = True
     if rank == 0:
         os.sync()
         try:
+            if not whole_machine:
+                raise PermissionError
             with open("/proc/sys/vm/drop_caches", "w") as f:
                 f.write("3\n")
+            dropped = True
         except OSError:
-            ok = False
-    flag = [ok]
+            dropped = False
+            ok = root is not None
+    else:
+        dropped = False
+    flag = [ok, dropped]
     dist.broadcast_object_list(flag, src=0)
+    if flag[0] and not flag[1] and root is not None:
+        _evict(root, rank, dist.get_world_size())
+        dist.barrier()
     return flag[0]
 
 
@@ -264,7 +293,8 @@ def rank_main(rank: int, world: int, port: int, root: str, reps: int, quick: boo
 
     file_bytes = max((root / "oarlock_save" / f"rank-{i:05d}.safetensors").stat().st_size for i in range(world))
     raw_buf = memoryview(torch.zeros(file_bytes * 2, dtype=torch.uint8).numpy())
-    libs = ["dcp", "oarlock", "oarlock-noverify", "raw"]
+    libs = ["dcp", "oarlock", "oarlock-overlap", "oarlock-noverify", "raw"]
+    verify = {"oarlock": True, "oarlock-overlap": "overlap", "oarlock-noverify": False}
     cold_ok = True
     # every repetition runs every (layout, temperature, library); the library order rotates per repetition and
     # per row, so no library always runs first (after the page cache was dropped) or right after another
@@ -278,7 +308,7 @@ def rank_main(rank: int, world: int, port: int, root: str, reps: int, quick: boo
                     base0 = PeakRSS().now()
                     tgt = dtensors(m, pl, lambda shp: torch.zeros(*shp))
                     if temp == "cold":
-                        cold_ok = _drop_caches(rank) and cold_ok
+                        cold_ok = _drop_caches(rank, root, whole_machine=not quick) and cold_ok
                     elif lib == libs[k]:  # a hot row starts with both checkpoints wholly in the page cache
                         warm(layout)
                     u0 = resource.getrusage(resource.RUSAGE_SELF)
@@ -293,7 +323,7 @@ def rank_main(rank: int, world: int, port: int, root: str, reps: int, quick: boo
                             def run():
                                 nonlocal report
                                 report = load_state_dict(tgt, root / ckpt[layout][0],
-                                                         verify_checksums=lib == "oarlock")
+                                                         verify_checksums=verify[lib])
                             t = timed(run)
                     u1 = resource.getrusage(resource.RUSAGE_SELF)
                     res["rows"].setdefault(row, []).append(t)
@@ -463,26 +493,27 @@ def main(argv=None) -> int:
         op = k.split("|")[0]
         if op not in ops:
             ops.append(op)
-    note = "" if cold_ok else " (cache NOT dropped: not root)"
+    note = "" if cold_ok else " (cache NOT dropped)"
     lines = [f"Median of {args.reps} (loads) and {args.save_reps} (saves) repetitions, seconds; the order of the "
              "libraries rotates between repetitions. Floor: the raw read of the same bytes (each rank `preadv`s the "
              "whole data files its load needs; column reshard: one file per rank, the same 1 GiB) or the raw "
              "fsynced write.", "",
-             "| operation | oarlock | DCP | DCP / oarlock | floor | oarlock / floor | oarlock no verify |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             "| operation | oarlock | DCP | DCP / oarlock | floor | oarlock / floor | oarlock overlap | DCP / overlap "
+             "| overlap / floor | oarlock no verify |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for op in ops:
         if op == "save":
             floor_s = min(med["save|raw"], med["save|raw-writeback"])
             lines.append(f"| save (both with plan caches) | {med['save|oarlock']:.3f} | {med['save|dcp-cached']:.3f} | "
                          f"{med['save|dcp-cached'] / med['save|oarlock']:.2f} | {floor_s:.3f} | "
-                         f"{med['save|oarlock'] / floor_s:.2f} | |")
+                         f"{med['save|oarlock'] / floor_s:.2f} | | | | |")
             lines.append(f"| save (no plan caches) | {med['save|oarlock-nocache']:.3f} | {med['save|dcp']:.3f} | "
                          f"{med['save|dcp'] / med['save|oarlock-nocache']:.2f} | {floor_s:.3f} | "
-                         f"{med['save|oarlock-nocache'] / floor_s:.2f} | |")
+                         f"{med['save|oarlock-nocache'] / floor_s:.2f} | | | | |")
             continue
-        o, d, f, nv = (med[f"{op}|{x}"] for x in ("oarlock", "dcp", "raw", "oarlock-noverify"))
+        o, d, f, ov, nv = (med[f"{op}|{x}"] for x in ("oarlock", "dcp", "raw", "oarlock-overlap", "oarlock-noverify"))
         lines.append(f"| {op}{note if 'cold' in op else ''} | {o:.3f} | {d:.3f} | {d / o:.2f} | {f:.3f} | {o / f:.2f} "
-                     f"| {nv:.3f} |")
+                     f"| {ov:.3f} | {d / ov:.2f} | {ov / f:.2f} | {nv:.3f} |")
     saves = {lib: rows0[f"save|{lib}"] for lib in ("dcp", "dcp-cached", "oarlock", "oarlock-nocache", "raw",
                                                    "raw-writeback")}
     lines += ["", f"Saves, all {args.save_reps} repetitions (each save replaces that library's previous one, so every "
@@ -506,7 +537,7 @@ def main(argv=None) -> int:
     for op in ops:
         if op == "save":
             continue
-        for lib in ("oarlock", "oarlock-noverify", "dcp", "raw"):
+        for lib in ("oarlock", "oarlock-overlap", "oarlock-noverify", "dcp", "raw"):
             row = f"{op}|{lib}"
             ph = [per_rank(row, k, "phases") if results[0]["phases"].get(row) else float("nan")
                   for k in ("plan", "verify", "verdict", "read")]
@@ -522,27 +553,29 @@ def main(argv=None) -> int:
     for op in ops:
         if "load" not in op:
             continue
-        for lib in ("oarlock", "oarlock-noverify", "dcp"):
+        for lib in ("oarlock", "oarlock-overlap", "oarlock-noverify", "dcp"):
             above = max(max(x["above_targets"] for x in r["rss"][f"{op}|{lib}"]) for r in results) / 2**20
             tb = results[0]["rss"][f"{op}|{lib}"][0]["target_bytes"] / 2**20
             mem.append(f"| {op} | {lib} | {tb:.0f} | {above:.1f} |")
     same = all(r["checksums"][f"{layout}|{lib}"] == r["checksums"][f"{layout}|dcp"]
                for r in results for layout in ("same-layout load", "reshard load", "column reshard load")
-               for lib in ("oarlock", "oarlock-noverify"))
+               for lib in ("oarlock", "oarlock-overlap", "oarlock-noverify"))
     goals = []
     if not args.quick:
         m = med
-        goals = ["Goals (issue 41): " + "; ".join([
-            f"reshard cold / floor = {m['reshard load (cold)|oarlock'] / m['reshard load (cold)|raw']:.2f} (<= 1.25)",
-            f"column reshard cold / floor = "
-            f"{m['column reshard load (cold)|oarlock'] / m['column reshard load (cold)|raw']:.2f} (<= 1.25)",
-            f"DCP / oarlock reshard cold = {m['reshard load (cold)|dcp'] / m['reshard load (cold)|oarlock']:.2f} "
-            "(>= 1.5)",
-            f"same-layout cold = {m['same-layout load (cold)|dcp'] / m['same-layout load (cold)|oarlock']:.2f} "
-            "(>= 1.3)",
-            f"hot = {min(m[f'{x} (hot)|dcp'] / m[f'{x} (hot)|oarlock'] for x in ('same-layout load', 'reshard load')):.2f}"
-            " (>= 1.5)",
-            f"save = {m['save|dcp-cached'] / m['save|oarlock']:.2f} (>= 2)"]), ""]
+        for lib in ("oarlock", "oarlock-overlap"):
+            goals += [f"Goals (issue 41), {lib}: " + "; ".join([
+                f"reshard cold / floor = {m[f'reshard load (cold)|{lib}'] / m['reshard load (cold)|raw']:.2f} (<= 1.25)",
+                f"column reshard cold / floor = "
+                f"{m[f'column reshard load (cold)|{lib}'] / m['column reshard load (cold)|raw']:.2f} (<= 1.25)",
+                f"DCP / it, reshard cold = {m['reshard load (cold)|dcp'] / m[f'reshard load (cold)|{lib}']:.2f} "
+                "(>= 1.5)",
+                f"same-layout cold = {m['same-layout load (cold)|dcp'] / m[f'same-layout load (cold)|{lib}']:.2f} "
+                "(>= 1.3)",
+                "hot = " + f"{min(m[f'{x} (hot)|dcp'] / m[f'{x} (hot)|{lib}'] for x in ('same-layout load', 'reshard load')):.2f}"
+                " (>= 1.5)"]), ""]
+        goals += [f"Saves: DCP / oarlock = {m['save|dcp-cached'] / m['save|oarlock']:.2f} with both plan caches, "
+                  f"{m['save|dcp'] / m['save|oarlock-nocache']:.2f} without (>= 2)", ""]
     plan = []
     if not args.quick:
         plan = ["| planner case | oarlock s | DCP s | oarlock / DCP | note |", "|---|---:|---:|---:|---|"]

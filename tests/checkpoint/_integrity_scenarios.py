@@ -186,14 +186,7 @@ def scenario_flipped_byte_in_a_shared_block_fails_every_rank_alike(ctx):
     off = start + end1 + 8  # inside k2
     assert off // BS == blk
     lo, hi = blk * BS, min(_files(ctx)[2].stat().st_size, (blk + 1) * BS)
-    if ctx.rank == 0:
-        shutil.copytree(ctx.shared / "rows", ck)
-        with open(victim, "r+b") as fh:
-            fh.seek(off)
-            b = fh.read(1)
-            fh.seek(off)
-            fh.write(bytes([b[0] ^ 0x40]))
-    dist.barrier()
+    _flip_copy(ctx, "ck", 2, off)
     sd = {k: _cols(k, *_col_split(k, ctx.rank, ctx.world)) for k in SHAPES}
     try:
         load_state_dict(sd, ck)
@@ -254,3 +247,63 @@ def scenario_rank_that_requests_nothing_hashes_nothing(ctx):
     assert every[3][0] <= sum(mine3.values()), (every, mine3)
     assert sum(h for h, _ in every) == _touched_total(ctx), (every, _touched_total(ctx))
     return [h for h, _ in every]
+
+
+def _flip_copy(ctx, name, victim_rank, off=None):
+    """A copy of the ``rows`` checkpoint under ``name`` with the byte at ``off`` (default: inside the first tensor)
+    of rank ``victim_rank``'s file flipped; returns the copy."""
+    ck = ctx.root / name
+    if ctx.rank == 0:
+        shutil.copytree(ctx.shared / "rows", ck)
+        f = ck / f"rank-{victim_rank:05d}.safetensors"
+        if off is None:
+            start, entries = _layout(f)
+            off = start + min(b for b, _ in entries.values()) + 12
+        with open(f, "r+b") as fh:
+            fh.seek(off)
+            b = fh.read(1)
+            fh.seek(off)
+            fh.write(bytes([b[0] ^ 0x40]))
+    dist.barrier()
+    return ck
+
+
+@worlds(4)
+@needs("column_load_of_row_shards_hashes_each_block_once")
+def scenario_overlap_column_load_hashes_each_block_once(ctx):
+    """verify_checksums="overlap": the column load of row shards gives the same values, the group still hashes
+    each touched block exactly once, and the phases are reported with the reads first."""
+    sd = {k: _cols(k, *_col_split(k, ctx.rank, ctx.world)) for k in SHAPES}
+    rep = load_state_dict(sd, ctx.shared / "rows", verify_checksums="overlap")
+    for k, sw in sd.items():
+        lo, hi = _col_split(k, ctx.rank, ctx.world)
+        assert torch.equal(sw.local_tensor, _full(k)[:, lo:hi]), k
+    hashed = _gather(ctx, rep.bytes_hashed)
+    assert sum(hashed) == _touched_total(ctx), (hashed, _touched_total(ctx))
+    assert list(rep.phases) == ["plan", "read", "verify", "verdict"], rep.phases
+
+
+@worlds(4)
+@needs("column_load_of_row_shards_hashes_each_block_once")
+def scenario_overlap_flipped_byte_fails_every_rank_and_says_the_targets_are_unspecified(ctx):
+    """With "overlap" a flipped byte still fails every rank with a ChecksumError naming the file, and the message
+    says the targets now hold unspecified contents (they were written while hashing), not that nothing was
+    loaded; the same for the warm path (a same-layout load of the corrupt copy)."""
+    ck = _flip_copy(ctx, "ck_overlap", 1)
+    sd = {k: _cols(k, *_col_split(k, ctx.rank, ctx.world)) for k in SHAPES}
+    for label, target in (("column", sd), ("warm", {k: _rows(k, ctx.rank, ctx.world, torch.zeros(
+            SHAPES[k][0] // ctx.world, SHAPES[k][1])) for k in SHAPES})):
+        try:
+            load_state_dict(target, ck, verify_checksums="overlap")
+            raise AssertionError(f"{label}: the flipped byte was not caught")
+        except ChecksumError as e:
+            msg = str(e)
+        every = _gather(ctx, msg)
+        assert all("rank-00001.safetensors" in m and "unspecified contents" in m and "nothing was loaded" not in m
+                   for m in every), (label, every)
+    # and a bad mode is refused before anything is read, naming the value
+    try:
+        load_state_dict(sd, ck, verify_checksums="later")
+        raise AssertionError("verify_checksums='later' was accepted")
+    except Exception as e:
+        assert "verify_checksums='later'" in str(e) and "'overlap'" in str(e), str(e)

@@ -71,7 +71,7 @@ def load_state_dict(state_dict: Mapping[str, Any], path: str | os.PathLike, *, p
                     aoa_config: Any = None, strict: bool = True, program: MappingProgram | None = None,
                     comm_method: str = "auto", model_only: bool = False,
                     ignore_unexpected: bool | str | Sequence[str] | Callable[[str], bool] = False,
-                    verify_checksums: bool = True) -> LoadReport:
+                    verify_checksums: bool | str = True) -> LoadReport:
     """Load a checkpoint in place into the tensors of ``state_dict``, whatever layout either side has.
     Collective over ``process_group`` (default: the world when torch.distributed is initialised).
 
@@ -104,6 +104,11 @@ def load_state_dict(state_dict: Mapping[str, Any], path: str | os.PathLike, *, p
             the group's reads touch, each block hashed by one rank (the one reading most of it; a same-layout
             restart hashes each rank's own file; see :mod:`oarlock.checkpoint.integrity` and
             ``LoadReport.bytes_hashed``); checkpoints without checksums load unchecked. False skips the check.
+            ``"overlap"``: the same blocks are hashed on a second thread while the reads write the targets, so the
+            disk is read once and a verified load takes about as long as an unverified one; a mismatch still
+            raises on every rank, but the targets then hold unspecified contents (use it where a failed load
+            is not retried into the same tensors, e.g. a job's start). ``LoadReport.phases`` shows where the
+            time went.
         program: an already-compiled :class:`~oarlock.checkpoint.mapping.MappingProgram` (instead of
             ``aoa_config``). Default: the identity (same keys, global shapes and dtypes).
         comm_method: ``"auto"`` (direct byte-range reads when every rank sees every file it needs, as on a

@@ -37,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,7 +51,7 @@ from oarlock.checkpoint.errors import CheckpointError
 from oarlock.checkpoint.executor import LoadReport, place, source_shaped_view
 from oarlock.checkpoint.formats import load_formats
 from oarlock.checkpoint.grid import GridLayout, data_file_name, rank_of_file
-from oarlock.checkpoint.integrity import verify_own_file, verify_reads_for_others
+from oarlock.checkpoint.integrity import OVERLAP, verify_own_file, verify_reads_for_others
 from oarlock.checkpoint.metadata import METADATA_FILE, SAVE_ID_HEADER
 from oarlock.checkpoint.reader import CheckpointReader, checkpoint_file
 from oarlock.checkpoint.safetensors_io import SafetensorsFile
@@ -360,6 +361,8 @@ def try_warm_start(state_dict: Any, path: str | os.PathLike, dist: DistWrapper, 
         return None
     report = LoadReport(comm_method="warm", files_read=[data_file])
     report.phases["plan"] = time.perf_counter() - t_start
+    if verify_checksums == OVERLAP:
+        return _warm_overlapped(report, p, data_file, sf, leaves, state_dict, meta, dist)
     if verify_checksums:
         # the whole own file is read: each rank hashes all of it (and nothing else), and the ranks agree before
         # any rank writes a target, so a corrupt file on one rank leaves every rank's targets untouched
@@ -378,27 +381,63 @@ def try_warm_start(state_dict: Any, path: str | os.PathLike, dist: DistWrapper, 
         report.phases["verdict"] = time.perf_counter() - t_verdict
     t_read = time.perf_counter()
 
-    def read_own() -> None:
-        try:
-            with torch.no_grad():
-                for sw in leaves.shards:
-                    dt, shape, _, _ = sf.entries[sw.key]
-                    t = sw.local_tensor
-                    out = t.view(shape) if t.is_contiguous() else torch.empty(shape, dtype=t.dtype)
-                    sf.read_box(sw.key, 0, shape, tuple((0, n) for n in shape), dt, out)
-                    if out is not t and out.data_ptr() != t.data_ptr():
-                        t.copy_(out.view(t.shape))
-                    report.bytes_read += numel(shape) * dtype_itemsize(dt)
-        finally:
-            sf.close()
-        if leaves.objects:
-            objects = meta.objects
-            for k, path_ in leaves.object_paths.items():
-                if k in objects:
-                    set_path(state_dict, path_, objects[k])
-
     # every rank is on the warm path now: a read error on one rank must reach all of them (they would otherwise
     # go on into their next collective and wait for this rank forever)
-    dist.run(read_own)
+    dist.run(_read_own_file, report, sf, leaves, state_dict, meta)
     report.phases["read"] = time.perf_counter() - t_read
+    return report
+
+
+def _read_own_file(report: LoadReport, sf: SafetensorsFile, leaves: Any, state_dict: Any, meta: Any) -> None:
+    """The warm path's reads: every requested shard straight from this rank's own file into its target (the file
+    is closed after), then the non-tensor values; adds the bytes to ``report.bytes_read``."""
+    try:
+        with torch.no_grad():
+            for sw in leaves.shards:
+                dt, shape, _, _ = sf.entries[sw.key]
+                t = sw.local_tensor
+                out = t.view(shape) if t.is_contiguous() else torch.empty(shape, dtype=t.dtype)
+                sf.read_box(sw.key, 0, shape, tuple((0, n) for n in shape), dt, out)
+                if out is not t and out.data_ptr() != t.data_ptr():
+                    t.copy_(out.view(t.shape))
+                report.bytes_read += numel(shape) * dtype_itemsize(dt)
+    finally:
+        sf.close()
+    if leaves.objects:
+        objects = meta.objects
+        for k, path_ in leaves.object_paths.items():
+            if k in objects:
+                set_path(state_dict, path_, objects[k])
+
+
+def _warm_overlapped(report: LoadReport, root: Any, data_file: str, sf: SafetensorsFile, leaves: Any,
+                     state_dict: Any, meta: Any, dist: DistWrapper) -> LoadReport:
+    """The warm path with ``verify_checksums="overlap"``: this rank's own file is hashed on a second thread while it
+    is read into the targets (the disk is read once), then the ranks agree on the verdict; a mismatch raises on
+    every rank, saying the targets hold unspecified contents."""
+    found: list[BaseException] = []
+
+    def hash_own() -> None:
+        try:
+            report.bytes_hashed = verify_own_file(root, data_file, workers=1)  # the reads have the pool
+        except Exception as e:
+            found.append(e)
+
+    hasher = threading.Thread(target=hash_own, name="oarlock-verify", daemon=True)
+    hasher.start()
+    t_read = time.perf_counter()
+    try:
+        dist.run(_read_own_file, report, sf, leaves, state_dict, meta)
+    finally:
+        report.phases["read"] = time.perf_counter() - t_read
+        hasher.join()
+    t1 = time.perf_counter()
+    report.phases["verify"] = t1 - t_read - report.phases["read"]
+    err = found[0] if found else None
+    if isinstance(err, CheckpointError):
+        err = type(err)(str(err).replace("; nothing was loaded", "") + f" (verify_checksums={OVERLAP!r}: the targets "
+                        "were being written while the blocks were hashed, so every target of this load now holds "
+                        "unspecified contents)")
+    dist.check(err)
+    report.phases["verdict"] = time.perf_counter() - t1
     return report

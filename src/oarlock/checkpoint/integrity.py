@@ -34,6 +34,7 @@ import json
 import math
 import mmap
 import os
+import threading
 import time
 import re
 from dataclasses import asdict, dataclass
@@ -57,6 +58,23 @@ from oarlock.utils import dtype_itemsize
 ALGORITHM = "xxh3_64"
 BLOCK_SIZE = 4 * 1024 * 1024
 CHECKSUMS_KEY = "checksums"  # in CheckpointMetadata.extra
+
+
+#: ``verify_checksums="overlap"``: blocks are hashed while the reads write the targets (see :func:`verify_mode`).
+OVERLAP = "overlap"
+
+
+def verify_mode(value: Any) -> bool | str:
+    """``value`` checked as a ``verify_checksums`` argument: True (every block a load touches is verified before
+    any target is written), :data:`OVERLAP` (hashed while the reads write the targets: as fast as an unverified
+    load, and a mismatch still raises, but then the targets hold unspecified contents) or False.
+
+    Raises:
+        CheckpointError: any other value, naming it."""
+    if isinstance(value, bool) or value == OVERLAP:
+        return value
+    raise CheckpointError(f"verify_checksums={value!r}: use True (verify before writing any target), "
+                          f"{OVERLAP!r} (verify while the targets are written) or False")
 
 
 class ChecksumError(CheckpointFormatError):
@@ -129,13 +147,19 @@ def _digest(data: Any) -> str:
     return xxhash.xxh3_64_hexdigest(data)
 
 
+_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+
+
 def _digest_block(fd: int, offset: int, nbytes: int) -> str:
     """Hash ``nbytes`` of ``fd`` at ``offset`` (a multiple of the page size) through a mapping of just that block,
-    unmapped at once: no copy, and the resident set does not grow with the file."""
+    unmapped at once: no copy, and the resident set does not grow with the file. The mapping is populated when
+    made (``MAP_POPULATE``, Linux): the block's pages are read in one go instead of one fault at a time, which
+    measured 0.31 s against 0.36-0.42 s for 1 GiB from a cold cache, as fast as ``preadv`` into a buffer (0.32 s),
+    and 0.04 s hot, faster than ``preadv`` (0.05 s, a copy)."""
     if nbytes == 0:
         return _digest(b"")
     try:
-        mm = mmap.mmap(fd, nbytes, access=mmap.ACCESS_READ, offset=offset)
+        mm = mmap.mmap(fd, nbytes, flags=_MAP_FLAGS, prot=mmap.PROT_READ, offset=offset)
     except (OSError, ValueError):  # filesystems without mmap: read the block instead
         return _digest(os.pread(fd, nbytes, offset))
     try:
@@ -387,6 +411,9 @@ class BlockVerifier:
         self.checksums = checksums
         self.verified: set[tuple[str, int]] = set()
         self.bytes_verified = 0
+        #: hashing threads on a filesystem (None: :func:`~oarlock.checkpoint.executor.io_threads`); 1 where the
+        #: hashing runs beside the load's reads, which have the thread pool
+        self.workers: int | None = None
 
     def bad_blocks(self, file: str, blocks: Iterable[int]) -> list[int]:
         """Check ``blocks`` of ``file`` (skipping ones already verified); returns the indices that do not match.
@@ -418,7 +445,7 @@ class BlockVerifier:
                 lo, hi = b * fc.block_size, min(size, (b + 1) * fc.block_size)
                 return _digest_block(fd, lo, hi - lo) == digests[b]
 
-            n = io_threads()
+            n = self.workers or io_threads()
             # xxhash releases the GIL on large inputs: blocks hash in parallel
             return self._run_checks(fc, todo, check, min(n, len(todo)), n > 1 and len(todo) > 2)
 
@@ -673,6 +700,10 @@ def touched_blocks(reader: Any, items: Iterable[Any], checksums: dict[str, FileC
 LEVELS = 16
 
 
+#: Blocks given in turn to ranks with equal shares of them go in runs of this many consecutive blocks (32 MiB).
+OWNER_RUN = 8
+
+
 def block_owners(touched: dict[str, dict[int, int]], checksums: dict[str, FileChecksums], dist: Any
                  ) -> dict[str, list[int]]:
     """Collective over ``dist`` (a :class:`~oarlock.checkpoint.dist.DistWrapper`; every rank calls it, with
@@ -682,20 +713,25 @@ def block_owners(touched: dict[str, dict[int, int]], checksums: dict[str, FileCh
     so the exchange is one ``all_reduce`` MAX of an int64 vector of one entry per block of the checkpoint,
     whatever the world size. A rank puts into the entry of each block it touches ``(level + 1) << shift | low``:
     ``level`` its share of the block in sixteenths (dithered per block, so near-equal shares seldom fall on two
-    sides of a step), ``low = (rank + g) % world + 1`` for block ``g``, distinct per rank, so the maximum names
-    one toucher, and equal shares give the blocks to each toucher in turn. Without a process group this rank
-    owns every block it touches.
+    sides of a step), ``low = (rank + q) % world + 1`` with ``q = s + b // run`` for block ``b`` of a file whose
+    blocks start at global index ``s``, distinct per rank, so the maximum names one toucher, and equal shares give
+    runs of ``run`` consecutive blocks to each toucher in turn: ``run`` is the file's block count over the world
+    size, between 1 and :data:`OWNER_RUN` (long runs: each owner reads long stretches of a file, which the disk
+    streams, where single blocks in turn made two owners of one file each read every other block; short ones for
+    small files, which would otherwise go whole to one rank). Without a process group this rank owns every block
+    it touches.
     """
     if not dist.active:
         return {f: sorted(per) for f, per in touched.items()}
     import torch
 
     files = sorted(checksums)
-    start, total = {}, 0
+    world, rank = dist.size, dist.rank
+    start, run, total = {}, {}, 0
     for f in files:
         start[f] = total
+        run[f] = max(1, min(OWNER_RUN, checksums[f].n_blocks // world))
         total += checksums[f].n_blocks
-    world, rank = dist.size, dist.rank
     shift = max(8, world.bit_length())
     idx, val = [], []
     for f, per in touched.items():
@@ -708,13 +744,17 @@ def block_owners(touched: dict[str, dict[int, int]], checksums: dict[str, FileCh
             dither = (g * 40503 + 0x8000) & 0xFFFF
             level = (min(n, length) * LEVELS * 65536 // length + dither) >> 16
             idx.append(g)
-            val.append(((level + 1) << shift) | ((rank + g) % world + 1))
+            val.append(((level + 1) << shift) | ((rank + start[f] + b // run[f]) % world + 1))
     prio = torch.zeros(total, dtype=torch.int64)
     if idx:
         prio[torch.tensor(idx, dtype=torch.int64)] = torch.tensor(val, dtype=torch.int64)
     prio = dist.all_max_tensor(prio)
     g = torch.arange(total, dtype=torch.int64)
-    owner = torch.remainder((prio & ((1 << shift) - 1)) - 1 - g, world)
+    counts = torch.tensor([checksums[f].n_blocks for f in files], dtype=torch.int64)
+    s0 = torch.repeat_interleave(torch.tensor([start[f] for f in files], dtype=torch.int64), counts)
+    q = s0 + torch.div(g - s0, torch.repeat_interleave(torch.tensor([run[f] for f in files], dtype=torch.int64),
+                                                       counts), rounding_mode="floor")
+    owner = torch.remainder((prio & ((1 << shift) - 1)) - 1 - q, world)
     mine = ((prio > 0) & (owner == rank)).nonzero().flatten().tolist()
     out: dict[str, list[int]] = {}
     fi = 0
@@ -750,7 +790,8 @@ def _whole_blocks_read(reader: Any, touched: dict[str, dict[int, int]], owned: d
 
 
 def verify_group(reader: Any, items: Iterable[Any], dist: Any, file_bytes: dict[str, int] | None = None,
-                 touched: dict[str, dict[int, int]] | None = None, phases: dict[str, float] | None = None) -> int:
+                 touched: dict[str, dict[int, int]] | None = None, phases: dict[str, float] | None = None,
+                 during: Any = None) -> int:
     """Collective over ``dist`` (a :class:`~oarlock.checkpoint.dist.DistWrapper`; every rank of the load calls
     it, also one with no items): verify every block that the group's read items touch, each block hashed by one
     rank, before anything is written. This rank's ``items`` are
@@ -761,9 +802,12 @@ def verify_group(reader: Any, items: Iterable[Any], dist: Any, file_bytes: dict[
     that another rank owns, within the budget of kept blocks (:func:`_whole_blocks_read`): the fetch that
     verifies them then serves its reads. ``file_bytes``: see :func:`touched_blocks`; ``touched``: its
     result when already summed (``items`` is then not read); ``phases``: seconds of ``verify`` (this rank's
-    hashing) and ``verdict`` (the wait for the group) are added to it. Returns the bytes
-    this rank hashed; 0 when the checkpoint records no checksums (then no collective runs: every rank reads the
-    same metadata).
+    hashing) and ``verdict`` (the wait for the group) are added to it. ``during``: a callable (the load's reads)
+    run in this thread while the blocks are hashed on another, before the verdict (``verify_checksums="overlap"``:
+    the bytes are read from disk once, by whichever comes first, and hashing costs no time of its own); its
+    exceptions propagate after the hashing has stopped. Without it, nothing runs before the verdict. Returns the
+    bytes this rank hashed; 0 when the checkpoint records no checksums (then no collective runs: every rank reads
+    the same metadata, and ``during`` just runs).
 
     Raises:
         ChecksumError: on every rank (prefixed ``"rank R: "`` on ranks other than the one that found it): a
@@ -772,6 +816,8 @@ def verify_group(reader: Any, items: Iterable[Any], dist: Any, file_bytes: dict[
     """
     checksums = recorded(reader.metadata, reader.path_of)
     if not checksums:
+        if during is not None:
+            during()
         return 0
     t0 = time.perf_counter()
     err: BaseException | None = None
@@ -783,7 +829,11 @@ def verify_group(reader: Any, items: Iterable[Any], dist: Any, file_bytes: dict[
             err = e
     owned = block_owners(touched, checksums, dist)
     verifier = BlockVerifier(reader.path_of, checksums)
-    if err is None:
+    if during is not None:
+        verifier.workers = 1
+    found: list[BaseException] = []
+
+    def hash_owned() -> None:
         try:
             todo = {f: list(b) for f, b in owned.items()}
             for f, b in _whole_blocks_read(reader, touched, owned, checksums).items():
@@ -795,11 +845,31 @@ def verify_group(reader: Any, items: Iterable[Any], dist: Any, file_bytes: dict[
                 file = min(bad)
                 raise ChecksumError(_mismatch(reader, checksums[file], bad[file]))
         except Exception as e:
-            err = e
+            found.append(e)
+
+    reading = 0.0
+    if err is None and during is None:
+        hash_owned()
+    elif err is None:
+        hasher = threading.Thread(target=hash_owned, name="oarlock-verify", daemon=True)
+        hasher.start()
+        t_during = time.perf_counter()
+        try:
+            during()
+        finally:
+            reading = time.perf_counter() - t_during
+            hasher.join()
+    err = err or (found[0] if found else None)
     t1 = time.perf_counter()
+    if isinstance(err, ChecksumError) and reading:
+        err = ChecksumError(str(err).replace("; nothing was loaded", "") + " (verify_checksums='overlap': the "
+                            "targets were being written while the blocks were hashed, so every target of this "
+                            "load now holds unspecified contents)")
     dist.check(err)
-    if phases is not None:
-        phases["verify"] = phases.get("verify", 0.0) + t1 - t0
+    if phases is not None:  # with ``during``: its time is "read", the hashing left after it is "verify"
+        if reading:
+            phases["read"] = phases.get("read", 0.0) + reading
+        phases["verify"] = phases.get("verify", 0.0) + t1 - t0 - reading
         phases["verdict"] = phases.get("verdict", 0.0) + time.perf_counter() - t1
     return verifier.bytes_verified
 
@@ -887,10 +957,11 @@ def _own_file_keys(root: Path, file: str, b: int, block_size: int) -> list[str]:
         return corrupt_keys(root / file, [b], block_size)
 
 
-def verify_own_file(root: str | Path, file: str) -> int:
+def verify_own_file(root: str | Path, file: str, workers: int | None = None) -> int:
     """Verify every block of data file ``file`` of the oarlock checkpoint directory ``root`` against the checksums
     in its ``metadata.json`` (the warm restart reads whole own files: no other rank's bytes are hashed). Returns
-    the bytes hashed: 0 when no checksums are recorded (nothing to do).
+    the bytes hashed: 0 when no checksums are recorded (nothing to do). ``workers``: hashing threads (None:
+    :func:`~oarlock.checkpoint.executor.io_threads`).
 
     Raises:
         ChecksumError: naming the file, the first corrupt block's byte range and index, and every key stored in
@@ -906,6 +977,7 @@ def verify_own_file(root: str | Path, file: str) -> int:
         return 0
     fc = sums[file]
     v = BlockVerifier(lambda f: root / f, sums)
+    v.workers = workers
     bad = v.bad_blocks(file, range(fc.n_blocks))
     if bad:
         b = bad[0]

@@ -24,7 +24,7 @@ from oarlock.checkpoint.dist import DistWrapper
 from oarlock.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from oarlock.checkpoint import executor
 from oarlock.checkpoint.executor import FileWork, LoadReport, execute_work, prepare_work, read_order
-from oarlock.checkpoint.integrity import recorded, touched_blocks, verify_group
+from oarlock.checkpoint.integrity import OVERLAP, recorded, touched_blocks, verify_group, verify_mode
 from oarlock.checkpoint.mapping import MappingProgram, TensorSpec
 from oarlock.checkpoint.metadata import ALGORITHM_KEY, PARAM_GROUPS_KEY, CheckpointMetadata
 from oarlock.checkpoint.plan import LoadPlan, Planner, ReadItem, source_specs
@@ -236,6 +236,7 @@ def _run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process
     if aoa_config is not None and program is not None:
         raise CheckpointError("pass either aoa_config or program to load_state_dict, not both")
     comm.check_comm_method(comm_method)
+    verify_checksums = verify_mode(verify_checksums)
     t_start = time.perf_counter()
     dist = DistWrapper(process_group)
     recover_publish(path)  # an interrupted replacement of this checkpoint is completed first (the warm path too)
@@ -361,19 +362,28 @@ def _run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process
     report = LoadReport(all_missing, unexpected, skipped_keys=sorted({k for s in status for k in s["skipped"]}))
     report.phases["plan"] = time.perf_counter() - t_start
     with reader, torch.no_grad():
-        if verify_checksums:  # collective, before any target is written: each touched block hashed by one rank
-            # a FileWork's touched blocks were summed at the check (or it has no checksums: nothing to verify)
+        st = None
+
+        def reads() -> None:
+            nonlocal st
+            # one rank's read error reaches every rank (they would otherwise run into their next collective)
+            st = dist.run(comm.execute, reader, work, comm_method=comm_method, view=view, dist=dist,
+                          direct=lambda r, w: execute_work(r, w, prepared=prepared if w is work else None),
+                          verify_checksums=bool(verify_checksums))
+
+        overlap = verify_checksums == OVERLAP
+        if verify_checksums:  # collective: each touched block hashed by one rank, before any target is written
+            # (or, with "overlap", while the reads write them); a FileWork's touched blocks were summed at the check
             items = () if isinstance(work, FileWork) else [it for it, _ in work]
             report.bytes_hashed = verify_group(reader, items, dist, {f: p.nbytes for f, p in prepared.items()},
-                                               touched=touched, phases=report.phases)
-        t_read = time.perf_counter()  # after the verdict: the read phase alone
-        # one rank's read error reaches every rank (they would otherwise run into their next collective)
-        st = dist.run(comm.execute, reader, work, comm_method=comm_method, view=view, dist=dist,
-                      direct=lambda r, w: execute_work(r, w, prepared=prepared if w is work else None),
-                      verify_checksums=verify_checksums)
+                                               touched=touched, phases=report.phases,
+                                               during=reads if overlap else None)
+        if st is None:  # after the verdict: the read phase alone
+            t_read = time.perf_counter()
+            reads()
+            report.phases["read"] = time.perf_counter() - t_read
         report.bytes_read, report.comm_method, report.files_read = st.bytes_read, st.method, st.files_read
         report.bytes_hashed += st.bytes_hashed
-        report.phases["read"] = time.perf_counter() - t_read
         report.bytes_sent, report.bytes_received, report.messages_sent = st.bytes_sent, st.bytes_received, st.messages_sent
         for k, value in ((k, reader.metadata.objects[k]) for k in leaves.objects if k in reader.metadata.objects):
             set_path(state_dict, leaves.object_paths[k], value)
