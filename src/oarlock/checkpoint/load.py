@@ -351,6 +351,10 @@ def _run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process
             hint = (f" ({fmt_keys(dropped, 5)} belong to modules this load reads, e.g. biases: loading without them "
                     "gives wrong numbers. Map them with an AOA statement (a preset built from the model's "
                     "config.json maps biases, see docs/aoa.md), or drop them deliberately with 'KEY -> _')")
+        elif not unexpected_strict:  # only missing keys: neither model_only nor ignore_unexpected helps
+            hint = (" (check the names: `oarlock inspect PATH` lists what the checkpoint holds; map stored keys to "
+                    "these with an AOA statement (docs/aoa.md), or pass strict=False to load the rest and get the "
+                    "missing keys in the returned LoadReport)")
         elif not weights:
             hint = (f" (none of them are model weights: this {reader.metadata.format} checkpoint's optimizer state and "
                     "training-run records; pass model_only=True to load the model strictly without them)")
