@@ -202,3 +202,25 @@ def test_two_ranks_sharded_state_and_per_rank_rng(multirank):
     outcome.check()
     ck = multirank.root / "scenario_manager_sharded_rows_and_per_rank_rng" / "ck"
     assert CheckpointManager(ck).steps() == [2, 3]
+
+
+def test_one_committed_test_for_the_manager_and_the_commands(tmp_path):
+    """The manager's step listing and the commands' manager-root resolution share one test of "committed": a step
+    holding an incomplete-save marker and a step that is a symbolic link to a committed one are both skipped by
+    both (a link could point anywhere: nothing outside the root is opened)."""
+    from oarlock.checkpoint.manager import CheckpointManager
+    from oarlock.checkpoint.storage import is_committed, resolve_manager_root
+
+    m = CheckpointManager(tmp_path / "run")
+    m.save(1, {"w": torch.ones(2)})
+    m.save(2, {"w": torch.full((2,), 2.0)})
+    root = tmp_path / "run"
+    (root / "step-00000002" / ".oarlock-incomplete").touch()  # as if step 2's save had not committed
+    elsewhere = tmp_path / "elsewhere"
+    m2 = CheckpointManager(elsewhere)
+    m2.save(9, {"w": torch.full((2,), 9.0)})
+    (root / "step-00000009").symlink_to(elsewhere / "step-00000009", target_is_directory=True)
+    assert is_committed(root / "step-00000001") and not is_committed(root / "step-00000002")
+    assert not is_committed(root / "step-00000009") and is_committed(elsewhere / "step-00000009")
+    assert m.steps() == [1] and m.latest() == 1
+    assert resolve_manager_root(root) == (root / "step-00000001", "step-00000001")

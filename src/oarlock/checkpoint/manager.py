@@ -56,7 +56,7 @@ from oarlock.checkpoint.errors import CheckpointError
 from oarlock.checkpoint.metadata import ALGORITHM_KEY, METADATA_FILE, PARAM_GROUPS_KEY
 from oarlock.checkpoint.optim import (HYPERPARAMETERS, OptimizerStateError, optimizer_algorithm,
                                       sharded_optimizer_state_dict)
-from oarlock.checkpoint.storage import (INCOMPLETE_MARKER, fsync_dir, recover_publish, remove_stale_staging,
+from oarlock.checkpoint.storage import (fsync_dir, is_committed, recover_publish, remove_stale_staging,
                                         written_entries)
 
 LATEST_FILE = "latest"
@@ -248,9 +248,7 @@ class CheckpointManager:
 
     @staticmethod
     def _committed(p: Path) -> bool:
-        if is_object_path(p):  # the commit record alone decides in an object store
-            return (p / METADATA_FILE).is_file()
-        return p.is_dir() and (p / METADATA_FILE).is_file() and not (p / INCOMPLETE_MARKER).exists()
+        return is_committed(p)
 
     def latest(self) -> int | None:
         """The latest committed step: the one the ``latest`` pointer names when that directory is a committed

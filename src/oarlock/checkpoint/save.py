@@ -32,7 +32,7 @@ import torch
 from oarlock.checkpoint.dist import DistWrapper
 from oarlock.checkpoint.dist import error_report
 from oarlock.checkpoint.grid import FlatGrid, GridLayout
-from oarlock.checkpoint.grid import data_file_name as _grid_file_name
+from oarlock.checkpoint.grid import data_file_name  # re-exported: save.data_file_name is public
 from oarlock.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from oarlock.checkpoint.integrity import CHECKSUMS_KEY, BlockHasher, make_record, write_digests, DIGESTS_SUFFIX
 from oarlock.checkpoint.metadata import METADATA_FILE, SAVE_ID_HEADER, CheckpointMetadata, ShardMeta, TensorMeta
@@ -54,11 +54,6 @@ TP_LAYOUTS_KEY = "tp_layouts"
 SHARDS_DIGEST_HEADER = "oarlock.shards.sha256"  # packed files: SHA-256 of the shard records instead of the records
 SHARDS_HEADER = "oarlock.shards"  # safetensors __metadata__ entry: {name: [offset, local shape, global shape, ...]}
 WORLD_HEADER = "oarlock.world_size"  # ... and the size of the group that saved
-
-
-def data_file_name(rank: int) -> str:
-    """The data file rank ``rank`` writes: ``rank-XXXXX.safetensors``."""
-    return _grid_file_name(rank)
 
 
 def shard_record(offset, local_shape, global_shape, dtype: str, flattened_range) -> list:

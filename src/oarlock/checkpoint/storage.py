@@ -37,7 +37,7 @@ import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 from oarlock.checkpoint.dist import DistWrapper, fingerprint_words
 from oarlock.checkpoint.errors import CheckpointError, CheckpointFormatError
@@ -678,6 +678,17 @@ def publish_directory(tmp: Path, final: Path, metadata: CheckpointMetadata | Non
 _STEP_DIR = re.compile(r"(.*?)(\d+)")
 
 
+def is_committed(p: Any) -> bool:
+    """Whether ``p`` (a local path or an :class:`~oarlock.checkpoint.objectstore.ObjectPath`) is a committed
+    oarlock checkpoint: in an object store, its commit record ``metadata.json`` exists; on a filesystem, it is a
+    directory (not a symbolic link) holding ``metadata.json`` and no incomplete-save marker. The one test the
+    manager's step listing and the commands' manager-root resolution share."""
+    if is_object_path(p):  # the commit record alone decides in an object store
+        return (p / METADATA_FILE).is_file()
+    p = Path(p)
+    return p.is_dir() and not p.is_symlink() and (p / METADATA_FILE).is_file() and not (p / INCOMPLETE_MARKER).exists()
+
+
 def resolve_manager_root(path: str | os.PathLike) -> tuple[Path, str | None]:
     """``(checkpoint path, step directory name)`` for a path the commands read: a directory that is no checkpoint
     itself but a :class:`~oarlock.checkpoint.manager.CheckpointManager` root resolves to its latest committed step
@@ -695,7 +706,7 @@ def resolve_manager_root(path: str | os.PathLike) -> tuple[Path, str | None]:
             names = p.storage.list(p.key)
             pointer = (p / "latest").read_text().strip() if "latest" in names else ""
             steps = sorted((int(m.group(2)), n) for n, size in names.items() if size < 0
-                           and (m := _STEP_DIR.fullmatch(n)) and (p / n / METADATA_FILE).is_file())
+                           and (m := _STEP_DIR.fullmatch(n)) and is_committed(p / n))
         except CheckpointError:
             return p, None
         if pointer and "/" not in pointer and any(n == pointer for _, n in steps):
@@ -704,20 +715,15 @@ def resolve_manager_root(path: str | os.PathLike) -> tuple[Path, str | None]:
     if not p.is_dir():
         return p, None
 
-    def committed(name: str) -> bool:
-        d = p / name
-        return (d.is_dir() and not d.is_symlink() and (d / METADATA_FILE).is_file()
-                and not (d / INCOMPLETE_MARKER).exists())
-
     try:
         pointer = (p / "latest").read_text().strip() if (p / "latest").is_file() else ""
         names = os.listdir(p)
     except OSError:
         return p, None
-    if pointer and "/" not in pointer and _STEP_DIR.fullmatch(pointer) and committed(pointer):
+    if pointer and "/" not in pointer and _STEP_DIR.fullmatch(pointer) and is_committed(p / pointer):
         return p / pointer, pointer
     steps = [(int(m.group(2)), n) for n in names if not n.startswith(".") and (m := _STEP_DIR.fullmatch(n))
-             and committed(n)]
+             and is_committed(p / n)]
     if not steps:
         return p, None
     name = max(steps)[1]
