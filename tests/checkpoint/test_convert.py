@@ -417,3 +417,25 @@ def test_hf_export_of_a_wrapped_model_strips_the_wrapper_and_names_dropped_value
     assert sorted(st_tensors(tmp_path / "hf_flat")) == sorted(flat)
     export_hf(tmp_path / "ck", tmp_path / "hf_api")  # the Python entry point strips it too
     assert sorted(st_tensors(tmp_path / "hf_api")) == sorted(m.state_dict())
+
+
+def test_tp_split_that_cuts_heads_apart_warns(tmp_path):
+    """convert --tp with a config.json beside the source: a degree that does not divide the key/value heads (3
+    at TP=2: k_proj's 12 rows split 6/6, half a head each) warns naming the key, the head count and its field;
+    a degree that divides every head count (TP=3) says nothing. The conversion itself is still written."""
+    import warnings
+
+    src = tmp_path / "hf"
+    src.mkdir()
+    sd = {"model.layers.0.self_attn.q_proj.weight": torch.randn(24, 24),
+          "model.layers.0.self_attn.k_proj.weight": torch.randn(12, 24),
+          "model.layers.0.self_attn.v_proj.weight": torch.randn(12, 24)}
+    save_file(sd, str(src / "model.safetensors"))
+    (src / "config.json").write_text(json.dumps({"num_attention_heads": 6, "num_key_value_heads": 3}))
+    with pytest.warns(UserWarning, match=r"k_proj\.weight holds 3 heads \(num_key_value_heads") as rec:
+        convert_checkpoint(src, tmp_path / "tp2", tp=2, show_progress=False)
+    assert not any("q_proj" in str(w.message) for w in rec), [str(w.message) for w in rec]
+    assert (tmp_path / "tp2" / "metadata.json").is_file()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        convert_checkpoint(src, tmp_path / "tp3", tp=3, show_progress=False)

@@ -332,6 +332,37 @@ def _program_for_layout(metadata: CheckpointMetadata, aoa_config: Any, layout: C
     return program, axes
 
 
+_HEAD_KEYS = (("q_proj.weight", "num_attention_heads"), ("k_proj.weight", "num_key_value_heads"),
+              ("v_proj.weight", "num_key_value_heads"))
+
+
+def warn_split_heads(source: str | os.PathLike, axes: Mapping[str, int | None], tp: int) -> list[str]:
+    """Warn (``UserWarning``) when a TP split cuts attention heads apart: the ``config.json`` beside a source
+    directory gives the heads of ``q_proj`` and the key/value heads of ``k_proj``/``v_proj``, and ``tp`` must divide
+    them for each rank to hold whole heads (a model with 3 KV heads at TP=2 splits its 96-row ``k_proj`` 48/48,
+    half a head each). Returns the warnings given (nothing to check without a config or at ``tp`` 1)."""
+    import warnings
+
+    cfg_path = side_files(source).get("config.json") if tp > 1 else None
+    if cfg_path is None:
+        return []
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (OSError, ValueError):
+        return []
+    cfg = cfg.get("text_config", cfg) if isinstance(cfg, dict) else {}
+    out = []
+    for suffix, field_ in _HEAD_KEYS:
+        n = cfg.get(field_, cfg.get("num_attention_heads"))
+        keys = [k for k, a in axes.items() if a is not None and k.endswith(suffix)]
+        if keys and isinstance(n, int) and n % tp:
+            more = f" (and {len(keys) - 1} more keys)" if len(keys) > 1 else ""
+            out.append(f"{keys[0]}{more} holds {n} heads ({field_} in {cfg_path.name}): split "
+                       f"{tp} ways, each rank gets part of a head; use a TP degree that divides {n}")
+            warnings.warn(out[-1], UserWarning, stacklevel=3)
+    return out
+
+
 def rank_descriptions(program: MappingProgram, axes: Mapping[str, int | None], layout: ConversionLayout
                       ) -> list[list[tuple]]:
     """Per simulated rank, its shard descriptions in the form ``save_state_dict`` all-gathers:
@@ -718,6 +749,7 @@ def convert_checkpoint(source: str | os.PathLike, out_dir: str | os.PathLike, *,
         if verify_checksums:  # a corrupt source must not turn into a valid-looking output
             verify_all_blocks(reader)
         program, axes = _program_for_layout(reader.metadata, aoa_config, layout)
+        warn_split_heads(source, axes, layout.tp)
         program, _ = select_keys(program, reader.metadata, include=include, exclude=exclude,
                                  optimizer_state=optimizer_state)
         tensors, writes = assign_writes(rank_descriptions(program, axes, layout))
