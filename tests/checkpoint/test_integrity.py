@@ -513,3 +513,19 @@ def test_verify_names_a_damaged_file_once_per_problem(tmp_path, capsys):
     probs = json.loads(capsys.readouterr().out)["problems"]
     assert [p["file"] for p in probs] == ["rank-00000.safetensors"] * 2
     assert not any("rank-00000.safetensors" in p["message"] for p in probs), probs
+
+
+def test_verify_of_a_truncated_lone_file_names_it_once(tmp_path, capsys):
+    """`oarlock verify` of a truncated safetensors file (written by the safetensors library) and of a directory
+    holding one: exit 1, the problem line names the file once (not "x: x: ..."), and the summary says the
+    checkpoint could not be opened instead of counting "0 file(s)"."""
+    for target, victim in ((tmp_path / "m.safetensors", tmp_path / "m.safetensors"),
+                           (tmp_path / "d", tmp_path / "d" / "model.safetensors")):
+        victim.parent.mkdir(exist_ok=True)
+        save_file({"a": torch.randn(100, 10)}, str(victim))
+        os.truncate(victim, victim.stat().st_size - 10)
+        assert main(["verify", str(target)]) == 1
+        out = capsys.readouterr().out
+        problem, summary = out.strip().splitlines()
+        assert problem.count(str(victim)) == 1 and problem.startswith(f"{victim}: ") and "truncated" in problem, out
+        assert "could not be opened" in summary and "0 file(s)" not in summary, out

@@ -284,7 +284,7 @@ def test_megatron_strict_model_load_hint(written, tmp_path, ckpt):
     msg = str(e.value)
     assert "unexpected keys" in msg and "'common.iteration'" in msg and "_extra_state/shard_0_2'" in msg
     assert "none of them are model weights" in msg and "pass model_only=True" in msg
-    assert "belong to modules this load reads" not in msg
+    assert "sit in modules whose other tensors this load reads" not in msg
     rep = load_state_dict(sd, written / ckpt, aoa_config=aoa, strict=True, model_only=True)
     assert rep.missing_keys == [] and "common.iteration" in rep.unexpected_keys
     for k, v in ref.items():

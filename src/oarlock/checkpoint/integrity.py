@@ -1093,11 +1093,21 @@ class VerifyReport:
         return d
 
     def render(self) -> str:
-        lines = [f"{p.file or self.path}: {p.message}" for p in self.problems]
+        def line(p: Problem) -> str:
+            if p.file:
+                return f"{p.file}: {p.message}"
+            # an error that names its own file inside the checkpoint is printed as it is (the path once)
+            head = p.message.partition(": ")[0]
+            inside = head == self.path or head.startswith(self.path.rstrip("/") + "/")
+            return p.message if inside else f"{self.path}: {p.message}"
+
+        lines = [line(p) for p in self.problems]
         what = "every block checked against its checksum" if self.checksums else \
             "no checksums recorded: headers, sizes, offsets and shard coverage checked"
         if not self.opened:
-            what = "could not be opened: nothing was hashed"
+            lines.append(f"{self.path}: {self.format} checkpoint, could not be opened, "
+                         f"{len(self.problems)} problem(s) (nothing was hashed)")
+            return "\n".join(lines)
         lines.append(f"{self.path}: {self.format} checkpoint, {self.files_checked} file(s), "
                      f"{'intact' if self.intact else f'{len(self.problems)} problem(s)'} ({what})")
         return "\n".join(lines)

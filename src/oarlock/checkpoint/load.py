@@ -348,7 +348,8 @@ def _run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process
         weights = [k for k in unexpected_strict if k not in run_records]
         dropped = dropped_data(weights, used)
         if dropped:  # strict=False would silently lose these tensors: never suggest it
-            hint = (f" ({fmt_keys(dropped, 5)} belong to modules this load reads, e.g. biases: loading without them "
+            hint = (f" ({fmt_keys(dropped, 5)} sit in modules whose other tensors this load reads (a bias beside its "
+                    "weight, say): loading without them "
                     "gives wrong numbers. Map them with an AOA statement (a preset built from the model's "
                     "config.json maps biases, see docs/aoa.md), or drop them deliberately with 'KEY -> _')")
         elif not unexpected_strict:  # only missing keys: neither model_only nor ignore_unexpected helps
