@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from oarlock.cli import main
@@ -52,6 +52,7 @@ def check_refused(data: bytes) -> None:
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.binary(max_size=300))
+@example(b"\x96\x00\x00\x00\x00\x00\x00\x00\x01")  # BYTEARRAY8 of 2**56 bytes: CPython printed a second line
 def test_random_bytes_are_refused_cleanly(data):
     check_refused(data)
 

@@ -225,7 +225,19 @@ class AllowlistUnpickler(pickle.Unpickler):
         return obj
 
     def load(self) -> Any:
-        obj = super().load()
+        # A hostile length (BYTEARRAY8 of 2**56 bytes) makes the C unpickler's allocation fail with MemoryError, and
+        # CPython then prints "SystemError: deallocated bytearray object has exported buffers" to sys.stderr from
+        # the failed buffer's deallocation: noise beside the error the caller reports. What the load prints is
+        # held and passed on, without that line.
+        held = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(held):
+                obj = super().load()
+        finally:
+            noise = "".join(line for line in held.getvalue().splitlines(keepends=True)
+                            if "has exported buffers" not in line)
+            if noise:
+                sys.stderr.write(noise)
         if self._stand_ins:
             try:
                 obj = self._finish(obj, {}, 0)
