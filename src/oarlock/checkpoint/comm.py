@@ -37,7 +37,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,7 +50,8 @@ from oarlock.checkpoint.errors import CheckpointError
 from oarlock.checkpoint.executor import LoadReport, place, source_shaped_view
 from oarlock.checkpoint.formats import load_formats
 from oarlock.checkpoint.grid import GridLayout, data_file_name, rank_of_file
-from oarlock.checkpoint.integrity import OVERLAP, verify_own_file, verify_reads_for_others
+from oarlock.checkpoint.integrity import (OVERLAP, hash_beside, overlapped_error, verify_own_file,
+                                         verify_reads_for_others)
 from oarlock.checkpoint.metadata import METADATA_FILE, SAVE_ID_HEADER
 from oarlock.checkpoint.reader import CheckpointReader, checkpoint_file
 from oarlock.checkpoint.safetensors_io import SafetensorsFile
@@ -415,29 +415,16 @@ def _warm_overlapped(report: LoadReport, root: Any, data_file: str, sf: Safetens
     """The warm path with ``verify_checksums="overlap"``: this rank's own file is hashed on a second thread while it
     is read into the targets (the disk is read once), then the ranks agree on the verdict; a mismatch raises on
     every rank, saying the targets hold unspecified contents."""
-    found: list[BaseException] = []
-
     def hash_own() -> None:
-        try:
-            report.bytes_hashed = verify_own_file(root, data_file, workers=1)  # the reads have the pool
-        except Exception as e:
-            found.append(e)
+        report.bytes_hashed = verify_own_file(root, data_file, workers=1)  # one thread: the reads have the pool
 
-    hasher = threading.Thread(target=hash_own, name="oarlock-verify", daemon=True)
-    hasher.start()
     t_read = time.perf_counter()
-    try:
-        dist.run(_read_own_file, report, sf, leaves, state_dict, meta)
-    finally:
-        report.phases["read"] = time.perf_counter() - t_read
-        hasher.join()
+    # the read's own error (raised on every rank by dist.run) propagates once the hashing has stopped
+    err, report.phases["read"] = hash_beside(hash_own, lambda: dist.run(_read_own_file, report, sf, leaves,
+                                                                          state_dict, meta))
     t1 = time.perf_counter()
     report.phases["verify"] = t1 - t_read - report.phases["read"]
-    err = found[0] if found else None
-    if isinstance(err, CheckpointError):
-        err = type(err)(str(err).replace("; nothing was loaded", "") + f" (verify_checksums={OVERLAP!r}: the targets "
-                        "were being written while the blocks were hashed, so every target of this load now holds "
-                        "unspecified contents)")
+    err = overlapped_error(err)
     dist.check(err)
     report.phases["verdict"] = time.perf_counter() - t1
     return report

@@ -77,6 +77,39 @@ def verify_mode(value: Any) -> bool | str:
                           f"{OVERLAP!r} (verify while the targets are written) or False")
 
 
+def hash_beside(hash_fn: Any, during: Any) -> tuple[BaseException | None, float]:
+    """``verify_checksums="overlap"``: run ``hash_fn()`` on a second thread while ``during()`` (the load's reads)
+    runs in this one. Returns the exception the hashing raised (None when it passed) and the seconds ``during()``
+    took; an exception of ``during()`` propagates once the hashing has stopped."""
+    found: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            hash_fn()
+        except Exception as e:  # handed to the caller, who shares it with the group
+            found.append(e)
+
+    hasher = threading.Thread(target=run, name="oarlock-verify", daemon=True)
+    hasher.start()
+    t0 = time.perf_counter()
+    try:
+        during()
+    finally:
+        reading = time.perf_counter() - t0
+        hasher.join()
+    return (found[0] if found else None), reading
+
+
+def overlapped_error(err: BaseException | None) -> BaseException | None:
+    """``err`` as it reads after an overlapped load: a :class:`CheckpointError` no longer says that nothing was
+    loaded and says instead that the targets hold unspecified contents (they were written while hashing)."""
+    if not isinstance(err, CheckpointError):
+        return err
+    return type(err)(str(err).replace("; nothing was loaded", "") + f" (verify_checksums={OVERLAP!r}: the targets "
+                     "were being written while the blocks were hashed, so every target of this load now holds "
+                     "unspecified contents)")
+
+
 class ChecksumError(CheckpointFormatError):
     """Stored bytes do not match the checksum recorded at save: the file was corrupted after it was written."""
 
@@ -831,40 +864,28 @@ def verify_group(reader: Any, items: Iterable[Any], dist: Any, file_bytes: dict[
     verifier = BlockVerifier(reader.path_of, checksums)
     if during is not None:
         verifier.workers = 1
-    found: list[BaseException] = []
 
     def hash_owned() -> None:
-        try:
-            todo = {f: list(b) for f, b in owned.items()}
-            for f, b in _whole_blocks_read(reader, touched, owned, checksums).items():
-                todo.setdefault(f, []).extend(b)
-            verifier.read_ahead(todo)  # every file's disk reads start now, not one file after another
-            prefetch_digests([checksums[f] for f in todo])
-            bad = verifier.bad_blocks_of(todo)
-            if bad:
-                file = min(bad)
-                raise ChecksumError(_mismatch(reader, checksums[file], bad[file]))
-        except Exception as e:
-            found.append(e)
+        todo = {f: list(b) for f, b in owned.items()}
+        for f, b in _whole_blocks_read(reader, touched, owned, checksums).items():
+            todo.setdefault(f, []).extend(b)
+        verifier.read_ahead(todo)  # every file's disk reads start now, not one file after another
+        prefetch_digests([checksums[f] for f in todo])
+        bad = verifier.bad_blocks_of(todo)
+        if bad:
+            file = min(bad)
+            raise ChecksumError(_mismatch(reader, checksums[file], bad[file]))
 
     reading = 0.0
     if err is None and during is None:
-        hash_owned()
-    elif err is None:
-        hasher = threading.Thread(target=hash_owned, name="oarlock-verify", daemon=True)
-        hasher.start()
-        t_during = time.perf_counter()
         try:
-            during()
-        finally:
-            reading = time.perf_counter() - t_during
-            hasher.join()
-    err = err or (found[0] if found else None)
+            hash_owned()
+        except Exception as e:
+            err = e
+    elif err is None:
+        err, reading = hash_beside(hash_owned, during)
+        err = overlapped_error(err)
     t1 = time.perf_counter()
-    if isinstance(err, ChecksumError) and reading:
-        err = ChecksumError(str(err).replace("; nothing was loaded", "") + " (verify_checksums='overlap': the "
-                            "targets were being written while the blocks were hashed, so every target of this "
-                            "load now holds unspecified contents)")
     dist.check(err)
     if phases is not None:  # with ``during``: its time is "read", the hashing left after it is "verify"
         if reading:
