@@ -52,3 +52,24 @@ def test_load_report_phases(tmp_path):
     assert all(v >= 0 for v in rep.phases.values())
     rep = load_state_dict({"a": torch.zeros(64, 32), "b": torch.zeros(8)}, tmp_path / "c", verify_checksums=False)
     assert list(rep.phases) == ["plan", "read"], rep.phases
+
+
+def test_rows_longer_than_the_staging_buffer_are_read_and_not_kept(tmp_path, monkeypatch):
+    """A strided read whose single row (dim 0) exceeds the reused staging buffer (a 3-D tensor of 3 MiB rows, a
+    short-run slice of the last dim) reads right through a buffer of its own, and the thread's kept buffer stays
+    at its fixed size afterwards."""
+    from oarlock.checkpoint import safetensors_io
+
+    asked = []
+    real = safetensors_io._bounce
+    monkeypatch.setattr(safetensors_io, "_bounce", lambda n: asked.append(n) or real(n))
+    w = torch.randn(2, 512, 1536)
+    assert w[0].numel() * 4 > _BOUNCE_BYTES
+    save_file({"w": w}, str(tmp_path / "a.safetensors"))
+    f = SafetensorsFile(tmp_path / "a.safetensors")
+    box = ((0, 2), (0, 512), (7, 407))
+    assert torch.equal(f.read_box("w", 0, (2, 512, 1536), box, "float32"), w[:, :, 7:407])
+    f.close()
+    assert asked and max(asked) > _BOUNCE_BYTES, asked  # the long-row case was the one exercised
+    kept = getattr(safetensors_io._bounce_local, "buf", None)
+    assert kept is None or kept.numel() == _BOUNCE_BYTES

@@ -210,10 +210,14 @@ _bounce_local = threading.local()
 
 
 def _bounce(nbytes: int) -> torch.Tensor:
-    """This thread's staging buffer for strided reads, at least ``nbytes`` (uint8, reused: no page faults)."""
+    """This thread's staging buffer for strided reads, at least ``nbytes`` (uint8, reused: no page faults). A
+    request beyond :data:`_BOUNCE_BYTES` (one row longer than that) gets a buffer of its own, not kept: a thread
+    must not hold the largest row it ever read for the life of the process."""
+    if nbytes > _BOUNCE_BYTES:
+        return torch.empty(nbytes, dtype=torch.uint8)
     buf = getattr(_bounce_local, "buf", None)
-    if buf is None or buf.numel() < nbytes:
-        buf = _bounce_local.buf = torch.empty(max(nbytes, _BOUNCE_BYTES), dtype=torch.uint8)
+    if buf is None:
+        buf = _bounce_local.buf = torch.empty(_BOUNCE_BYTES, dtype=torch.uint8)
     return buf
 
 
