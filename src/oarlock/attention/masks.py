@@ -216,7 +216,7 @@ def from_dense_mask(mask: torch.Tensor, *, causal: bool) -> torch.Tensor:
 
     Raises:
         MaskNotRepresentableError: a column has more masked row runs than the form allows (naming the first such
-        batch, head and column), or ``causal=True`` but a key above the diagonal is attended.
+            batch, head and column), or ``causal=True`` but a key above the diagonal is attended.
     """
     if mask.dim() == 2:
         mask = mask[None, None]

@@ -129,7 +129,8 @@ def load_state_dict(state_dict: Mapping[str, Any], path: str | os.PathLike, *, p
             when stored bytes do not match their checksum (naming the file, the block and its byte range, and
             every key stored in that block with its shard box).
         AOAError / AOASyntaxError: a bad ``aoa_config`` (subclasses of CheckpointError).
-        Every rank raises alike; no target is written before the whole plan is built and validated.
+
+    Every rank raises alike; no target is written before the whole plan is built and validated.
     """
     return run_load(state_dict, path, process_group=process_group, aoa_config=aoa_config, strict=strict,
                     program=program, comm_method=comm_method, model_only=model_only,

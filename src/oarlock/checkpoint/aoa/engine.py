@@ -981,9 +981,10 @@ def compile_aoa(aoa_config: object, source: Mapping[str, TensorSpec],
         ``_ -> key`` ones in ``skipped``).
 
     Raises:
-        AOASyntaxError: lexing/parsing/macro errors. AOAError: semantic errors (unknown name, zero-match
-        pattern, indivisible split, concat dtype/shape mismatch, destination shape or dtype mismatch, ...), all
-        naming the statement, column and macro expansion chain.
+        AOASyntaxError: lexing/parsing/macro errors, naming the statement, column and macro expansion chain.
+        AOAError: semantic errors (unknown name, zero-match pattern, indivisible split, concat dtype/shape
+            mismatch, destination shape or dtype mismatch, ...), naming the statement, column and macro
+            expansion chain.
     """
     # Compilation allocates ~10 small acyclic objects per key; the cyclic GC would rescan them all again and
     # again (a third of the time on 50,000 keys), so it is paused while compiling. One young-generation pass at
