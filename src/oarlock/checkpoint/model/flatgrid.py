@@ -131,7 +131,7 @@ class FlatIndex:
         self.grid = grid
         self._grid = None  # not a product grid: the planner uses query()
         self._factory = piece_factory
-        self._cut = cut  # oarlock.checkpoint.sharded.flat_range_boxes
+        self._cut = cut  # oarlock.checkpoint.model.boxes.flat_range_boxes
         self._n = numel(self.global_shape)
         self._cache: dict[int, list[Any]] = {}
 

@@ -286,7 +286,7 @@ def _placement_kind(p: Any) -> tuple | str | None:
 
 
 def compress_shards(global_shape: Sequence[int], shards: Sequence[Any], key: str) -> GridLayout | None:
-    """The grid equal to a listed shard set, or None. ``shards``: :class:`~oarlock.checkpoint.metadata.ShardMeta`
+    """The grid equal to a listed shard set, or None. ``shards``: :class:`~oarlock.checkpoint.model.metadata.ShardMeta`
     s. Recognised: regular (not flattened), primary shards named by the key in ``rank-XXXXX.safetensors`` files,
     whose boxes are the non-empty cells of one-level ``torch.chunk`` splits per dim (the layouts of TP conversions,
     FSDP/DTensor ``Shard`` saves read back, DCP's regular chunk lists) with an affine writer per cell. The result
@@ -365,7 +365,7 @@ def cell_ranges(bounds: Sequence[Sequence[int]], box: Any) -> list[range] | None
 
 class GridIndex:
     """Stored pieces of a grid-recorded key, for the planner: the interface of
-    :class:`oarlock.checkpoint.plan.KeyIndex` (``_grid`` cut points per dim, ``_cells.get(cell)``, ``query``)
+    :class:`oarlock.checkpoint.planning.load.KeyIndex` (``_grid`` cut points per dim, ``_cells.get(cell)``, ``query``)
     computed arithmetically; nothing is built per shard. Tiling holds by construction."""
 
     def __init__(self, key: str, global_shape: Sequence[int], grid: GridLayout, piece_factory: Any):

@@ -103,7 +103,7 @@ class TensorMeta:
     """A stored tensor: global shape, dtype (canonical name, see :func:`oarlock.utils.dtype_name`), shards.
 
     The shards are either listed (``shards``, one :class:`ShardMeta` each) or given by a grid rule (``grid``, a
-    :class:`~oarlock.checkpoint.grid.GridLayout`: one record whatever the number of shards). ``shards`` of a grid
+    :class:`~oarlock.checkpoint.model.grid.GridLayout`: one record whatever the number of shards). ``shards`` of a grid
     tensor materialises the list on first use (for tools and small checkpoints); the planner and the file listing
     use the rule directly.
     """
