@@ -29,7 +29,7 @@ Negative axes are an extension. Statements are written for model keys; optimizer
 ``<key>.moment1_0``/``.exp_avg``/... follow them. ``aoa_config_reverse=True`` inverts the program (export).
 
 TP-degree-dependent layouts a writer recorded (``AOAProgram.tp_layouts`` in ``metadata.json``) are re-laid out at
-load by :func:`relayout_config`. Ready-made configs for HF architectures: :mod:`oarlock.checkpoint.presets`.
+load by :func:`relayout_config`. Ready-made configs for HF architectures: :mod:`oarlock.checkpoint.aoa.presets`.
 
 Entry point: :func:`compile_aoa` -> :class:`AOAProgram` (a ``MappingProgram`` of box-to-box slice mappings).
 """
