@@ -68,27 +68,32 @@ def _gqa_pieces(base: str, p: Params) -> tuple[list[str], list[str]]:
     return names, order
 
 
+#: ops whose statement is one statement both ways -> the fused macro they name ("" for none)
+_ONE_STATEMENT_OPS = {"rename": "", "T": "", "qkv": "fused_qkv", "qkv_tp": "fused_qkv_old", "ffn": "fused_ffn",
+                      "ffn_fused": "fused_ffn"}
+
+
+def _one_statement(row: Row, prefix: str, p: Params, export: bool) -> str:
+    """The statement of a row in :data:`_ONE_STATEMENT_OPS`: HF -> training layout, or with ``export`` its inverse
+    (the sides swapped; a ``T`` row transposes whichever side it reads)."""
+    hf = ", ".join(_expand(n, prefix) for n in (row.hf if row.op in ("qkv", "qkv_tp", "ffn") else row.hf[:1]))
+    m = _model_name(row.model)
+    macro = _ONE_STATEMENT_OPS[row.op]
+    attrs = f", {macro}, num_heads={p.h}, num_key_value_groups={p.g}, axis=0" if macro.startswith("fused_qkv") \
+        else f", {macro}, axis=0" if macro else ""
+    src, dst = (m, hf) if export else (hf, m)
+    return f"{src}{'^T' if row.op == 'T' else ''} -> {dst}{attrs}"
+
+
 def row_statements(row: Row, prefix: str, p: Params) -> list[str]:
     """The AOA statements (HF -> training layout) of one row."""
-    hf = [_expand(n, prefix) for n in row.hf]
-    m = _model_name(row.model)
-    qkv = f"fused_qkv, num_heads={p.h}, num_key_value_groups={p.g}, axis=0"
-    if row.op == "rename":
-        return [f"{hf[0]} -> {m}"]
-    if row.op == "T":
-        return [f"{hf[0]}^T -> {m}"]
-    if row.op == "qkv":
-        return [f"{', '.join(hf)} -> {m}, {qkv}"]
-    if row.op == "qkv_tp":
-        return [f"{', '.join(hf)} -> {m}, fused_qkv_old, num_heads={p.h}, num_key_value_groups={p.g}, axis=0"]
-    if row.op == "ffn":
-        return [f"{', '.join(hf)} -> {m}, fused_ffn, axis=0"]
-    if row.op == "ffn_fused":
-        return [f"{hf[0]} -> {m}, fused_ffn, axis=0"]
+    if row.op in _ONE_STATEMENT_OPS:
+        return [_one_statement(row, prefix, p, export=False)]
     if row.op in ("qkv_cat", "qkv_cat_T"):
-        natural, order = _gqa_pieces(m, p)
+        natural, order = _gqa_pieces(_model_name(row.model), p)
         t = "^T" if row.op == "qkv_cat_T" else ""
-        return [f"{hf[0]}{t} -> {', '.join(natural)}, axis=0", f"{', '.join(order)} -> {m}, axis=0"]
+        return [f"{_expand(row.hf[0], prefix)}{t} -> {', '.join(natural)}, axis=0",
+                f"{', '.join(order)} -> {_model_name(row.model)}, axis=0"]
     if row.op in ("experts_ffn", "experts"):
         return _stacked_statements(row, prefix, p)
     raise AssertionError(row.op)
@@ -120,21 +125,8 @@ def _stacked_statements(row: Row, prefix: str, p: Params) -> list[str]:
 def row_export_statements(row: Row, prefix: str, p: Params) -> list[str]:
     """The explicit inverse of :func:`row_statements` (training layout -> HF), for rows whose inverse is one
     statement (rename, T, qkv, qkv_tp, ffn, ffn_fused); ``aoa_config_reverse`` inverts every row."""
-    hf = [_expand(n, prefix) for n in row.hf]
-    m = _model_name(row.model)
-    qkv = f"fused_qkv, num_heads={p.h}, num_key_value_groups={p.g}, axis=0"
-    if row.op == "rename":
-        return [f"{m} -> {hf[0]}"]
-    if row.op == "T":
-        return [f"{m}^T -> {hf[0]}"]
-    if row.op == "qkv":
-        return [f"{m} -> {', '.join(hf)}, {qkv}"]
-    if row.op == "qkv_tp":
-        return [f"{m} -> {', '.join(hf)}, fused_qkv_old, num_heads={p.h}, num_key_value_groups={p.g}, axis=0"]
-    if row.op == "ffn":
-        return [f"{m} -> {', '.join(hf)}, fused_ffn, axis=0"]
-    if row.op == "ffn_fused":
-        return [f"{m} -> {hf[0]}, fused_ffn, axis=0"]
+    if row.op in _ONE_STATEMENT_OPS:
+        return [_one_statement(row, prefix, p, export=True)]
     if row.op in ("experts_ffn", "experts"):  # the inverse statements, in reverse order
         out = []
         ffn = row.op == "experts_ffn"
