@@ -1,8 +1,8 @@
 """The ``oarlock`` command line.
 
-Each capability package contributes its subcommands from a ``commands`` module exposing
-``register(subparsers)``; this file only assembles them and turns oarlock's errors into a one-line message
-with exit code 2 (the full traceback only with ``--debug``).
+Each capability package contributes its subcommands from a module exposing ``register(subparsers)`` (a
+``commands`` module, or one module per command as in ``oarlock.checkpoint.cli``); this file only assembles them
+and turns oarlock's errors into a one-line message with exit code 2 (the full traceback only with ``--debug``).
 
 Lazy registration (why: importing torch costs seconds; ``oarlock --help`` and argument errors must not pay
 it). :data:`COMMANDS` maps every top-level subcommand to the module that registers it and its one-line help.
@@ -10,9 +10,9 @@ it). :data:`COMMANDS` maps every top-level subcommand to the module that registe
 a placeholder parser carrying just that help line, so ``oarlock --help`` and an unknown command import no
 capability package at all. A package adding a subcommand therefore:
 
-1. adds ``parser = sub.add_parser("NAME", help=...)`` in its ``commands.register(sub)`` (import heavy
-   modules such as torch inside the command functions, not at the top of ``commands.py``), and
-2. adds ``"NAME": ("oarlock.PKG.commands", "one-line help")`` to :data:`COMMANDS` below
+1. adds ``parser = sub.add_parser("NAME", help=...)`` in its module's ``register(sub)`` (import heavy
+   modules such as torch inside the command functions, not at the top of the module), and
+2. adds ``"NAME": ("oarlock.PKG.MODULE", "one-line help")`` to :data:`COMMANDS` below
    (``tests/test_cli.py`` checks that the two agree).
 """
 
@@ -28,14 +28,14 @@ from oarlock.errors import OarlockError
 
 # subcommand -> (module whose register(sub) adds it, one-line help shown by ``oarlock --help``)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "inspect": ("oarlock.checkpoint.commands",
+    "inspect": ("oarlock.checkpoint.cli.inspect",
                 "list the tensors of a checkpoint (safetensors file, HF, oarlock or Paddle directory)"),
-    "aoa": ("oarlock.checkpoint.commands", "AOA weight-transformation language tools"),
-    "convert": ("oarlock.checkpoint.commands", "convert a checkpoint: HF <-> oarlock (TP/PP-sharded) <-> torch DCP; "
-                                               "Paddle, Megatron, DeepSpeed, GGUF -> any, optionally through an "
-                                               "AOA config or preset"),
-    "diff": ("oarlock.checkpoint.commands", "compare the tensors of two checkpoints (any formats and layouts)"),
-    "verify": ("oarlock.checkpoint.commands",
+    "aoa": ("oarlock.checkpoint.cli.aoa", "AOA weight-transformation language tools"),
+    "convert": ("oarlock.checkpoint.cli.convert", "convert a checkpoint: HF <-> oarlock (TP/PP-sharded) <-> torch "
+                                                  "DCP; Paddle, Megatron, DeepSpeed, GGUF -> any, optionally through "
+                                                  "an AOA config or preset"),
+    "diff": ("oarlock.checkpoint.cli.diff", "compare the tensors of two checkpoints (any formats and layouts)"),
+    "verify": ("oarlock.checkpoint.cli.verify",
                "check a checkpoint's integrity (block checksums, headers, coverage)"),
     "memory": ("oarlock.memory.commands", "allocator simulator and memory observer"),
     "debug": ("oarlock.debug.commands", "captured-run tools: diff two runs, render graphs, list ops"),
