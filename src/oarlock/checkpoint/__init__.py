@@ -28,7 +28,7 @@ _LAZY = {
     **dict.fromkeys(("IdentityProgram", "MappingProgram", "SliceMapping", "TensorSpec"), "model.mapping"),
     **dict.fromkeys(("CheckpointMetadata", "ShardMeta", "TensorMeta"), "model.metadata"),
     **dict.fromkeys(("OptimizerHyperparameterWarning", "OptimizerStateError", "load_sharded_optimizer_state_dict",
-                     "sharded_optimizer_state_dict"), "optim"),
+                     "sharded_optimizer_state_dict"), "lifecycle.optim"),
     **dict.fromkeys(("LoadPlan", "ReadItem", "plan_load"), "planning.load"),
     **dict.fromkeys(("FlatPartition", "ShardDesc", "ShardedWeight", "sharded_state_dict"), "model.sharded"),
     **dict.fromkeys(("CheckpointReader", "detect_format", "open_checkpoint", "read_metadata"), "storage"),

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 import torch
 
 from oarlock.checkpoint.integrity import BlockVerifier, ChecksumError, corrupt_keys, equal_by_checksum, recorded
-from oarlock.checkpoint.metadata import CheckpointMetadata, key_selected
+from oarlock.checkpoint.model.metadata import CheckpointMetadata, key_selected
 from oarlock.utils import dtype_name
 
 
@@ -212,7 +212,7 @@ def diff_checkpoints(a: str | Path, b: str | Path, *, rtol: float = 0.0, atol: f
     """
     from oarlock.checkpoint.aoa.layout import recorded_layouts
     from oarlock.checkpoint.convert import compile_program, read_destination
-    from oarlock.checkpoint.plan import Planner
+    from oarlock.checkpoint.planning.load import Planner
     from oarlock.checkpoint.storage import open_checkpoint
 
     from oarlock.checkpoint.convert import strip_model_prefix

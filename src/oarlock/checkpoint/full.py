@@ -13,12 +13,13 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-from oarlock.checkpoint.errors import CheckpointError
-from oarlock.checkpoint.mapping import Box, IdentityProgram, TensorSpec, apply_mapping, box_slices, full_box
 from oarlock.checkpoint.dist import DistWrapper
-from oarlock.checkpoint.sharded import (ShardedWeight, box_intersection, box_shift, box_volume, flat_range_boxes,
-                                        make_box, to_sharded_weight)
-from oarlock.checkpoint.traversal import iter_leaves, leaf_key
+from oarlock.checkpoint.errors import CheckpointError
+from oarlock.checkpoint.model.boxes import (Box, box_intersection, box_shift, box_slices, box_volume,
+                                            flat_range_boxes, full_box, make_box)
+from oarlock.checkpoint.model.mapping import IdentityProgram, TensorSpec, apply_mapping
+from oarlock.checkpoint.model.sharded import ShardedWeight, to_sharded_weight
+from oarlock.checkpoint.model.traversal import iter_leaves, leaf_key
 from oarlock.utils import dtype_name, torch_dtype
 
 
