@@ -190,7 +190,7 @@ def diff_checkpoints(a: str | Path, b: str | Path, *, rtol: float = 0.0, atol: f
             a ``.safetensors`` file), possibly of different formats and layouts. Keys recorded in a TP-blocked
             layout (``extra["tp_layouts"]``, docs/aoa.md) are compared re-laid out to TP degree 1.
         rtol, atol: tolerances (module docstring); 0 means exact equality.
-        include, exclude: glob patterns over keys (:func:`~oarlock.checkpoint.metadata.key_selected`).
+        include, exclude: glob patterns over keys (:func:`~oarlock.checkpoint.model.metadata.key_selected`).
         use_checksums: keys whose stored bytes have equal checksums on both sides (same layout, same dtype) are
             equal without being compared element by element; the files holding them are first hashed against
             their recorded checksums (a corrupted copy with an intact ``metadata.json`` is not "equal").
@@ -198,7 +198,7 @@ def diff_checkpoints(a: str | Path, b: str | Path, *, rtol: float = 0.0, atol: f
             keys are then that config's destination keys (e.g. a reverse preset compares a training checkpoint
             with fused QKV against an HF directory). ``include``/``exclude`` select those keys. Without one, a
             side whose model weights sit under a wrapper prefix
-            (:attr:`~oarlock.checkpoint.metadata.CheckpointMetadata.model_prefix`) compared with an HF directory
+            (:attr:`~oarlock.checkpoint.model.metadata.CheckpointMetadata.model_prefix`) compared with an HF directory
             or ``.safetensors`` file is read with the prefix stripped, as ``convert --to hf`` exports it.
         verify_checksums: before any comparison, hash every data file of either side holding a compared key
             against the block checksums recorded at its save (sides without recorded checksums are read as

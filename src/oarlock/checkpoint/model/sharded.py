@@ -122,7 +122,7 @@ class ShardedWeight:
     placement_layout: Any = field(default=None, repr=False, compare=False)
     """``(device_mesh, placements)`` of the DTensor this shard came from (set by :meth:`from_dtensor`): lets a save
     record the tensor as one grid rule and decide locally whether this rank writes it
-    (:mod:`oarlock.checkpoint.grid`)."""
+    (:mod:`oarlock.checkpoint.model.grid`)."""
     flat_partition: FlatPartition | None = field(default=None, repr=False, compare=False)
     """For a flattened shard of an evenly split flat buffer: where it lies in the buffer (:class:`FlatPartition`).
     A save then records the tensor as one flat grid rule instead of listing every rank's range."""
