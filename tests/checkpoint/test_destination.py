@@ -172,7 +172,7 @@ def test_manager_refuses_user_files_in_a_step_and_rotation_spares_them(tmp_path)
 # ---------------------------------------------------------------- a crash while the user's entries are moved
 
 def test_crash_during_an_overwrite_puts_the_user_entries_back(tmp_path, monkeypatch):
-    import oarlock.checkpoint.storage as storage
+    import oarlock.checkpoint.storage.commit.local as storage  # the filesystem commit protocol
 
     ck = tmp_path / "ck"
     save_state_dict(state(1.0), ck)
@@ -206,7 +206,7 @@ def test_recovery_after_a_killed_overwrite_puts_the_user_entries_back(tmp_path):
     save_state_dict(state(1.0), ck)
     (ck / "note.txt").write_text("keep me")
     before = tree(ck)
-    _save_killed_at("oarlock.checkpoint.storage", "_exchange", ck, "{'w': torch.ones(4, 3), 'b': torch.ones(5)}",
+    _save_killed_at("oarlock.checkpoint.storage.commit.local", "_exchange", ck, "{'w': torch.ones(4, 3), 'b': torch.ones(5)}",
                     overwrite=True)
     assert "note.txt" not in os.listdir(ck)  # it sits in the unpublished directory now
     assert torch.equal(loaded(ck)["w"], torch.full((4, 3), 1.0))  # the open recovers first
@@ -217,7 +217,7 @@ def test_recovery_after_a_killed_overwrite_puts_the_user_entries_back(tmp_path):
 
 def _crashed_save(path: Path) -> None:
     """A save killed after writing its data file, before the commit (its temporary directory stays)."""
-    _save_killed_at("oarlock.checkpoint.save", "publish_directory", path, "{'w': torch.ones(4, 3)}")
+    _save_killed_at("oarlock.checkpoint.storage.commit.local", "publish_directory", path, "{'w': torch.ones(4, 3)}")
 
 
 def test_plain_save_removes_crashed_temporaries_but_not_a_live_one(tmp_path):

@@ -116,7 +116,8 @@ def test_writers_replace_their_own_format_and_fill_empty_directories(tmp_path):
 
 _DIE_AFTER_MOVE_ASIDE = textwrap.dedent("""
     import os, sys, torch
-    from oarlock.checkpoint import save_state_dict, storage
+    from oarlock.checkpoint import save_state_dict
+    from oarlock.checkpoint.storage.commit import local as storage
     storage._exchange = lambda a, b: False       # the two-rename fallback (filesystems without RENAME_EXCHANGE)
     real, calls = os.replace, []
     def dying_replace(a, b):
@@ -156,7 +157,7 @@ def test_death_before_swap_keeps_the_old_checkpoint(tmp_path):
 
 
 def test_replacement_uses_one_atomic_exchange_where_available(tmp_path, monkeypatch):
-    from oarlock.checkpoint import storage
+    from oarlock.checkpoint.storage.commit import local as storage
 
     swaps = []
     real = storage._exchange

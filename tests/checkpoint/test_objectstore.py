@@ -289,10 +289,10 @@ def test_killed_save_never_loads_and_is_cleaned_by_the_next(s3, tmp_path):
     save_state_dict(good, s3.url + "/old")
     script = textwrap.dedent(f"""
         import os, signal, torch
-        import oarlock.checkpoint.save as save
+        import oarlock.checkpoint.storage.commit.objects as objects
         from oarlock.checkpoint import save_state_dict
         # die as a killed job would: after every data object is uploaded, before the commit record
-        save.publish_objects = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+        objects.publish_objects = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
         save_state_dict({{"x": torch.ones(1000)}}, {s3.url + '/new'!r})
     """)
     env = {**os.environ, **s3.env}

@@ -32,14 +32,12 @@ import fnmatch
 import json
 import os
 import re
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
-from oarlock.checkpoint.objectstore import is_object_path, location
 from oarlock.checkpoint.dist import DistWrapper
 from oarlock.checkpoint.errors import CheckpointError
 from oarlock.checkpoint.executor import execute_items, io_threads, pool_map
@@ -56,7 +54,8 @@ from oarlock.checkpoint.safetensors_io import RESERVED_NAME, SafetensorsWriter, 
 from oarlock.checkpoint.save import assign_writes, check_destination, data_file_name, new_save_id, shard_header
 from oarlock.checkpoint.sharded import ShardDesc
 from oarlock.checkpoint.storage import check_destination as storage_check_destination
-from oarlock.checkpoint.storage import open_checkpoint, publish_directory, staged_directory
+from oarlock.checkpoint.storage import copy_file, location, publish_directory, staged_directory, storage_key
+from oarlock.checkpoint.formats.opening import open_checkpoint
 from oarlock.utils import dtype_itemsize, numel, stage_of_layer, torch_dtype
 
 # ---------------------------------------------------------------- TP rules
@@ -526,19 +525,19 @@ def iter_full_tensors(source: str | os.PathLike, aoa_config: Any = None, *, incl
 _SIDE_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".md", ".py", ".tiktoken")
 
 
-def side_files(source: str | os.PathLike) -> dict[str, Path]:
+def side_files(source: str | os.PathLike) -> dict[str, Any]:
     """Non-checkpoint files next to a checkpoint that a model directory needs (``config.json``, tokenizer
-    files, ...): top-level regular files with a text-like suffix, except checkpoint indexes and metadata."""
-    if is_object_path(location(source)):
-        return {}  # object stores hold oarlock checkpoints only (no model directories around them)
-    p = Path(source)
+    files, ...): top-level regular files with a text-like suffix, except checkpoint indexes and metadata. Returns
+    name -> location (a path, or an object in a store)."""
+    p = location(source)
     if not p.is_dir():
         return {}
+    st, key = storage_key(p)
     skip = {HF_INDEX, METADATA_FILE}
     out = {}
-    for f in sorted(p.iterdir()):
-        if f.is_file() and f.suffix in _SIDE_SUFFIXES and f.name not in skip and not f.name.endswith(".metadata"):
-            out[f.name] = checkpoint_file(p, f.name, f"{p}: side file")  # a symlink out of the source is refused
+    for name, size in sorted(st.list(key).items()):
+        if size >= 0 and Path(name).suffix in _SIDE_SUFFIXES and name not in skip and not name.endswith(".metadata"):
+            out[name] = checkpoint_file(p, name, f"{p}: side file")  # a symlink out of the source is refused
     return out
 
 
@@ -606,11 +605,11 @@ def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike, *, aoa_conf
         if copy_side_files:
             for name, f in side_files(source).items():
                 if not name.startswith("model"):  # never carry over a stale index
-                    shutil.copyfile(f, tmp / name)
+                    copy_file(f, tmp / name)
         for name, f in (extra_files or {}).items():
             if name in (HF_INDEX, HF_SINGLE) or name.startswith("model-") or "/" in name:
                 raise CheckpointError(f"extra file {name!r} would overwrite a checkpoint file of the export")
-            shutil.copyfile(f, tmp / name)
+            copy_file(f, tmp / name)
         if isinstance(hf_config, dict) and user_config is None and not (tmp / "config.json").exists():
             (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         publish_directory(tmp, out_dir, overwrite=overwrite)
@@ -826,7 +825,7 @@ def convert_checkpoint(source: str | os.PathLike, out_dir: str | os.PathLike, *,
                                                      for r, o in outs.items()})
             if copy_side_files:
                 for name, f in side_files(source).items():
-                    shutil.copyfile(f, tmp / name)
+                    copy_file(f, tmp / name)
             publish_directory(tmp, out_dir, meta, overwrite=overwrite)
     return meta
 
@@ -886,7 +885,7 @@ def convert_to_dcp(source: str | os.PathLike, out_dir: str | os.PathLike, *, aoa
                 bar.close()
             if copy_side_files:
                 for name, f in side_files(source).items():
-                    shutil.copyfile(f, tmp / name)
+                    copy_file(f, tmp / name)
             # read back from the staged copy: an object store holds oarlock checkpoints only, so the published
             # prefix would not open here (torch's DCP readers for S3 read it)
             meta = parse_dcp_metadata(tmp)[0]

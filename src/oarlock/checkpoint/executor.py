@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from oarlock.checkpoint.mapping import box_extent, box_slices, cast_tensor
-from oarlock.checkpoint.objectstore import is_object_path, s3_concurrency
+from oarlock.checkpoint.storage import storage_for
 from oarlock.checkpoint.reader import CheckpointReader
 from oarlock.checkpoint.sharded import box_volume
 from oarlock.utils import dtype_itemsize, numel, submit
@@ -478,8 +478,9 @@ def execute_work(reader: CheckpointReader, work: list[tuple[Any, torch.Tensor]],
     :func:`prepare_work` of ``work`` (checked and located before anything was written), reused by the reads.
     """
     n = threads or io_threads()
-    if threads is None and is_object_path(reader.root):  # an object store: latency-bound GETs in flight together
-        n = max(n, s3_concurrency())
+    conc = storage_for(reader.root).read_concurrency
+    if threads is None and conc:  # a latency-bound store: its requests in flight together
+        n = max(n, conc)
     tensors = reader.metadata.tensors
     prepared = prepared or {}
     if isinstance(work, FileWork):

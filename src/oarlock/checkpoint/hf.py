@@ -12,17 +12,16 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 import torch
 
-from oarlock.checkpoint.objectstore import location
 from oarlock.checkpoint.errors import CheckpointError
 from oarlock.checkpoint.formats.huggingface import HF_INDEX, HF_SINGLE
 from oarlock.checkpoint.safetensors_io import RESERVED_NAME, write_safetensors
-from oarlock.checkpoint.storage import check_destination, publish_directory, staged_directory
+from oarlock.checkpoint.storage import (check_destination, copy_file, location, publish_directory, rename_within,
+                                        staged_directory)
 from oarlock.utils import progress
 
 __all__ = ["HF_INDEX", "HF_SINGLE", "hf_config_text", "hf_shard_names", "parse_size", "reserved_hf_key_message", "save_hf_checkpoint",
@@ -147,14 +146,14 @@ def save_hf_checkpoint(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str
         names = hf_shard_names(len(shards)) if shards else []
         weight_map = {}
         for i, (name, keys) in enumerate(zip(names, shards)):
-            os.rename(tmp / f"shard-{i:05d}.safetensors", tmp / name)
+            rename_within(tmp, f"shard-{i:05d}.safetensors", name)
             weight_map.update({k: name for k in keys})
         if len(shards) > 1:
             write_hf_index(tmp, weight_map, total_size)
         for name, src in (extra_files or {}).items():
             if name in (HF_INDEX, HF_SINGLE) or name.startswith("model-"):
                 raise CheckpointError(f"extra file {name!r} would overwrite a checkpoint file of the export")
-            shutil.copyfile(src, tmp / name)
+            copy_file(src, tmp / name)
         if config_text is not None:
             (tmp / "config.json").write_text(config_text)
         publish_directory(tmp, out_dir, overwrite=overwrite)

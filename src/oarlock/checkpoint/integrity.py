@@ -32,7 +32,6 @@ import binascii
 import functools
 import json
 import math
-import mmap
 import os
 import threading
 import time
@@ -47,12 +46,15 @@ import xxhash
 from oarlock.checkpoint.errors import CheckpointError, CheckpointFormatError
 from oarlock.checkpoint.executor import io_threads, pool_map
 from oarlock.checkpoint.metadata import METADATA_FILE
-from oarlock.checkpoint.objectstore import is_object_path, kept_room, remember_verified_block, s3_concurrency
+from oarlock.checkpoint.storage import storage_for, storage_key
+from oarlock.checkpoint.storage.pages import mapped, opened, read_ahead
+from oarlock.checkpoint.storage.s3 import kept_room
 from oarlock.checkpoint.plan import index_of
 from oarlock.checkpoint.reader import checkpoint_file
 from oarlock.checkpoint.safetensors_io import read_header
 from oarlock.checkpoint.sharded import box_volume
-from oarlock.checkpoint.storage import detect_format, open_checkpoint
+from oarlock.checkpoint.formats.opening import open_checkpoint
+from oarlock.checkpoint.storage import detect_format
 from oarlock.utils import dtype_itemsize
 
 ALGORITHM = "xxh3_64"
@@ -180,58 +182,24 @@ def _digest(data: Any) -> str:
     return xxhash.xxh3_64_hexdigest(data)
 
 
-_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-
-
 def _digest_block(fd: int, offset: int, nbytes: int) -> str:
-    """Hash ``nbytes`` of ``fd`` at ``offset`` (a multiple of the page size) through a mapping of just that block,
-    unmapped at once: no copy, and the resident set does not grow with the file. The mapping is populated when
-    made (``MAP_POPULATE``, Linux): the block's pages are read in one go instead of one fault at a time, which
-    measured 0.31 s against 0.36-0.42 s for 1 GiB from a cold cache, as fast as ``preadv`` into a buffer (0.32 s),
-    and 0.04 s hot, faster than ``preadv`` (0.05 s, a copy)."""
+    """Hash ``nbytes`` of ``fd`` at ``offset`` through a populated mapping of just that block
+    (:func:`~oarlock.checkpoint.storage.pages.mapped`): no copy, and the resident set does not grow with the
+    file."""
     if nbytes == 0:
         return _digest(b"")
-    try:
-        mm = mmap.mmap(fd, nbytes, flags=_MAP_FLAGS, prot=mmap.PROT_READ, offset=offset)
-    except (OSError, ValueError):  # filesystems without mmap: read the block instead
-        return _digest(os.pread(fd, nbytes, offset))
-    try:
-        return _digest(mm)
-    finally:
-        mm.close()
+    with mapped(fd, offset, nbytes) as buf:
+        return _digest(buf)
 
 
-def _read_ahead(fd: int, blocks: list[int], block_size: int, size: int) -> None:
-    """Ask the kernel to start reading ``blocks`` (sorted indices) of ``fd`` now (``POSIX_FADV_WILLNEED``, one call
-    per run of consecutive blocks): on a cold cache the disk then streams every block the hashing threads will
-    map while they hash the first ones, instead of one readahead window per page fault. A hint only: ignored
-    where the platform has no ``posix_fadvise``."""
-    advise = getattr(os, "posix_fadvise", None)
-    if advise is None or not blocks:
-        return
-    start = prev = blocks[0]
-    for b in blocks[1:] + [None]:
-        if b is not None and b == prev + 1:
-            prev = b
-            continue
-        lo = start * block_size
-        try:
-            advise(fd, lo, min(size, (prev + 1) * block_size) - lo, os.POSIX_FADV_WILLNEED)
-        except OSError:
-            return
-        if b is not None:
-            start = prev = b
+_read_ahead = read_ahead
 
 
 def file_checksums(path: str | Path, block_size: int = BLOCK_SIZE) -> dict[str, Any]:
     """Compute the record ``{"size", "blocks"}`` of an existing file (reads it whole)."""
     path = Path(path)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        size = os.fstat(fd).st_size
+    with opened(path) as (fd, size):
         return {"size": size, "blocks": _hash_range(fd, 0, size, block_size, path)}
-    finally:
-        os.close(fd)
 
 
 def make_record(files: dict[str, dict[str, Any]], block_size: int = BLOCK_SIZE) -> dict[str, Any]:
@@ -271,11 +239,9 @@ def write_digests(directory: Any, file: str, record: dict[str, Any]) -> dict[str
     Raises:
         OSError, ObjectStoreError: the file cannot be written.
     """
-    from oarlock.checkpoint.objectstore import storage_for
-
     rec, raw = digests_record(file, record)
-    p = directory / (file + DIGESTS_SUFFIX)
-    storage_for(p).put_bytes(p.key if is_object_path(p) else str(p), raw)
+    st, key = storage_key(directory / (file + DIGESTS_SUFFIX))
+    st.put_bytes(key, raw)
     return rec
 
 
@@ -326,13 +292,9 @@ class FileChecksums:
         want = 8 * self.n_blocks
         what = f"{path} (the block checksums of data file {self.file!r})"
         try:
-            if is_object_path(path):  # one ranged GET answers both the bytes and the object's size
-                data, size = path.storage.read_head(path.key, want) if want else (b"", path.storage.size(path.key))
-                data = data if size == want else None
-            else:
-                with open(path, "rb") as fh:
-                    size = os.fstat(fh.fileno()).st_size
-                    data = fh.read(want) if size == want else None
+            st, key = storage_key(path)  # one ranged GET answers both the bytes and an object's size
+            data, size = st.read_head(key, want) if want else (b"", st.size(key))
+            data = data if size == want else None
         except FileNotFoundError:
             raise ChecksumError(f"{what} is missing: the checkpoint is incomplete; nothing was loaded") from None
         except (OSError, CheckpointError) as e:
@@ -368,8 +330,9 @@ def prefetch_digests(sums: Sequence[FileChecksums]) -> None:
     todo = [fc for fc in sums if fc._blocks is None]
     if len(todo) < 2:
         return
-    remote = is_object_path(todo[0]._path_of(todo[0].digests_file)) if todo[0]._path_of is not None else False
-    n = min(len(todo), io_threads() * (2 if remote else 1))
+    latency_bound = todo[0]._path_of is not None and bool(
+        storage_for(todo[0]._path_of(todo[0].digests_file)).read_concurrency)
+    n = min(len(todo), io_threads() * (2 if latency_bound else 1))
     if n < 2:
         return
     pool_map(lambda fc: fc.blocks, todo, n)
@@ -462,15 +425,13 @@ class BlockVerifier:
         if not todo:
             return []
         path = self.path_of(file)
-        if is_object_path(path):
+        if not storage_for(path).mappable:  # fetched and hashed by ranged reads, kept for the load's reads
             return self.bad_blocks_of({file: todo}).get(file, [])
         path = Path(path)
-        with open(path, "rb") as fh:
-            size = os.fstat(fh.fileno()).st_size
+        with opened(path) as (fd, size):
             if size != fc.size:
                 raise ChecksumError(f"{path}: file has {size} bytes, {fc.size} were written at save (truncated or "
                                     "overwritten)")
-            fd = fh.fileno()
             _read_ahead(fd, todo, fc.block_size, size)
             digests = fc.blocks  # read here, once, not in the hashing threads (a digests file)
 
@@ -489,24 +450,21 @@ class BlockVerifier:
         for file, blocks in todo.items():
             fc = self.checksums.get(file)
             path = self.path_of(file)
-            if fc is None or is_object_path(path):
+            if fc is None or not storage_for(path).mappable:
                 continue
             try:
-                fd = os.open(path, os.O_RDONLY)
+                with opened(path) as (fd, _):
+                    _read_ahead(fd, sorted(set(blocks)), fc.block_size, fc.size)
             except OSError:
                 continue
-            try:
-                _read_ahead(fd, sorted(set(blocks)), fc.block_size, fc.size)
-            finally:
-                os.close(fd)
 
     def bad_blocks_of(self, todo: dict[str, Iterable[int]]) -> dict[str, list[int]]:
         """:meth:`bad_blocks` of several files: file -> indices that do not match (files with none left out).
         Objects in a store are checked together: their sizes first, then runs of consecutive blocks fetched with
         ranged GETs of exactly their bytes (up to the store's ``READ_PART`` each), all by one pool of
-        :func:`~oarlock.checkpoint.objectstore.s3_concurrency` requests in flight (latency-bound requests, not one
+        ``read_concurrency`` requests in flight (latency-bound requests, not one
         file after another), hashed, and kept for the load's reads where the budget allows
-        (:func:`~oarlock.checkpoint.objectstore.remember_verified_block`).
+        (:meth:`~oarlock.checkpoint.storage.backend.Storage.keep_verified`).
 
         Raises:
             ChecksumError: as :meth:`bad_blocks`; an object's size is checked before any of its blocks is fetched.
@@ -518,7 +476,7 @@ class BlockVerifier:
             if fc is None:
                 continue
             path = self.path_of(file)
-            if not is_object_path(path):
+            if storage_for(path).mappable:
                 bad = self.bad_blocks(file, todo[file])
                 if bad:
                     out[file] = bad
@@ -528,7 +486,7 @@ class BlockVerifier:
                 objects.append((fc, path, blocks))
         if not objects:
             return out
-        n = min(s3_concurrency(), len(objects) + sum(len(b) for _, _, b in objects))
+        n = min(storage_for(objects[0][1]).read_concurrency or io_threads(), len(objects) + sum(len(b) for _, _, b in objects))
         for (fc, path, _), size in zip(objects, pool_map(lambda o: o[1].storage.size(o[1].key), objects, n)):
             if size != fc.size:
                 raise ChecksumError(f"{path}: object has {size} bytes, {fc.size} were written at save "
@@ -557,7 +515,7 @@ class BlockVerifier:
                 block = buf[b * bs - lo:b * bs - lo + fc.block_length(b)]
                 good = _digest(block) == digests[b]
                 if good:  # the load's reads of this block copy these bytes instead of fetching them again
-                    remember_verified_block(path.storage.bucket, path.key, b * bs, bs, block)
+                    path.storage.keep_verified(path.key, b * bs, bs, block)
                 ok.append(good)
             return ok
 
@@ -803,12 +761,12 @@ def _whole_blocks_read(reader: Any, touched: dict[str, dict[int, int]], owned: d
     """Blocks of objects in a store that this rank reads (almost) whole but another rank owns: hashed here too,
     so that the one fetch that verifies them also serves this rank's reads (a second rank reading a block would
     otherwise fetch it once more after the verdict, in a phase of its own). Bounded by the room left in the
-    budget of kept blocks once the owned ones are in (:func:`~oarlock.checkpoint.objectstore.kept_room`); none
+    budget of kept blocks once the owned ones are in (:func:`~oarlock.checkpoint.storage.s3.kept_room`); none
     on a filesystem, where a second read of a block costs little and each block is hashed once per group."""
     room = kept_room()
     if not room:
         return {}
-    objects = [f for f in sorted(touched) if is_object_path(reader.path_of(f))]
+    objects = [f for f in sorted(touched) if not storage_for(reader.path_of(f)).mappable]
     room -= sum(checksums[f].block_length(b) for f in objects for b in owned.get(f, ()))
     out: dict[str, list[int]] = {}
     for f in objects:

@@ -19,7 +19,6 @@ from typing import Any, Callable, Mapping
 import torch
 
 from oarlock.checkpoint import comm
-from oarlock.checkpoint.objectstore import is_object_path, keep_verified_blocks, location
 from oarlock.checkpoint.dist import DistWrapper
 from oarlock.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from oarlock.checkpoint import executor
@@ -31,7 +30,9 @@ from oarlock.checkpoint.plan import LoadPlan, Planner, ReadItem, source_specs
 from oarlock.checkpoint.reader import CheckpointReader
 from oarlock.checkpoint.save import data_file_name
 from oarlock.checkpoint.sharded import ShardedWeight
-from oarlock.checkpoint.storage import gather_view, open_checkpoint, recover_publish
+from oarlock.checkpoint.formats.opening import open_checkpoint
+from oarlock.checkpoint.runtime.view import gather_view
+from oarlock.checkpoint.storage import location, recover_publish, storage_for
 from oarlock.checkpoint.traversal import Leaves, collect_leaves, set_path
 from oarlock.utils import gc_paused
 
@@ -221,10 +222,7 @@ def run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process_
     path = location(path)  # an unsupported URL scheme is refused here, never read as a local path
     # A load of many shards makes tens of thousands of short-lived plan objects: the cyclic collector's passes
     # over them showed as a large share of the executor's time in a profile of the 16 -> 8 scale_ranks load.
-    with gc_paused():
-        if is_object_path(path):
-            with keep_verified_blocks():
-                return _run_load(state_dict, path, **kw)
+    with gc_paused(), storage_for(path).load_session():
         return _run_load(state_dict, path, **kw)
 
 
@@ -241,7 +239,8 @@ def _run_load(state_dict: Mapping[str, Any], path: str | os.PathLike, *, process
     dist = DistWrapper(process_group)
     recover_publish(path)  # an interrupted replacement of this checkpoint is completed first (the warm path too)
     first: Leaves | None = None  # the state's leaves, collected once for the warm check and the normal path
-    if aoa_config is None and program is None and not is_object_path(path):
+    # the warm restart reads each rank's own file by descriptor (a restart on the disks the save wrote)
+    if aoa_config is None and program is None and storage_for(path).mappable:
         try:
             first = collect_leaves(state_dict)
         except Exception:  # reported by the normal path, on every rank alike

@@ -38,26 +38,21 @@ from __future__ import annotations
 import os
 import random
 import re
-import shutil
 import signal
 import struct
 import threading
-import uuid
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 
-from oarlock.checkpoint.objectstore import ObjectPath, is_object_path, location
-from oarlock.checkpoint.storage import object_entries
 from oarlock.checkpoint.api import load_state_dict, save_state_dict
 from oarlock.checkpoint.dist import DistWrapper
 from oarlock.checkpoint.errors import CheckpointError
-from oarlock.checkpoint.metadata import ALGORITHM_KEY, METADATA_FILE, PARAM_GROUPS_KEY
+from oarlock.checkpoint.metadata import ALGORITHM_KEY, PARAM_GROUPS_KEY
 from oarlock.checkpoint.optim import (HYPERPARAMETERS, OptimizerStateError, optimizer_algorithm,
                                       sharded_optimizer_state_dict)
-from oarlock.checkpoint.storage import (fsync_dir, is_committed, recover_publish, remove_stale_staging,
-                                        written_entries)
+from oarlock.checkpoint.storage import ObjectPath, commit_for, detect_format, location, storage_key
 
 LATEST_FILE = "latest"
 #: Environment variable naming a protocol point (see :data:`CRASH_POINTS`) at which the process SIGKILLs itself:
@@ -215,7 +210,7 @@ class CheckpointManager:
         if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", prefix):
             raise CheckpointError(f"prefix {prefix!r} must be a plain file-name prefix (letters, digits, _ . -)")
         self.root = location(root)  # a local directory or an s3:// prefix (docs/checkpoint-format.md)
-        self.remote = is_object_path(self.root)
+        self._commit = commit_for(self.root)
         self.keep_last = None if keep_last is None else int(keep_last)
         self.process_group = process_group
         self.save_replicas = save_replicas
@@ -234,36 +229,18 @@ class CheckpointManager:
 
     def steps(self) -> list[int]:
         """Committed steps under ``root`` (directories with ``metadata.json`` and no incomplete marker), ascending."""
-        if self.remote:
-            return sorted(int(m.group(1)) for n, size in self.root.storage.list(self.root.key).items()
-                          if size < 0 and (m := self._step_re.fullmatch(n)) and self._committed(self.root / n))
-        if not self.root.is_dir():
-            return []
-        out = []
-        for p in self.root.iterdir():
-            m = self._step_re.fullmatch(p.name)
-            if m and self._committed(p):
-                out.append(int(m.group(1)))
-        return sorted(out)
+        return sorted(int(m.group(1)) for n in _step_dirs(self.root) if (m := self._step_re.fullmatch(n))
+                      and self._committed(self.root / n))
 
-    @staticmethod
-    def _committed(p: Path) -> bool:
-        return is_committed(p)
+    def _committed(self, p: Path) -> bool:
+        return self._commit.is_committed(p)
 
     def latest(self) -> int | None:
         """The latest committed step: the one the ``latest`` pointer names when that directory is a committed
         checkpoint, else the highest committed step directory; None when there is none. Waits for nothing (an
         async save in flight is not the latest until committed)."""
-        ptr = self.root / LATEST_FILE
-        try:
-            name = ptr.read_text().strip()
-        except (OSError, CheckpointError):
-            name = ""
-        m = self._step_re.fullmatch(name)
-        if m and self._committed(self.root / name):
-            return int(m.group(1))
-        steps = self.steps()
-        return steps[-1] if steps else None
+        name = _latest_step(self.root, self._step_re)
+        return None if name is None else int(self._step_re.fullmatch(name).group(1))
 
     # ------------------------------------------------------------ save
 
@@ -308,8 +285,7 @@ class CheckpointManager:
         err = None
         if dist.is_coordinator:
             try:
-                if not self.remote:
-                    self.root.mkdir(parents=True, exist_ok=True)
+                self._commit.make_root(self.root)
                 self.clean_stale()
             except (OSError, CheckpointError) as e:
                 err = CheckpointError(f"{self.root}: cannot prepare the checkpoint root: {e}")
@@ -346,20 +322,7 @@ class CheckpointManager:
         """Rank 0: replace the pointer atomically, then delete steps beyond ``keep_last``."""
         if not DistWrapper(self.process_group).is_coordinator:
             return
-        if self.remote:  # one PUT replaces the pointer object whole: readers see the old or the new name
-            st = self.root.storage
-            st.put_bytes((self.root / LATEST_FILE).key, (self.path(step).name + "\n").encode())
-            _crash_point("after_pointer")
-            self._delete_old(step)
-            return
-        tmp = self.root / f".{LATEST_FILE}.tmp-{uuid.uuid4().hex[:12]}"
-        with open(tmp, "w") as f:
-            f.write(self.path(step).name + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        _crash_point("pointer_written")
-        os.replace(tmp, self.root / LATEST_FILE)
-        fsync_dir(self.root)
+        self._commit.replace_small(self.root / LATEST_FILE, (self.path(step).name + "\n").encode(), _crash_point)
         _crash_point("after_pointer")
         self._delete_old(step)
 
@@ -374,66 +337,15 @@ class CheckpointManager:
         _crash_point("after_delete")
 
     def _delete(self, step: int) -> None:
-        p = self.path(step)
-        if self.remote:  # the commit record first: a half-deleted step never loads; others' objects stay
-            st = p.storage
-            own = object_entries(p, st.list(p.key))
-            st.delete([(p / METADATA_FILE).key])
-            st.delete((p / n).key for n in own - {METADATA_FILE})
-            return
-        names = set(os.listdir(p))
-        own = written_entries(p, names)
-        if names - own:  # the user's entries stay: remove only what oarlock wrote, metadata.json first
-            for name in sorted(own, key=lambda n: n != METADATA_FILE):
-                q = p / name
-                if q.is_dir() and not q.is_symlink():
-                    shutil.rmtree(q, ignore_errors=True)
-                else:
-                    q.unlink(missing_ok=True)
-            fsync_dir(p)
-            return
-        trash = self.root / f".{p.name}.deleting-{uuid.uuid4().hex[:12]}"
-        os.replace(p, trash)  # gone from the listing in one step; the data is removed after
-        _crash_point("during_delete")
-        shutil.rmtree(trash, ignore_errors=True)
+        self._commit.delete_checkpoint(self.path(step), _crash_point)
 
     def clean_stale(self) -> list[str]:
         """Remove leftovers of killed saves under ``root``: hidden ``.<prefix>N.*`` directories (temporary save
         directories, replaced or half-deleted steps) and ``.latest.tmp-*`` files. Only names this manager and
         ``save_state_dict`` create are touched. An interrupted replacement of a step is completed first (its
         kept entries go back into the step) and the temporary directory of a save still running is skipped
-        (it holds a lock, see :func:`~oarlock.checkpoint.storage.hold_staging`). Returns the removed names."""
-        removed = []
-        if self.remote:  # step prefixes of killed saves (no commit record): the objects oarlock wrote there
-            st = self.root.storage
-            for name, size in st.list(self.root.key).items():
-                p = self.root / name
-                if size < 0 and self._step_re.fullmatch(name) and not self._committed(p):
-                    own = object_entries(p, st.list(p.key))
-                    if own:
-                        st.delete((p / n).key for n in own)
-                        removed.append(name)
-            return sorted(removed)
-        if not self.root.is_dir():
-            return removed
-        for p in list(self.root.iterdir()):
-            m = re.fullmatch(r"\.(" + re.escape(self.prefix) + r"\d+)\.publish", p.name)
-            if m:
-                recover_publish(self.root / m.group(1))
-        for p in list(self.root.iterdir()):
-            m = re.fullmatch(r"\.(" + re.escape(self.prefix) + r"\d+)\.tmp-.+", p.name)
-            if m:
-                removed += remove_stale_staging(self.root / m.group(1))
-        for p in self.root.iterdir():
-            if re.fullmatch(r"\." + re.escape(self.prefix) + r"\d+\.tmp-.+", p.name):
-                continue  # left by remove_stale_staging: a live save's
-            if self._stale_re.fullmatch(p.name):
-                if p.is_dir() and not p.is_symlink():
-                    shutil.rmtree(p, ignore_errors=True)
-                else:
-                    p.unlink(missing_ok=True)
-                removed.append(p.name)
-        return sorted(removed)
+        (it holds a lock, see :func:`~oarlock.checkpoint.storage.commit.local.hold_staging`). Returns the removed names."""
+        return self._commit.clean_stale(self.root, self._step_re, self._stale_re)
 
     # ------------------------------------------------------------ load
 
@@ -501,3 +413,50 @@ class CheckpointManager:
             else:
                 request[k] = v
         return request, stateful
+
+
+# ---------------------------------------------------------------- a manager root given where a checkpoint is expected
+
+_STEP_DIR = re.compile(r"(.*?)(\d+)")
+
+
+def _step_dirs(root: Any) -> list[str]:
+    """Names of the sub-directories (sub-prefixes) of ``root`` that are not hidden; [] when it is none."""
+    try:
+        if not root.is_dir():
+            return []
+        st, key = storage_key(root)
+        return [n for n, size in st.list(key).items() if size < 0 and not n.startswith(".")]
+    except (OSError, CheckpointError):
+        return []
+
+
+def _latest_step(root: Any, step: "re.Pattern[str]") -> str | None:
+    """The name of the latest committed step under ``root`` (step directories named by ``step``, whose last group
+    is the step number): the one the ``latest`` pointer names when that is a committed checkpoint, else the
+    committed step with the highest number; None when there is none."""
+    commit = commit_for(root)
+    try:
+        name = (root / LATEST_FILE).read_text().strip()
+    except (OSError, CheckpointError, UnicodeDecodeError):
+        name = ""
+    if name and "/" not in name and step.fullmatch(name) and commit.is_committed(root / name):
+        return name
+    steps = [(int(m.group(m.lastindex)), n) for n in _step_dirs(root)
+             if (m := step.fullmatch(n)) and commit.is_committed(root / n)]
+    return max(steps)[1] if steps else None
+
+
+def resolve_manager_root(path: str | os.PathLike) -> tuple[Path | ObjectPath, str | None]:
+    """``(checkpoint path, step directory name)`` for a path the commands read: a directory that is no checkpoint
+    itself but a :class:`CheckpointManager` root resolves to its latest committed step (what
+    :meth:`CheckpointManager.latest` would answer, for any step-name prefix); any other path is returned as it is,
+    with None. Never raises (opening the returned path reports what is wrong)."""
+    p = location(path)
+    try:
+        detect_format(p)
+        return p, None
+    except CheckpointError:
+        pass
+    name = _latest_step(p, _STEP_DIR)
+    return (p / name, name) if name is not None else (p, None)

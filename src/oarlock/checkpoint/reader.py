@@ -57,7 +57,6 @@ On-disk formats are described in ``docs/checkpoint-format.md``.
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -65,9 +64,9 @@ import torch
 
 from oarlock.checkpoint.errors import CheckpointFormatError
 from oarlock.checkpoint.grid import rank_of_file
-from oarlock.checkpoint.objectstore import is_object_path
+from oarlock.checkpoint.storage.location import location, resolve_child, storage_for
 from oarlock.checkpoint.metadata import SAVE_ID_HEADER, CheckpointMetadata, ShardMeta
-from oarlock.checkpoint.safetensors_io import SafetensorsFile, contiguous_run, np_prod
+from oarlock.checkpoint.storage.safetensors import SafetensorsFile, contiguous_run, np_prod
 from oarlock.utils import error_reason, torch_dtype
 
 _REGISTRY: dict[str, type["CheckpointReader"]] = {}
@@ -92,10 +91,6 @@ def registered_formats() -> dict[str, type["CheckpointReader"]]:
     return dict(_REGISTRY)
 
 
-def _within(path: str, directory: str) -> bool:
-    return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
-
-
 def checkpoint_file(root: Any, name: Any, entry: str) -> Path:
     """The path of file ``name`` named by the checkpoint directory ``root`` (in ``entry``, e.g.
     ``"metadata.json: tensor 'w'"``), after checking that it stays inside ``root``: a non-empty relative name
@@ -118,24 +113,10 @@ def checkpoint_file(root: Any, name: Any, entry: str) -> Path:
         raise refuse("is an absolute path, outside the checkpoint directory")
     if ".." in name.replace("\\", "/").split("/"):
         raise refuse("leaves the checkpoint directory (a '..' component)")
-    if is_object_path(root):
-        # an object key: no other bucket or scheme, no '.' or empty components (keys are compared as strings,
-        # so 'a//b' and 'a/./b' would name objects outside the names the checkpoint lists)
-        if re.match(r"^[A-Za-z][A-Za-z0-9+.\-]*:", name):
-            raise refuse("is a URL (another bucket or store), outside the checkpoint prefix")
-        if "\\" in name or any(p in ("", ".") for p in name.split("/")):
-            raise refuse("is not a plain relative object key (empty, '.' or '\\' components)")
-        return root / name
-    root = Path(root)
-    path = root / name
-    real_root = os.path.realpath(root)
-    real = os.path.realpath(path)
-    if _within(real, real_root):
-        return path
-    if root.parent.name == "snapshots" and (root.parent.parent / "blobs").is_dir():
-        if _within(real, os.path.realpath(root.parent.parent / "blobs")):
-            return path
-    raise refuse(f"resolves to {real}, outside the checkpoint directory {real_root} (a symlink)")
+    try:
+        return resolve_child(root, name)
+    except ValueError as e:
+        raise refuse(str(e)) from None
 
 
 def load_weights_only(source: Any, where: Any, what: str = "weights-only torch.save archive", *,
@@ -188,7 +169,7 @@ class CheckpointReader:
     hint: ClassVar[str] = ""  # what identifies the format, for "no checkpoint found" messages
 
     def __init__(self, root: Path, metadata: CheckpointMetadata):
-        self.root = root if is_object_path(root) else Path(root)
+        self.root = location(root)
         self.metadata = metadata
         self._st_files: dict[str, SafetensorsFile] = {}
         self.files_opened: list[str] = []  # instrumentation: one entry per data file actually opened
@@ -250,9 +231,9 @@ class CheckpointReader:
         known = self.__dict__.setdefault("_visible", {})
         wanted = self.metadata.files if files is None else files
         todo = [f for f in dict.fromkeys(wanted) if f not in known]
-        if todo and is_object_path(self.root):
-            # a store holds every object its commit record names (uploaded before it): nothing is asked of the
-            # store (a missing object fails its read, naming the key)
+        if todo and storage_for(self.root).shared:
+            # a shared store holds every object its commit record names (uploaded before it): nothing is asked of
+            # the store (a missing object fails its read, naming the key)
             for f in todo:
                 self.path_of(f)  # the key rule, before anything is read
             known.update((f, True) for f in todo)

@@ -19,7 +19,6 @@ import hashlib
 import json
 import math
 import os
-import shutil
 import uuid
 import weakref
 import zlib
@@ -35,15 +34,11 @@ from oarlock.checkpoint.grid import FlatGrid, GridLayout
 from oarlock.checkpoint.grid import data_file_name  # re-exported: save.data_file_name is public
 from oarlock.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from oarlock.checkpoint.integrity import CHECKSUMS_KEY, BlockHasher, make_record, write_digests, DIGESTS_SUFFIX
-from oarlock.checkpoint.metadata import METADATA_FILE, SAVE_ID_HEADER, CheckpointMetadata, ShardMeta, TensorMeta
+from oarlock.checkpoint.metadata import SAVE_ID_HEADER, CheckpointMetadata, ShardMeta, TensorMeta
 from oarlock.checkpoint.plan import index_of
 from oarlock.checkpoint.safetensors_io import RESERVED_NAME, write_safetensors
 from oarlock.checkpoint.sharded import ShardedWeight
-from oarlock.checkpoint.objectstore import is_object_path, location
-from oarlock.checkpoint.storage import (INCOMPLETE_MARKER, hold_staging, prepare_object_destination,
-                                        publish_directory, publish_objects, release_staging,
-                                        remove_stale_staging, remove_uncommitted_objects, staging_path)
-from oarlock.checkpoint.storage import check_destination as storage_check_destination
+from oarlock.checkpoint.storage import commit_for, location
 from oarlock.checkpoint.traversal import Leaves, collect_leaves
 from oarlock.utils import dtype_itemsize
 
@@ -186,13 +181,8 @@ def check_destination(path: Path, sources: Sequence[str | os.PathLike] = (), *, 
             an oarlock checkpoint holding only files oarlock wrote (nor an empty directory) and ``overwrite`` is
             not given. A prefix in an object store is checked when the save starts
             (:func:`~oarlock.checkpoint.storage.prepare_object_destination`)."""
-    if is_object_path(location(path)):
-        from oarlock.checkpoint.storage import check_object_destination
-
-        check_object_destination(location(path), (), sources, overwrite=overwrite)
-        return
-    storage_check_destination(path, "oarlock", sources, overwrite=overwrite)
-    remove_stale_staging(path)
+    path = location(path)
+    commit_for(path).check_save_destination(path, sources, overwrite=overwrite)
 
 
 @dataclass
@@ -701,8 +691,9 @@ def prepare_save(state_dict: Mapping[str, Any], path: str | os.PathLike, process
     except Exception as e:  # reported to every rank in the exchange below
         err = e
     both = exchange_fingerprints(dist, err, fps)
-    # (object stores take the full path: their destination protocol runs at planning, see storage.py)
-    if cached is not None and not is_object_path(path) and all(b[1][3] == cached.token for b in both) \
+    # (a save that writes in place takes the full path: its destination protocol runs at planning, before any
+    # rank writes under the final location)
+    if cached is not None and not commit_for(path).writes_in_place and all(b[1][3] == cached.token for b in both) \
             and [tuple(b[1][:2]) for b in both] == cached.fps:
         return _reuse_plan(cached, both, record, grid_writes, leaves, path, dist, overwrite)
     first_spec: dict[str, int] = {}
@@ -730,11 +721,8 @@ def prepare_save(state_dict: Mapping[str, Any], path: str | os.PathLike, process
                 classes[(fs, fl)][1].append(r)
             layout = build_layout(list(classes.values()), dist.size, save_replicas)
             layout.objects = _merge_objects({r: parts[r][2] for r in set(first_objects.values())})
-            tmp, save_id = staging_path(path), new_save_id()
-            if is_object_path(path):  # no rename: the marker first, data objects under the final prefix
-                prepare_object_destination(path, dist.size, save_id, overwrite=overwrite)
-            else:
-                check_destination(path, overwrite=overwrite)
+            tmp, save_id = commit_for(path).staging_path(path), new_save_id()
+            commit_for(path).prepare_save(path, dist.size, save_id, overwrite=overwrite)
             out = [(None, tmp, save_id, layout.listed_writes.get(r, []), layout.grid_skip.get(r, []))
                    for r in range(dist.size)]
         except Exception as e:
@@ -766,7 +754,7 @@ def _reuse_plan(cached: _CachedPlan, both: list, record: RankRecord, grid_writes
     # the save id and the temporary directory come from rank 0's nonce, which every rank already has: no further
     # message; rank 0 checks the destination when it writes (:func:`write_and_commit`, agreed like a write error)
     save_id = both[0][1][4]
-    tmp = staging_path(path, save_id)
+    tmp = commit_for(path).staging_path(path, save_id)
     layout = None
     if cached.layout is not None:
         layout = SaveLayout(cached.layout.tensors, cached.layout.listed_writes, objects or {}, cached.layout.nested,
@@ -921,12 +909,10 @@ def write_and_commit(plan: SavePlan, local: Mapping[Any, torch.Tensor], process_
     tmp = plan.tmp
     held: list[int] = []
 
-    remote = is_object_path(tmp)
+    commit = commit_for(plan.path)
 
     def write() -> dict[str, Any]:
-        if not remote:  # in an object store the coordinator wrote the marker object before this (prepare_save)
-            held.append(hold_staging(tmp))  # locked until committed: a cleanup of stale directories skips it
-            (tmp / INCOMPLETE_MARKER).touch()  # before any data file: a partial directory must never load
+        held.append(commit.begin_write(tmp))  # a staging directory is locked and marked incomplete first
         if plan.check_on_write and dist.is_coordinator:  # a reused plan: the check planning did not make
             check_destination(plan.path, overwrite=plan.overwrite)
         ids = write_order(plan)
@@ -951,7 +937,7 @@ def write_and_commit(plan: SavePlan, local: Mapping[Any, torch.Tensor], process_
         # file, not 8 per 4 MiB block of the checkpoint (2 MiB for a 70B model's weights and AdamW moments)
         return {file: write_digests(tmp, file, hasher.record)}
 
-    def commit(records: list[dict[str, Any]]) -> None:
+    def publish(records: list[dict[str, Any]]) -> None:
         if dist.is_coordinator:
             files = {f: r for rec in records for f, r in rec.items()}
             extra: dict[str, Any] = {CHECKSUMS_KEY: make_record(files)}
@@ -959,22 +945,17 @@ def write_and_commit(plan: SavePlan, local: Mapping[Any, torch.Tensor], process_
                 extra[TP_LAYOUTS_KEY] = plan.tp_layouts
             meta = CheckpointMetadata("oarlock", tensors=plan.tensors, objects=plan.objects or {},
                                       nested=plan.nested or {}, save_id=plan.save_id, extra=extra)
-            if remote:
-                publish_objects(plan.path, meta, [*files, *(f + DIGESTS_SUFFIX for f in files)])
-            else:
-                publish_directory(tmp, plan.path, meta, fsync_files=False, overwrite=plan.overwrite)
+            commit.publish_save(tmp, plan.path, meta, [*files, *(f + DIGESTS_SUFFIX for f in files)],
+                                overwrite=plan.overwrite)
 
     try:
         rec = dist.run(write)
         records = dist.gather_to(rec)
-        dist.run(commit, records)
+        dist.run(publish, records)
     except BaseException:
         if dist.is_coordinator:
-            if remote:
-                remove_uncommitted_objects(tmp)
-            else:
-                shutil.rmtree(tmp, ignore_errors=True)
+            commit.abort_save(tmp)
         raise
     finally:
-        for fd in held:
-            release_staging(fd)
+        for handle in held:
+            commit.end_write(handle)

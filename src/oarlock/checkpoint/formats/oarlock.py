@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from oarlock.checkpoint.errors import CheckpointError, CheckpointFormatError
-from oarlock.checkpoint.objectstore import is_object_path
+from oarlock.checkpoint.storage.location import storage_for, storage_key
 from oarlock.checkpoint.metadata import METADATA_FILE, CheckpointMetadata, parse_json
 from oarlock.checkpoint.reader import CheckpointReader, checkpoint_file, register_format
 
@@ -34,12 +34,8 @@ class OarlockReader(CheckpointReader):
             return 1 if any(DATA_FILE.match(n) for n in names) else 0
         try:  # Megatron-Core writes a metadata.json of its own ({"sharded_backend": ...})
             # the path-safety rule first: a metadata.json linking outside is refused by open(), never read here
-            meta = checkpoint_file(path, METADATA_FILE, METADATA_FILE)
-            if is_object_path(meta):
-                head = meta.read_bytes()[:4096]
-            else:
-                with open(meta, "rb") as f:
-                    head = f.read(4096)
+            st, key = storage_key(checkpoint_file(path, METADATA_FILE, METADATA_FILE))
+            head, _ = st.read_head(key, 4096)
         except (OSError, CheckpointError):
             return 2
         return 0 if b'"sharded_backend"' in head else 2
@@ -52,20 +48,20 @@ class OarlockReader(CheckpointReader):
             text, source = shipped[METADATA_FILE], f"{METADATA_FILE} (received from another rank)"
         else:
             source = str(root / METADATA_FILE)
-            if not is_object_path(root) and not (root / METADATA_FILE).exists():  # a store answers the GET below
-                raise CheckpointFormatError(f"{source}: missing; the oarlock data files in {root} cannot be loaded "
-                                            "without it (an incomplete or damaged checkpoint)")
             try:
                 text = checkpoint_file(root, METADATA_FILE, str(root)).read_bytes()
+            except FileNotFoundError:
+                raise CheckpointFormatError(f"{source}: missing; the oarlock data files in {root} cannot be loaded "
+                                            "without it (an incomplete or damaged checkpoint)") from None
             except OSError as e:
                 raise CheckpointFormatError(f"{source}: cannot read: {e.strerror or e}") from None
         raw = parse_json(text, source)
         check_field_types(raw, source)
         meta = CheckpointMetadata.from_json(raw, source=source)
         reader = cls(root, meta)  # checks that every data file stays inside the checkpoint, naming the tensor
-        if not partial and not is_object_path(root):
-            # (in a store the commit record's objects were all written before it; asking for each would cost a
-            # request per object, and a missing one fails its read naming the key)
+        if not partial and not storage_for(root).shared:
+            # (in a shared store the commit record's objects were all written before it; asking for each would
+            # cost a request per object, and a missing one fails its read naming the key)
             for f in meta.files:
                 if not (root / f).is_file():
                     raise CheckpointFormatError(f"{root / f}: data file named in {METADATA_FILE} is missing")
