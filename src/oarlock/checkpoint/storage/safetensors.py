@@ -8,8 +8,7 @@ start. See ``docs/checkpoint-format.md`` for how oarlock uses the ``__metadata__
 * :func:`read_header` is the only header parser: it checks every entry (dtype code known to oarlock, offsets
   inside the file and matching shape and dtype) and has the safetensors library validate the file as well
   before any byte is trusted; errors are :class:`CheckpointFormatError` naming the file and tensor.
-* :class:`SafetensorsFile` reads any box of a stored tensor with ``os.preadv`` straight into destination
-  memory; :meth:`SafetensorsFile.byte_run` exposes contiguous runs for kernel copies.
+* :class:`SafetensorsFile` reads any box of a stored tensor straight into destination memory (``os.preadv``).
 * :class:`SafetensorsWriter` is the only writer: the header goes first (shapes and dtypes are known up
   front), then each tensor's bytes land at their offset, from a tensor (``pwrite``) or from byte runs of
   another file (``os.copy_file_range``). :func:`write_safetensors` writes a dict of tensors with it. Tensors
