@@ -201,7 +201,9 @@ def _help_commands(*args: str) -> list[str]:
     """The (sub)commands ``oarlock ARGS --help`` lists under "positional arguments" (none for a command that
     takes no subcommand: its positional arguments are indented less)."""
     oarlock = str(Path(sys.executable).parent / "oarlock")
-    out = subprocess.run([oarlock, *args, "--help"], capture_output=True, text=True, timeout=120, check=True).stdout
+    r = subprocess.run([oarlock, *args, "--help"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, (args, r.stderr[-2000:])
+    out = r.stdout
     listing = out.split("positional arguments:", 1)[-1].split("\noptions:", 1)[0] if "positional" in out else ""
     return re.findall(r"^    ([a-z][\w-]*)", listing, re.M)
 
