@@ -473,7 +473,7 @@ def test_inline_digests_of_earlier_versions_still_verify(ck):
 def test_digests_of_many_files_are_read_together_and_a_bad_one_is_named(tmp_path, monkeypatch):
     """A load hashing blocks of several files reads their digests files together (prefetch_digests, on a pool);
     a corrupt one among them still fails the load naming it, with nothing written."""
-    import oarlock.checkpoint.integrity as integrity
+    import oarlock.checkpoint.integrity.verify as integrity  # the module whose verify_group looks it up
 
     key = "model.layers.0.mlp.down_proj.weight"  # row-parallel: split along dim 1 over the tp ranks
     full = torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32)
