@@ -24,7 +24,6 @@ ranks for this format.
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
@@ -32,6 +31,8 @@ from oarlock.checkpoint.errors import CheckpointFormatError
 from oarlock.checkpoint.formats.dcp import DcpEntry, DcpReader, is_dcp_dir, parse_dcp_metadata, regroup_list_objects
 from oarlock.checkpoint.metadata import CheckpointMetadata, ShardMeta
 from oarlock.checkpoint.reader import checkpoint_file, register_format
+from oarlock.checkpoint.storage.files import list_names
+from oarlock.checkpoint.storage.location import location
 
 #: accelerate's directory names (``FSDP_MODEL_NAME`` and ``OPTIMIZER_NAME`` with the model / optimizer index).
 MODEL_DIR = "pytorch_model_fsdp_0"
@@ -41,7 +42,7 @@ _OTHER = re.compile(r"^(pytorch_model_fsdp|optimizer)_(\d+)$")
 
 def _dcp_subdir(path: Path, name: str) -> bool:
     try:
-        return (path / name).is_dir() and is_dcp_dir(set(os.listdir(path / name)))
+        return (path / name).is_dir() and is_dcp_dir(set(list_names(path / name)))
     except OSError:
         return False
 
@@ -63,7 +64,7 @@ class AccelerateFsdpReader(DcpReader):
     @classmethod
     def open(cls, path: Path, *, shipped: dict[str, bytes] | None = None, partial: bool = False
              ) -> "AccelerateFsdpReader":
-        path = Path(path)
+        path = location(path)
         meta = CheckpointMetadata(cls.format)
         entries: dict[tuple[str, str], DcpEntry] = {}
         objects: dict[str, DcpEntry] = {}
@@ -94,7 +95,7 @@ class AccelerateFsdpReader(DcpReader):
         meta.objects.update(values)
         meta.extra["dcp"] = {"refused_objects": refused}
         regroup_list_objects(meta)
-        others = sorted(n for n in os.listdir(path) if _OTHER.match(n) and n not in read and (path / n).is_dir())
+        others = sorted(n for n in list_names(path) if _OTHER.match(n) and n not in read and (path / n).is_dir())
         meta.extra["accelerate"] = {"read": read, "not_read": others}
         rest = [k for k in meta.tensors if not k.startswith("optimizer.")]
         if rest and all(k.startswith("model.") for k in rest):

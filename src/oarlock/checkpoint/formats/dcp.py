@@ -37,11 +37,14 @@ from typing import Any
 
 import torch
 
-from oarlock.checkpoint.errors import CheckpointFormatError, UnsafePickleError
+from oarlock.checkpoint.errors import CheckpointError, CheckpointFormatError, UnsafePickleError
 from oarlock.checkpoint.metadata import CheckpointMetadata, ShardMeta, TensorMeta
 from oarlock.checkpoint.reader import (CheckpointReader, box_of_stored, checkpoint_file, load_weights_only,
                                        register_format)
 from oarlock.checkpoint.safetensors_io import MAX_HEADER_BYTES, SafetensorsFile, contiguous_run, np_prod
+from oarlock.checkpoint.storage import rename_within
+from oarlock.checkpoint.storage.files import AppendStream, RangedFile, list_names, read_file
+from oarlock.checkpoint.storage.location import location, storage_for, storage_key
 from oarlock.utils import AllowlistUnpickler, dtype_name, load_allowlisted, torch_dtype
 
 DCP_METADATA = ".metadata"
@@ -222,8 +225,10 @@ def load_dcp_pickle(path: str | Path, data: bytes | None = None) -> Any:
         UnsafePickleError: the pickle names anything outside the admitted set.
         CheckpointFormatError: the file is missing, unreadable, truncated or not a pickle (naming it).
     """
+    if data is None:  # read through the storage layer, refused past the bound before a byte is unpickled
+        data = read_file(path, _MAX_METADATA_BYTES, "unpickle it")
     return load_allowlisted(path, DcpUnpickler, UnsafePickleError, CheckpointFormatError, data=data,
-                            max_bytes=_MAX_METADATA_BYTES, what="readable DCP metadata pickle")
+                            what="readable DCP metadata pickle")
 
 
 # ---------------------------------------------------------------- metadata -> CheckpointMetadata
@@ -250,7 +255,7 @@ def _metadata_files(root: Path, shipped: dict[str, bytes] | None = None) -> list
     """The metadata pickles of ``root`` (checked to stay inside it before anything opens them)."""
     if (root / DCP_METADATA).is_file() or (shipped and DCP_METADATA in shipped):
         return [checkpoint_file(root, DCP_METADATA, f"{root}: DCP metadata")]
-    ranks = sorted(int(m.group(1)) for n in os.listdir(root) if (m := RANK_METADATA.match(n)))
+    ranks = sorted(int(m.group(1)) for n in list_names(root) if (m := RANK_METADATA.match(n)))
     if not ranks:
         raise CheckpointFormatError(f"{root}: no DCP metadata ({DCP_METADATA} or __<rank>{DCP_METADATA})")
     return [checkpoint_file(root, f"__{r}{DCP_METADATA}", f"{root}: DCP metadata") for r in ranks]
@@ -282,7 +287,7 @@ def parse_dcp_metadata(root: str | Path, *, shipped: dict[str, bytes] | None = N
         CheckpointFormatError: malformed metadata (naming the key), a chunk without storage entry, a data file
             that is missing or shorter than an entry it holds.
     """
-    root = Path(root)
+    root = location(root)
     sdm: dict[str, Any] = {}
     storage: list[tuple[Any, Any]] = []
     planner: dict[str, Any] = {}
@@ -339,7 +344,8 @@ def parse_dcp_metadata(root: str | Path, *, shipped: dict[str, bytes] | None = N
         if rel not in sizes:
             p = root / rel
             if p.is_file():
-                sizes[rel] = p.stat().st_size
+                st, key = storage_key(p)
+                sizes[rel] = st.size(key)
             elif partial:
                 sizes[rel] = -1  # another rank sees it
             else:
@@ -451,40 +457,6 @@ def _detect_serialization(entries: dict[tuple[str, str], DcpEntry], nbytes: dict
 
 # ---------------------------------------------------------------- byte-range reads
 
-class _RangeFile(io.RawIOBase):
-    """A read-only, seekable view of bytes ``[start, start + length)`` of an open file descriptor."""
-
-    def __init__(self, fd: int, start: int, length: int):
-        super().__init__()
-        self._fd, self._start, self._len, self._pos = fd, start, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self._pos, 2: self._len}[whence]
-        self._pos = max(0, base + pos)
-        return self._pos
-
-    def readinto(self, b: Any) -> int:
-        mv = memoryview(b).cast("B")
-        n = max(0, min(len(mv), self._len - self._pos))
-        got = 0
-        while got < n:
-            k = os.preadv(self._fd, [mv[got:n]], self._start + self._pos + got)
-            if k <= 0:
-                break
-            got += k
-        self._pos += got
-        return got
-
-
 def _undo_transforms(raw: io.RawIOBase | io.BytesIO, transforms: tuple[str, ...], where: str) -> Any:
     """A seekable stream of the entry's bytes with its stream transforms undone (zstd frames decompressed)."""
     if not transforms:
@@ -503,8 +475,9 @@ def _undo_transforms(raw: io.RawIOBase | io.BytesIO, transforms: tuple[str, ...]
     return io.BytesIO(data)
 
 
-def load_archive(path: Path, fd: int, entry: DcpEntry, what: str) -> Any:
-    """``torch.load(weights_only=True)`` of the ``torch.save`` archive at ``entry``'s byte range of ``fd``.
+def load_archive(path: Path, src: RangedFile, entry: DcpEntry, what: str) -> Any:
+    """``torch.load(weights_only=True)`` of the ``torch.save`` archive at ``entry``'s byte range of the data file
+    ``src`` (opened for ranged reads through the storage layer).
 
     Raises:
         CheckpointFormatError: the range is not a loadable weights-only archive (naming the file and ``what``);
@@ -512,19 +485,33 @@ def load_archive(path: Path, fd: int, entry: DcpEntry, what: str) -> Any:
             weights-only unpickler, and reported here.
     """
     where = f"{path} [{entry.offset}, {entry.offset + entry.length}) ({what!r})"
-    stream = _undo_transforms(_RangeFile(fd, entry.offset, entry.length), entry.transforms, where)
+    stream = _undo_transforms(src.window(entry.offset, entry.length), entry.transforms, where)
     return load_weights_only(stream, where)
 
 
-class _EmbeddedSafetensors(SafetensorsFile):
-    """The safetensors blob that DCP's safetensors serialisation embeds at byte ``start`` of a ``.distcp`` file,
-    read with the byte-range machinery of :class:`SafetensorsFile` (``data_start`` is absolute in the file).
+class _InDataFile(SafetensorsFile):
+    """Tensor bytes at known places of a DCP data file, read with the byte-range machinery of
+    :class:`SafetensorsFile` through the reader's :class:`RangedFile` (``data_start`` is absolute in the file;
+    ``fd`` is the file's descriptor for kernel copies, -1 in a store)."""
+
+    def __init__(self, path: Path, src: RangedFile):  # noqa: super().__init__ would parse a header at byte 0
+        self.path, self.src, self.fd = path, src, src.fd
+
+    def read_into(self, buf: memoryview, offset: int) -> None:
+        self.src.read_into(buf, offset)
+
+    def close(self) -> None:  # the data file belongs to the reader
+        self.fd = -1
+
+
+class _EmbeddedSafetensors(_InDataFile):
+    """The safetensors blob that DCP's safetensors serialisation embeds at byte ``start`` of a ``.distcp`` file.
     The header is checked like a file's: offsets inside the file, sizes matching shapes and dtypes."""
 
-    def __init__(self, path: Path, fd: int, start: int):  # noqa: super().__init__ would parse at byte 0
-        self.path, self.fd = path, fd
-        size = os.fstat(fd).st_size
-        head = os.pread(fd, 8, start)
+    def __init__(self, path: Path, src: RangedFile, start: int):
+        super().__init__(path, src)
+        size = src.size
+        head = src.pread(8, start)
         if len(head) < 8:
             raise CheckpointFormatError(f"{path}: truncated: no safetensors blob at byte {start}")
         (n,) = struct.unpack("<Q", head)
@@ -532,7 +519,7 @@ class _EmbeddedSafetensors(SafetensorsFile):
             raise CheckpointFormatError(f"{path}: truncated or corrupt: safetensors blob at byte {start} has a "
                                         f"header length {n} past the end of the file")
         try:
-            header = json.loads(os.pread(fd, n, start + 8))
+            header = json.loads(src.pread(n, start + 8))
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise CheckpointFormatError(f"{path}: safetensors blob at byte {start}: invalid header ({err})") from None
         if not isinstance(header, dict):
@@ -556,26 +543,22 @@ class _EmbeddedSafetensors(SafetensorsFile):
                                             f"{size} bytes")
             self.entries[name] = (dt, shape, begin, end)
 
-    def close(self) -> None:  # the fd belongs to the reader
-        self.fd = -1
 
+class _ArchiveView(_InDataFile):
+    """The tensor bytes inside one ``torch.save`` archive: ``entries`` holds the one stored tensor under
+    ``name``."""
 
-class _ArchiveView(SafetensorsFile):
-    """The tensor bytes inside one ``torch.save`` archive, read by byte ranges with the machinery of
-    :class:`SafetensorsFile`: ``entries`` holds the one stored tensor under ``name``; ``data_start`` is absolute."""
-
-    def __init__(self, path: Path, fd: int, name: str, dtype: str, shape: tuple[int, ...], start: int):
-        self.path, self.fd, self.data_start = path, fd, start
+    def __init__(self, path: Path, src: RangedFile, name: str, dtype: str, shape: tuple[int, ...], start: int):
+        super().__init__(path, src)
+        self.data_start = start
         self.header_metadata = {}
         self.entries = {name: (dtype, shape, 0, _nbytes(shape, dtype))}
 
-    def close(self) -> None:  # the fd belongs to the reader
-        self.fd = -1
 
-
-def archive_tensor_view(path: Path, fd: int, entry: DcpEntry, name: str, dtype: str, shape: tuple[int, ...]
-                        ) -> _ArchiveView | None:
-    """Locate the raw bytes of the one tensor a DCP ``torch.save`` chunk archive holds, without loading them.
+def archive_tensor_view(path: Path, src: RangedFile, entry: DcpEntry, name: str, dtype: str,
+                        shape: tuple[int, ...]) -> _ArchiveView | None:
+    """Locate the raw bytes of the one tensor a DCP ``torch.save`` chunk archive holds (at ``entry``'s byte range
+    of the data file ``src``), without loading them.
 
     The archive's pickle is loaded with ``torch.load(weights_only=True, map_location="meta")`` (it reads the few
     KiB of records, never the data) to learn the tensor's dtype, shape, contiguity and storage offset; the zip
@@ -593,14 +576,14 @@ def archive_tensor_view(path: Path, fd: int, entry: DcpEntry, name: str, dtype: 
     if entry.transforms:
         return None
     where = f"{path} [{entry.offset}, {entry.offset + entry.length}) ({name!r})"
-    t = load_weights_only(_RangeFile(fd, entry.offset, entry.length), where, map_location="meta")
+    t = load_weights_only(src.window(entry.offset, entry.length), where, map_location="meta")
     if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(shape) or t.dtype != torch_dtype(dtype):
         got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
         raise CheckpointFormatError(f"{where}: holds {got}, metadata says {dtype} {list(shape)}")
     if not t.is_contiguous():
         return None
     try:
-        z = zipfile.ZipFile(_RangeFile(fd, entry.offset, entry.length))
+        z = zipfile.ZipFile(src.window(entry.offset, entry.length))
         infos = z.infolist()
         data = [i for i in infos if "/data/" in i.filename and not i.filename.endswith("/")]
         order = [i for i in infos if i.filename.endswith("/byteorder")]
@@ -610,14 +593,14 @@ def archive_tensor_view(path: Path, fd: int, entry: DcpEntry, name: str, dtype: 
     nbytes = t.untyped_storage().nbytes()
     if len(data) != 1 or data[0].compress_type != zipfile.ZIP_STORED or data[0].file_size != nbytes or not little:
         return None
-    head = os.pread(fd, 30, entry.offset + data[0].header_offset)
+    head = src.pread(30, entry.offset + data[0].header_offset)
     if len(head) < 30 or head[:4] != b"PK\x03\x04":
         return None
     name_len, extra_len = struct.unpack("<HH", head[26:30])
     start = data[0].header_offset + 30 + name_len + extra_len
     if start + nbytes > entry.length:
         return None
-    return _ArchiveView(path, fd, name, dtype, tuple(shape),
+    return _ArchiveView(path, src, name, dtype, tuple(shape),
                         entry.offset + start + t.storage_offset() * t.element_size())
 
 
@@ -642,7 +625,7 @@ class DcpReader(CheckpointReader):
     def __init__(self, root: Path, metadata: CheckpointMetadata, entries: dict[tuple[str, str], DcpEntry]):
         super().__init__(root, metadata)
         self.entries = entries
-        self._fds: dict[str, int] = {}
+        self._data: dict[str, RangedFile] = {}
         self._blobs: dict[tuple[str, int], _EmbeddedSafetensors] = {}
         self._views: dict[tuple[str, str], _ArchiveView | None] = {}
         self._last: tuple[tuple[str, str], torch.Tensor] | None = None
@@ -667,24 +650,24 @@ class DcpReader(CheckpointReader):
 
     def close(self) -> None:
         super().close()
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        for f in self._data.values():
+            f.close()
+        self._data.clear()
         self._blobs.clear()
         self._views.clear()
         self._last = None
 
-    def fd(self, file: str) -> int:
-        """The open descriptor of data file ``file`` (opened once)."""
-        fd = self._fds.get(file)
-        if fd is None:
-            try:
-                fd = os.open(self.path_of(file), os.O_RDONLY)
-            except OSError as e:
-                raise CheckpointFormatError(f"{self.path_of(file)}: cannot open: {e.strerror or e}") from None
-            self._fds[file] = fd
+    def data_file(self, file: str) -> RangedFile:
+        """Data file ``file`` opened for ranged reads through the storage layer (opened once)."""
+        f = self._data.get(file)
+        if f is None:
+            f = self._data[file] = RangedFile(self.path_of(file))
             self.files_opened.append(file)
-        return fd
+        return f
+
+    def fd(self, file: str) -> int:
+        """The descriptor of data file ``file`` (-1 for an object in a store; see :meth:`data_file`)."""
+        return self.data_file(file).fd
 
     def load_objects(self, entries: dict[str, DcpEntry]) -> tuple[dict[str, Any], dict[str, str]]:
         """Load non-tensor values with ``torch.load(weights_only=True)`` from the data files this rank sees.
@@ -697,7 +680,7 @@ class DcpReader(CheckpointReader):
             if not self.path_of(e.file).is_file():
                 continue
             try:
-                values[key] = load_archive(self.path_of(e.file), self.fd(e.file), e, key)
+                values[key] = load_archive(self.path_of(e.file), self.data_file(e.file), e, key)
             except CheckpointFormatError as err:
                 refused[key] = str(err)
         return values, refused
@@ -705,7 +688,7 @@ class DcpReader(CheckpointReader):
     def _blob(self, e: DcpEntry) -> _EmbeddedSafetensors:
         b = self._blobs.get((e.file, e.offset))
         if b is None:
-            b = self._blobs[(e.file, e.offset)] = _EmbeddedSafetensors(self.path_of(e.file), self.fd(e.file),
+            b = self._blobs[(e.file, e.offset)] = _EmbeddedSafetensors(self.path_of(e.file), self.data_file(e.file),
                                                                        e.offset)
         return b
 
@@ -731,7 +714,7 @@ class DcpReader(CheckpointReader):
         if e.serialization == "safetensors":
             t = self._blob(e).read_box(key, 0, shape, tuple((0, n) for n in shape), tm.dtype)
         else:
-            t = load_archive(path, self.fd(file), e, key)
+            t = load_archive(path, self.data_file(file), e, key)
             if not isinstance(t, torch.Tensor):
                 raise CheckpointFormatError(f"{path}: chunk of {key!r} holds {type(t).__name__}, not a tensor")
             if tuple(t.shape) != tuple(shape) or t.dtype != torch_dtype(tm.dtype):
@@ -753,8 +736,8 @@ class DcpReader(CheckpointReader):
         if (file, name) not in self._views:
             tm = self.metadata.tensors[key]
             shape = next(s.local_shape for s in tm.shards if s.file == file and s.name == name)
-            self._views[(file, name)] = archive_tensor_view(self.path_of(file), self.fd(file), e, name, tm.dtype,
-                                                            shape)
+            self._views[(file, name)] = archive_tensor_view(self.path_of(file), self.data_file(file), e, name,
+                                                            tm.dtype, shape)
         v = self._views[(file, name)]
         return (v, name) if v is not None else None
 
@@ -784,6 +767,8 @@ class DcpReader(CheckpointReader):
             return None
         f, stored = view
         ent = f.entries.get(stored)
+        if f.fd < 0:  # an object in a store: no descriptor for kernel copies (read_box fetches it)
+            return None
         run = contiguous_run(shape, box)
         dtype = self.metadata.tensors[key].dtype
         if run is None or ent is None or ent[0] != dtype or flat_start + np_prod(shape) > np_prod(ent[1]):
@@ -849,9 +834,9 @@ def _is_megatron(path: Path, names: set[str]) -> bool:
     if MEGATRON_METADATA not in names:
         return False
     try:
-        with open(checkpoint_file(path, MEGATRON_METADATA, MEGATRON_METADATA), "rb") as f:
-            head = f.read(4096)
-    except (OSError, CheckpointFormatError):
+        st, key = storage_key(checkpoint_file(path, MEGATRON_METADATA, MEGATRON_METADATA))
+        head = st.read_head(key, 4096)[0]
+    except (OSError, CheckpointError):
         return False
     return b'"sharded_backend"' in head
 
@@ -895,19 +880,19 @@ class DcpWriter:
     """
 
     def __init__(self, root: Path, tensors: dict[str, TensorMeta], nested: dict[str, list] | None = None):
-        self.root = Path(root)
+        self.root = location(root)
         self.tensors = tensors
         self.nested = dict(nested or {})
         names = sorted({s.file for t in tensors.values() for s in t.shards})
         self.file_of = {n: f"__{i}_0{DCP_SUFFIX}" for i, n in enumerate(names)}
-        self._streams: dict[str, Any] = {}
+        self._streams: dict[str, AppendStream] = {}
         self._storage: dict[tuple[str, tuple[int, ...] | None], tuple[str, int, int]] = {}
         self._objects: list[str] = []
 
     def _stream(self, file: str) -> Any:
         f = self._streams.get(file)
         if f is None:
-            f = self._streams[file] = open(self.root / file, "wb")
+            f = self._streams[file] = AppendStream(self.root / file)
         return f
 
     def _append(self, file: str, obj: Any) -> tuple[int, int]:
@@ -944,12 +929,14 @@ class DcpWriter:
             self.nested[flat] = list(sub)
 
     def close(self) -> None:
+        """Drop the data files of an unfinished write (after :meth:`finish`, nothing is left to do)."""
         for f in self._streams.values():
-            f.close()
+            f.abort()
         self._streams.clear()
 
     def finish(self) -> None:
-        """Flush and fsync the data files, then write ``.metadata`` (via a temporary name, fsynced, renamed)."""
+        """Make the data files durable (the store's writer: ``fsync`` on a filesystem), then write ``.metadata``
+        (durably; on a filesystem under a temporary name, then renamed)."""
         import pickle
         import uuid
 
@@ -957,9 +944,8 @@ class DcpWriter:
         from torch.distributed.checkpoint import metadata as dcp_md
 
         for f in self._streams.values():
-            f.flush()
-            os.fsync(f.fileno())
-        self.close()
+            f.close()
+        self._streams.clear()
         sdm: dict[str, Any] = {}
         storage: dict[Any, Any] = {}
         for key, t in self.tensors.items():
@@ -977,9 +963,10 @@ class DcpWriter:
         planner = {k: tuple(self.nested.get(k, [k])) for k in sdm}
         md = dcp_md.Metadata(sdm, planner_data=planner, storage_data=storage,
                              storage_meta=dcp_md.StorageMeta(save_id=str(uuid.uuid4())), version="1.0.0")
-        part = self.root / (DCP_METADATA + ".tmp")
-        with open(part, "wb") as f:
+        # on a filesystem under a temporary name, then renamed; a store's object appears whole when written
+        renames = storage_for(self.root).renames
+        name = DCP_METADATA + ".tmp" if renames else DCP_METADATA
+        with AppendStream(self.root / name) as f:
             pickle.dump(md, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(part, self.root / DCP_METADATA)
+        if renames:
+            rename_within(self.root, name, DCP_METADATA)

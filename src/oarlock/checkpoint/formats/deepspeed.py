@@ -36,7 +36,6 @@ local stand-ins, everything else is refused by torch's weights-only unpickler an
 from __future__ import annotations
 
 import math
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -47,6 +46,8 @@ from oarlock.checkpoint.errors import CheckpointFormatError
 from oarlock.checkpoint.metadata import CheckpointMetadata, ShardMeta, TensorMeta
 from oarlock.checkpoint.reader import (CheckpointReader, box_of_stored, checkpoint_file, load_weights_only,
                                        register_format)
+from oarlock.checkpoint.storage import open_read
+from oarlock.checkpoint.storage.files import list_names, local_path
 from oarlock.utils import dtype_name
 
 OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -88,14 +89,20 @@ _SAFE = [(DeepSpeedRecord, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
 
 
 def load_pt(path: Path) -> Any:
-    """``torch.load(path, weights_only=True, mmap=True)`` with DeepSpeed's classes as inert stand-ins.
+    """``torch.load(path, weights_only=True, mmap=True)`` with DeepSpeed's classes as inert stand-ins (memory-mapped
+    where the store keeps local files; an object in a store is read whole through the storage layer).
 
     Raises:
         CheckpointFormatError: missing, truncated or refused file (naming it and torch's reason).
     """
     if not path.is_file():
         raise CheckpointFormatError(f"{path}: DeepSpeed checkpoint file is missing")
-    return load_weights_only(path, path, "weights-only loadable DeepSpeed file", safe_globals=_SAFE, mmap=True)
+    what = "weights-only loadable DeepSpeed file"
+    mapped = local_path(path)
+    if mapped is not None:
+        return load_weights_only(mapped, path, what, safe_globals=_SAFE, mmap=True)
+    with open_read(path) as f:
+        return load_weights_only(f, path, what, safe_globals=_SAFE)
 
 
 def tag_directory(path: Path) -> Path | None:
@@ -108,7 +115,7 @@ def tag_directory(path: Path) -> Path | None:
     """
     def has_files(d: Path) -> bool:
         try:
-            return any(OPTIM_FILE.match(n) or MODEL_FILE.match(n) for n in os.listdir(d))
+            return any(OPTIM_FILE.match(n) or MODEL_FILE.match(n) for n in list_names(d))
         except OSError:
             return False
 
@@ -158,7 +165,7 @@ def read_deepspeed_metadata(path: Path) -> tuple[CheckpointMetadata, str]:
     if tag is None:
         raise CheckpointFormatError(f"{path}: no DeepSpeed ZeRO files (*_optim_states.pt) here or under 'latest'")
     rel = "" if tag == path else tag.name + "/"
-    names = sorted(os.listdir(tag))
+    names = sorted(list_names(tag))
     optim = {int(m.group(1)): n for n in names if (m := OPTIM_FILE.match(n))}
     mps = {int(m.group(2)) for n in names if (m := OPTIM_FILE.match(n) or MODEL_FILE.match(n))}
     if mps != {0}:

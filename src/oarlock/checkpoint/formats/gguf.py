@@ -23,9 +23,11 @@ from typing import Any
 
 import torch
 
-from oarlock.checkpoint.errors import CheckpointFormatError
+from oarlock.checkpoint.errors import CheckpointError, CheckpointFormatError
 from oarlock.checkpoint.metadata import CheckpointMetadata, ShardMeta, TensorMeta
 from oarlock.checkpoint.reader import CheckpointReader, box_of_stored, register_format
+from oarlock.checkpoint.storage.files import local_path
+from oarlock.checkpoint.storage.location import location, storage_key
 
 GGUF_MAGIC = b"GGUF"
 
@@ -56,11 +58,10 @@ SUPPORTED_ARCHITECTURES = ("llama",)
 
 def is_gguf_file(path: str | Path) -> bool:
     """True when ``path`` is a file that starts with the GGUF magic bytes."""
-    p = Path(path)
     try:
-        with open(p, "rb") as f:
-            return f.read(4) == GGUF_MAGIC
-    except OSError:
+        st, key = storage_key(path)
+        return st.read_head(key, 4)[0] == GGUF_MAGIC
+    except (OSError, CheckpointError):
         return False
 
 
@@ -102,15 +103,19 @@ class GgufFile:
     """
 
     def __init__(self, path: str | Path):
-        self.path = Path(path)
+        self.path = location(path)
         try:
             from gguf import GGUFReader
         except ImportError:
             raise CheckpointFormatError(f"{self.path}: reading GGUF needs the 'gguf' package (pip install gguf)") from None
         if not is_gguf_file(self.path):
             raise CheckpointFormatError(f"{self.path}: not a GGUF file (no GGUF magic bytes)")
+        mapped = local_path(self.path)  # the gguf package memory-maps the file
+        if mapped is None:
+            raise CheckpointFormatError(f"{self.path}: GGUF files are read memory-mapped from a local filesystem; "
+                                        "copy it to a local file first")
         try:
-            self._reader = GGUFReader(str(self.path), "r")
+            self._reader = GGUFReader(str(mapped), "r")
         except Exception as e:  # truncated files and bad offsets surface as ValueError/IndexError/struct errors
             raise CheckpointFormatError(f"{self.path}: unreadable GGUF file ({type(e).__name__}: {e})") from None
         self.fields: dict[str, Any] = {}

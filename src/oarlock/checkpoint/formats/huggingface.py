@@ -4,13 +4,13 @@ whole shard; the metadata comes from the files' headers."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from oarlock.checkpoint.errors import CheckpointFormatError
 from oarlock.checkpoint.metadata import parse_json
 from oarlock.checkpoint.formats.safetensors_file import whole_tensor_metadata
 from oarlock.checkpoint.reader import CheckpointReader, checkpoint_file, register_format
+from oarlock.checkpoint.storage.files import list_names
 
 HF_INDEX = "model.safetensors.index.json"
 HF_SINGLE = "model.safetensors"
@@ -39,7 +39,7 @@ class HuggingFaceReader(CheckpointReader):
         root = path
         index_path = root / HF_INDEX
         if not index_path.exists():
-            files = {n: root / n for n in sorted(os.listdir(root)) if n.endswith(".safetensors")}
+            files = {n: root / n for n in sorted(list_names(root)) if n.endswith(".safetensors")}
             return cls(root, whole_tensor_metadata("huggingface", files, root))
         try:
             index = parse_json(checkpoint_file(root, HF_INDEX, str(root)).read_bytes(), str(index_path))

@@ -36,6 +36,7 @@ from oarlock.checkpoint.errors import CheckpointFormatError
 from oarlock.checkpoint.formats.dcp import MEGATRON_METADATA, DcpReader, is_dcp_dir
 from oarlock.checkpoint.metadata import CheckpointMetadata
 from oarlock.checkpoint.reader import checkpoint_file, load_weights_only, register_format
+from oarlock.checkpoint.storage import open_read
 
 COMMON_FILE = "common.pt"
 
@@ -68,8 +69,11 @@ def read_common(path: Path) -> tuple[dict[str, Any], str | None]:
     if not path.is_file():
         return {}, None
     try:
-        raw = load_weights_only(path, path, "weights-only loadable common.pt",
-                                safe_globals=[(MegatronNamespace, "argparse.Namespace")])
+        with open_read(path) as f:  # through the storage layer
+            raw = load_weights_only(f, path, "weights-only loadable common.pt",
+                                    safe_globals=[(MegatronNamespace, "argparse.Namespace")])
+    except OSError as e:
+        return {}, f"{path}: cannot read: {e.strerror or e}"
     except CheckpointFormatError as e:
         return {}, str(e)
     if not isinstance(raw, dict):

@@ -4,7 +4,6 @@ unpickler of :mod:`oarlock.checkpoint.paddle`, which builds only plain container
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -12,11 +11,12 @@ from typing import Any
 import torch
 
 from oarlock.checkpoint import paddle as paddle_pickle
-from oarlock.checkpoint.errors import CheckpointFormatError
+from oarlock.checkpoint.errors import CheckpointFormatError, UnsafePickleError
 from oarlock.checkpoint.metadata import CheckpointMetadata, ShardMeta, TensorMeta
 from oarlock.checkpoint.reader import CheckpointReader, box_of_stored, checkpoint_file, register_format
 from oarlock.checkpoint.safetensors_io import np_prod
-from oarlock.utils import dtype_name, torch_dtype
+from oarlock.checkpoint.storage.files import list_names, local_path, read_file
+from oarlock.utils import dtype_name, load_allowlisted, torch_dtype
 
 PADDLE_META = re.compile(r"^(\d+)\.metadata$")
 PADDLE_DATA = re.compile(r"^(\d+)_(\d+)\.(distcp|safetensors)$")
@@ -31,6 +31,16 @@ def _flat_range(obj: Any) -> tuple[int, int] | None:
     return (fr.start, fr.stop) if isinstance(fr, slice) else (tuple(fr) if fr else None)
 
 
+def _load_pickle(path: Any) -> Any:
+    """:func:`oarlock.checkpoint.paddle.restricted_load` of a file at any location: a local file is unpickled as
+    it streams from disk (a ``.distcp`` data file may hold gigabytes), an object in a store is fetched whole
+    through the storage layer first."""
+    if local_path(path) is not None:
+        return paddle_pickle.restricted_load(path)
+    return load_allowlisted(path, paddle_pickle.RestrictedUnpickler, UnsafePickleError, CheckpointFormatError,
+                            data=read_file(path))
+
+
 def read_paddle_metadata(root: Path) -> CheckpointMetadata:
     """The metadata of the newest (largest unique id) Paddle checkpoint in ``root``.
 
@@ -38,14 +48,14 @@ def read_paddle_metadata(root: Path) -> CheckpointMetadata:
         CheckpointFormatError: mixed data kinds, a record of the wrong type, missing data files or dtypes
             oarlock does not know (naming the file and key).
     """
-    names = os.listdir(root)
+    names = list_names(root)
     uids = sorted(int(m.group(1)) for n in names if (m := PADDLE_META.match(n)))
     uid = uids[-1]  # like Paddle: the newest (largest) unique id wins
     data_kinds = {m.group(3) for n in names if (m := PADDLE_DATA.match(n)) and int(m.group(2)) == uid}
     if len(data_kinds) > 1:
         raise CheckpointFormatError(f"{root}: Paddle checkpoint {uid} mixes .distcp and .safetensors data files")
     mpath = checkpoint_file(root, f"{uid}.metadata", str(root))
-    raw = paddle_pickle.restricted_load(mpath)
+    raw = _load_pickle(mpath)
     if not isinstance(raw, paddle_pickle.PaddleMetadata):
         raise CheckpointFormatError(f"{mpath}: expected a Paddle Metadata record, found {type(raw).__name__}")
     sdm = getattr(raw, "state_dict_metadata", None) or {}
@@ -115,7 +125,7 @@ class PaddleReader(CheckpointReader):
         h = self._pickles.get(file)
         if h is None:
             p = self.path_of(file)
-            data = paddle_pickle.restricted_load(p)
+            data = _load_pickle(p)
             if not isinstance(data, dict):
                 raise CheckpointFormatError(f"{p}: expected a dict of arrays, found {type(data).__name__}")
             h = self._pickles[file] = data
