@@ -344,7 +344,7 @@ def _hf_source(d: Path) -> Path:
 
 
 def test_writeback_and_its_fallback_write_identical_files(tmp_path, writeback_calls, monkeypatch):
-    import oarlock.checkpoint.convert as convert_mod
+    import oarlock.checkpoint.convert.export as convert_mod  # the module convert_checkpoint runs in
 
     monkeypatch.setattr(convert_mod, "new_save_id", lambda: "0" * 32)  # the one varying header entry
     src = _hf_source(tmp_path / "hf")

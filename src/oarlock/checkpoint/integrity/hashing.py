@@ -85,21 +85,21 @@ def _hash_range(fd: int, start: int, end: int, block_size: int, path: Path) -> l
     size = os.fstat(fd).st_size
     if size < end:
         raise ChecksumError(f"{path}: file ends at byte {size}, the checksums cover {end} bytes")
-    return [_digest_block(fd, pos, min(block_size, end - pos)) for pos in range(start, end, block_size)]
+    return [digest_block(fd, pos, min(block_size, end - pos)) for pos in range(start, end, block_size)]
 
 
-def _digest(data: Any) -> str:
+def hex_digest(data: Any) -> str:
     return xxhash.xxh3_64_hexdigest(data)
 
 
-def _digest_block(fd: int, offset: int, nbytes: int) -> str:
+def digest_block(fd: int, offset: int, nbytes: int) -> str:
     """Hash ``nbytes`` of ``fd`` at ``offset`` through a populated mapping of just that block
     (:func:`~oarlock.checkpoint.storage.pages.mapped`): no copy, and the resident set does not grow with the
     file."""
     if nbytes == 0:
-        return _digest(b"")
+        return hex_digest(b"")
     with mapped(fd, offset, nbytes) as buf:
-        return _digest(buf)
+        return hex_digest(buf)
 
 
 def file_checksums(path: str | Path, block_size: int = BLOCK_SIZE) -> dict[str, Any]:

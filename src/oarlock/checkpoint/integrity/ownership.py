@@ -207,7 +207,7 @@ def block_owners(touched: dict[str, dict[int, int]], checksums: dict[str, FileCh
     return out
 
 
-def _whole_blocks_read(reader: Any, touched: dict[str, dict[int, int]], owned: dict[str, list[int]],
+def whole_blocks_read(reader: Any, touched: dict[str, dict[int, int]], owned: dict[str, list[int]],
                        checksums: dict[str, FileChecksums]) -> dict[str, list[int]]:
     """Blocks of objects in a store that this rank reads (almost) whole but another rank owns: hashed here too,
     so that the one fetch that verifies them also serves this rank's reads (a second rank reading a block would

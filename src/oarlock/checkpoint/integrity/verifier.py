@@ -11,7 +11,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from oarlock.checkpoint.integrity.checksums import FileChecksums
-from oarlock.checkpoint.integrity.hashing import ChecksumError, _digest, _digest_block
+from oarlock.checkpoint.integrity.hashing import ChecksumError, hex_digest, digest_block
 from oarlock.checkpoint.runtime.executor import io_threads, pool_map
 from oarlock.checkpoint.storage import storage_for
 from oarlock.checkpoint.storage.pages import opened, read_ahead
@@ -62,7 +62,7 @@ class BlockVerifier:
 
             def check(b: int) -> bool:
                 lo, hi = b * fc.block_size, min(size, (b + 1) * fc.block_size)
-                return _digest_block(fd, lo, hi - lo) == digests[b]
+                return digest_block(fd, lo, hi - lo) == digests[b]
 
             n = self.workers or io_threads()
             # xxhash releases the GIL on large inputs: blocks hash in parallel
@@ -138,7 +138,7 @@ class BlockVerifier:
             ok = []
             for b in run:
                 block = buf[b * bs - lo:b * bs - lo + fc.block_length(b)]
-                good = _digest(block) == digests[b]
+                good = hex_digest(block) == digests[b]
                 if good:  # the load's reads of this block copy these bytes instead of fetching them again
                     path.storage.keep_verified(path.key, b * bs, bs, block)
                 ok.append(good)

@@ -16,7 +16,7 @@ from typing import Any, Iterable, Sequence
 from oarlock.checkpoint.errors import CheckpointError, CheckpointFormatError
 from oarlock.checkpoint.integrity.checksums import FileChecksums, parse_checksums, prefetch_digests, recorded
 from oarlock.checkpoint.integrity.hashing import CHECKSUMS_KEY, ChecksumError
-from oarlock.checkpoint.integrity.ownership import block_bytes, block_owners, touched_blocks, _whole_blocks_read
+from oarlock.checkpoint.integrity.ownership import block_bytes, block_owners, touched_blocks, whole_blocks_read
 from oarlock.checkpoint.integrity.verifier import BlockVerifier
 from oarlock.checkpoint.model.names import METADATA_FILE
 from oarlock.checkpoint.reader import checkpoint_file
@@ -83,7 +83,7 @@ def verify_group(reader: Any, items: Iterable[Any], dist: Any, file_bytes: dict[
     that reads the largest share of it; each rank hashes the blocks it owns (:class:`BlockVerifier`), and one
     :meth:`~oarlock.checkpoint.dist.DistWrapper.check` shares the verdicts. Files a rank cannot see are skipped
     by it (another rank reads them). From an object store a rank also hashes the blocks it reads (almost) whole
-    that another rank owns, within the budget of kept blocks (:func:`_whole_blocks_read`): the fetch that
+    that another rank owns, within the budget of kept blocks (:func:`whole_blocks_read`): the fetch that
     verifies them then serves its reads. ``file_bytes``: see :func:`touched_blocks`; ``touched``: its
     result when already summed (``items`` is then not read); ``phases``: seconds of ``verify`` (this rank's
     hashing) and ``verdict`` (the wait for the group) are added to it. ``during``: a callable (the load's reads)
@@ -118,7 +118,7 @@ def verify_group(reader: Any, items: Iterable[Any], dist: Any, file_bytes: dict[
 
     def hash_owned() -> None:
         todo = {f: list(b) for f, b in owned.items()}
-        for f, b in _whole_blocks_read(reader, touched, owned, checksums).items():
+        for f, b in whole_blocks_read(reader, touched, owned, checksums).items():
             todo.setdefault(f, []).extend(b)
         verifier.read_ahead(todo)  # every file's disk reads start now, not one file after another
         prefetch_digests([checksums[f] for f in todo])

@@ -10,6 +10,10 @@ MAX_CELLS_PER_DIM = 1 << 20
 MAX_RANK = 1 << 24
 
 METADATA_FILE = "metadata.json"
+#: The header entry safetensors reserves for its metadata block: no tensor of a file can carry this name. An
+#: oarlock checkpoint stores a key spelled so under another name (metadata.json maps key -> name); formats whose
+#: tensor names are the keys (a HuggingFace directory, a single .safetensors file) cannot hold it.
+RESERVED_NAME = "__metadata__"
 SAVE_ID_HEADER = "oarlock.save_id"  # safetensors __metadata__ entry of every data file: the save it belongs to
 #: Name of the one safetensors entry of a packed data file (``docs/checkpoint-format.md``, "Packed data files"):
 #: a ``U8`` array holding, back to back, the piece of every grid- or flat-recorded tensor this file's rank writes.

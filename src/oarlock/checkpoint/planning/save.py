@@ -19,15 +19,18 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from oarlock.checkpoint.dist import DistWrapper
-from oarlock.checkpoint.grid import FlatGrid, GridLayout
-from oarlock.checkpoint.grid import data_file_name# re-exported: save.data_file_name is public
 from oarlock.checkpoint.errors import CheckpointError, CheckpointMismatchError
-from oarlock.checkpoint.metadata import SAVE_ID_HEADER, ShardMeta, TensorMeta
-from oarlock.checkpoint.plan import index_of
-from oarlock.checkpoint.safetensors_io import RESERVED_NAME
-from oarlock.checkpoint.sharded import ShardedWeight
-from oarlock.checkpoint.traversal import Leaves
+from oarlock.checkpoint.model.flatgrid import FlatGrid
+from oarlock.checkpoint.model.grid import GridLayout
+from oarlock.checkpoint.model.metadata import ShardMeta, TensorMeta
+from oarlock.checkpoint.model.names import RESERVED_NAME, SAVE_ID_HEADER, data_file_name
+from oarlock.checkpoint.model.sharded import ShardedWeight
+from oarlock.checkpoint.model.traversal import Leaves
+from oarlock.checkpoint.planning.load import index_of
+
+# ``dist`` arguments below are :class:`~oarlock.checkpoint.runtime.dist.DistWrapper` objects: planning reads a
+# rank's place in its group (rank, group membership), never communicates
+DistWrapper = Any
 from oarlock.utils import dtype_itemsize
 
 #: dtensor_grid's memo. Mesh and group are held weakly: a mesh holds its process groups (``_pg_registry``), and a
@@ -591,7 +594,7 @@ def merge_tp_layouts(per_rank: Sequence[Mapping[str, dict]]) -> dict[str, dict]:
     return out
 
 
-def _desc_tuple(sw: ShardedWeight) -> tuple:
+def desc_tuple(sw: ShardedWeight) -> tuple:
     d = sw.desc
     return (d.global_offset, d.local_shape, d.global_shape, d.dtype, d.flattened_range)
 

@@ -33,21 +33,21 @@ from oarlock.checkpoint.errors import CheckpointError
 from oarlock.checkpoint.executor import destination_view, place, source_shaped_view
 from oarlock.checkpoint.mapping import MappingProgram, box_extent
 from oarlock.checkpoint.traversal import Leaves, collect_leaves
-from oarlock.checkpoint.runtime.live_plan import (ReshardReport, _aligned, _fingerprint, _Plan, _plan,  # noqa: F401
-                                                  _quick_signature, _Recv, _row_bytes, _Send, _source_view,
-                                                  _strip_layouts)
+from oarlock.checkpoint.runtime.live_plan import (LivePlan, Recv, ReshardReport, Send, aligned_to,  # noqa: F401
+                                                  live_fingerprint, make_plan, quick_signature, row_bytes,
+                                                  source_view, strip_layouts)
 from oarlock.utils import gc_paused
 
 
 class _Mover:
     """Step 4 on one rank: local copies, then the rounds (see :mod:`oarlock.checkpoint.transfer`)."""
 
-    def __init__(self, plan: _Plan, src: Leaves, tgt: Leaves, dw: DistWrapper, verify: bool,
+    def __init__(self, plan: LivePlan, src: Leaves, tgt: Leaves, dw: DistWrapper, verify: bool,
                  report: ReshardReport, bucket_bytes: int):
         self.plan, self.src, self.tgt, self.dw, self.verify, self.report = plan, src, tgt, dw, verify, report
         self.dev = dw.comm_device()
         c = plan.chunk_bytes
-        self.out_chunks = {r: transfer.cut_stream([s.nbytes for s in ss], c, units=[_row_bytes(s.box, s.dtype)
+        self.out_chunks = {r: transfer.cut_stream([s.nbytes for s in ss], c, units=[row_bytes(s.box, s.dtype)
                                                                                       for s in ss])
                            for r, ss in plan.sends.items()}
         self.in_chunks = {r: transfer.cut_stream([x.nbytes for x in xs], c, units=[self._unit(x) for x in xs])
@@ -59,17 +59,17 @@ class _Mover:
         self.recv_staging = 0  # the same for receive buffers
         self.bucket_bytes = bucket_bytes
 
-    def _unit(self, x: _Recv) -> int:
-        return _row_bytes(x.item.src_box, self.tgt.shards[x.leaf].local_tensor.dtype)
+    def _unit(self, x: Recv) -> int:
+        return row_bytes(x.item.src_box, self.tgt.shards[x.leaf].local_tensor.dtype)
 
     # -- sender side
-    def _slice_rows(self, s: _Send, a: int, b: int) -> torch.Tensor:
+    def _slice_rows(self, s: Send, a: int, b: int) -> torch.Tensor:
         """Bytes ``[a, b)`` of a slice's stream form (row-aligned for slices that travel alone; the whole slice
         otherwise), cast and gathered into contiguous memory only when it has to be (counted as staging)."""
-        v = _source_view(self.src.shards[s.leaf].local_tensor, s.flat_start, s.shape, s.box)
+        v = source_view(self.src.shards[s.leaf].local_tensor, s.flat_start, s.shape, s.box)
         whole = a == 0 and b == s.nbytes
         if not whole:
-            u = _row_bytes(s.box, s.dtype)
+            u = row_bytes(s.box, s.dtype)
             v = v[a // u:b // u]
         src = v
         if v.dtype != s.dtype:
@@ -81,11 +81,11 @@ class _Mover:
             self.staging += out.numel()  # a cast, a device move or a gather of a strided slice
         return out
 
-    def _small_bytes(self, r: int, i: int, s: _Send) -> torch.Tensor:
+    def _small_bytes(self, r: int, i: int, s: Send) -> torch.Tensor:
         """The whole stream form of a small slice (packed with others), kept while it straddles two chunks."""
         got = self.packed.get((r, i))
         if got is None:
-            v = _source_view(self.src.shards[s.leaf].local_tensor, s.flat_start, s.shape, s.box)
+            v = source_view(self.src.shards[s.leaf].local_tensor, s.flat_start, s.shape, s.box)
             got = self.packed[(r, i)] = transfer.as_bytes(v.to(device=self.dev, dtype=s.dtype).contiguous())
         return got
 
@@ -116,7 +116,7 @@ class _Mover:
         return out
 
     # -- receiver side
-    def _direct(self, x: _Recv) -> torch.Tensor | None:
+    def _direct(self, x: Recv) -> torch.Tensor | None:
         """The target's bytes this slice fills, when they are contiguous and need no permutation."""
         t = self.tgt.shards[x.leaf].local_tensor
         if x.item.permute is not None or t.device != self.dev:
@@ -163,7 +163,7 @@ class _Mover:
             if not whole and x.nbytes >= transfer.ALONE_BYTES and x.item.permute is None:
                 u = self._unit(x)  # whole rows of a big slice: straight into their rows of the target
                 rows = source_shaped_view(x.item, t)[sg.start // u:sg.stop // u]
-                rows.copy_(_aligned(part, t).view(t.dtype).view(rows.shape))
+                rows.copy_(aligned_to(part, t).view(t.dtype).view(rows.shape))
                 continue
             st = part if whole else self.staged.get((s, sg.index))
             if st is None:
@@ -172,7 +172,7 @@ class _Mover:
                 st[sg.start:sg.stop].copy_(part)
             if sg.stop == x.nbytes:
                 self.staged.pop((s, sg.index), None)
-                place(_aligned(st, t).view(t.dtype).view(box_extent(x.item.src_box)), x.item, t)
+                place(aligned_to(st, t).view(t.dtype).view(box_extent(x.item.src_box)), x.item, t)
 
     # -- the whole transfer
     def run(self) -> None:
@@ -217,7 +217,7 @@ class _Mover:
             fill()
             local = 0
             for s, x in self.plan.local:  # while the first rounds travel
-                v = _source_view(self.src.shards[s.leaf].local_tensor, s.flat_start, s.shape, s.box)
+                v = source_view(self.src.shards[s.leaf].local_tensor, s.flat_start, s.shape, s.box)
                 t = self.tgt.shards[x.leaf].local_tensor
                 place(v if v.dtype == t.dtype else v.to(t.dtype), x.item, t)
                 local += x.nbytes
@@ -271,7 +271,7 @@ class WeightSync:
         self.sources, self.targets = sources, targets
         self.process_group, self.aoa_config, self.program = process_group, aoa_config, program
         self.strict, self.bucket_bytes, self.verify = strict, bucket_bytes, verify
-        self._plan: _Plan | None = None
+        self._plan: LivePlan | None = None
         self._described: tuple | None = None  # (quick signature, (source leaves, target leaves, fingerprint))
         self.plan_reused = False
         self.torn = False
@@ -294,16 +294,16 @@ class WeightSync:
         dw = transfer.wrapper_for(self.process_group)
         with gc_paused():
             settings = (repr(self.aoa_config), id(self.program), self.strict, self.bucket_bytes, self.verify)
-            quick = (_quick_signature(self.sources), _quick_signature(self.targets), id(self.process_group),
+            quick = (quick_signature(self.sources), quick_signature(self.targets), id(self.process_group),
                      settings)
             if self._described is not None and self._described[0] == quick:
                 src, tgt, fp = self._described[1]  # the same tensor objects as last run: described already
             else:
                 src, tgt = collect_leaves(self.sources), collect_leaves(self.targets)
                 if isinstance(dw, transfer.PeerDistWrapper):
-                    _strip_layouts(src)
-                    _strip_layouts(tgt)
-                fp = _fingerprint(src, tgt, dw, settings)
+                    strip_layouts(src)
+                    strip_layouts(tgt)
+                fp = live_fingerprint(src, tgt, dw, settings)
                 self._described = (quick, (src, tgt, fp))
             same = self._plan is not None and self._plan.fingerprint == fp
             try:
@@ -313,7 +313,8 @@ class WeightSync:
                                       f"{type(e).__name__}: {e}") from e
             if not reuse:
                 self._plan = None
-                self._plan = _plan(src, tgt, dw, self.aoa_config, self.program, self.strict, self.bucket_bytes, fp)
+                self._plan = make_plan(src, tgt, dw, self.aoa_config, self.program, self.strict, self.bucket_bytes,
+                                       fp)
         plan = self._plan
         rep = ReshardReport(list(plan.missing), list(plan.unexpected), list(plan.skipped), plan_reused=reuse)
         rep.plan_seconds = time.perf_counter() - t0

@@ -67,7 +67,7 @@ class ReshardReport:
 # ---------------------------------------------------------------- the plan of one rank
 
 @dataclass
-class _Send:
+class Send:
     """A slice this rank sends: ``leaf`` (index into its source shards), the stored piece's flat start and
     shape, the box inside it, the wire dtype, its bytes."""
 
@@ -81,7 +81,7 @@ class _Send:
 
 
 @dataclass
-class _Recv:
+class Recv:
     """A slice this rank receives: target ``leaf``, its read item (cast already done by the sender), bytes."""
 
     leaf: int
@@ -90,18 +90,18 @@ class _Recv:
 
 
 @dataclass
-class _Plan:
+class LivePlan:
     fingerprint: str
-    sends: dict[int, list[_Send]]
-    recvs: dict[int, list[_Recv]]
-    local: list[tuple[_Send, _Recv]]
+    sends: dict[int, list[Send]]
+    recvs: dict[int, list[Recv]]
+    local: list[tuple[Send, Recv]]
     chunk_bytes: int
     missing: list[str]
     unexpected: list[str]
     skipped: list[str]
 
 
-def _strip_layouts(leaves: Leaves) -> None:
+def strip_layouts(leaves: Leaves) -> None:
     """Forget DTensor meshes and flat partitions (their ranks are the job's own, not a joined group's): the
     shards are then described one by one, which is always right."""
     for sw in leaves.shards:
@@ -109,7 +109,7 @@ def _strip_layouts(leaves: Leaves) -> None:
         sw.flat_partition = None
 
 
-def _fingerprint(src: Leaves, tgt: Leaves, dw: DistWrapper, settings: tuple) -> str:
+def live_fingerprint(src: Leaves, tgt: Leaves, dw: DistWrapper, settings: tuple) -> str:
     """SHA-256 over what a plan depends on: every shard's key, dtype, global shape, box, flat range, device and
     placements on both sides, the group, and the settings."""
     meshes: dict[int, str] = {}  # DeviceMesh.mesh is rebuilt on every access (0.1 ms): once per mesh and call
@@ -142,7 +142,7 @@ def _fingerprint(src: Leaves, tgt: Leaves, dw: DistWrapper, settings: tuple) -> 
     return hashlib.sha256(json.dumps(doc, default=repr).encode()).hexdigest()
 
 
-def _quick_signature(state: Any) -> list:
+def quick_signature(state: Any) -> list:
     """Identity of every tensor leaf and its storage (object, data pointer, shape, dtype): equal signatures mean
     the same tensors as last run, so their descriptions (and the fingerprint) still hold. A DTensor's placements
     cannot change without a new DTensor object."""
@@ -208,19 +208,19 @@ def _describe_sources(src: Leaves, dw: DistWrapper) -> CheckpointMetadata:
     return CheckpointMetadata.from_json(doc, source="the live sources' layout")
 
 
-def _source_view(t: torch.Tensor, flat_start: int, shape: tuple[int, ...], box: tuple) -> torch.Tensor:
+def source_view(t: torch.Tensor, flat_start: int, shape: tuple[int, ...], box: tuple) -> torch.Tensor:
     """``box`` of the stored piece of ``shape`` that starts ``flat_start`` elements into local tensor ``t``."""
     if flat_start or t.dim() != len(shape):
         t = t.reshape(-1)[flat_start:flat_start + numel(shape)].view(shape)
     return t[box_slices(box)]
 
 
-def _row_bytes(box: tuple, dtype: torch.dtype) -> int:
+def row_bytes(box: tuple, dtype: torch.dtype) -> int:
     """Bytes of one row (the trailing dims) of a slice with ``box``: the unit a big slice's chunks are cut in."""
     return numel(b - a for a, b in box[1:]) * dtype.itemsize if box else dtype.itemsize
 
 
-def _aligned(buf: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+def aligned_to(buf: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """``buf`` (bytes) where it can be viewed as ``t``'s dtype: copied when it starts at an odd offset (a slice
     packed after an odd-sized one)."""
     return buf.clone() if buf.data_ptr() % t.element_size() else buf
@@ -239,7 +239,7 @@ def _encode(items: list[tuple[ReadItem, torch.dtype]], key_ids: dict[str, int], 
 
 
 def _decode(words: list[int], peer: int, keys: list[str], meta: CheckpointMetadata, local: dict,
-            src: Leaves, me: int) -> list[_Send]:
+            src: Leaves, me: int) -> list[Send]:
     """A request from receiver ``peer``, checked against what this rank holds (a peer is never trusted with an
     index: every key, shard, range and box is bounds-checked).
 
@@ -248,7 +248,7 @@ def _decode(words: list[int], peer: int, keys: list[str], meta: CheckpointMetada
     """
     from oarlock.checkpoint.grid import data_file_name
 
-    out: list[_Send] = []
+    out: list[Send] = []
     i, n = 0, len(words)
     mine = data_file_name(me)
 
@@ -283,12 +283,12 @@ def _decode(words: list[int], peer: int, keys: list[str], meta: CheckpointMetada
                       f"lies outside the {t.numel()} elements held")
         box = tuple(zip(lo, hi))
         dt = torch_dtype(_WIRE_DTYPES[did])
-        out.append(_Send(leaf, key, flat, shape, box, dt, box_volume(box) * dt.itemsize))
+        out.append(Send(leaf, key, flat, shape, box, dt, box_volume(box) * dt.itemsize))
     return out
 
 
-def _plan(src: Leaves, tgt: Leaves, dw: DistWrapper, aoa_config: Any, program: MappingProgram | None,
-          strict: bool, bucket_bytes: int, fingerprint: str) -> _Plan:
+def make_plan(src: Leaves, tgt: Leaves, dw: DistWrapper, aoa_config: Any, program: MappingProgram | None,
+          strict: bool, bucket_bytes: int, fingerprint: str) -> LivePlan:
     """Collective: steps 1-3 of the module docstring. Raises on every rank alike, before any target byte is
     written (mismatched shapes or dtypes, missing or unexpected keys under ``strict``, bad AOA)."""
     from oarlock.checkpoint.load import (compile_aoa_for_load, destination_request, fmt_keys, gather_requests,
@@ -347,19 +347,19 @@ def _plan(src: Leaves, tgt: Leaves, dw: DistWrapper, aoa_config: Any, program: M
         return idx[name]
 
     # what this rank receives, by sender; the slices it holds itself are copied
-    recvs: dict[int, list[_Recv]] = {}
+    recvs: dict[int, list[Recv]] = {}
     wanted: dict[int, list[tuple[ReadItem, torch.dtype]]] = {}
     for leaf, it in sorted(state["items"], key=lambda x: (rank_of_file(x[1].file), x[1].src_key, x[1].name,
                                                           x[1].src_flat_start, x[1].src_box, x[0])):
         sender = rank_of_file(it.file)
         dt = tgt.shards[leaf].local_tensor.dtype
-        recvs.setdefault(sender, []).append(_Recv(leaf, it._replace(dtype=None), it.numel * dt.itemsize))
+        recvs.setdefault(sender, []).append(Recv(leaf, it._replace(dtype=None), it.numel * dt.itemsize))
         wanted.setdefault(sender, []).append((it, dt))
     words = {s: _encode(w, key_ids, shard_ids) for s, w in wanted.items()}
     local_index = _local_index(src, meta)
     me = dw.rank
 
-    def exchange() -> dict[int, list[_Send]]:
+    def exchange() -> dict[int, list[Send]]:
         counts = transfer.all_to_all_counts(dw, [len(words.get(r, ())) if r != me else 0 for r in range(dw.size)])
         dev = dw.comm_device()
         out_bufs = [(torch.tensor(words[r], dtype=torch.int64, device=dev), r) for r in sorted(words)
@@ -376,7 +376,7 @@ def _plan(src: Leaves, tgt: Leaves, dw: DistWrapper, aoa_config: Any, program: M
     local = list(zip(sends.pop(me, []), recvs.pop(me, [])))
     fan = max(len(sends), len(recvs))
     fan = int(dw.all_max_tensor(torch.tensor([fan], dtype=torch.int64))[0]) if dw.active else fan
-    return _Plan(fingerprint, sends, recvs, local, transfer.chunk_bytes_for(bucket_bytes, fan), missing,
+    return LivePlan(fingerprint, sends, recvs, local, transfer.chunk_bytes_for(bucket_bytes, fan), missing,
                  unexpected, skipped)
 
 

@@ -32,7 +32,7 @@ from oarlock.checkpoint.safetensors_io import write_safetensors
 from oarlock.checkpoint.storage import commit_for, location
 from oarlock.checkpoint.traversal import Leaves, collect_leaves
 from oarlock.checkpoint.planning.save import (RankRecord, SHARDS_DIGEST_HEADER, SHARDS_HEADER, SaveLayout, SavePlan,
-                                              TP_LAYOUTS_KEY, WORLD_HEADER, _desc_tuple, assign_writes, build_layout,
+                                              TP_LAYOUTS_KEY, WORLD_HEADER, desc_tuple, assign_writes, build_layout,
                                               describe_rank, dtensor_grid, flat_partition_grid, local_tensors,
                                               merge_tp_layouts, new_save_id, shard_header, shard_id, shard_record,
                                               sharded_weight_record, shards_digest, stored_name, write_order)
@@ -366,7 +366,7 @@ def write_and_commit(plan: SavePlan, local: Mapping[Any, torch.Tensor], process_
         data = {i: local[i] if i in local else local[i[0]] for i in ids}
         by_name = {stored[i]: i for i in ids}
         hasher = BlockHasher()
-        header = shard_header([(stored[i], *_desc_tuple(mine[i])) for i in ids], plan.world, plan.save_id,
+        header = shard_header([(stored[i], *desc_tuple(mine[i])) for i in ids], plan.world, plan.save_id,
                               digest=bool(packed))
         write_safetensors(tmp / file, {stored[i]: data[i] for i in named}, metadata=header, hasher=hasher,
                           packed={stored[i]: data[i] for i in packed},

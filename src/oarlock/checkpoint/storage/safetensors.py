@@ -31,15 +31,12 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from oarlock.checkpoint.errors import CheckpointError, CheckpointFormatError
+from oarlock.checkpoint.model.names import RESERVED_NAME
 from oarlock.checkpoint.storage.backend import pread_into
 from oarlock.checkpoint.storage.location import is_object_path
 from oarlock.utils import dtype_itemsize, dtype_name, numel, safetensors_code, submit, torch_dtype
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
-#: The header entry safetensors reserves for its metadata block: no tensor of a file can carry this name. An
-#: oarlock checkpoint stores a key spelled so under another name (metadata.json maps key -> name); formats whose
-#: tensor names are the keys (a HuggingFace directory, a single .safetensors file) cannot hold it.
-RESERVED_NAME = "__metadata__"
 SUPPORTED_CODES = "F64 F32 F16 BF16 F8_E4M3 F8_E5M2 I64 I32 I16 I8 U64 U32 U16 U8 BOOL C64"
 
 
