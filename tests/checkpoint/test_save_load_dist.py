@@ -72,7 +72,7 @@ def test_saved_layout_and_inspect(launched, capsys):
 
 
 _RELEASE_SCRIPT = '''
-import gc, os, sys, weakref
+import gc, importlib, os, sys, weakref
 import torch, torch.distributed as dist, torch.multiprocessing as mp
 
 
@@ -80,7 +80,7 @@ def worker(rank, port, root):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     from oarlock.checkpoint import ShardedWeight, load_state_dict, save_state_dict
-    asy = sys.modules["oarlock.checkpoint.async_save"]  # the package's attribute of that name is the function
+    asy = importlib.import_module("oarlock.checkpoint.async_save")  # the package's attribute of that name is the function
     full = torch.arange(24.0).reshape(6, 4)
     sd = {"w": ShardedWeight("w", full[rank * 3:rank * 3 + 3].clone(), (3, 4), (6, 4), (rank * 3, 0)), "step": 7}
     save_state_dict(sd, root + "/async", async_save=True).wait()
@@ -122,7 +122,7 @@ def test_destroy_process_group_frees_the_group_after_saves_and_loads(tmp_path):
 
 
 _DESTROY_DURING_SAVE = '''
-import os, sys, time
+import importlib, os, sys, time
 import torch, torch.distributed as dist, torch.multiprocessing as mp
 
 
@@ -130,7 +130,7 @@ def worker(rank, port, root):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     from oarlock.checkpoint import ShardedWeight, save_state_dict
-    asy = sys.modules["oarlock.checkpoint.async_save"]
+    asy = importlib.import_module("oarlock.checkpoint.async_save")
     real = asy.write_and_commit
 
     def late(*a, **k):  # the write starts after the script destroyed the group (a slow disk, a big state)

@@ -11,12 +11,12 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Mapping, Sequence
 
-from oarlock.checkpoint.async_save import async_save as _async_save
-from oarlock.checkpoint.async_save import wait_pending
-from oarlock.checkpoint.executor import LoadReport
-from oarlock.checkpoint.load import run_load
-from oarlock.checkpoint.mapping import MappingProgram
-from oarlock.checkpoint.save import local_tensors, prepare_save, write_and_commit
+from oarlock.checkpoint.lifecycle.async_save import async_save as _async_save
+from oarlock.checkpoint.lifecycle.async_save import wait_pending
+from oarlock.checkpoint.runtime.executor import LoadReport
+from oarlock.checkpoint.runtime.load import run_load
+from oarlock.checkpoint.model.mapping import MappingProgram
+from oarlock.checkpoint.runtime.save import local_tensors, prepare_save, write_and_commit
 
 __all__ = ["LoadReport", "load_state_dict", "save_state_dict"]
 

@@ -89,7 +89,7 @@ def aoa_config_for(config: Any) -> dict[str, Any]:
     (an HF ``config.json`` path or directory, a dict, or a transformers config): the ``vllm_*`` preset of its
     ``model_type`` (``oarlock aoa explain --preset vllm_llama ...`` shows it), as the plain
     ``{"aoa_statements": [...], "aoa_config_reverse": False}`` both sides of a sync use."""
-    from oarlock.checkpoint.presets import preset
+    from oarlock.checkpoint.aoa.presets import preset
 
     cfg = preset("vllm", config)
     return {"aoa_statements": list(cfg["aoa_statements"]), "aoa_config_reverse": False}
@@ -100,7 +100,7 @@ def with_casts(aoa_config: Any, sources: Mapping[str, Any], dtype: str) -> dict[
     state dict: fp32 master weights into a bf16 engine). The cast happens on the way (each sender casts the slices
     it sends); no full tensor is converted."""
     from oarlock.checkpoint.aoa import compile_aoa
-    from oarlock.checkpoint.mapping import TensorSpec
+    from oarlock.checkpoint.model.mapping import TensorSpec
     from oarlock.utils import dtype_name
 
     if isinstance(aoa_config, Mapping):

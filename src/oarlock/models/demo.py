@@ -328,7 +328,7 @@ def _phase_a(rank: int, world: int, port: int, s: DemoSettings, hf_dir: str, out
         from safetensors.torch import load_file
 
         from oarlock.checkpoint import load_state_dict, save_state_dict, sharded_state_dict
-        from oarlock.checkpoint.optim import sharded_optimizer_state_dict
+        from oarlock.checkpoint.lifecycle.optim import sharded_optimizer_state_dict
         device = _init(rank, world, port)
         hf_cfg = json.loads((Path(hf_dir) / "config.json").read_text())
         cfg, layout, model = _build_model(hf_cfg, s.layout_a, device, s.cp_method)
@@ -371,7 +371,7 @@ def _phase_b(rank: int, world: int, port: int, s: DemoSettings, hf_dir: str, out
         from safetensors.torch import load_file
 
         from oarlock.checkpoint import export_hf_sharded, sharded_state_dict
-        from oarlock.checkpoint.optim import load_sharded_optimizer_state_dict
+        from oarlock.checkpoint.lifecycle.optim import load_sharded_optimizer_state_dict
         from oarlock.models.llama import hf_export_aoa_config, tp_relayout_aoa_config
 
         device = _init(rank, world, port)

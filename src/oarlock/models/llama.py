@@ -526,7 +526,7 @@ def hf_aoa_config(config: LlamaConfig, *, prefix: str = "model.") -> list[str]:
     language: docs/aoa.md). Use with ``aoa_config_reverse=True`` or :func:`hf_export_aoa_config` for the other
     direction.
     """
-    from oarlock.checkpoint.presets import statements
+    from oarlock.checkpoint.aoa.presets import statements
 
     return statements(*_hf_table(config, prefix))
 
@@ -534,7 +534,7 @@ def hf_aoa_config(config: LlamaConfig, *, prefix: str = "model.") -> list[str]:
 def hf_export_aoa_config(config: LlamaConfig, *, prefix: str = "model.") -> list[str]:
     """AOA statements exporting :class:`Llama` keys to HF keys: the explicit inverse of :func:`hf_aoa_config`,
     generated from the same preset table rows."""
-    from oarlock.checkpoint.presets import export_statements
+    from oarlock.checkpoint.aoa.presets import export_statements
 
     return export_statements(*_hf_table(config, prefix))
 

@@ -277,7 +277,7 @@ def _apply_tensor_parallel(model: Llama, tp_mesh: Any) -> None:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from oarlock.checkpoint.sharded import TP_LAYOUT_ATTR
+    from oarlock.checkpoint.model.sharded import TP_LAYOUT_ATTR
 
     tp = tp_mesh.size()
     with torch.no_grad():  # degree-tp fused_ffn layout so each rank's contiguous shard is [gate_r | up_r]

@@ -213,7 +213,7 @@ def diff_checkpoints(a: str | Path, b: str | Path, *, rtol: float = 0.0, atol: f
     from oarlock.checkpoint.aoa.layout import recorded_layouts
     from oarlock.checkpoint.convert import compile_program, read_destination
     from oarlock.checkpoint.planning.load import Planner
-    from oarlock.checkpoint.storage import open_checkpoint
+    from oarlock.checkpoint.formats.opening import open_checkpoint
 
     from oarlock.checkpoint.convert import strip_model_prefix
 

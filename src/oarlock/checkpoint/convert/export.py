@@ -35,18 +35,19 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
-from oarlock.checkpoint.dist import DistWrapper
+from oarlock.checkpoint.runtime.dist import DistWrapper
 from oarlock.checkpoint.errors import CheckpointError
-from oarlock.checkpoint.executor import execute_items, io_threads, pool_map
+from oarlock.checkpoint.runtime.executor import execute_items, io_threads, pool_map
 from oarlock.checkpoint.convert.full import full_state_dict
 from oarlock.checkpoint.integrity import CHECKSUMS_KEY, BlockHasher, make_record, verify_all_blocks, write_digests
-from oarlock.checkpoint.hf import HF_INDEX, HF_SINGLE, save_hf_checkpoint, write_hf_index
-from oarlock.checkpoint.metadata import OPTIMIZER_KEYS_EXTRA, CheckpointMetadata
-from oarlock.checkpoint.plan import Planner, index_of
-from oarlock.checkpoint.reader import CheckpointReader
-from oarlock.checkpoint.safetensors_io import SafetensorsWriter, contiguous_run
-from oarlock.checkpoint.save import assign_writes, check_destination, data_file_name, new_save_id, shard_header
-from oarlock.checkpoint.sharded import ShardDesc
+from oarlock.checkpoint.formats.huggingface_writer import HF_INDEX, HF_SINGLE, save_hf_checkpoint, write_hf_index
+from oarlock.checkpoint.model.metadata import OPTIMIZER_KEYS_EXTRA, CheckpointMetadata
+from oarlock.checkpoint.planning.load import Planner, index_of
+from oarlock.checkpoint.formats.reader import CheckpointReader
+from oarlock.checkpoint.storage.safetensors import SafetensorsWriter, contiguous_run
+from oarlock.checkpoint.runtime.save import (assign_writes, check_destination, data_file_name, new_save_id,
+                                             shard_header)
+from oarlock.checkpoint.model.sharded import ShardDesc
 from oarlock.checkpoint.storage import check_destination as storage_check_destination
 from oarlock.checkpoint.storage import copy_file, location, publish_directory, staged_directory
 from oarlock.checkpoint.formats.opening import open_checkpoint

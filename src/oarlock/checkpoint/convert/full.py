@@ -13,7 +13,7 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-from oarlock.checkpoint.dist import DistWrapper
+from oarlock.checkpoint.runtime.dist import DistWrapper
 from oarlock.checkpoint.errors import CheckpointError
 from oarlock.checkpoint.model.boxes import (Box, box_intersection, box_shift, box_slices, box_volume,
                                             flat_range_boxes, full_box, make_box)

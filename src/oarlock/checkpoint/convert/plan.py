@@ -12,14 +12,15 @@ from typing import Any, Mapping, Sequence
 
 
 from oarlock.checkpoint.errors import CheckpointError
-from oarlock.checkpoint.hf import HF_INDEX, hf_shard_names, parse_size, reserved_hf_key_message
-from oarlock.checkpoint.mapping import IdentityProgram, MappingProgram, TensorSpec
-from oarlock.checkpoint.metadata import (ALGORITHM_KEY, METADATA_FILE, PARAM_GROUPS_KEY, CheckpointMetadata,
-                                         key_selected, parse_json)
-from oarlock.checkpoint.plan import source_specs
-from oarlock.checkpoint.reader import checkpoint_file
-from oarlock.checkpoint.safetensors_io import RESERVED_NAME
-from oarlock.checkpoint.save import assign_writes
+from oarlock.checkpoint.formats.huggingface_writer import (HF_INDEX, hf_shard_names, parse_size,
+                                                           reserved_hf_key_message)
+from oarlock.checkpoint.model.mapping import IdentityProgram, MappingProgram, TensorSpec
+from oarlock.checkpoint.model.metadata import (ALGORITHM_KEY, METADATA_FILE, PARAM_GROUPS_KEY, CheckpointMetadata,
+                                               key_selected, parse_json)
+from oarlock.checkpoint.planning.load import source_specs
+from oarlock.checkpoint.formats.reader import checkpoint_file
+from oarlock.checkpoint.storage.safetensors import RESERVED_NAME
+from oarlock.checkpoint.runtime.save import assign_writes
 from oarlock.checkpoint.storage import location, storage_key
 from oarlock.checkpoint.formats.opening import open_checkpoint
 from oarlock.utils import dtype_itemsize, numel, stage_of_layer

@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from oarlock.checkpoint.reader import CheckpointReader, registered_formats
+from oarlock.checkpoint.formats.reader import CheckpointReader, registered_formats
 
 _loaded = False
 

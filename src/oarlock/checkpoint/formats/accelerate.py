@@ -29,8 +29,8 @@ from pathlib import Path
 
 from oarlock.checkpoint.errors import CheckpointFormatError
 from oarlock.checkpoint.formats.dcp import DcpEntry, DcpReader, is_dcp_dir, parse_dcp_metadata, regroup_list_objects
-from oarlock.checkpoint.metadata import CheckpointMetadata, ShardMeta
-from oarlock.checkpoint.reader import checkpoint_file, register_format
+from oarlock.checkpoint.model.metadata import CheckpointMetadata, ShardMeta
+from oarlock.checkpoint.formats.reader import checkpoint_file, register_format
 from oarlock.checkpoint.storage.files import list_names
 from oarlock.checkpoint.storage.location import location
 

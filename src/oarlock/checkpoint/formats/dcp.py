@@ -38,10 +38,10 @@ from typing import Any
 import torch
 
 from oarlock.checkpoint.errors import CheckpointError, CheckpointFormatError, UnsafePickleError
-from oarlock.checkpoint.metadata import CheckpointMetadata, ShardMeta, TensorMeta
-from oarlock.checkpoint.reader import (CheckpointReader, box_of_stored, checkpoint_file, load_weights_only,
-                                       register_format)
-from oarlock.checkpoint.safetensors_io import MAX_HEADER_BYTES, SafetensorsFile, contiguous_run, np_prod
+from oarlock.checkpoint.model.metadata import CheckpointMetadata, ShardMeta, TensorMeta
+from oarlock.checkpoint.formats.reader import (CheckpointReader, box_of_stored, checkpoint_file, load_weights_only,
+                                               register_format)
+from oarlock.checkpoint.storage.safetensors import MAX_HEADER_BYTES, SafetensorsFile, contiguous_run, np_prod
 from oarlock.checkpoint.storage import rename_within
 from oarlock.checkpoint.storage.files import AppendStream, RangedFile, list_names, read_file
 from oarlock.checkpoint.storage.location import location, storage_for, storage_key

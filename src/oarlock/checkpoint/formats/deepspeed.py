@@ -43,9 +43,9 @@ from typing import Any
 import torch
 
 from oarlock.checkpoint.errors import CheckpointFormatError
-from oarlock.checkpoint.metadata import CheckpointMetadata, ShardMeta, TensorMeta
-from oarlock.checkpoint.reader import (CheckpointReader, box_of_stored, checkpoint_file, load_weights_only,
-                                       register_format)
+from oarlock.checkpoint.model.metadata import CheckpointMetadata, ShardMeta, TensorMeta
+from oarlock.checkpoint.formats.reader import (CheckpointReader, box_of_stored, checkpoint_file, load_weights_only,
+                                               register_format)
 from oarlock.checkpoint.storage import open_read
 from oarlock.checkpoint.storage.files import list_names, local_path
 from oarlock.utils import dtype_name

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from oarlock.checkpoint.errors import CheckpointError, CheckpointFormatError
-from oarlock.checkpoint.metadata import CheckpointMetadata, ShardMeta, TensorMeta
-from oarlock.checkpoint.reader import CheckpointReader, box_of_stored, register_format
+from oarlock.checkpoint.model.metadata import CheckpointMetadata, ShardMeta, TensorMeta
+from oarlock.checkpoint.formats.reader import CheckpointReader, box_of_stored, register_format
 from oarlock.checkpoint.storage.files import local_path
 from oarlock.checkpoint.storage.location import location, storage_key
 

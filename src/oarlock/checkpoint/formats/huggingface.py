@@ -7,9 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from oarlock.checkpoint.errors import CheckpointFormatError
-from oarlock.checkpoint.metadata import parse_json
+from oarlock.checkpoint.model.metadata import parse_json
 from oarlock.checkpoint.formats.safetensors_file import whole_tensor_metadata
-from oarlock.checkpoint.reader import CheckpointReader, checkpoint_file, register_format
+from oarlock.checkpoint.formats.reader import CheckpointReader, checkpoint_file, register_format
 from oarlock.checkpoint.storage.files import list_names
 
 HF_INDEX = "model.safetensors.index.json"

@@ -34,8 +34,8 @@ import torch
 
 from oarlock.checkpoint.errors import CheckpointFormatError
 from oarlock.checkpoint.formats.dcp import MEGATRON_METADATA, DcpReader, is_dcp_dir
-from oarlock.checkpoint.metadata import CheckpointMetadata
-from oarlock.checkpoint.reader import checkpoint_file, load_weights_only, register_format
+from oarlock.checkpoint.model.metadata import CheckpointMetadata
+from oarlock.checkpoint.formats.reader import checkpoint_file, load_weights_only, register_format
 from oarlock.checkpoint.storage import open_read
 
 COMMON_FILE = "common.pt"

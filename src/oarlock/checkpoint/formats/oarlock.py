@@ -8,8 +8,8 @@ from pathlib import Path
 
 from oarlock.checkpoint.errors import CheckpointError, CheckpointFormatError
 from oarlock.checkpoint.storage.location import storage_for, storage_key
-from oarlock.checkpoint.metadata import METADATA_FILE, CheckpointMetadata, parse_json
-from oarlock.checkpoint.reader import CheckpointReader, checkpoint_file, register_format
+from oarlock.checkpoint.model.metadata import METADATA_FILE, CheckpointMetadata, parse_json
+from oarlock.checkpoint.formats.reader import CheckpointReader, checkpoint_file, register_format
 
 
 DATA_FILE = re.compile(r"^rank-\d{5,}\.safetensors$")

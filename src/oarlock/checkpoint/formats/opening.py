@@ -19,8 +19,8 @@ import os
 
 from oarlock.checkpoint.errors import CheckpointFormatError
 from oarlock.checkpoint.formats import load_formats
-from oarlock.checkpoint.metadata import CheckpointMetadata
-from oarlock.checkpoint.reader import CheckpointReader
+from oarlock.checkpoint.model.metadata import CheckpointMetadata
+from oarlock.checkpoint.formats.reader import CheckpointReader
 from oarlock.checkpoint.runtime.view import View
 from oarlock.checkpoint.storage import INCOMPLETE_MARKER, detect_format, location
 
@@ -61,7 +61,7 @@ def open_checkpoint(path: str | os.PathLike, *, view: View | None = None, rank: 
             reader.close()
             raise CheckpointFormatError(f"{p}: checkpoint files are not complete: {', '.join(unseen[:5])}"
                                         f"{' ...' if len(unseen) > 5 else ''} visible to no rank")
-    from oarlock.checkpoint.metadata import mark_training_layout
+    from oarlock.checkpoint.model.metadata import mark_training_layout
 
     mark_training_layout(reader.metadata)  # torch's {"model", "optim"} / torchtitan's entries: what is not weights
     return reader

@@ -10,11 +10,11 @@ from typing import Any
 
 import torch
 
-from oarlock.checkpoint import paddle as paddle_pickle
+from oarlock.checkpoint.formats import paddle_pickle as paddle_pickle
 from oarlock.checkpoint.errors import CheckpointFormatError, UnsafePickleError
-from oarlock.checkpoint.metadata import CheckpointMetadata, ShardMeta, TensorMeta
-from oarlock.checkpoint.reader import CheckpointReader, box_of_stored, checkpoint_file, register_format
-from oarlock.checkpoint.safetensors_io import np_prod
+from oarlock.checkpoint.model.metadata import CheckpointMetadata, ShardMeta, TensorMeta
+from oarlock.checkpoint.formats.reader import CheckpointReader, box_of_stored, checkpoint_file, register_format
+from oarlock.checkpoint.storage.safetensors import np_prod
 from oarlock.checkpoint.storage.files import list_names, local_path, read_file
 from oarlock.utils import dtype_name, load_allowlisted, torch_dtype
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from oarlock.checkpoint.errors import CheckpointFormatError
-from oarlock.checkpoint.metadata import CheckpointMetadata, ShardMeta, TensorMeta
-from oarlock.checkpoint.reader import CheckpointReader, checkpoint_file, register_format
-from oarlock.checkpoint.safetensors_io import safetensors_header
+from oarlock.checkpoint.model.metadata import CheckpointMetadata, ShardMeta, TensorMeta
+from oarlock.checkpoint.formats.reader import CheckpointReader, checkpoint_file, register_format
+from oarlock.checkpoint.storage.safetensors import safetensors_header
 
 
 def whole_tensor_metadata(fmt: str, files: dict[str, Path], root: Path) -> CheckpointMetadata:

@@ -19,7 +19,7 @@ from oarlock.checkpoint.integrity.hashing import CHECKSUMS_KEY, ChecksumError
 from oarlock.checkpoint.integrity.ownership import block_bytes, block_owners, touched_blocks, whole_blocks_read
 from oarlock.checkpoint.integrity.verifier import BlockVerifier
 from oarlock.checkpoint.model.names import METADATA_FILE
-from oarlock.checkpoint.reader import checkpoint_file
+from oarlock.checkpoint.formats.reader import checkpoint_file
 from oarlock.checkpoint.storage.safetensors import read_header
 
 

@@ -48,11 +48,12 @@ import torch
 
 from oarlock.checkpoint.api import LoadReport, load_state_dict
 from oarlock.checkpoint.errors import CheckpointError, CheckpointMismatchError
-from oarlock.checkpoint.dist import DistWrapper
+from oarlock.checkpoint.runtime.dist import DistWrapper
 from oarlock.checkpoint.model.metadata import ALGORITHM_KEY, PARAM_GROUPS_KEY, STATE_SUFFIXES
 from oarlock.checkpoint.model.sharded import FlatPartition, ShardedWeight, is_dtensor, to_sharded_weight
 from oarlock.checkpoint.model.traversal import collect_leaves
-from oarlock.checkpoint.storage import gather_view, read_metadata
+from oarlock.checkpoint.runtime.view import gather_view
+from oarlock.checkpoint.formats.opening import read_metadata
 
 #: torch optimizer state name -> Paddle optimizer key suffix, for reference and conversions.
 PADDLE_SUFFIXES = {"exp_avg": ".moment1_0", "exp_avg_sq": ".moment2_0", "momentum_buffer": ".velocity_0",

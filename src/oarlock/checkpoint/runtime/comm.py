@@ -44,21 +44,22 @@ from typing import Any, Callable
 
 import torch
 
-from oarlock.checkpoint.balance import assign_readers
-from oarlock.checkpoint.dist import DistWrapper
+from oarlock.checkpoint.planning.assign import assign_readers
+from oarlock.checkpoint.runtime.dist import DistWrapper
 from oarlock.checkpoint.errors import CheckpointError
-from oarlock.checkpoint.executor import LoadReport, place, source_shaped_view
+from oarlock.checkpoint.runtime.executor import LoadReport, place, source_shaped_view
 from oarlock.checkpoint.formats import load_formats
-from oarlock.checkpoint.grid import GridLayout, data_file_name, rank_of_file
+from oarlock.checkpoint.model.grid import GridLayout, data_file_name, rank_of_file
 from oarlock.checkpoint.integrity import (OVERLAP, hash_beside, overlapped_error, verify_own_file,
                                          verify_reads_for_others)
-from oarlock.checkpoint.metadata import METADATA_FILE, SAVE_ID_HEADER
-from oarlock.checkpoint.reader import CheckpointReader, checkpoint_file
-from oarlock.checkpoint.safetensors_io import SafetensorsFile
-from oarlock.checkpoint.save import (SHARDS_DIGEST_HEADER, SHARDS_HEADER, WORLD_HEADER, shards_digest,
-                                    sharded_weight_record)
-from oarlock.checkpoint.storage import INCOMPLETE_MARKER, View
-from oarlock.checkpoint.traversal import collect_leaves, set_path
+from oarlock.checkpoint.model.metadata import METADATA_FILE, SAVE_ID_HEADER
+from oarlock.checkpoint.formats.reader import CheckpointReader, checkpoint_file
+from oarlock.checkpoint.storage.safetensors import SafetensorsFile
+from oarlock.checkpoint.runtime.save import (SHARDS_DIGEST_HEADER, SHARDS_HEADER, WORLD_HEADER, shards_digest,
+                                             sharded_weight_record)
+from oarlock.checkpoint.storage import INCOMPLETE_MARKER
+from oarlock.checkpoint.runtime.view import View
+from oarlock.checkpoint.model.traversal import collect_leaves, set_path
 from oarlock.utils import dtype_itemsize, numel, submit, torch_dtype
 
 COMM_METHODS = ("auto", "grouped_send_recv", "broadcast")

@@ -18,10 +18,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from oarlock.checkpoint.mapping import box_extent, box_slices, cast_tensor
+from oarlock.checkpoint.model.mapping import box_extent, box_slices, cast_tensor
 from oarlock.checkpoint.storage import storage_for
-from oarlock.checkpoint.reader import CheckpointReader
-from oarlock.checkpoint.sharded import box_volume
+from oarlock.checkpoint.formats.reader import CheckpointReader
+from oarlock.checkpoint.model.sharded import box_volume
 from oarlock.utils import dtype_itemsize, numel, submit
 
 
@@ -335,7 +335,7 @@ class FileWork:
     def pairs_of(self, file: str, ordered: bool = True) -> list[tuple[Any, torch.Tensor]]:
         """The pairs reading from ``file``, in :func:`read_order` when ``ordered`` (else in runs of it, one per
         template: what checks, hashing and coalesced reads need, without a sort of millions of items)."""
-        from oarlock.checkpoint.plan import ReadItem
+        from oarlock.checkpoint.planning.load import ReadItem
 
         out = list(self._listed.get(file, ()))
         sources = len(out) > 0

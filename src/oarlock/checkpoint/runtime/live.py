@@ -27,12 +27,12 @@ from typing import Any, Mapping
 
 import torch
 
-from oarlock.checkpoint import transfer
-from oarlock.checkpoint.dist import DistWrapper
+from oarlock.checkpoint.runtime import transfer
+from oarlock.checkpoint.runtime.dist import DistWrapper
 from oarlock.checkpoint.errors import CheckpointError
-from oarlock.checkpoint.executor import destination_view, place, source_shaped_view
-from oarlock.checkpoint.mapping import MappingProgram, box_extent
-from oarlock.checkpoint.traversal import Leaves, collect_leaves
+from oarlock.checkpoint.runtime.executor import destination_view, place, source_shaped_view
+from oarlock.checkpoint.model.mapping import MappingProgram, box_extent
+from oarlock.checkpoint.model.traversal import Leaves, collect_leaves
 from oarlock.checkpoint.runtime.live_plan import (LivePlan, Recv, ReshardReport, Send, aligned_to,  # noqa: F401
                                                   live_fingerprint, make_plan, quick_signature, row_bytes,
                                                   source_view, strip_layouts)

@@ -11,15 +11,15 @@ from typing import Any
 
 import torch
 
-from oarlock.checkpoint import transfer
-from oarlock.checkpoint.dist import DistWrapper, error_report
+from oarlock.checkpoint.runtime import transfer
+from oarlock.checkpoint.runtime.dist import DistWrapper, error_report
 from oarlock.checkpoint.errors import CheckpointError, CheckpointMismatchError
-from oarlock.checkpoint.grid import rank_of_file
-from oarlock.checkpoint.mapping import MappingProgram, box_slices
-from oarlock.checkpoint.metadata import CheckpointMetadata
-from oarlock.checkpoint.plan import Planner, ReadItem, source_specs
-from oarlock.checkpoint.sharded import ShardedWeight, box_volume
-from oarlock.checkpoint.traversal import Leaves
+from oarlock.checkpoint.model.grid import rank_of_file
+from oarlock.checkpoint.model.mapping import MappingProgram, box_slices
+from oarlock.checkpoint.model.metadata import CheckpointMetadata
+from oarlock.checkpoint.planning.load import Planner, ReadItem, source_specs
+from oarlock.checkpoint.model.sharded import ShardedWeight, box_volume
+from oarlock.checkpoint.model.traversal import Leaves
 from oarlock.utils import dtype_name, numel, torch_dtype
 
 #: Wire dtype codes of a request (an index into this tuple).
@@ -146,7 +146,7 @@ def quick_signature(state: Any) -> list:
     """Identity of every tensor leaf and its storage (object, data pointer, shape, dtype): equal signatures mean
     the same tensors as last run, so their descriptions (and the fingerprint) still hold. A DTensor's placements
     cannot change without a new DTensor object."""
-    from oarlock.checkpoint.traversal import iter_leaves
+    from oarlock.checkpoint.model.traversal import iter_leaves
 
     out = []
     for path, leaf in iter_leaves(state):
@@ -165,7 +165,7 @@ def quick_signature(state: Any) -> list:
 
 def _describe_sources(src: Leaves, dw: DistWrapper) -> CheckpointMetadata:
     """Collective: the sources' layout as checkpoint metadata whose "files" are the ranks that send each piece."""
-    from oarlock.checkpoint.save import RankRecord, build_layout, describe_rank
+    from oarlock.checkpoint.runtime.save import RankRecord, build_layout, describe_rank
 
     def describe() -> tuple:
         rec, _ = describe_rank(src, dw)
@@ -246,7 +246,7 @@ def _decode(words: list[int], peer: int, keys: list[str], meta: CheckpointMetada
     Raises:
         CheckpointError: naming the peer and the slice at fault.
     """
-    from oarlock.checkpoint.grid import data_file_name
+    from oarlock.checkpoint.model.grid import data_file_name
 
     out: list[Send] = []
     i, n = 0, len(words)
@@ -291,8 +291,8 @@ def make_plan(src: Leaves, tgt: Leaves, dw: DistWrapper, aoa_config: Any, progra
           strict: bool, bucket_bytes: int, fingerprint: str) -> LivePlan:
     """Collective: steps 1-3 of the module docstring. Raises on every rank alike, before any target byte is
     written (mismatched shapes or dtypes, missing or unexpected keys under ``strict``, bad AOA)."""
-    from oarlock.checkpoint.load import (compile_aoa_for_load, destination_request, fmt_keys, gather_requests,
-                                         request_record)
+    from oarlock.checkpoint.runtime.load import (compile_aoa_for_load, destination_request, fmt_keys, gather_requests,
+                                                 request_record)
 
     meta = _describe_sources(src, dw)
     gathered = gather_requests(lambda: request_record(tgt, dw, with_offsets=program is None), dw)

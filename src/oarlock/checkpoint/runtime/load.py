@@ -18,22 +18,22 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from oarlock.checkpoint import comm
-from oarlock.checkpoint.dist import DistWrapper
+from oarlock.checkpoint.runtime import comm
+from oarlock.checkpoint.runtime.dist import DistWrapper
 from oarlock.checkpoint.errors import CheckpointError, CheckpointMismatchError
-from oarlock.checkpoint import executor
-from oarlock.checkpoint.executor import FileWork, LoadReport, execute_work, prepare_work, read_order
+from oarlock.checkpoint.runtime import executor
+from oarlock.checkpoint.runtime.executor import FileWork, LoadReport, execute_work, prepare_work, read_order
 from oarlock.checkpoint.integrity import OVERLAP, recorded, touched_blocks, verify_group, verify_mode
-from oarlock.checkpoint.mapping import MappingProgram, TensorSpec
-from oarlock.checkpoint.metadata import ALGORITHM_KEY, PARAM_GROUPS_KEY, CheckpointMetadata
-from oarlock.checkpoint.plan import LoadPlan, Planner, ReadItem, source_specs
-from oarlock.checkpoint.reader import CheckpointReader
-from oarlock.checkpoint.save import data_file_name
-from oarlock.checkpoint.sharded import ShardedWeight
+from oarlock.checkpoint.model.mapping import MappingProgram, TensorSpec
+from oarlock.checkpoint.model.metadata import ALGORITHM_KEY, PARAM_GROUPS_KEY, CheckpointMetadata
+from oarlock.checkpoint.planning.load import LoadPlan, Planner, ReadItem, source_specs
+from oarlock.checkpoint.formats.reader import CheckpointReader
+from oarlock.checkpoint.runtime.save import data_file_name
+from oarlock.checkpoint.model.sharded import ShardedWeight
 from oarlock.checkpoint.formats.opening import open_checkpoint
 from oarlock.checkpoint.runtime.view import gather_view
 from oarlock.checkpoint.storage import location, recover_publish, storage_for
-from oarlock.checkpoint.traversal import Leaves, collect_leaves, set_path
+from oarlock.checkpoint.model.traversal import Leaves, collect_leaves, set_path
 from oarlock.utils import gc_paused
 
 
@@ -99,7 +99,7 @@ def model_wrapper_fit(state_dict: Mapping[str, Any], meta: CheckpointMetadata, w
     ...}``); ``"wrap"``: the target is a plain ``model.state_dict()`` and the checkpoint is torch's ``{"model":
     ..., "optim": ...}`` layout. Only when none of the target's tensor keys is stored as given and every one of
     them is stored the other way; None otherwise (the target is used as given)."""
-    from oarlock.checkpoint.traversal import iter_leaves, leaf_key
+    from oarlock.checkpoint.model.traversal import iter_leaves, leaf_key
 
     keys = [leaf_key(p, v) for p, v in iter_leaves(state_dict) if isinstance(v, (torch.Tensor, ShardedWeight))]
     stored = meta.tensors
@@ -135,8 +135,8 @@ def request_record(leaves: Leaves, dist: DistWrapper, with_offsets: bool = True)
     objects, and, for the TP-degree-dependent AOA layouts, each key's shard count (from a DTensor's placements:
     the same on every rank of its mesh) or the offsets of other shards. For DTensor targets the record is the
     same on every rank of a mesh, so :func:`gather_requests` moves one copy per distinct record."""
-    from oarlock.checkpoint.metadata import grid_cell_count
-    from oarlock.checkpoint.save import dtensor_grid
+    from oarlock.checkpoint.model.metadata import grid_cell_count
+    from oarlock.checkpoint.runtime.save import dtensor_grid
 
     cache: dict = {}
     tensors: dict[str, tuple] = {}
@@ -169,7 +169,7 @@ def gather_requests(request: Callable[[], dict], dist: DistWrapper) -> list[dict
     import hashlib
     import json as _json
 
-    from oarlock.checkpoint.dist import error_report, fingerprint_words
+    from oarlock.checkpoint.runtime.dist import error_report, fingerprint_words
 
     rec, err, fp = None, None, None
     try:

@@ -23,14 +23,14 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from oarlock.checkpoint.dist import DistWrapper
-from oarlock.checkpoint.dist import error_report
-from oarlock.checkpoint.grid import data_file_name
+from oarlock.checkpoint.runtime.dist import DistWrapper
+from oarlock.checkpoint.runtime.dist import error_report
+from oarlock.checkpoint.model.grid import data_file_name
 from oarlock.checkpoint.integrity import CHECKSUMS_KEY, BlockHasher, make_record, write_digests, DIGESTS_SUFFIX
-from oarlock.checkpoint.metadata import CheckpointMetadata
-from oarlock.checkpoint.safetensors_io import write_safetensors
+from oarlock.checkpoint.model.metadata import CheckpointMetadata
+from oarlock.checkpoint.storage.safetensors import write_safetensors
 from oarlock.checkpoint.storage import commit_for, location
-from oarlock.checkpoint.traversal import Leaves, collect_leaves
+from oarlock.checkpoint.model.traversal import Leaves, collect_leaves
 from oarlock.checkpoint.planning.save import (RankRecord, SHARDS_DIGEST_HEADER, SHARDS_HEADER, SaveLayout, SavePlan,
                                               TP_LAYOUTS_KEY, WORLD_HEADER, desc_tuple, assign_writes, build_layout,
                                               describe_rank, dtensor_grid, flat_partition_grid, local_tensors,

@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from oarlock.checkpoint.dist import DistWrapper
+from oarlock.checkpoint.runtime.dist import DistWrapper
 from oarlock.checkpoint.errors import CheckpointError
 
 #: Default staging bound of a live reshard (``bucket_bytes``): two rounds in flight stay within it.

@@ -8,10 +8,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from oarlock.checkpoint.dist import DistWrapper, fingerprint_words
+from oarlock.checkpoint.runtime.dist import DistWrapper, fingerprint_words
 from oarlock.checkpoint.errors import CheckpointError, CheckpointFormatError
 from oarlock.checkpoint.formats import load_formats
-from oarlock.checkpoint.reader import checkpoint_file
+from oarlock.checkpoint.formats.reader import checkpoint_file
 from oarlock.checkpoint.storage import detect_format, location, storage_key
 
 __all__ = ["View", "gather_view"]

@@ -230,7 +230,7 @@ class SafetensorsFile:
     @property
     def packed(self) -> bool:
         """True for a packed oarlock data file (:data:`~oarlock.checkpoint.grid.PACKED_ENTRY`)."""
-        from oarlock.checkpoint.grid import PACKED_ENTRY, PackedEntries
+        from oarlock.checkpoint.model.grid import PACKED_ENTRY, PackedEntries
 
         return PACKED_ENTRY in self.entries and not isinstance(self.entries, PackedEntries)  # not yet resolved
 
@@ -243,7 +243,7 @@ class SafetensorsFile:
             CheckpointFormatError: naming the file: the packed entry is not ``U8`` 1-D, no metadata or rank to
                 resolve it with, or its size disagrees with the metadata.
         """
-        from oarlock.checkpoint.grid import PACKED_ENTRY
+        from oarlock.checkpoint.model.grid import PACKED_ENTRY
 
         if not self.packed:
             return
@@ -468,7 +468,7 @@ class SafetensorsWriter:
                 self.where[name] = (off, tuple(int(x) for x in shape), dt)
                 off += n
             if group is packed and packed:
-                from oarlock.checkpoint.grid import PACKED_ENTRY
+                from oarlock.checkpoint.model.grid import PACKED_ENTRY
 
                 if any(name == PACKED_ENTRY for name, _, _ in entries):
                     raise CheckpointFormatError(f"{self.path}: tensor name {PACKED_ENTRY!r} is reserved for the "

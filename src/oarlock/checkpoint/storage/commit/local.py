@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from oarlock.checkpoint.errors import CheckpointError, CheckpointFormatError
-from oarlock.checkpoint.metadata import METADATA_FILE, CheckpointMetadata
+from oarlock.checkpoint.model.metadata import METADATA_FILE, CheckpointMetadata
 from oarlock.checkpoint.storage.commit.markers import FORMAT_ALIASES, INCOMPLETE_MARKER, WRITTEN_MANIFEST, describe
 from oarlock.checkpoint.storage.location import location
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from oarlock.checkpoint.errors import CheckpointError, CheckpointFormatError
-from oarlock.checkpoint.metadata import METADATA_FILE, CheckpointMetadata
+from oarlock.checkpoint.model.metadata import METADATA_FILE, CheckpointMetadata
 from oarlock.checkpoint.storage.commit.local import write_metadata_file
 from oarlock.checkpoint.storage.commit.markers import INCOMPLETE_MARKER, WRITTEN_MANIFEST, describe
 from oarlock.checkpoint.storage.location import ObjectPath, location
@@ -122,7 +122,7 @@ def prepare_object_destination(final: ObjectPath, world: int, save_id: str, *, o
     """
     import json
 
-    from oarlock.checkpoint.grid import data_file_name
+    from oarlock.checkpoint.model.grid import data_file_name
 
     ours = check_object_destination(final, {data_file_name(r) for r in range(world)} | {METADATA_FILE},
                                     sources, overwrite=overwrite)
