@@ -22,437 +22,42 @@ classes (mapped onto inert local records), ``torch.Size``, dtypes, the layout an
 containers; anything else raises :class:`~oarlock.checkpoint.errors.UnsafePickleError` before it runs. Chunk
 archives and non-tensor values are loaded with ``torch.load(weights_only=True)`` on their byte range only (tensor
 chunks with ``map_location="meta"``, to locate their raw bytes: see :func:`archive_tensor_view`).
+
+This module reads the data files (:class:`DcpReader`); the metadata side (the inert records, :class:`DcpUnpickler`,
+:func:`parse_dcp_metadata`) lives in :mod:`oarlock.checkpoint.formats.dcp_metadata` and the writer
+(:class:`DcpWriter`) in :mod:`oarlock.checkpoint.formats.dcp_writer`; their public names are re-exported here.
 """
 
 from __future__ import annotations
 
 import io
 import json
-import os
-import re
 import struct
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from oarlock.checkpoint.errors import CheckpointError, CheckpointFormatError, UnsafePickleError
-from oarlock.checkpoint.model.metadata import CheckpointMetadata, ShardMeta, TensorMeta
+from oarlock.checkpoint.errors import CheckpointError, CheckpointFormatError
+from oarlock.checkpoint.model.metadata import CheckpointMetadata
+from oarlock.checkpoint.formats.dcp_metadata import (DCP_METADATA, DCP_SUFFIX, RANK_METADATA, ZSTD_DESCRIPTOR,
+                                                     DcpBytesStorage, DcpChunk, DcpEntry, DcpIndex, DcpMetadata,
+                                                     DcpPlanRecord, DcpRecord, DcpStorageInfo, DcpStorageMeta,
+                                                     DcpTensorProperties, DcpTensorStorage, DcpUnpickler,
+                                                     chunk_nbytes, is_dcp_dir, load_dcp_pickle, parse_dcp_metadata)
+from oarlock.checkpoint.formats.dcp_writer import DcpWriter
 from oarlock.checkpoint.formats.reader import (CheckpointReader, box_of_stored, checkpoint_file, load_weights_only,
                                                register_format)
 from oarlock.checkpoint.storage.safetensors import MAX_HEADER_BYTES, SafetensorsFile, contiguous_run, np_prod
-from oarlock.checkpoint.storage import rename_within
-from oarlock.checkpoint.storage.files import AppendStream, RangedFile, list_names, read_file
-from oarlock.checkpoint.storage.location import location, storage_for, storage_key
-from oarlock.utils import AllowlistUnpickler, dtype_name, load_allowlisted, torch_dtype
-
-DCP_METADATA = ".metadata"
-DCP_SUFFIX = ".distcp"
-RANK_METADATA = re.compile(r"^__(\d+)\.metadata$")
-ZSTD_DESCRIPTOR = "stream.zstd"
-_MAX_METADATA_BYTES = 1 << 30
-
-
-# ---------------------------------------------------------------- inert records for the pickled classes
-
-class DcpRecord:
-    """Inert stand-in for one pickled DCP metadata dataclass: it stores the pickled fields and runs nothing.
-
-    The pickle builds these with ``NEWOBJ`` (no constructor call) and ``BUILD`` (``__setstate__`` below), so a
-    hostile file can set attributes but never call code.
-    """
-
-    _fields: tuple[str, ...] = ()
-
-    def __setstate__(self, state: Any) -> None:
-        if isinstance(state, tuple) and len(state) == 2 and (state[0] is None or isinstance(state[0], dict)):
-            state = {**(state[0] or {}), **(state[1] or {})}  # (dict, slots) form
-        if isinstance(state, tuple) and self._fields and len(state) == len(self._fields):
-            state = dict(zip(self._fields, state))  # TensorProperties pickles a plain tuple
-        if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
-            raise UnsafePickleError(f"unexpected pickled state for {type(self).__name__}: {type(state).__name__}")
-        self.__dict__.update(state)
-
-    def get(self, name: str, default: Any = None) -> Any:
-        return self.__dict__.get(name, default)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.__dict__})"
-
-
-class DcpMetadata(DcpRecord):
-    """``Metadata``: ``state_dict_metadata``, ``planner_data``, ``storage_data``, ``storage_meta``, ``version``."""
-
-
-class DcpTensorStorage(DcpRecord):
-    """``TensorStorageMetadata``: ``properties``, ``size`` (global shape), ``chunks``."""
-
-
-class DcpChunk(DcpRecord):
-    """``ChunkStorageMetadata``: ``offsets`` (global offset), ``sizes`` (local shape)."""
-
-
-class DcpBytesStorage(DcpRecord):
-    """``BytesStorageMetadata``: a non-tensor value stored as a ``torch.save`` archive."""
-
-
-class DcpTensorProperties(DcpRecord):
-    """``TensorProperties``: pickled as the tuple ``(dtype, layout, requires_grad, memory_format, pin_memory)``."""
-
-    _fields = ("dtype", "layout", "requires_grad", "memory_format", "pin_memory")
-
-
-class DcpIndex(DcpRecord):
-    """``MetadataIndex``: ``fqn``, ``offset`` (global offset of the chunk, None for non-tensors), ``index``."""
-
-
-class DcpStorageMeta(DcpRecord):
-    """``StorageMeta``: ``checkpoint_id``, ``save_id``, ``load_id``, ``modules``."""
-
-
-class DcpStorageInfo(DcpRecord):
-    """``_StorageInfo``: ``relative_path``, ``offset``, ``length``, ``transform_descriptors`` (optional)."""
-
-
-class DcpPlanRecord(DcpRecord):
-    """``SavePlan``, ``WriteItem``, ``TensorWriteData``, ``BytesIOWriteData`` or ``_StoragePrefix``: save plans
-    that some writers (Megatron-Core's ``torch_dist``) keep in the metadata as ``all_local_plans``; kept inert
-    and ignored."""
-
-
-_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
-_RECORDS: dict[tuple[str, str], type] = {
-    (_METADATA_MODULE, "Metadata"): DcpMetadata,
-    (_METADATA_MODULE, "TensorStorageMetadata"): DcpTensorStorage,
-    (_METADATA_MODULE, "ChunkStorageMetadata"): DcpChunk,
-    (_METADATA_MODULE, "BytesStorageMetadata"): DcpBytesStorage,
-    (_METADATA_MODULE, "TensorProperties"): DcpTensorProperties,
-    (_METADATA_MODULE, "MetadataIndex"): DcpIndex,
-    (_METADATA_MODULE, "StorageMeta"): DcpStorageMeta,
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): DcpStorageInfo,
-    ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"): DcpPlanRecord,
-    **{("torch.distributed.checkpoint.planner", n): DcpPlanRecord
-       for n in ("SavePlan", "WriteItem", "TensorWriteData", "BytesIOWriteData")},
-}
-
-
-def _size(dims: Any = ()) -> tuple[int, ...]:
-    """Stand-in for ``torch.Size(dims)``: only a sequence of non-negative ints is accepted."""
-    if not isinstance(dims, (tuple, list)) or not all(type(d) is int and d >= 0 for d in dims):
-        raise UnsafePickleError(f"torch.Size with non-integer dimensions {dims!r}")
-    return tuple(dims)
-
-
-_LAYOUTS = {"torch.strided": "strided", "torch.sparse_coo": "sparse_coo"}
-
-
-def _layout(name: Any) -> str:
-    """Stand-in for ``torch.serialization._get_layout(name)``: returns the layout's name, admits known names only."""
-    if name not in _LAYOUTS:
-        raise UnsafePickleError(f"unknown tensor layout {name!r}")
-    return _LAYOUTS[name]
-
-
-def _memory_format(code: Any) -> int:
-    """Stand-in for the ``_MEM_FORMAT_ENCODING`` enum (0 contiguous, 1 channels-last, 2 preserve)."""
-    if code not in (0, 1, 2):
-        raise UnsafePickleError(f"unknown memory-format code {code!r}")
-    return int(code)
-
-
-def _write_item_type(code: Any) -> int:
-    """Stand-in for the ``WriteItemType`` enum (1 tensor, 2 shard, 3 bytes)."""
-    if code not in (1, 2, 3):
-        raise UnsafePickleError(f"unknown write-item type {code!r}")
-    return int(code)
-
-
-def _path_str(*parts: Any) -> str:
-    """Stand-in for ``pathlib.PosixPath(*parts)`` (the pickled ``checkpoint_id``): the joined string."""
-    if not all(isinstance(p, str) for p in parts):
-        raise UnsafePickleError(f"path with non-string parts {parts!r}")
-    return os.path.join(*parts) if parts else ""
-
-
-def _admit(module: str, name: str) -> Any:
-    rec = _RECORDS.get((module, name))
-    if rec is not None:
-        return rec
-    if module == _METADATA_MODULE and name == "_MEM_FORMAT_ENCODING":
-        return _memory_format
-    if module == "torch.distributed.checkpoint.planner" and name == "WriteItemType":
-        return _write_item_type
-    if module == "torch" and name == "Size":
-        return _size
-    if module == "torch":
-        obj = getattr(torch, name, None)
-        return obj if isinstance(obj, torch.dtype) else None
-    if module == "torch.serialization" and name == "_get_layout":
-        return _layout
-    if module == "pathlib" and name in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"):
-        return _path_str
-    if module == "collections" and name == "OrderedDict":
-        import collections
-
-        return collections.OrderedDict
-    return None
-
-
-class DcpUnpickler(AllowlistUnpickler):
-    """A :class:`pickle.Unpickler` for DCP ``.metadata`` files whose ``find_class`` admits only the DCP
-    metadata classes (as inert :class:`DcpRecord` subclasses), ``torch.Size``, torch dtypes, the layout and
-    memory-format tags, ``pathlib`` paths (as strings) and ``OrderedDict``.
-
-    Raises:
-        UnsafePickleError: naming the file and the forbidden ``module.name`` (``os.system``, ``builtins.eval``,
-            numpy object arrays, ...) before anything it names is called.
-    """
-
-    def __init__(self, file: Any, source: str = "<pickle>"):
-        super().__init__(file, _admit, UnsafePickleError, source,
-                         "torch.distributed.checkpoint metadata records, torch.Size, dtypes and containers")
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise UnsafePickleError(f"{self._source}: refuses a persistent id in a DCP metadata pickle")
-
-
-def load_dcp_pickle(path: str | Path, data: bytes | None = None) -> Any:
-    """Unpickle one DCP ``.metadata`` file (or its bytes ``data``, received from another rank) with
-    :class:`DcpUnpickler`.
-
-    Raises:
-        UnsafePickleError: the pickle names anything outside the admitted set.
-        CheckpointFormatError: the file is missing, unreadable, truncated or not a pickle (naming it).
-    """
-    if data is None:  # read through the storage layer, refused past the bound before a byte is unpickled
-        data = read_file(path, _MAX_METADATA_BYTES, "unpickle it")
-    return load_allowlisted(path, DcpUnpickler, UnsafePickleError, CheckpointFormatError, data=data,
-                            what="readable DCP metadata pickle")
-
-
-# ---------------------------------------------------------------- metadata -> CheckpointMetadata
-
-@dataclass(frozen=True)
-class DcpEntry:
-    """Where one stored item lives: ``file`` (relative path), byte ``offset`` and ``length`` in it, the stream
-    ``transforms`` to undo (descriptors, applied in order when reading), and ``serialization``
-    (``"torch_save"`` or ``"safetensors"``; see the module docstring)."""
-
-    file: str
-    offset: int
-    length: int
-    transforms: tuple[str, ...] = ()
-    serialization: str = "torch_save"
-
-
-def is_dcp_dir(names: set[str] | list[str]) -> bool:
-    """True when a directory listing holds DCP metadata (``.metadata`` or ``__{rank}.metadata``)."""
-    return DCP_METADATA in names or any(RANK_METADATA.match(n) for n in names)
-
-
-def _metadata_files(root: Path, shipped: dict[str, bytes] | None = None) -> list[Path]:
-    """The metadata pickles of ``root`` (checked to stay inside it before anything opens them)."""
-    if (root / DCP_METADATA).is_file() or (shipped and DCP_METADATA in shipped):
-        return [checkpoint_file(root, DCP_METADATA, f"{root}: DCP metadata")]
-    ranks = sorted(int(m.group(1)) for n in list_names(root) if (m := RANK_METADATA.match(n)))
-    if not ranks:
-        raise CheckpointFormatError(f"{root}: no DCP metadata ({DCP_METADATA} or __<rank>{DCP_METADATA})")
-    return [checkpoint_file(root, f"__{r}{DCP_METADATA}", f"{root}: DCP metadata") for r in ranks]
-
-
-def _ints(v: Any, what: str, source: Path) -> tuple[int, ...]:
-    if not isinstance(v, (tuple, list)) or not all(type(x) is int and x >= 0 for x in v):
-        raise CheckpointFormatError(f"{source}: {what} is not a tuple of non-negative ints: {v!r}")
-    return tuple(v)
-
-
-def parse_dcp_metadata(root: str | Path, *, shipped: dict[str, bytes] | None = None, partial: bool = False,
-                       fmt: str = "dcp") -> tuple[CheckpointMetadata, dict[tuple[str, str], DcpEntry],
-                                                  dict[str, DcpEntry]]:
-    """Read and validate the DCP metadata of directory ``root``.
-
-    Returns:
-        ``(metadata, tensor_entries, object_entries)``: ``metadata`` has one :class:`TensorMeta` per tensor key
-        (global shape, dtype, one :class:`ShardMeta` per chunk, whose ``file`` is the ``.distcp`` file and whose
-        ``name`` is unique within that file), ``nested`` paths from the planner data, and
-        ``extra["dcp"]`` (version, save id, serialisation, transforms seen); ``tensor_entries`` maps
-        ``(file, shard name)`` to the chunk's :class:`DcpEntry`; ``object_entries`` maps each non-tensor key to
-        its :class:`DcpEntry`. No data file is opened. ``shipped`` holds the ``.metadata`` bytes when this rank
-        cannot see the file (node-local disks); with ``partial`` data files this rank cannot see are not an error.
-        ``fmt`` names the result's format (``"dcp"``, or a format built on DCP such as Megatron-Core's).
-
-    Raises:
-        UnsafePickleError: a metadata pickle names anything outside the admitted set.
-        CheckpointFormatError: malformed metadata (naming the key), a chunk without storage entry, a data file
-            that is missing or shorter than an entry it holds.
-    """
-    root = location(root)
-    sdm: dict[str, Any] = {}
-    storage: list[tuple[Any, Any]] = []
-    planner: dict[str, Any] = {}
-    versions, save_ids = set(), set()
-    mfiles = _metadata_files(root, shipped)
-    for mpath in mfiles:
-        raw = load_dcp_pickle(mpath, (shipped or {}).get(mpath.name))
-        if not isinstance(raw, DcpMetadata):
-            raise CheckpointFormatError(f"{mpath}: expected a DCP Metadata record, found {type(raw).__name__}")
-        part = raw.get("state_dict_metadata")
-        sdata = raw.get("storage_data")
-        if not isinstance(part, dict) or not isinstance(sdata, dict):
-            raise CheckpointFormatError(f"{mpath}: DCP metadata lacks state_dict_metadata or storage_data "
-                                        "(saved by a storage writer other than FileSystemWriter?)")
-        for key, v in part.items():
-            if isinstance(v, DcpTensorStorage) and isinstance(sdm.get(key), DcpTensorStorage):
-                sdm[key].chunks = list(sdm[key].get("chunks") or []) + list(v.get("chunks") or [])
-            else:
-                sdm[key] = v
-        storage.extend(sdata.items())
-        if isinstance(raw.get("planner_data"), dict):
-            planner.update(raw.get("planner_data"))
-        versions.add(raw.get("version"))
-        sm = raw.get("storage_meta")
-        if isinstance(sm, DcpStorageMeta):
-            save_ids.add(sm.get("save_id"))
-    mname = mfiles[0].name if len(mfiles) == 1 else f"__<rank>{DCP_METADATA}"
-    msrc = root / mname
-
-    by_index: dict[tuple[str, tuple[int, ...] | None], DcpEntry] = {}
-    sizes: dict[str, int] = {}
-    transforms_seen: set[str] = set()
-    for idx, info in storage:
-        if not isinstance(idx, DcpIndex) or not isinstance(info, DcpStorageInfo):
-            raise CheckpointFormatError(f"{msrc}: storage_data holds {type(idx).__name__} -> "
-                                        f"{type(info).__name__}, expected MetadataIndex -> _StorageInfo")
-        fqn = idx.get("fqn")
-        rel = info.get("relative_path")
-        off, length = info.get("offset"), info.get("length")
-        if (not isinstance(fqn, str) or not isinstance(rel, str) or type(off) is not int or type(length) is not int
-                or off < 0 or length < 0):
-            raise CheckpointFormatError(f"{msrc}: malformed storage entry for {fqn!r}: {info!r}")
-        checkpoint_file(root, rel, f"{msrc}: key {fqn!r}")  # no absolute path, no "..", no symlink out
-        td = info.get("transform_descriptors") or ()
-        if not isinstance(td, (list, tuple)) or not all(isinstance(t, str) for t in td):
-            raise CheckpointFormatError(f"{msrc}: key {fqn!r} has malformed transform_descriptors {td!r}")
-        for t in td:
-            if t.partition("/")[0] != ZSTD_DESCRIPTOR:
-                raise CheckpointFormatError(f"{msrc}: key {fqn!r} is stored with stream transform {t!r}; oarlock "
-                                            f"undoes only {ZSTD_DESCRIPTOR}/1")
-            transforms_seen.add(t)
-        o = idx.get("offset")
-        okey = None if o is None else _ints(o, f"storage offset of {fqn!r}", msrc)
-        if rel not in sizes:
-            p = root / rel
-            if p.is_file():
-                st, key = storage_key(p)
-                sizes[rel] = st.size(key)
-            elif partial:
-                sizes[rel] = -1  # another rank sees it
-            else:
-                raise CheckpointFormatError(f"{p}: DCP data file holding {fqn!r} is missing")
-        by_index[(fqn, okey)] = DcpEntry(rel, off, length, tuple(td))
-
-    meta = CheckpointMetadata(fmt)
-    tensor_entries: dict[tuple[str, str], DcpEntry] = {}
-    object_entries: dict[str, DcpEntry] = {}
-    chunk_files: dict[tuple[str, str], int] = {}
-    raw_nbytes: dict[tuple[str, str], int] = {}
-    for key, v in sdm.items():
-        if not isinstance(key, str):
-            raise CheckpointFormatError(f"{msrc}: state_dict_metadata has a non-string key {key!r}")
-        if isinstance(v, DcpTensorStorage):
-            continue
-        if not isinstance(v, DcpBytesStorage):
-            raise CheckpointFormatError(f"{msrc}: key {key!r} has storage metadata {type(v).__name__}")
-        e = by_index.get((key, None))
-        if e is None:
-            raise CheckpointFormatError(f"{msrc}: non-tensor key {key!r} has no storage entry")
-        _check_range(root, e, sizes, key)
-        object_entries[key] = e
-    for key, v in sdm.items():
-        if not isinstance(v, DcpTensorStorage):
-            continue
-        props = v.get("properties")
-        dt = props.get("dtype") if isinstance(props, DcpTensorProperties) else None
-        if not isinstance(dt, torch.dtype):
-            raise CheckpointFormatError(f"{msrc}: tensor {key!r} has no dtype")
-        try:
-            dtn = dtype_name(dt)
-        except ValueError:
-            raise CheckpointFormatError(f"{msrc}: tensor {key!r} has dtype {dt}, which oarlock does not support") from None
-        if props.get("layout", "strided") != "strided":
-            raise CheckpointFormatError(f"{msrc}: tensor {key!r} has layout {props.get('layout')}; only strided "
-                                        "tensors are supported")
-        gshape = _ints(v.get("size"), f"size of {key!r}", msrc)
-        chunks = v.get("chunks")
-        if not isinstance(chunks, list):
-            raise CheckpointFormatError(f"{msrc}: tensor {key!r} has no chunk list")
-        for c in chunks:
-            if not isinstance(c, DcpChunk):
-                raise CheckpointFormatError(f"{msrc}: tensor {key!r} has a chunk of type {type(c).__name__}")
-            off = _ints(c.get("offsets"), f"chunk offset of {key!r}", msrc)
-            e = by_index.get((key, off))
-            if e is None:
-                raise CheckpointFormatError(f"{msrc}: chunk of {key!r} at offset {list(off)} has no storage entry")
-            chunk_files[(e.file, key)] = chunk_files.get((e.file, key), 0) + 1
-    for key, v in sdm.items():
-        if not isinstance(v, DcpTensorStorage):
-            continue
-        dtn = dtype_name(v.properties.get("dtype"))
-        gshape = tuple(v.size)
-        tm = TensorMeta(key, gshape, dtn)
-        for c in v.chunks:
-            off, loc = tuple(c.offsets), _ints(c.get("sizes"), f"chunk size of {key!r}", msrc)
-            if len(off) != len(gshape) or len(loc) != len(gshape) or any(
-                    o + s > g for o, s, g in zip(off, loc, gshape)):
-                raise CheckpointFormatError(f"{msrc}: chunk of {key!r} at offset {list(off)} with shape {list(loc)} "
-                                            f"does not fit the global shape {list(gshape)}")
-            e = by_index[(key, off)]
-            name = key if chunk_files[(e.file, key)] == 1 else f"{key}@{','.join(map(str, off))}"
-            tensor_entries[(e.file, name)] = e
-            raw_nbytes[(e.file, name)] = _nbytes(loc, dtn)
-            tm.shards.append(ShardMeta(off, loc, e.file, name))
-        meta.tensors[key] = tm
-    # Safetensors serialisation: the tensor chunks of a file share one offset (the embedded blob's start) and
-    # their length is the raw byte count, so only the blob header can be checked against the file size.
-    serial = _detect_serialization(tensor_entries, raw_nbytes)
-    if serial == "safetensors":
-        tensor_entries = {k: DcpEntry(e.file, e.offset, e.length, e.transforms, "safetensors")
-                          for k, e in tensor_entries.items()}
-    else:
-        for (f, name), e in tensor_entries.items():
-            _check_range(root, e, sizes, name)
-    for key, path in planner.items():
-        if key in sdm and isinstance(path, (tuple, list)) and all(isinstance(p, (str, int)) for p in path):
-            if len(path) > 1 or (path and path[0] != key):
-                meta.nested[key] = list(path)
-    meta.extra["dcp"] = {"version": sorted(str(x) for x in versions if x is not None),
-                         "save_id": sorted(str(x) for x in save_ids if x is not None),
-                         "serialization": serial, "transforms": sorted(transforms_seen),
-                         "metadata_files": [p.name for p in mfiles]}
-    return meta, tensor_entries, object_entries
-
-
-def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n * torch_dtype(dtype).itemsize
-
-
-def _check_range(root: Path, e: DcpEntry, sizes: dict[str, int], what: str) -> None:
-    if sizes[e.file] >= 0 and e.offset + e.length > sizes[e.file]:
-        raise CheckpointFormatError(f"{root / e.file}: truncated: {what!r} is stored at bytes "
-                                    f"[{e.offset}, {e.offset + e.length}) but the file has {sizes[e.file]} bytes")
-
-
-def _detect_serialization(entries: dict[tuple[str, str], DcpEntry], nbytes: dict[tuple[str, str], int]) -> str:
-    """``"safetensors"`` when every tensor entry's length is exactly its chunk's raw byte count (the embedded
-    safetensors serialisation records raw lengths); a ``torch.save`` archive is always longer than its data
-    (zip records and the pickle). Decided from the metadata alone, so ranks that see no data file agree."""
-    if entries and all(not e.transforms and e.length == nbytes[k] for k, e in entries.items()):
-        return "safetensors"
-    return "torch_save"
+from oarlock.checkpoint.storage.files import RangedFile
+from oarlock.checkpoint.storage.location import storage_key
+from oarlock.utils import dtype_name, torch_dtype
+
+__all__ = ["DCP_METADATA", "DCP_SUFFIX", "MEGATRON_METADATA", "RANK_METADATA", "ZSTD_DESCRIPTOR", "DcpBytesStorage",
+           "DcpChunk", "DcpEntry", "DcpIndex", "DcpMetadata", "DcpPlanRecord", "DcpReader", "DcpRecord",
+           "DcpStorageInfo", "DcpStorageMeta", "DcpTensorProperties", "DcpTensorStorage", "DcpUnpickler", "DcpWriter",
+           "archive_tensor_view", "is_dcp_dir", "load_archive", "load_dcp_pickle", "parse_dcp_metadata",
+           "regroup_list_objects"]
 
 
 # ---------------------------------------------------------------- byte-range reads
@@ -537,7 +142,7 @@ class _EmbeddedSafetensors(_InDataFile):
                 begin, end = (int(x) for x in ent["data_offsets"])
             except (KeyError, TypeError, ValueError) as err:
                 raise CheckpointFormatError(f"{path}: blob tensor {name!r}: bad header entry ({err})") from None
-            if begin < 0 or end - begin != _nbytes(shape, dt) or self.data_start + end > size:
+            if begin < 0 or end - begin != chunk_nbytes(shape, dt) or self.data_start + end > size:
                 raise CheckpointFormatError(f"{path}: truncated or corrupt: blob tensor {name!r} at data offsets "
                                             f"[{begin}, {end}) does not fit shape {list(shape)} {dt} in a file of "
                                             f"{size} bytes")
@@ -552,7 +157,7 @@ class _ArchiveView(_InDataFile):
         super().__init__(path, src)
         self.data_start = start
         self.header_metadata = {}
-        self.entries = {name: (dtype, shape, 0, _nbytes(shape, dtype))}
+        self.entries = {name: (dtype, shape, 0, chunk_nbytes(shape, dtype))}
 
 
 def archive_tensor_view(path: Path, src: RangedFile, entry: DcpEntry, name: str, dtype: str,
@@ -839,134 +444,3 @@ def _is_megatron(path: Path, names: set[str]) -> bool:
     except (OSError, CheckpointError):
         return False
     return b'"sharded_backend"' in head
-
-
-# ---------------------------------------------------------------- writing DCP
-
-def _dcp_terminal(value: Any) -> bool:
-    if isinstance(value, dict):
-        return False
-    if isinstance(value, list):
-        return all(_dcp_terminal(v) for v in value)
-    return True
-
-
-def _dcp_flatten(path: tuple, value: Any) -> Any:
-    """``(path, leaf)`` pairs of a value as torch DCP's ``traverse_state_dict`` flattens it: dicts are always
-    entered, lists only when they hold a dict or a list that is entered, tuples never."""
-    if isinstance(value, dict):
-        for k, v in value.items():
-            yield from _dcp_flatten(path + (str(k),), v)
-    elif _dcp_terminal(value):
-        yield path, value
-    else:
-        for i, v in enumerate(value):
-            yield from _dcp_flatten(path + (i,), v)
-
-
-class DcpWriter:
-    """Writes a ``torch.distributed.checkpoint`` directory that torch's ``dcp.load`` reads: one
-    ``__{rank}_0.distcp`` file per writing rank holding each chunk as a ``torch.save`` archive, non-tensor values
-    as ``torch.save`` archives in rank 0's file, and ``.metadata`` (the pickled ``Metadata`` built from torch's own
-    classes) written last.
-
-    Args:
-        root: the directory to fill (normally a staging directory, published by the caller).
-        tensors: key -> :class:`TensorMeta` whose shards name the writing rank's file (any name; files are
-            renamed ``__{i}_0.distcp`` in sorted order).
-        nested: flat key -> path in the nested state dict (the ``planner_data`` DCP's default planner writes).
-
-    Use :meth:`put` for every shard, :meth:`put_object` for values, then :meth:`finish`.
-    """
-
-    def __init__(self, root: Path, tensors: dict[str, TensorMeta], nested: dict[str, list] | None = None):
-        self.root = location(root)
-        self.tensors = tensors
-        self.nested = dict(nested or {})
-        names = sorted({s.file for t in tensors.values() for s in t.shards})
-        self.file_of = {n: f"__{i}_0{DCP_SUFFIX}" for i, n in enumerate(names)}
-        self._streams: dict[str, AppendStream] = {}
-        self._storage: dict[tuple[str, tuple[int, ...] | None], tuple[str, int, int]] = {}
-        self._objects: list[str] = []
-
-    def _stream(self, file: str) -> Any:
-        f = self._streams.get(file)
-        if f is None:
-            f = self._streams[file] = AppendStream(self.root / file)
-        return f
-
-    def _append(self, file: str, obj: Any) -> tuple[int, int]:
-        f = self._stream(file)
-        start = f.tell()
-        torch.save(obj, f)
-        return start, f.tell() - start
-
-    def put(self, key: str, shard: ShardMeta, tensor: torch.Tensor) -> int:
-        """Write one chunk (the shard's box of ``key``); returns its bytes."""
-        t = tensor.detach().to("cpu").contiguous()
-        if t.untyped_storage().nbytes() != t.nbytes or t.storage_offset():
-            t = t.clone()  # torch.save writes the whole storage: a view would drag its base along
-        file = self.file_of[shard.file]
-        off, n = self._append(file, t)
-        self._storage[(key, tuple(shard.global_offset))] = (file, off, n)
-        return t.nbytes
-
-    def put_object(self, key: str, value: Any) -> None:
-        """Write one non-tensor value (``BytesStorageMetadata``) into the first data file, split the way DCP's
-        default planner flattens state dicts (dicts, and lists holding dicts or lists, become one entry per
-        element), so that ``dcp.load`` into the nested state dict finds every entry."""
-        path = tuple(self.nested.get(key, [key]))
-        for sub, leaf in _dcp_flatten(path, value):
-            flat = ".".join(str(p) for p in sub)
-            buf = io.BytesIO()
-            torch.save(leaf, buf)
-            file = f"__0_0{DCP_SUFFIX}"
-            f = self._stream(file)
-            start = f.tell()
-            f.write(buf.getbuffer())
-            self._storage[(flat, None)] = (file, start, f.tell() - start)
-            self._objects.append(flat)
-            self.nested[flat] = list(sub)
-
-    def close(self) -> None:
-        """Drop the data files of an unfinished write (after :meth:`finish`, nothing is left to do)."""
-        for f in self._streams.values():
-            f.abort()
-        self._streams.clear()
-
-    def finish(self) -> None:
-        """Make the data files durable (the store's writer: ``fsync`` on a filesystem), then write ``.metadata``
-        (durably; on a filesystem under a temporary name, then renamed)."""
-        import pickle
-        import uuid
-
-        from torch.distributed.checkpoint import filesystem as dcp_fs
-        from torch.distributed.checkpoint import metadata as dcp_md
-
-        for f in self._streams.values():
-            f.close()
-        self._streams.clear()
-        sdm: dict[str, Any] = {}
-        storage: dict[Any, Any] = {}
-        for key, t in self.tensors.items():
-            props = dcp_md.TensorProperties(dtype=torch_dtype(t.dtype))
-            chunks = [dcp_md.ChunkStorageMetadata(torch.Size(s.global_offset), torch.Size(s.local_shape))
-                      for s in t.shards]
-            sdm[key] = dcp_md.TensorStorageMetadata(props, torch.Size(t.global_shape), chunks)
-            for i, s in enumerate(t.shards):
-                file, off, n = self._storage[(key, tuple(s.global_offset))]
-                storage[dcp_md.MetadataIndex(key, s.global_offset, i)] = dcp_fs._StorageInfo(file, off, n)
-        for key in self._objects:
-            sdm[key] = dcp_md.BytesStorageMetadata()
-            file, off, n = self._storage[(key, None)]
-            storage[dcp_md.MetadataIndex(key)] = dcp_fs._StorageInfo(file, off, n)
-        planner = {k: tuple(self.nested.get(k, [k])) for k in sdm}
-        md = dcp_md.Metadata(sdm, planner_data=planner, storage_data=storage,
-                             storage_meta=dcp_md.StorageMeta(save_id=str(uuid.uuid4())), version="1.0.0")
-        # on a filesystem under a temporary name, then renamed; a store's object appears whole when written
-        renames = storage_for(self.root).renames
-        name = DCP_METADATA + ".tmp" if renames else DCP_METADATA
-        with AppendStream(self.root / name) as f:
-            pickle.dump(md, f)
-        if renames:
-            rename_within(self.root, name, DCP_METADATA)

@@ -153,13 +153,12 @@ def _plain(v: Any) -> Any:
     return v
 
 
-def read_deepspeed_metadata(path: Path) -> tuple[CheckpointMetadata, str]:
-    """Metadata of the ZeRO checkpoint at ``path`` (a save directory with ``latest`` or a tag directory) and the
-    tag directory's name relative to ``path`` ("" when ``path`` is the tag directory).
+def _zero_files(path: Path) -> tuple[Path, str, dict[int, str], str]:
+    """``(tag, rel, optim, model_name)``: the tag directory, its name relative to ``path`` ("" when ``path`` is the
+    tag directory, else ``"<tag>/"``), the optimizer state file of each rank and the model states file.
 
     Raises:
-        CheckpointFormatError: no DeepSpeed files, model parallelism (several ``mp_rank``), missing ranks, or
-            partitions that do not add up to the parameter shapes (naming the file and group).
+        CheckpointFormatError: no DeepSpeed files, model parallelism, no optimizer or model states file.
     """
     tag = tag_directory(path)
     if tag is None:
@@ -176,84 +175,110 @@ def read_deepspeed_metadata(path: Path) -> tuple[CheckpointMetadata, str]:
     model_name = next((n for n in names if (m := MODEL_FILE.match(n)) and m.group(1) in (None, "0")), None)
     if model_name is None:
         raise CheckpointFormatError(f"{tag}: no model states file (mp_rank_00_model_states.pt)")
-    def pt(name: str) -> Any:  # every file checked to stay inside the checkpoint before it is opened
-        return load_pt(checkpoint_file(path, rel + name, f"{tag}: DeepSpeed state file"))
+    return tag, rel, optim, model_name
 
-    model = pt(model_name)
-    osd0 = pt(optim[0])
-    if not isinstance(model, dict) or not isinstance(osd0, dict) or "optimizer_state_dict" not in osd0:
-        raise CheckpointFormatError(f"{tag}: model/optimizer state files lack the DeepSpeed layout")
-    o0 = osd0["optimizer_state_dict"]
-    stage = int(o0.get("zero_stage", 3 if "fp32_flat_groups" in o0 else 2))
+
+def _state_file(path: Path, rel: str, tag: Path, name: str) -> Any:
+    """State file ``name`` of the tag directory, checked to stay inside the checkpoint before it is opened."""
+    return load_pt(checkpoint_file(path, rel + name, f"{tag}: DeepSpeed state file"))
+
+
+def _param_groups(model: dict, where: Path) -> list[list[tuple[str, tuple[int, ...]]]]:
+    """``param_shapes`` of the model states file ``where``: per optimizer group, ``(name, shape)`` in order."""
     shapes = model.get("param_shapes")
     if not isinstance(shapes, list) or not all(isinstance(g, dict) for g in shapes):
-        raise CheckpointFormatError(f"{tag / model_name}: param_shapes is not a list of {{name: shape}} groups")
-    groups = [[(str(n), _shape(s, f"{tag / model_name}: parameter {n!r}")) for n, s in g.items()] for g in shapes]
+        raise CheckpointFormatError(f"{where}: param_shapes is not a list of {{name: shape}} groups")
+    return [[(str(n), _shape(s, f"{where}: parameter {n!r}")) for n, s in g.items()] for g in shapes]
+
+
+def _saved_world_size(tag: Path, optim: dict[int, str], o0: dict, ngroups: int) -> int:
+    """The data-parallel degree the checkpoint was saved with (``partition_count``), every rank's file present."""
     pc = o0.get("partition_count")
-    counts = pc if isinstance(pc, list) else [pc] * len(groups)
+    counts = pc if isinstance(pc, list) else [pc] * ngroups
     if not counts or any(type(c) is not int or c != counts[0] for c in counts):
         raise CheckpointFormatError(f"{tag / optim[0]}: malformed partition_count {pc!r}")
-    world = counts[0]  # the data-parallel degree the checkpoint was saved with
+    world = counts[0]
     missing = [r for r in range(world) if r not in optim]
     if missing or max(optim) >= world:
         raise CheckpointFormatError(f"{tag}: saved by {world} ranks, but optimizer state files of ranks "
                                     f"{missing or sorted(r for r in optim if r >= world)} are "
                                     f"{'missing' if missing else 'extra'} (zero_pp_rank_<r>_mp_rank_00_optim_states.pt)")
+    return world
 
-    meta = CheckpointMetadata("deepspeed")
-    files = {r: rel + optim[r] for r in range(world)}
+
+def _partition_lengths(path: Path, rel: str, tag: Path, optim: dict[int, str], o0: dict, stage: int,
+                       ngroups: int, world: int) -> dict[tuple[int, int], int]:
+    """``(rank, group)`` -> elements of that rank's flat fp32 group tensor (each rank's optimizer file loaded)."""
     lengths: dict[tuple[int, int], int] = {}
     for r in range(world):
-        od = o0 if r == 0 else pt(optim[r])["optimizer_state_dict"]
+        od = o0 if r == 0 else _state_file(path, rel, tag, optim[r])["optimizer_state_dict"]
         flat = od.get("single_partition_of_fp32_groups" if stage < 3 else "fp32_flat_groups")
-        if not isinstance(flat, list) or len(flat) != len(groups):
-            raise CheckpointFormatError(f"{tag / optim[r]}: expected {len(groups)} flat fp32 groups")
+        if not isinstance(flat, list) or len(flat) != ngroups:
+            raise CheckpointFormatError(f"{tag / optim[r]}: expected {ngroups} flat fp32 groups")
         for g, t in enumerate(flat):
             lengths[(r, g)] = int(t.numel())
-    for g, params in enumerate(groups):
-        if stage < 3:
-            pads = (o0.get("param_alignment_paddings") or [[0] * len(params)] * len(groups))[g]
-            part = lengths[(0, g)]
-            offset = 0
-            for i, (name, shape) in enumerate(params):
-                n = math.prod(shape)
-                shards = []
-                for r in range(world):
-                    lo, hi = max(offset, r * part), min(offset + n, r * part + lengths[(r, g)])
-                    if hi > lo:
-                        shards.append((r, lo - offset, hi - offset, lo - r * part))
-                _add_param(meta, name, shape, g, shards, files, n)
-                offset += n + int(pads[i] if i < len(pads) else 0)
-            if offset > sum(lengths[(r, g)] for r in range(world)):
-                raise CheckpointFormatError(f"{tag}: group {g} holds {offset} elements of parameters but the rank "
-                                            f"partitions hold {sum(lengths[(r, g)] for r in range(world))}")
-        else:
-            base = [0] * world
-            for name, shape in params:
-                n = math.prod(shape)
-                ps = math.ceil(n / world)
-                shards = []
-                for r in range(world):
-                    lo, hi = r * ps, min((r + 1) * ps, n)
-                    if hi > lo:
-                        shards.append((r, lo, hi, base[r]))
-                    base[r] += ps
-                _add_param(meta, name, shape, g, shards, files, n)
-            for r in range(world):
-                if base[r] > lengths[(r, g)]:
-                    raise CheckpointFormatError(f"{tag / optim[r]}: group {g} holds {lengths[(r, g)]} elements, the "
-                                                f"parameter partitions need {base[r]}")
+    return lengths
+
+
+def _add_flat_group(meta: CheckpointMetadata, tag: Path, g: int, params: list[tuple[str, tuple[int, ...]]],
+                    pads: list, lengths: dict[tuple[int, int], int], world: int, files: dict[int, str]) -> None:
+    """Stages 1/2: group ``g``'s parameters flattened in order (each followed by its ``pads`` elements) into one
+    buffer cut into equal rank partitions."""
+    part = lengths[(0, g)]
+    offset = 0
+    for i, (name, shape) in enumerate(params):
+        n = math.prod(shape)
+        shards = []
+        for r in range(world):
+            lo, hi = max(offset, r * part), min(offset + n, r * part + lengths[(r, g)])
+            if hi > lo:
+                shards.append((r, lo - offset, hi - offset, lo - r * part))
+        _add_param(meta, name, shape, g, shards, files, n)
+        offset += n + int(pads[i] if i < len(pads) else 0)
+    if offset > sum(lengths[(r, g)] for r in range(world)):
+        raise CheckpointFormatError(f"{tag}: group {g} holds {offset} elements of parameters but the rank "
+                                    f"partitions hold {sum(lengths[(r, g)] for r in range(world))}")
+
+
+def _add_sliced_group(meta: CheckpointMetadata, tag: Path, optim: dict[int, str], g: int,
+                      params: list[tuple[str, tuple[int, ...]]], lengths: dict[tuple[int, int], int], world: int,
+                      files: dict[int, str]) -> None:
+    """Stage 3: every parameter of group ``g`` partitioned on its own, ``ceil(n / world)`` slots per rank."""
+    base = [0] * world
+    for name, shape in params:
+        n = math.prod(shape)
+        ps = math.ceil(n / world)
+        shards = []
+        for r in range(world):
+            lo, hi = r * ps, min((r + 1) * ps, n)
+            if hi > lo:
+                shards.append((r, lo, hi, base[r]))
+            base[r] += ps
+        _add_param(meta, name, shape, g, shards, files, n)
+    for r in range(world):
+        if base[r] > lengths[(r, g)]:
+            raise CheckpointFormatError(f"{tag / optim[r]}: group {g} holds {lengths[(r, g)]} elements, the "
+                                        f"parameter partitions need {base[r]}")
+
+
+def _add_buffers(meta: CheckpointMetadata, model: dict, model_file: str) -> None:
+    """The module's buffers (stored whole in the model states file ``model_file``) and the tied parameters'
+    aliases."""
     module = model.get("module") or {}
     for bname in model.get("buffer_names") or []:
         t = module.get(bname)
         if isinstance(t, torch.Tensor):
             meta.tensors[bname] = TensorMeta(bname, tuple(t.shape), dtype_name(t.dtype),
-                                             [ShardMeta((0,) * t.dim(), tuple(t.shape), rel + model_name,
+                                             [ShardMeta((0,) * t.dim(), tuple(t.shape), model_file,
                                                         f"module:{bname}")])
     for alias, src in (model.get("shared_params") or {}).items():
         if src in meta.tensors and alias not in meta.tensors:
             t = meta.tensors[src]
             meta.tensors[alias] = TensorMeta(alias, t.global_shape, t.dtype, list(t.shards))
+
+
+def _add_run_values(meta: CheckpointMetadata, model: dict, o0: dict) -> None:
+    """``optim.param_groups`` and the engine's scalars as values, marked as records of the training run."""
     meta.objects["optim.param_groups"] = [{k: _plain(v) for k, v in pg.items() if k != "params"}
                                           for pg in (o0.get("base_optimizer_state") or o0.get("optimizer_state_dict")
                                                      or {}).get("param_groups", [])]
@@ -262,6 +287,37 @@ def read_deepspeed_metadata(path: Path) -> tuple[CheckpointMetadata, str]:
             meta.objects[k] = _plain(model[k])
     # the engine's counters, config and param groups are records of the training run, not model weights
     meta.non_model_keys = list(meta.objects)
+
+
+def read_deepspeed_metadata(path: Path) -> tuple[CheckpointMetadata, str]:
+    """Metadata of the ZeRO checkpoint at ``path`` (a save directory with ``latest`` or a tag directory) and the
+    tag directory's name relative to ``path`` ("" when ``path`` is the tag directory).
+
+    Raises:
+        CheckpointFormatError: no DeepSpeed files, model parallelism (several ``mp_rank``), missing ranks, or
+            partitions that do not add up to the parameter shapes (naming the file and group).
+    """
+    tag, rel, optim, model_name = _zero_files(path)
+    model = _state_file(path, rel, tag, model_name)
+    osd0 = _state_file(path, rel, tag, optim[0])
+    if not isinstance(model, dict) or not isinstance(osd0, dict) or "optimizer_state_dict" not in osd0:
+        raise CheckpointFormatError(f"{tag}: model/optimizer state files lack the DeepSpeed layout")
+    o0 = osd0["optimizer_state_dict"]
+    stage = int(o0.get("zero_stage", 3 if "fp32_flat_groups" in o0 else 2))
+    groups = _param_groups(model, tag / model_name)
+    world = _saved_world_size(tag, optim, o0, len(groups))
+
+    meta = CheckpointMetadata("deepspeed")
+    files = {r: rel + optim[r] for r in range(world)}
+    lengths = _partition_lengths(path, rel, tag, optim, o0, stage, len(groups), world)
+    for g, params in enumerate(groups):
+        if stage < 3:
+            pads = (o0.get("param_alignment_paddings") or [[0] * len(params)] * len(groups))[g]
+            _add_flat_group(meta, tag, g, params, pads, lengths, world, files)
+        else:
+            _add_sliced_group(meta, tag, optim, g, params, lengths, world, files)
+    _add_buffers(meta, model, rel + model_name)
+    _add_run_values(meta, model, o0)
     meta.extra["deepspeed"] = {"zero_stage": stage, "world_size": world, "tag": tag.name,
                                "groups": [len(g) for g in groups]}
     return meta, rel
