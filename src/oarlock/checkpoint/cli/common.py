@@ -17,7 +17,7 @@ def fail(message: str) -> int:
 
 def resolve_path(path: str) -> str:
     """``path``, or the latest committed step when ``path`` is a CheckpointManager root (said on stderr)."""
-    from oarlock.checkpoint.storage import resolve_manager_root
+    from oarlock.checkpoint.lifecycle.manager import resolve_manager_root
 
     resolved, step = resolve_manager_root(path)
     if step is not None:

@@ -7,18 +7,17 @@ scalar. Pure arithmetic on tuples: no torch, no I/O.
 
 from __future__ import annotations
 
-import math
-from typing import Iterable, Sequence
+from typing import Sequence
+
+from oarlock.utils import numel as _numel
 
 Box = tuple[tuple[int, int], ...]
 
 
-def numel(shape: Iterable[int]) -> int:
-    """Number of elements of a tensor of ``shape`` (1 for a scalar ``()``).
-
-    The entries are Python ints (a ``torch.Size`` is); convert numpy integers first (``map(int, shape)``): their
-    own product wraps around silently past ``2**63``, which a hostile file's shape reaches."""
-    return math.prod(shape)
+# the one shape product (shared with the rest of oarlock): the entries are Python ints (a ``torch.Size`` is);
+# convert numpy integers first (``map(int, shape)``): their own product wraps around silently past ``2**63``,
+# which a hostile file's shape reaches
+numel = _numel
 
 
 def stored_numel(local_shape: Sequence[int], flattened_range: tuple[int, int] | None) -> int:

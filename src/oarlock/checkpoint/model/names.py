@@ -33,3 +33,8 @@ def rank_of_file(name: str) -> int | None:
             if data_file_name(int(digits)) == name:
                 return int(digits)
     return None
+
+# the shard records every data file's header carries (a same-layout restart checks them)
+SHARDS_DIGEST_HEADER = "oarlock.shards.sha256"  # packed files: SHA-256 of the shard records instead of the records
+SHARDS_HEADER = "oarlock.shards"  # safetensors __metadata__ entry: {name: [offset, local shape, global shape, ...]}
+WORLD_HEADER = "oarlock.world_size"  # ... and the size of the group that saved

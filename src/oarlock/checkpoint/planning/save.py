@@ -23,7 +23,8 @@ from oarlock.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from oarlock.checkpoint.model.flatgrid import FlatGrid
 from oarlock.checkpoint.model.grid import GridLayout
 from oarlock.checkpoint.model.metadata import ShardMeta, TensorMeta
-from oarlock.checkpoint.model.names import RESERVED_NAME, SAVE_ID_HEADER, data_file_name
+from oarlock.checkpoint.model.names import (RESERVED_NAME, SAVE_ID_HEADER, SHARDS_DIGEST_HEADER, SHARDS_HEADER,
+                                           WORLD_HEADER, data_file_name)
 from oarlock.checkpoint.model.sharded import ShardedWeight
 from oarlock.checkpoint.model.traversal import Leaves
 from oarlock.checkpoint.planning.load import index_of
@@ -44,13 +45,10 @@ _GRID_MEMO: dict[tuple, tuple[tuple, GridLayout | None]] = {}
 TP_LAYOUTS_KEY = "tp_layouts"
 
 
-SHARDS_DIGEST_HEADER = "oarlock.shards.sha256"  # packed files: SHA-256 of the shard records instead of the records
 
 
-SHARDS_HEADER = "oarlock.shards"  # safetensors __metadata__ entry: {name: [offset, local shape, global shape, ...]}
 
 
-WORLD_HEADER = "oarlock.world_size"  # ... and the size of the group that saved
 
 
 def shard_record(offset, local_shape, global_shape, dtype: str, flattened_range) -> list:

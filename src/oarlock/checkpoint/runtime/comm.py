@@ -55,8 +55,8 @@ from oarlock.checkpoint.integrity import (OVERLAP, hash_beside, overlapped_error
 from oarlock.checkpoint.model.metadata import METADATA_FILE, SAVE_ID_HEADER
 from oarlock.checkpoint.formats.reader import CheckpointReader, checkpoint_file
 from oarlock.checkpoint.storage.safetensors import SafetensorsFile
-from oarlock.checkpoint.runtime.save import (SHARDS_DIGEST_HEADER, SHARDS_HEADER, WORLD_HEADER, shards_digest,
-                                             sharded_weight_record)
+from oarlock.checkpoint.model.names import SHARDS_DIGEST_HEADER, SHARDS_HEADER, WORLD_HEADER
+from oarlock.checkpoint.planning.save import shards_digest, sharded_weight_record
 from oarlock.checkpoint.storage import INCOMPLETE_MARKER
 from oarlock.checkpoint.runtime.view import View
 from oarlock.checkpoint.model.traversal import collect_leaves, set_path

@@ -40,7 +40,9 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024
 SUPPORTED_CODES = "F64 F32 F16 BF16 F8_E4M3 F8_E5M2 I64 I32 I16 I8 U64 U32 U16 U8 BOOL C64"
 
 
-np_prod = numel  # the product of a shape's dimensions (kept name)
+def np_prod(xs) -> int:
+    """The product of a shape's dimensions as Python ints (a foreign file's numpy integers would wrap)."""
+    return numel(map(int, xs))
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
