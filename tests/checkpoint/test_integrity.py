@@ -529,3 +529,17 @@ def test_verify_of_a_truncated_lone_file_names_it_once(tmp_path, capsys):
         problem, summary = out.strip().splitlines()
         assert problem.count(str(victim)) == 1 and problem.startswith(f"{victim}: ") and "truncated" in problem, out
         assert "could not be opened" in summary and "0 file(s)" not in summary, out
+
+
+def test_verify_report_names_the_header_as_the_file_header_not_as_a_key(tmp_path):
+    """A flipped byte in a data file's first block: oarlock verify says the block holds the file header and the
+    key, never quoting 'header' as if it were a tensor name."""
+    save_state_dict({"w": torch.arange(64, dtype=torch.float32)}, tmp_path / "ck")
+    f = tmp_path / "ck" / DATA
+    raw = bytearray(f.read_bytes())
+    raw[-3] ^= 0xFF  # w's data; the file is one block, so that block also holds the header
+    f.write_bytes(bytes(raw))
+    rep = verify_checkpoint(tmp_path / "ck")
+    assert not rep.intact
+    msg = rep.problems[0].message
+    assert "holding the file header, key 'w'" in msg and "'header'" not in msg

@@ -153,7 +153,7 @@ def _hash_file(reader: Any, fc: FileChecksums) -> tuple[list[Problem], int]:
         lo, hi = b * fc.block_size, min(fc.size, (b + 1) * fc.block_size)
         keys = corrupt_keys(path, [b], fc.block_size, reader, fc.file)
         out.append(Problem(fc.file, f"checksum mismatch in bytes [{lo}, {hi}) (block {b}) holding "
-                                    f"{', '.join(repr(k) for k in keys)}", keys, b, lo, hi))
+                                    f"{', '.join('the file header' if k == 'header' else f'key {k!r}' for k in keys)}", keys, b, lo, hi))
     return out, v.bytes_verified
 
 
