@@ -270,3 +270,17 @@ def test_inspect_of_a_directory_with_a_truncated_data_file_fails_naming_it(tmp_p
     os.unlink(f)
     assert main(["inspect", str(ck), "--json"]) == 2
     assert f"{f}: data file named in metadata.json is missing" in capsys.readouterr().err
+
+
+def test_inspect_says_when_no_key_matches_the_filter(tmp_path):
+    """`--include` that matches nothing: the listing is empty and stderr says the filter matched none of the
+    checkpoint's keys (an empty listing alone reads like an empty checkpoint)."""
+    from oarlock.checkpoint import save_state_dict
+    from testkit import run_cli
+
+    save_state_dict({"w": torch.ones(3), "b": torch.zeros(2)}, tmp_path / "ck")
+    r = run_cli("inspect", tmp_path / "ck", "--include", "weight")
+    assert r.returncode == 0
+    assert "no key of the 2 in" in r.stderr and "--include/--exclude" in r.stderr
+    r = run_cli("inspect", tmp_path / "ck", "--include", "w")
+    assert "no key" not in r.stderr and "w" in r.stdout

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import json
 
 from oarlock.checkpoint.cli.common import add_filters, resolve_path
@@ -67,7 +68,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         meta = reader.metadata
         reader.check_files()  # a missing or truncated data file is an error (exit 2), as for convert and diff
     if args.include or args.exclude:
+        held = len(meta.tensors) + len(meta.objects)
         meta = meta.filtered(args.include, args.exclude)
+        if held and not meta.tensors and not meta.objects:  # say so, or "0 tensors" reads like an empty checkpoint
+            print(f"oarlock inspect: no key of the {held} in {args.path} matches --include/--exclude (they take glob "
+                  "patterns matched against whole keys, e.g. --include 'model.layers.0.*')", file=sys.stderr)
     return print_report(args.json, lambda: _inspect_json(args.path, meta), lambda: _inspect_text(args.path, meta))
 
 
