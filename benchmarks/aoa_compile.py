@@ -140,9 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     ]
     print("\n".join(lines))
     if args.record:
-        res = Path(__file__).with_name("RESULTS.md")
-        with res.open("a") as f:
-            f.write("\n## AOA compile, DeepSeek-V3-sized key set (issue 4)\n\n"
+        from _results import write_section  # benchmarks/_results.py: this script's own section
+
+        write_section(__file__, "AOA compile, DeepSeek-V3-sized key set (issue 4)", ""
                     "Command: `python benchmarks/aoa_compile.py --record` (one core, best of "
                     f"{args.repeat})\n\n```\n" + "\n".join(lines) + "\n```\n")
     return 0

@@ -323,10 +323,10 @@ def main(argv: list[str] | None = None) -> int:
             f"[Shard(0)] over {WORLD} ranks; median of {len(launches)} launch(es)\n\n" + table(launches))
     print(text)
     if args.append_results:
-        res = Path(__file__).resolve().parent / "RESULTS.md"
         cmd = "python benchmarks/async_save.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        with open(res, "a") as f:
-            f.write(f"\n## Asynchronous save stall: oarlock async_save vs dcp.async_save (issue 27)\n\n"
+        from _results import write_section  # benchmarks/_results.py: this script's own section
+
+        write_section(__file__, "Asynchronous save stall: oarlock async_save vs dcp.async_save (issue 27)", f""
                     f"Command: `{cmd.strip()}` ({time.strftime('%Y-%m-%d', time.gmtime())}, torch "
                     f"{torch.__version__}). Stall: until the call returns; snapshot wait: the loop's first step "
                     "waiting for the snapshot; slowdown: mean step time of the compute loop while the save is in "

@@ -216,10 +216,10 @@ def main(argv=None) -> int:
     text = "\n".join(lines + [""] + notes)
     print(text)
     if args.append_results:
-        res = Path(__file__).resolve().parent / "RESULTS.md"
         cmd = "python benchmarks/checkpoint_comm.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        with open(res, "a") as f:
-            f.write(f"\n## FlexCheckpoint distributed loads: shared FS, node-local disks, PaddlePaddle (issue 7)\n\n"
+        from _results import write_section  # benchmarks/_results.py: this script's own section
+
+        write_section(__file__, "FlexCheckpoint distributed loads: shared FS, node-local disks, PaddlePaddle (issue 7)", f""
                     f"Command: `{cmd.strip()}` ({time.strftime('%Y-%m-%d', time.gmtime())}, 4 gloo ranks on "
                     f"{os.cpu_count()} cores, torch {torch.__version__}; best of {args.reps} per row). 1 GiB fp32, "
                     "32 x [4096, 2048] saved as 2x2 mesh [Shard(0), Shard(1)], loaded as [Shard(1), Replicate()]. "

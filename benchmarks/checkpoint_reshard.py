@@ -589,10 +589,10 @@ def main(argv=None) -> int:
                      + phase + [""] + ver + [""] + mem + [""] + plan)
     print(text)
     if args.append_results:
-        res = Path(__file__).resolve().parent / "RESULTS.md"
         cmd = "python benchmarks/checkpoint_reshard.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        with open(res, "a") as f:
-            f.write(f"\n## FlexCheckpoint core: save / load / reshard vs torch.distributed.checkpoint\n\n"
+        from _results import write_section  # benchmarks/_results.py: this script's own section
+
+        write_section(__file__, "FlexCheckpoint core: save / load / reshard vs torch.distributed.checkpoint", f""
                     f"Command: `{cmd.strip()}` ({time.strftime('%Y-%m-%d', time.gmtime())}, 4 gloo ranks on "
                     f"{os.cpu_count()} cores, torch {torch.__version__}; median of {args.reps} per load row, {args.save_reps} saves per library). "
                     "1 GiB fp32, 32 x [4096, 2048], saved as 2x2 mesh [Shard(0), Shard(1)]; reshard load into "

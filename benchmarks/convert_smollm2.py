@@ -323,9 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     ])
     print(table)
     if args.append_results and not args.tiny:
-        with open(REPO / "benchmarks" / "RESULTS.md", "a") as f:
-            f.write("\n## checkpoint: `oarlock convert` SmolLM2-135M HF <-> TP=3 with fused QKV and gate/up "
-                    "(issues 5, 17, 27)\n\n"
+        from _results import write_section  # benchmarks/_results.py: this script's own section
+
+        write_section(__file__, "oarlock convert SmolLM2-135M HF <-> TP=3 with fused QKV and gate/up", ""
                     f"Command: `.venv/bin/python benchmarks/convert_smollm2.py --repeat {args.repeat} "
                     "--append-results`.\n\n"
                     + table + "\n")

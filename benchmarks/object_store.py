@@ -317,8 +317,9 @@ def main(argv: list[str] | None = None) -> int:
               f"ranks, one local SeaweedFS; load average (1/5/15 min) at the end: {load})")
     print(text + "\n\n" + footer)
     if args.append_results and not args.quick:
-        with open(HERE / "RESULTS.md", "a") as f:
-            f.write("\n## Object store: save, same-layout load, reshard load on S3 (issue 28)\n\n" + footer
+        from _results import write_section  # benchmarks/_results.py: this script's own section
+
+        write_section(__file__, "Object store: save, same-layout load, reshard load on S3 (issue 28)", footer
                     + f", torch {torch.__version__}. Every load checked bit-exact. Times on a shared machine: "
                     "compare ratios.\n\n" + text + "\n")
     return 0

@@ -147,9 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(lines)
     print(text)
     if args.record:
-        res = Path(__file__).resolve().parent / "RESULTS.md"
-        with open(res, "a") as f:
-            f.write("\n## Optimizer state save/restore, single process (issue 6)\n\n"
+        from _results import write_section  # benchmarks/_results.py: this script's own section
+
+        write_section(__file__, "Optimizer state save/restore, single process (issue 6)", ""
                     f"Command: `python benchmarks/optim_resume.py --record` (one core, CPU seconds, best of "
                     f"{args.repeat})\n\n```\n{text}\n```\n\nRestores include building the fresh model/optimizer and "
                     "creating lazy states; both restores are checked bit-equal to the saved optimizer state. "

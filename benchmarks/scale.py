@@ -1205,9 +1205,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.append_results:
         import torch
 
-        res = Path(__file__).resolve().parent / "RESULTS.md"
-        with open(res, "a") as f:
-            f.write("\n## Scale simulator: bookkeeping, coordination, planning, verification per rank (issue 26)\n\n"
+        from _results import write_section  # benchmarks/_results.py: this script's own section
+
+        write_section(__file__, "Scale simulator: bookkeeping, coordination, planning, verification per rank (issue 26)", ""
                     + footer + f", torch {torch.__version__}. One process stands in for one rank; figures from the "
                     "libraries' own planning code on the same shards (see the docstring of benchmarks/scale.py "
                     "for what each row counts). Times on a shared machine: compare ratios.\n\n"

@@ -237,8 +237,9 @@ def main(argv=None) -> int:
     text = "\n".join(lines)
     print(text)
     if args.append_results and not args.smoke:
-        with open(Path(__file__).with_name("RESULTS.md"), "a") as f:
-            f.write("\n\n## scale_ranks: many ranks, many small shards (issue 26)\n\n" + text + "\n")
+        from _results import write_section  # benchmarks/_results.py: this script's own section
+
+        write_section(__file__, "scale_ranks: many ranks, many small shards (issue 26)", "\n" + text + "\n")
     if not args.dir:
         shutil.rmtree(root, ignore_errors=True)
     return 0

@@ -207,8 +207,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.record and not args.smoke:
             cmd = "PYTHONPATH=src python benchmarks/strategy_matrix.py " + " ".join(
                 argv if argv is not None else sys.argv[1:])
-            with open(REPO / "benchmarks" / "RESULTS.md", "a") as f:
-                f.write(f"\n### run {datetime.date.today()} (`{cmd.strip()}`)\n\n{text}\n")
+            from _results import write_section  # benchmarks/_results.py: this script's own section
+
+            write_section(__file__, "strategy-conversion matrix",
+                          f"### run {datetime.date.today()} (`{cmd.strip()}`)\n\n{text}\n")
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return 0

@@ -94,8 +94,9 @@ def main():
     if args.record:
         cmd = "python benchmarks/zero_adamw.py " + " ".join(sys.argv[1:])
         load = os.getloadavg()[0]
-        with open(Path(__file__).with_name("RESULTS.md"), "a") as f:
-            f.write(f"\n## ZeRO-1 AdamW vs replicated torch.optim.AdamW (oarlock.models.zero)\n\nCommand: `{cmd}`\n\n"
+        from _results import write_section  # benchmarks/_results.py: this script's own section
+
+        write_section(__file__, "ZeRO-1 AdamW vs replicated torch.optim.AdamW (oarlock.models.zero)", f"Command: `{cmd}`\n\n"
                     f"```\n{text}```\n\nMeasured at a load average of {load:.0f}; both sides share the load, compare "
                     "the ratios.\n")
 
