@@ -16,8 +16,6 @@ from oarlock.checkpoint.runtime.executor import io_threads, pool_map
 from oarlock.checkpoint.storage import storage_for
 from oarlock.checkpoint.storage.pages import opened, read_ahead
 
-_read_ahead = read_ahead
-
 
 class BlockVerifier:
     """Verifies blocks of the data files of one opened checkpoint, each block at most once.
@@ -57,7 +55,7 @@ class BlockVerifier:
             if size != fc.size:
                 raise ChecksumError(f"{path}: file has {size} bytes, {fc.size} were written at save (truncated or "
                                     "overwritten)")
-            _read_ahead(fd, todo, fc.block_size, size)
+            read_ahead(fd, todo, fc.block_size, size)
             digests = fc.blocks  # read here, once, not in the hashing threads (a digests file)
 
             def check(b: int) -> bool:
@@ -70,7 +68,7 @@ class BlockVerifier:
 
     def read_ahead(self, todo: dict[str, Iterable[int]]) -> None:
         """Start the disk reads of the given blocks of local files (file -> block indices) without waiting for them
-        (:func:`_read_ahead`); files in an object store, unknown files and files that cannot be opened are left to
+        (:func:`~oarlock.checkpoint.storage.pages.read_ahead`); files in an object store, unknown files and files that cannot be opened are left to
         :meth:`bad_blocks_of`, which reports them."""
         for file, blocks in todo.items():
             fc = self.checksums.get(file)
@@ -79,7 +77,7 @@ class BlockVerifier:
                 continue
             try:
                 with opened(path) as (fd, _):
-                    _read_ahead(fd, sorted(set(blocks)), fc.block_size, fc.size)
+                    read_ahead(fd, sorted(set(blocks)), fc.block_size, fc.size)
             except OSError:
                 continue
 

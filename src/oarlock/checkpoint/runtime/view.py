@@ -48,7 +48,7 @@ def gather_view(path: str | os.PathLike, dist: DistWrapper) -> View:
     if st.shared and None not in dist.agree(fingerprint_words(f"\2{fmt}")):
         return View({}, fmt, same=True, store=True)
     try:
-        names = sorted(st.list(key)) if p.is_dir() else ([p.name] if p.exists() else [])
+        names = sorted(st.names(key)) if p.is_dir() else ([p.name] if p.exists() else [])
     except (OSError, CheckpointError):
         names = []
     # a shared filesystem gives every rank the same listing: exchange a fingerprint of it first (fixed size per

@@ -29,21 +29,22 @@ from oarlock.checkpoint.storage.commit.local import (fsync_dir, hold_staging, re
 from oarlock.checkpoint.storage.commit.objects import (check_object_destination, object_entries,
                                                        prepare_object_destination, publish_objects,
                                                        remove_uncommitted_objects, upload_directory)
+from oarlock.checkpoint.storage.files import RangedFile
 from oarlock.checkpoint.storage.local import LocalStorage
 from oarlock.checkpoint.storage.location import (ObjectPath, is_object_path, location, register_store, storage_for,
                                                  storage_key)
 from oarlock.checkpoint.storage.s3 import S3Storage  # importing it registers s3://
 
-__all__ = ["CheckpointReader", "CommitProtocol", "INCOMPLETE_MARKER", "LocalStorage", "ObjectPath",
-           "ObjectStoreError", "ObjectWriter", "S3Storage", "SafetensorsFile", "Storage", "UnsupportedLocationError", "View",
-           "WRITTEN_MANIFEST", "HF_INDEX", "HF_SINGLE", "PADDLE_HF_CACHE", "check_destination",
-           "check_object_destination", "commit_for", "contiguous_run", "copy_file", "open_read", "rename_within", "detect_format", "fsync_dir",
-           "gather_view", "hold_staging", "is_committed", "is_object_path", "location", "np_prod",
-           "object_entries", "open_checkpoint", "prepare_object_destination", "pread_into", "publish_directory",
+__all__ = ["CheckpointReader", "CommitProtocol", "FORMAT_ALIASES", "HF_INDEX", "HF_SINGLE", "INCOMPLETE_MARKER",
+           "LocalStorage", "ObjectPath", "ObjectStoreError", "ObjectWriter", "PADDLE_HF_CACHE", "S3Storage",
+           "SafetensorsFile", "Storage", "UnsupportedLocationError", "View", "WRITTEN_MANIFEST", "check_destination",
+           "check_object_destination", "commit_for", "contiguous_run", "copy_file", "detect_format", "fsync_dir",
+           "gather_view", "hold_staging", "is_committed", "is_object_path", "location", "np_prod", "object_entries",
+           "open_checkpoint", "open_read", "pread_into", "prepare_object_destination", "publish_directory",
            "publish_objects", "read_metadata", "recover_publish", "register_store", "release_staging",
-           "remove_stale_staging", "remove_uncommitted_objects", "resolve_manager_root", "safetensors_header",
-           "staged_directory", "staging_path", "storage_for", "storage_key", "upload_directory", "write_safetensors",
-           "written_entries", "FORMAT_ALIASES"]
+           "remove_stale_staging", "remove_uncommitted_objects", "rename_within", "resolve_manager_root",
+           "safetensors_header", "staged_directory", "staging_path", "storage_for", "storage_key", "upload_directory",
+           "write_safetensors", "written_entries"]
 
 
 def detect_format(path: "str | os.PathLike | ObjectPath") -> str:
@@ -138,35 +139,6 @@ def rename_within(directory: Path, old: str, new: str) -> None:
     os.rename(directory / old, directory / new)
 
 
-class _StoreFile(io.RawIOBase):
-    """A read-only, seekable raw file over one object of a store (ranged reads straight into the caller's
-    buffer)."""
-
-    def __init__(self, st: Storage, key: str):
-        self.st, self.key, self.pos = st, key, 0
-        self.size = st.size(key)
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def readinto(self, b: Any) -> int:
-        n = max(0, min(len(b), self.size - self.pos))
-        if n:
-            self.st.read_into(self.key, self.pos, memoryview(b).cast("B")[:n])
-            self.pos += n
-        return n
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        self.pos = max(0, offset if whence == 0 else self.pos + offset if whence == 1 else self.size + offset)
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
-
-
 def open_read(p: "str | os.PathLike | ObjectPath") -> "io.BufferedIOBase":
     """A binary, seekable file object reading location ``p`` (for readers that take a stream: ``torch.load``,
     JSON, pickle through the restricted unpickler). A local file is opened as it is; an object in a store is read
@@ -179,7 +151,8 @@ def open_read(p: "str | os.PathLike | ObjectPath") -> "io.BufferedIOBase":
     st, key = storage_key(p)
     if isinstance(st, LocalStorage):
         return open(key, "rb")
-    return io.BufferedReader(_StoreFile(st, key), buffer_size=min(st.part_bytes, 8 << 20))
+    f = RangedFile(p)
+    return io.BufferedReader(f.window(0, f.size), buffer_size=min(st.part_bytes, 8 << 20))
 
 
 # Names that lived in the one-module ``storage`` and belong elsewhere now: resolved on first use (they import

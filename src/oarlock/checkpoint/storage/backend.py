@@ -112,6 +112,10 @@ class Storage:
         """The entries directly under ``prefix`` (no recursion): name -> size in bytes (-1 for a sub-prefix)."""
         raise NotImplementedError
 
+    def names(self, prefix: str) -> list[str]:
+        """The names directly under ``prefix`` (what :meth:`list` gives, without the sizes), in no order."""
+        return list(self.list(prefix))
+
     def size(self, key: str) -> int:
         """Size of object ``key`` in bytes."""
         raise NotImplementedError

@@ -27,7 +27,7 @@ def list_names(p: Any) -> list[str]:
         ObjectStoreError: a listing request failed.
     """
     st, key = storage_key(p)
-    return list(st.list(key))
+    return st.names(key)
 
 
 def local_path(p: Any) -> Path | None:

@@ -50,6 +50,9 @@ class LocalStorage(Storage):
             out[e.name] = e.stat().st_size if e.is_file() else -1
         return out
 
+    def names(self, prefix: str) -> list[str]:
+        return os.listdir(prefix or ".")  # no stat per entry: a load lists a directory of one file per rank
+
     def size(self, key: str) -> int:
         return os.stat(key).st_size
 
@@ -60,6 +63,16 @@ class LocalStorage(Storage):
         fd = os.open(key, os.O_RDONLY)
         try:
             pread_into(fd, buf, offset, Path(key))
+        finally:
+            os.close(fd)
+
+    def read_head(self, key: str, n: int) -> tuple[bytes, int]:
+        fd = os.open(key, os.O_RDONLY)  # one descriptor answers both (no stat of the name before)
+        try:
+            size = os.fstat(fd).st_size
+            buf = bytearray(min(n, size))
+            pread_into(fd, memoryview(buf), 0, Path(key))
+            return bytes(buf), size
         finally:
             os.close(fd)
 
