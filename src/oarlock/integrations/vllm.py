@@ -141,6 +141,7 @@ class OarlockWorkerInitInfo(WeightTransferInitInfo):
     timeout: float = 300.0
     bucket_bytes: int | None = None
     verify: bool = False
+    token: str | None = None  # the sync group's secret (join_group); None: the worker's OARLOCK_SYNC_TOKEN
 
 
 @dataclass
@@ -290,7 +291,8 @@ class OarlockWeightTransferEngine(WeightTransferEngine):
                 _placement(module, pname, param)
         self.rank = init_info.rank_offset + _engine_rank(self.parallel_config)
         self.group = join_group(init_info.host, int(init_info.port), int(init_info.world_size), self.rank,
-                                backend=init_info.comm_backend, timeout=float(init_info.timeout))
+                                backend=init_info.comm_backend, timeout=float(init_info.timeout),
+                                token=init_info.token)
         self.sync = WeightSync({}, self._targets, process_group=self.group,
                                aoa_config=_plain_config(init_info.aoa_config), bucket_bytes=init_info.bucket_bytes,
                                verify=bool(init_info.verify))
@@ -433,6 +435,7 @@ class OarlockTrainerInitInfo(TrainerInitInfo):
     bucket_bytes: int | None = None
     verify: bool = False
     dtype: str | None = None
+    token: str | None = None
     rank: int = field(default=0, kw_only=True)
 
 
@@ -500,18 +503,20 @@ class OarlockTrainerWeightTransferEngine(TrainerWeightTransferEngine):
         worker_info = asdict(OarlockWorkerInitInfo(
             host=init_info.host, port=int(init_info.port), world_size=t + e, rank_offset=t, aoa_config=aoa,
             comm_backend=init_info.comm_backend, timeout=float(init_info.timeout),
-            bucket_bytes=init_info.bucket_bytes, verify=bool(init_info.verify)))
+            bucket_bytes=init_info.bucket_bytes, verify=bool(init_info.verify), token=init_info.token))
         if engine.is_sender:  # the workers join inside their init RPC, while the trainer ranks join here
             with ThreadPoolExecutor(max_workers=1) as exe:
                 future = exe.submit(client.init_weight_transfer_engine, worker_info)
                 try:
                     engine.group = join_group(init_info.host, int(init_info.port), t + e, init_info.rank,
-                                              backend=init_info.comm_backend, timeout=float(init_info.timeout))
+                                              backend=init_info.comm_backend, timeout=float(init_info.timeout),
+                                              token=init_info.token)
                 finally:
                     future.result(timeout=float(init_info.timeout) + 60)
         else:
             engine.group = join_group(init_info.host, int(init_info.port), t + e, init_info.rank,
-                                      backend=init_info.comm_backend, timeout=float(init_info.timeout))
+                                      backend=init_info.comm_backend, timeout=float(init_info.timeout),
+                                      token=init_info.token)
         engine.sync = WeightSync(engine._sources, {}, process_group=engine.group, aoa_config=aoa,
                                  bucket_bytes=init_info.bucket_bytes, verify=bool(init_info.verify))
         return engine

@@ -66,7 +66,7 @@ class PeerGroup:
 
 
 def join_group(host: str, port: int, world_size: int, rank: int, *, backend: str = "gloo",
-               timeout: float = 300.0, prefix: str = "oarlock-live") -> PeerGroup:
+               timeout: float = 300.0, prefix: str = "oarlock-live", token: str | None = None) -> PeerGroup:
     """Join a process group of ``world_size`` processes that meet at ``host:port`` (rank 0 listens there).
 
     Made for disaggregated reinforcement-learning jobs: a trainer launched by torchrun and an engine launched on
