@@ -58,6 +58,7 @@ class _Mover:
         self.staging = 0  # bytes of send staging made so far (a round's share is its growth while it is packed)
         self.recv_staging = 0  # the same for receive buffers
         self.bucket_bytes = bucket_bytes
+        self.hash_key = getattr(getattr(dw, "group", None), "verify_key", None) if verify else None
 
     def _unit(self, x: Recv) -> int:
         return row_bytes(x.item.src_box, self.tgt.shards[x.leaf].local_tensor.dtype)
@@ -108,7 +109,7 @@ class _Mover:
                 if sg.stop == slices[sg.index].nbytes:
                     self.packed.pop((r, sg.index), None)
         if self.verify:
-            out[n:] = torch.tensor([transfer.chunk_hash(out[:n])], dtype=torch.int64).view(torch.uint8)
+            out[n:] = torch.tensor([transfer.chunk_hash(out[:n], self.hash_key)], dtype=torch.int64).view(torch.uint8)
             if transfer._tamper is not None:
                 transfer._tamper(self.dw.rank, r, k, out)
         self.report.messages_sent += 1
@@ -143,7 +144,7 @@ class _Mover:
         self.report.bytes_received += n
         if self.verify:
             sent = int(buf[n:].cpu().clone().view(torch.int64)[0])
-            if sent != transfer.chunk_hash(buf[:n]):
+            if sent != transfer.chunk_hash(buf[:n], self.hash_key):
                 self.bad.update(xs[sg.index].item.dst_key for sg in segs)
                 for sg in segs:
                     self.staged.pop((s, sg.index), None)
@@ -366,7 +367,8 @@ def reshard_state_dict(sources: Mapping[str, Any], targets: Mapping[str, Any], *
         strict: raise on missing or unexpected keys (before any byte moves).
         bucket_bytes: staging bound in bytes (default :data:`~oarlock.checkpoint.transfer.DEFAULT_BUCKET_BYTES`,
             256 MiB): two rounds of chunks in flight stay within it.
-        verify: hash every chunk on both sides (XXH3-64) and fail naming the keys of a chunk that differs.
+        verify: hash every chunk on both sides (XXH3-64; over a :func:`~oarlock.checkpoint.join_group` group with
+            a secret, BLAKE2b keyed by it) and fail naming the keys of a chunk that differs.
 
     Returns:
         this rank's :class:`ReshardReport`.

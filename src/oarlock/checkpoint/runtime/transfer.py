@@ -50,6 +50,10 @@ class PeerGroup:
         rank, size: this process's rank in the joined group and the group's size.
         backend: ``"gloo"`` (CPU tensors) or ``"nccl"`` (CUDA tensors).
         pg: the ``torch.distributed`` ``ProcessGroup`` backend object.
+        authenticated: every member proved the group's secret (``token=`` / ``$OARLOCK_SYNC_TOKEN``).
+        refused: the processes rank 0 refused while the group formed (``"address (claimed rank r: reason)"``), on
+            every member.
+        verify_key: the key of the chunk hashes of ``verify=True`` (derived from the secret; None without one).
     """
 
     rank: int
@@ -57,57 +61,82 @@ class PeerGroup:
     backend: str
     pg: Any = field(repr=False)
     store: Any = field(repr=False, default=None)
+    authenticated: bool = False
+    refused: list[str] = field(default_factory=list)
+    verify_key: bytes | None = field(repr=False, default=None)
+    meeting: Any = field(repr=False, default=None)
 
     def close(self) -> None:
         """Shut the group's connections down (a later use raises)."""
         shutdown = getattr(self.pg, "shutdown", None)
         if shutdown is not None:
             shutdown()
+        if self.meeting is not None:
+            self.meeting.close()
 
 
 def join_group(host: str, port: int, world_size: int, rank: int, *, backend: str = "gloo",
-               timeout: float = 300.0, prefix: str = "oarlock-live", token: str | None = None) -> PeerGroup:
-    """Join a process group of ``world_size`` processes that meet at ``host:port`` (rank 0 listens there).
+               timeout: float = 300.0, prefix: str = "oarlock-live", token: str | bytes | None = None) -> PeerGroup:
+    """Join a process group of ``world_size`` processes that meet at ``host:port`` (rank 0 listens there, on that
+    address only).
 
     Made for disaggregated reinforcement-learning jobs: a trainer launched by torchrun and an engine launched on
     its own each keep their default group, and every process of both calls ``join_group`` with its rank in the
-    joint group (say trainer ranks ``0..T-1``, engine ranks ``T..T+E-1``). Rendezvous through a
-    ``torch.distributed.TCPStore`` (rank 0 hosts it); the group is a ``ProcessGroupGloo`` (or
-    ``ProcessGroupNCCL``) built on it.
+    joint group (say trainer ranks ``0..T-1``, engine ranks ``T..T+E-1``). Rank 0 admits the others with a
+    challenge-response over the shared secret ``token`` (:mod:`oarlock.checkpoint.runtime.rendezvous`): a process
+    without it is refused, and rank 0 reports the addresses it refused (:attr:`PeerGroup.refused`). The admitted
+    connections carry the group's store; the group is a ``ProcessGroupGloo`` (or ``ProcessGroupNCCL``) built on it.
 
     Args:
-        host, port: where rank 0's store listens (use ``127.0.0.1`` on one machine).
+        host, port: where rank 0 listens (use ``127.0.0.1`` on one machine; a host name or an address of one of
+            rank 0's interfaces across machines).
         world_size: processes in the joint group; rank: this process's rank in it (``0 <= rank < world_size``).
         backend: ``"gloo"`` or ``"nccl"``.
         timeout: seconds for the rendezvous and for every operation of the group (a dead peer raises within it).
-        prefix: key prefix in the store (several groups can share one store).
+        prefix: key prefix in the group's store.
+        token: the group's shared secret (str or bytes), the same on every member; None: the environment variable
+            ``OARLOCK_SYNC_TOKEN``. Without either, anyone who reaches ``host:port`` can join (a warning says so
+            once when ``host`` is not a loopback address). With one, ``verify=True`` hashes are keyed by it.
 
     Raises:
         CheckpointError: bad rank/size/backend; the rendezvous timing out (naming host, port and world size).
+        RendezvousError: (a ``CheckpointError``) this process refused (no or another secret), rank 0 not proving
+            the secret, a rank claimed by two members (naming both addresses).
     """
     import torch.distributed as dist
+
+    from oarlock.checkpoint.runtime import rendezvous
 
     if not (isinstance(world_size, int) and world_size >= 1 and isinstance(rank, int) and 0 <= rank < world_size):
         raise CheckpointError(f"join_group: rank {rank!r} is not in a group of world_size {world_size!r}")
     if backend not in ("gloo", "nccl"):
         raise CheckpointError(f"join_group: backend {backend!r} is not supported; use 'gloo' or 'nccl'")
+    secret = rendezvous.resolve_token(token)
+    if secret is None:
+        rendezvous.warn_if_open(host)
     td = datetime.timedelta(seconds=float(timeout))
+    meeting = None
     try:
-        store = dist.TCPStore(host, int(port), world_size, rank == 0, td)
-        pstore = dist.PrefixStore(prefix, store)
+        meeting = rendezvous.meet(host, int(port), world_size, rank, secret, float(timeout))
+        pstore = dist.PrefixStore(prefix, meeting.store)
         if backend == "gloo":
             opts = dist.ProcessGroupGloo._Options()
             opts._timeout = td
-            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=meeting.local_address)]
             pg = dist.ProcessGroupGloo(pstore, rank, world_size, opts)
         else:
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = td
             pg = dist.ProcessGroupNCCL(pstore, rank, world_size, opts)
+    except rendezvous.RendezvousError:
+        raise
     except (RuntimeError, OSError) as e:
+        if meeting is not None:
+            meeting.close()
         raise CheckpointError(f"join_group: rendezvous of {world_size} processes at {host}:{port} failed for rank "
                               f"{rank}: {e}") from e
-    return PeerGroup(rank, world_size, backend, pg, store)
+    return PeerGroup(rank, world_size, backend, pg, meeting.store, secret is not None, list(meeting.refused),
+                     rendezvous.derived_key(secret, meeting.group_id, b"verify"), meeting)
 
 
 class _Done:
@@ -332,9 +361,15 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
 
 
-def chunk_hash(buf: torch.Tensor) -> int:
-    """XXH3-64 of a chunk's bytes (the block hash of ``oarlock.checkpoint.integrity``), as a signed int64."""
+def chunk_hash(buf: torch.Tensor, key: bytes | None = None) -> int:
+    """The 8-byte hash of a chunk's bytes, as a signed int64: XXH3-64 (the block hash of
+    ``oarlock.checkpoint.integrity``), or with ``key`` (a group's :attr:`PeerGroup.verify_key`) keyed BLAKE2b-64,
+    which a process without the key cannot compute for bytes of its own."""
+    data = buf.cpu().numpy() if buf.device.type != "cpu" else buf.numpy()
+    if key is not None:
+        import hashlib
+
+        return int(np.frombuffer(hashlib.blake2b(data, digest_size=8, key=key[:64]).digest(), dtype=np.int64)[0])
     import xxhash
 
-    data = buf.cpu().numpy() if buf.device.type != "cpu" else buf.numpy()
     return int(np.array([xxhash.xxh3_64_intdigest(data)], dtype=np.uint64).view(np.int64)[0])
