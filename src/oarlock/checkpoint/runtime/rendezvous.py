@@ -292,6 +292,9 @@ def make_store(call: Callable[[bytes, list[bytes]], list[bytes]], timeout_s: flo
             for k, v in zip(keys, values):
                 self.set(k, v)
 
+        def clone(self):  # one connection, its requests serialised: a clone can share it
+            return self
+
     return GroupStore()
 
 
