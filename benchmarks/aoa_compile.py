@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from oarlock.checkpoint.aoa import compile_aoa  # noqa: E402
-from oarlock.checkpoint.mapping import TensorSpec  # noqa: E402
+from oarlock.checkpoint.model.mapping import TensorSpec  # noqa: E402
 
 LAYERS, EXPERTS, HID, MOE_INTER, INTER, VOCAB = 61, 256, 7168, 2048, 18432, 129280
 Q_LORA, KV_LORA, HEADS, QK_HEAD, V_HEAD, ROPE = 1536, 512, 128, 192, 128, 64

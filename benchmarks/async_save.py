@@ -117,7 +117,7 @@ def rank_main(rank: int, world: int, port: int, root: str, size_mib: int, device
     from torch.distributed.tensor import DTensor, Shard
 
     from oarlock.checkpoint import async_save, load_state_dict
-    from oarlock.checkpoint.save import plan_cache
+    from oarlock.checkpoint.runtime.save import plan_cache
 
     warnings.filterwarnings("ignore")
     cuda = device_kind == "cuda"

@@ -185,7 +185,7 @@ def rank_main(rank: int, world: int, port: int, root: str, reps: int, quick: boo
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     from oarlock.checkpoint import load_state_dict, save_state_dict
-    from oarlock.checkpoint.save import plan_cache
+    from oarlock.checkpoint.runtime.save import plan_cache
 
     global N_TENSORS, ROWS, COLS
     if quick:
@@ -362,7 +362,7 @@ def planner_benchmark() -> list[tuple[str, float, float, str]]:
     from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
     from oarlock.checkpoint import ShardDesc, plan_load
-    from oarlock.checkpoint.metadata import CheckpointMetadata, ShardMeta, TensorMeta
+    from oarlock.checkpoint.model.metadata import CheckpointMetadata, ShardMeta, TensorMeta
 
     rows = []
     # (a) one key, 100,000 row shards (e.g. a huge embedding saved by 100k writers) -> 256 row blocks

@@ -280,7 +280,7 @@ def megatron_rank(rank: int, port: int, root: str, c: dict, reps: int) -> None:
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 
     from oarlock.checkpoint import load_state_dict, save_state_dict
-    from oarlock.checkpoint.save import plan_cache
+    from oarlock.checkpoint.runtime.save import plan_cache
 
     # Megatron's file writer calls these even for CPU tensors (see tests/checkpoint/_foreign_writers.py)
     torch.cuda.synchronize = lambda *a, **k: None
@@ -419,7 +419,7 @@ def tc_rank(rank: int, port: int, root: str, c: dict, reps: int) -> None:
     from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
 
     from oarlock.checkpoint import load_state_dict, save_state_dict
-    from oarlock.checkpoint.save import plan_cache
+    from oarlock.checkpoint.runtime.save import plan_cache
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)

@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    from oarlock.checkpoint.save import plan_cache
+    from oarlock.checkpoint.runtime.save import plan_cache
 
     model, opt = trained()
     nparams = sum(p.numel() for p in model.parameters())

@@ -14,7 +14,7 @@ measured in that subprocess before anything is built):
 
 * ``oarlock-v1`` -- the version-1 path: every rank all-gathers every rank's shard descriptions, every rank runs
   ``assign_writes``; ``metadata.json`` lists one record per stored shard.
-* ``oarlock`` -- the grid path (``oarlock.checkpoint.grid``; present once issue 26 items 2-3 are merged): each
+* ``oarlock`` -- the grid path (``oarlock.checkpoint.model.grid``; present once issue 26 items 2-3 are merged): each
   rank describes its DTensors by their grid rule (``RankRecord``), ranks all-gather fixed-size fingerprints, one
   record per class of equal records goes to rank 0, which runs ``build_layout`` and scatters to each rank its
   listed writes; ``metadata.json`` holds one grid record per regular tensor.
@@ -361,7 +361,7 @@ class ReaderIndex:
     own :class:`KeyIndex` (one listed shard per class)."""
 
     def __init__(self, lay: Layout, params: Sequence[Param]):
-        from oarlock.checkpoint.metadata import ShardMeta, TensorMeta
+        from oarlock.checkpoint.model.metadata import ShardMeta, TensorMeta
 
         self.ShardMeta, self.TensorMeta = ShardMeta, TensorMeta
         self.lay = lay
@@ -372,7 +372,7 @@ class ReaderIndex:
         self._geo: dict[tuple, tuple] = {}
 
     def _build(self, key: str) -> None:
-        from oarlock.checkpoint.plan import KeyIndex
+        from oarlock.checkpoint.planning.load import KeyIndex
 
         p = self.params[key]
         pm = placement(self.lay, p)
@@ -422,7 +422,7 @@ def lay_out_file(entries: list[tuple]) -> tuple[dict, list]:
     """A data file's tensors at byte offsets in the writer's order (header ignored): ``(names, pieces)`` with
     ``names[tensor name] = (offset, stored shape, key)`` and ``pieces`` sorted by offset: ``(start byte, key,
     global box, box shape)`` of every regular box the file holds (flattened shards cut into contiguous boxes)."""
-    from oarlock.checkpoint.sharded import flat_range_boxes, make_box
+    from oarlock.checkpoint.model.sharded import flat_range_boxes, make_box
 
     pos, names, pieces = 0, {}, []
     for k, off, fr, name, s in file_write_order(entries):
@@ -460,7 +460,7 @@ def hashed_bytes(all_files: Sequence[str], items_of: Any, read_all: int, rank: i
     """
     import bisect
 
-    from oarlock.checkpoint.sharded import box_intersection
+    from oarlock.checkpoint.model.sharded import box_intersection
 
     files = list(all_files)
     sampled = len(files) > max_files
@@ -528,15 +528,15 @@ def hashed_bytes(all_files: Sequence[str], items_of: Any, read_all: int, rank: i
 # ---------------------------------------------------------------- oarlock phases
 
 def _meta_classes():
-    from oarlock.checkpoint.metadata import CheckpointMetadata
+    from oarlock.checkpoint.model.metadata import CheckpointMetadata
 
     return CheckpointMetadata
 
 
 def has_grid_api() -> bool:
     try:
-        from oarlock.checkpoint.grid import GridLayout  # noqa: F401
-        from oarlock.checkpoint.save import RankRecord, build_layout  # noqa: F401
+        from oarlock.checkpoint.model.grid import GridLayout  # noqa: F401
+        from oarlock.checkpoint.runtime.save import RankRecord, build_layout  # noqa: F401
     except ImportError:
         return False
     return True
@@ -580,8 +580,8 @@ class OarlockV1:
                 "save_id": "0" * 32 if rank == 0 else None, "objects": {}, "nested": {}, "tp_layouts": {}}
 
     def coordinate(self) -> dict:
-        from oarlock.checkpoint.plan import KeyIndex
-        from oarlock.checkpoint.save import assign_writes
+        from oarlock.checkpoint.planning.load import KeyIndex
+        from oarlock.checkpoint.runtime.save import assign_writes
 
         D = self.src.world
         gathered = [self.describe(r) for r in range(D)]
@@ -644,8 +644,8 @@ class OarlockGrid(OarlockV1):
     name = "oarlock"
 
     def record(self, rank: int):
-        from oarlock.checkpoint.grid import GridLayout
-        from oarlock.checkpoint.save import RankRecord
+        from oarlock.checkpoint.model.grid import GridLayout
+        from oarlock.checkpoint.runtime.save import RankRecord
 
         rec = RankRecord()
         writes = []
@@ -684,7 +684,7 @@ class OarlockGrid(OarlockV1):
         """ZeRO-1 moment key -> (shape, FlatGrid, partition of its shard 0), from the buffer's parameter order and
         partition size (what ``FlatGrid.of_partition`` makes on each rank)."""
         if getattr(self, "_flat", None) is None:
-            from oarlock.checkpoint.grid import FlatGrid
+            from oarlock.checkpoint.model.grid import FlatGrid
 
             base = [p for p in self.params if not p.key.endswith(MOMENTS)]
             by_key = {p.key: p for p in self.params}
@@ -700,7 +700,7 @@ class OarlockGrid(OarlockV1):
         return self._flat
 
     def coordinate(self) -> dict:
-        from oarlock.checkpoint.save import build_layout
+        from oarlock.checkpoint.runtime.save import build_layout
 
         D = self.src.world
         # every rank of a DTensor layout has the same record, and so has every rank of a ZeRO-1 layout (one flat
@@ -732,7 +732,7 @@ class OarlockGrid(OarlockV1):
                 + flags, "coord_s": work, "coord_note": f"build_layout ({len(classes)} class(es))"}
 
     def _file_sizes(self) -> dict[str, int]:
-        from oarlock.checkpoint.grid import FlatGrid, data_file_name
+        from oarlock.checkpoint.model.grid import FlatGrid, data_file_name
 
         sizes: dict[str, int] = {}
         cache: dict[tuple, list[tuple[int, int]]] = {}
@@ -768,14 +768,14 @@ class OarlockGrid(OarlockV1):
     def file_layout(self, meta) -> Any:
         """A file's tensors from the layout rule (grid keys: the writer holds its own cell; listed keys: from the
         metadata), only for the files asked about."""
-        from oarlock.checkpoint.grid import FlatGrid, data_file_name
+        from oarlock.checkpoint.model.grid import FlatGrid, data_file_name
 
         listed: dict[str, list] = {}
         for k, t in meta.tensors.items():
             if t.grid is None:
                 for s in t.shards:
                     listed.setdefault(s.file, []).append((k, s.global_offset, s.flattened_range, s.name, s))
-        from oarlock.checkpoint.metadata import ShardMeta
+        from oarlock.checkpoint.model.metadata import ShardMeta
 
         cache: dict[str, dict] = {}
 
@@ -821,7 +821,7 @@ def oarlock_parse(text: str):
 
 
 def requests_of(lay: Layout, params: Sequence[Param], rank: int):
-    from oarlock.checkpoint.sharded import ShardDesc
+    from oarlock.checkpoint.model.sharded import ShardDesc
 
     return [ShardDesc(p.key, ls, p.shape, off, DTYPE, fr) for p, off, ls, fr in rank_shards(lay, params, rank)]
 
@@ -831,11 +831,11 @@ def oarlock_plan(meta, reqs) -> tuple[Any, dict]:
     (``FileWork`` over the planner's compact groups where this version has them, else the list of every item),
     then one pass making every file's items, as the load's check pass does (the read pass makes them again: not
     timed here). Returns the work and ``{items, bytes, files, largest_file}``."""
-    from oarlock.checkpoint.plan import Planner
+    from oarlock.checkpoint.planning.load import Planner
 
     planner = Planner(meta)
     try:
-        from oarlock.checkpoint.executor import FileWork
+        from oarlock.checkpoint.runtime.executor import FileWork
     except ImportError:  # before the compact plans: every item in one list
         items = planner.plan_rank(reqs).items
         return items, {"items": len(items), "files": len({it.file for it in items}), "largest_file": None}
@@ -880,7 +880,7 @@ class DCP:
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
         from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-        from oarlock.checkpoint.sharded import flat_range_boxes
+        from oarlock.checkpoint.model.sharded import flat_range_boxes
 
         props = TensorProperties(dtype=torch.float32)
         items = []
@@ -948,7 +948,7 @@ def dcp_plan(md, reqs) -> list:
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
     from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-    from oarlock.checkpoint.sharded import flat_range_boxes
+    from oarlock.checkpoint.model.sharded import flat_range_boxes
 
     chunks: dict[str, list] = {}
     for r in reqs:

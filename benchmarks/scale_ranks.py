@@ -99,7 +99,7 @@ def rank_main(rank: int, world: int, port: int, job: str, root: str, n: int, rep
                                                         shape=torch.Size((ROWS, COLS)), stride=(COLS, 1))
                     for i in range(n)}
 
-        from oarlock.checkpoint import executor
+        from oarlock.checkpoint.runtime import executor
 
         threshold = executor.STREAM_MIN_ITEMS
         libs = ("oarlock", "oarlock-streamed", "dcp")

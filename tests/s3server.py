@@ -148,7 +148,7 @@ def start_server(root: Path, timeout_s: float = 90.0) -> S3Server:
 def counted_fetches(suffix: str = ".safetensors"):
     """While active, the length of every ranged GET oarlock makes of an object whose key ends with ``suffix``
     (data objects by default) is appended to the yielded list; the storage class is restored after."""
-    from oarlock.checkpoint.objectstore import S3Storage
+    from oarlock.checkpoint.storage.s3 import S3Storage
 
     fetched: list[int] = []
     real = S3Storage._get_range

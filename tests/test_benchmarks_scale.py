@@ -26,7 +26,7 @@ def _covered_once(items, reqs) -> bool:
     for r in reqs:
         n = r.numel
         seen[(r.key, r.global_offset, r.flattened_range)] = [0] * n
-    from oarlock.checkpoint.sharded import flat_range_boxes
+    from oarlock.checkpoint.model.sharded import flat_range_boxes
 
     for it in items:
         for r in reqs:

@@ -116,8 +116,8 @@ def test_checkpoint_package_is_lazy_and_complete():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.stdout.split() == ["False", "False", "True"], r.stderr
     import oarlock.checkpoint as c
-    from oarlock.checkpoint.async_save import async_save
-    from oarlock.checkpoint.manager import RankLocal
+    from oarlock.checkpoint.lifecycle.async_save import async_save
+    from oarlock.checkpoint.lifecycle.manager import RankLocal
 
     assert all(getattr(c, n) is not None for n in c.__all__)
     assert c.async_save is async_save and c.RankLocal is RankLocal

@@ -135,12 +135,12 @@ class TransposeSplit:
         return ["a", "b"]
 
     def destination_spec(self, key):
-        from oarlock.checkpoint.mapping import TensorSpec
+        from oarlock.checkpoint.model.mapping import TensorSpec
 
         return {"a": TensorSpec((3, 4), "float32"), "b": TensorSpec((4, 3), "float64")}[key]
 
     def mappings_for(self, key):
-        from oarlock.checkpoint.mapping import SliceMapping
+        from oarlock.checkpoint.model.mapping import SliceMapping
 
         if key == "a":
             return [SliceMapping("a", ((0, 3), (0, 4)), "w", ((0, 4), (0, 3)), permute=(1, 0))]
@@ -153,7 +153,7 @@ def listed_metadata(ckpt: str | Path) -> dict:
     the parsed object: for tests that edit shard records of checkpoints saved with grid records."""
     import json
 
-    from oarlock.checkpoint.metadata import CheckpointMetadata
+    from oarlock.checkpoint.model.metadata import CheckpointMetadata
 
     path = Path(ckpt) / "metadata.json"
     meta = CheckpointMetadata.from_json(json.loads(path.read_text()))

@@ -34,9 +34,7 @@ def lazy_exports(package: str, names: dict[str, str], eager: dict[str, Any]) -> 
 
     class _Package(types.ModuleType):
         # Importing submodule ``pkg.capture`` makes Python set ``pkg.capture`` to that module, hiding the
-        # function of the same name; keep the function (what an eager ``from .capture import capture`` did). The
-        # submodule is the one imported under that name, which an old path kept as an alias of a moved module
-        # (``sys.modules[__name__] = moved``) is too, whatever the moved module's own ``__name__``.
+        # function of the same name; keep the function (what an eager ``from .capture import capture`` did).
         def __setattr__(self, attr: str, value: Any) -> None:
             if (attr in names and isinstance(value, types.ModuleType)
                     and sys.modules.get(f"{package}.{attr}") is value and hasattr(value, attr)):

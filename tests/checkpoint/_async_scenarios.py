@@ -13,8 +13,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from oarlock.checkpoint import load_state_dict, save_state_dict
-from oarlock.checkpoint.async_save import async_save
-from oarlock.checkpoint.save import plan_cache
+from oarlock.checkpoint.lifecycle.async_save import async_save
+from oarlock.checkpoint.runtime.save import plan_cache
 from testkit import seeded_tensor
 
 warnings.filterwarnings("ignore")

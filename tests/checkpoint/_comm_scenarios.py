@@ -23,7 +23,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from multirank import link_files, needs
 from oarlock.checkpoint import CheckpointFormatError, load_state_dict, open_checkpoint, save_state_dict
-from oarlock.checkpoint.async_save import async_save
+from oarlock.checkpoint.lifecycle.async_save import async_save
 from testkit import seeded_tensor
 
 warnings.filterwarnings("ignore")
@@ -301,7 +301,7 @@ def scenario_async_save_while_training_goes_on(ctx):
     """Async save: training (in-place updates + collectives on the default group) goes on while the write is held
     back; the checkpoint holds the state of the save call; a second async save waits for the first and holds the
     later state."""
-    import oarlock.checkpoint.save as api  # the save pipeline writes through save.write_safetensors
+    import oarlock.checkpoint.runtime.save as api  # the save pipeline writes through save.write_safetensors
 
     src, _ = layouts()
     gate = threading.Event()

@@ -153,7 +153,7 @@ def scenario_reshape_load_moves_pieces_between_ranks(ctx):
 def scenario_fixed_size_agreements_and_gather_if_any(ctx):
     """DistWrapper.agree gives each value all ranks share and None for the others; gather_if_any returns None when
     every rank's result is empty, every rank's results when one is not, and raises one rank's error on all."""
-    from oarlock.checkpoint.dist import DistWrapper
+    from oarlock.checkpoint.runtime.dist import DistWrapper
 
     d = DistWrapper(None)
     got = d.agree([7, ctx.rank, -(2 ** 62), 5 if ctx.rank else 6])

@@ -269,7 +269,7 @@ def scenario_overlap_and_gap_raise_on_every_rank(ctx):
 
 def scenario_rank_failing_mid_write_publishes_nothing(ctx):
     """Rank 2 fails mid-write: every rank raises, nothing appears, the earlier 'oar' stays intact."""
-    import oarlock.checkpoint.save as save_module  # the save pipeline writes through save.write_safetensors
+    import oarlock.checkpoint.runtime.save as save_module  # the save pipeline writes through save.write_safetensors
 
     lay, rank, root = _layouts(), ctx.rank, ctx.root
     real = save_module.write_safetensors

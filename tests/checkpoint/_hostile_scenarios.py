@@ -11,7 +11,7 @@ import torch.distributed as dist
 from multirank import raised
 
 from oarlock.checkpoint import CheckpointError, ShardedWeight, load_state_dict, save_state_dict
-from oarlock.checkpoint.safetensors_io import SafetensorsFile
+from oarlock.checkpoint.storage.safetensors import SafetensorsFile
 
 ROWS = 2
 

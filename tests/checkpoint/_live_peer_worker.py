@@ -21,7 +21,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.device_mesh import init_device_mesh
 
 from oarlock.checkpoint import ShardedWeight, WeightSync, join_group, reshard_state_dict
-from oarlock.checkpoint import transfer
+from oarlock.checkpoint.runtime import transfer
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from oarlock.checkpoint import (CheckpointError, CheckpointMismatchError, FlatPartition, ShardedWeight, WeightSync,
                                 load_state_dict, reshard_state_dict, save_state_dict)
-from oarlock.checkpoint import transfer
+from oarlock.checkpoint.runtime import transfer
 from testkit import seeded_tensor
 
 warnings.filterwarnings("ignore")

@@ -165,7 +165,7 @@ def scenario_streamed_load_reshards_bit_exact_and_fails_alike_on_a_flipped_byte(
     are checked (and their blocks to hash summed) and when they are read. A column reshard of an FSDP save is
     bit-exact; then a flipped byte in one data file fails every rank with the same ChecksumError naming that file,
     and no target is written. (One 1-D mesh: an earlier scenario made sub-groups on some ranks only.)"""
-    from oarlock.checkpoint import executor
+    from oarlock.checkpoint.runtime import executor
     from oarlock.checkpoint.integrity import ChecksumError
 
     saved = executor.STREAM_MIN_ITEMS, executor.RETAIN_ITEMS
@@ -242,7 +242,7 @@ def scenario_flat_partitions_coordinate_one_record_and_load_bit_exact(ctx):
     coordinator receives one record (against one per rank when the same ranges come without it), the metadata
     holds one flat record per key and each data file one packed entry; loads as whole tensors and as the flat
     ranges of a 10-rank partition give exactly the seeded values."""
-    from oarlock.checkpoint.dist import DistWrapper
+    from oarlock.checkpoint.runtime.dist import DistWrapper
     from safetensors import safe_open
 
     senders: list[int] = []

@@ -22,12 +22,12 @@ from safetensors.torch import load_file, save_file
 from multirank import each_scenario, launch_fixture
 from oarlock.checkpoint import (CheckpointError, CheckpointManager, async_save, convert_checkpoint, export_hf,
                                 load_state_dict, save_state_dict)
-from oarlock.checkpoint import safetensors_io
-from oarlock.checkpoint.save import plan_cache
+from oarlock.checkpoint.storage import safetensors as safetensors_io
+from oarlock.checkpoint.runtime.save import plan_cache
 from oarlock.checkpoint.storage import INCOMPLETE_MARKER
 
 # the module (the package's ``async_save`` attribute is the function)
-async_mod = importlib.import_module("oarlock.checkpoint.async_save")
+async_mod = importlib.import_module("oarlock.checkpoint.lifecycle.async_save")
 
 launched = launch_fixture("_async_scenarios", worlds=(2,), timeout_s=300)
 
@@ -219,7 +219,7 @@ def test_done_callbacks_run_once_finished_and_at_once_after(tmp_path, caplog):
     gate = threading.Event()
     real = async_mod.collect_leaves
     calls: list[tuple[str, bool]] = []
-    import oarlock.checkpoint.async_save as mod
+    import oarlock.checkpoint.lifecycle.async_save as mod
 
     mod.collect_leaves = lambda *a, **k: gate.wait(60) and real(*a, **k)
     try:
@@ -258,8 +258,8 @@ def test_manager_async_three_saves_keep_last_two(tmp_path):
 
 _KILL_SCRIPT = textwrap.dedent("""
     import importlib, os, signal, sys, torch
-    A = importlib.import_module("oarlock.checkpoint.async_save")
-    import oarlock.checkpoint.safetensors_io as S
+    A = importlib.import_module("oarlock.checkpoint.lifecycle.async_save")
+    import oarlock.checkpoint.storage.safetensors as S
     from oarlock.checkpoint import CheckpointManager
     root, where = sys.argv[1], sys.argv[2]
     def state(s):

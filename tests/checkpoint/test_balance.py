@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from oarlock.checkpoint import CheckpointError
-from oarlock.checkpoint.balance import assign_readers
+from oarlock.checkpoint.planning.assign import assign_readers
 
 
 def test_spec_example_two_ranks_share_file1():

@@ -8,7 +8,7 @@ import torch
 
 from multirank import each_scenario, launch_fixture
 from oarlock.checkpoint import CheckpointError, load_state_dict, save_state_dict
-from oarlock.checkpoint.async_save import AsyncSaveHandle
+from oarlock.checkpoint.lifecycle.async_save import AsyncSaveHandle
 
 launched = launch_fixture("_comm_scenarios", worlds=(4,), timeout_s=300)
 

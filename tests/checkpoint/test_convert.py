@@ -134,7 +134,7 @@ def scenario_save_real_ranks_and_export_live(ctx):
     """Two gloo ranks save a TP=2 checkpoint with save_state_dict, then export the fused model they train live
     to HF through the reverse config (rank 0 writes, rank 1 only sends)."""
     from oarlock.checkpoint.aoa import compile_aoa
-    from oarlock.checkpoint.mapping import TensorSpec, execute_on_full_tensors
+    from oarlock.checkpoint.model.mapping import TensorSpec, execute_on_full_tensors
     from oarlock.utils import dtype_name
 
     ref = tiny_model()
@@ -324,7 +324,7 @@ def _bad_source(tmp_path, kind):
     if kind == "unsafe_pickle":
         import numpy as np
 
-        from oarlock.checkpoint import paddle as pp
+        from oarlock.checkpoint.formats import paddle_pickle as pp
 
         root.mkdir()
         (root / "0_0.distcp").write_bytes(pickle.dumps({"w": np.ones(2, dtype=np.float32)}))

@@ -142,7 +142,7 @@ def test_save_state_dict_keeps_what_it_did_not_write(tmp_path):
 
 
 def test_save_hf_checkpoint_keeps_what_it_did_not_write(tmp_path):
-    from oarlock.checkpoint.hf import save_hf_checkpoint
+    from oarlock.checkpoint.formats.huggingface_writer import save_hf_checkpoint
 
     out = tmp_path / "hf"
     save_hf_checkpoint(iter(state().items()), out)
@@ -324,7 +324,7 @@ def test_metadata_field_of_the_wrong_json_type_is_named(tmp_path, field, value, 
 
 
 def test_conjugate_and_negative_views_are_saved_as_the_values_they_show(tmp_path):
-    from oarlock.checkpoint.hf import save_hf_checkpoint
+    from oarlock.checkpoint.formats.huggingface_writer import save_hf_checkpoint
     from safetensors.torch import load_file
 
     x = torch.randn(3, 4, dtype=torch.complex64, generator=torch.Generator().manual_seed(0))

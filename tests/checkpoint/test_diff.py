@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from oarlock.checkpoint import convert_checkpoint, save_state_dict
-from oarlock.checkpoint.diff import compare_tensors, diff_checkpoints
+from oarlock.checkpoint.convert.diff import compare_tensors, diff_checkpoints
 from oarlock.cli import main
 
 

@@ -1,4 +1,4 @@
-"""The distributed core (oarlock.checkpoint.dist): errors keep their class on every rank, no rank is left out of
+"""The distributed core (oarlock.checkpoint.runtime.dist): errors keep their class on every rank, no rank is left out of
 step, and optimizer resume opens node-local checkpoints like model loads do.
 
 The multi-rank scenarios live in _dist_core_scenarios.py and run on 4 gloo ranks in one launch; a failure names
@@ -10,8 +10,8 @@ import torch
 
 from oarlock.checkpoint import CheckpointError, CheckpointMismatchError, load_state_dict, save_state_dict
 from oarlock.checkpoint.aoa import AOAError, AOASyntaxError
-from oarlock.checkpoint.dist import DistWrapper, ErrorReport, rebuild_error
-from oarlock.checkpoint.optim import OptimizerStateError
+from oarlock.checkpoint.runtime.dist import DistWrapper, ErrorReport, rebuild_error
+from oarlock.checkpoint.lifecycle.optim import OptimizerStateError
 
 
 @pytest.mark.multiproc

@@ -9,9 +9,9 @@ import torch
 
 from oarlock.checkpoint import CheckpointFormatError, load_state_dict, open_checkpoint, save_state_dict
 from oarlock.checkpoint.formats import load_formats
-from oarlock.checkpoint.metadata import CheckpointMetadata, ShardMeta, TensorMeta
-from oarlock.checkpoint.reader import CheckpointReader, register_format, unregister_format
-from oarlock.checkpoint.safetensors_io import write_safetensors
+from oarlock.checkpoint.model.metadata import CheckpointMetadata, ShardMeta, TensorMeta
+from oarlock.checkpoint.formats.reader import CheckpointReader, register_format, unregister_format
+from oarlock.checkpoint.storage.safetensors import write_safetensors
 
 
 class ToyReader(CheckpointReader):

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from oarlock.checkpoint import ShardedWeight
-from oarlock.checkpoint.full import full_state_dict
-from oarlock.checkpoint.mapping import SliceMapping, TensorSpec
+from oarlock.checkpoint.convert.full import full_state_dict
+from oarlock.checkpoint.model.mapping import SliceMapping, TensorSpec
 
 WORLD = 4
 

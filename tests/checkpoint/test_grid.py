@@ -17,10 +17,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from oarlock.checkpoint.errors import CheckpointError, CheckpointFormatError
-from oarlock.checkpoint.grid import FlatGrid, GridLayout, compress_flat, compress_shards, data_file_name
-from oarlock.checkpoint.metadata import CheckpointMetadata, ShardMeta, TensorMeta
-from oarlock.checkpoint.plan import Planner
-from oarlock.checkpoint.sharded import FlatPartition, ShardDesc, ShardedWeight
+from oarlock.checkpoint.model.grid import FlatGrid, GridLayout, compress_flat, compress_shards, data_file_name
+from oarlock.checkpoint.model.metadata import CheckpointMetadata, ShardMeta, TensorMeta
+from oarlock.checkpoint.planning.load import Planner
+from oarlock.checkpoint.model.sharded import FlatPartition, ShardDesc, ShardedWeight
 
 
 def chunk_extents(length: int, counts: list[int]) -> list[tuple[int, int]]:
@@ -257,7 +257,7 @@ def test_file_work_makes_each_files_reads_in_order_and_holds_templates_not_items
     item at once (tracemalloc)."""
     import tracemalloc
 
-    from oarlock.checkpoint.executor import FileWork, read_order
+    from oarlock.checkpoint.runtime.executor import FileWork, read_order
 
     shape, n, keys = (256, 64), 64, [f"layers.{i}.w" for i in range(96)]
     grid = GridLayout.from_placements(shape, (n,), (("S", 0),), key="w")
@@ -293,7 +293,7 @@ def test_file_work_makes_each_files_reads_in_order_and_holds_templates_not_items
 
 
 def _flat_record(key: str, shape: tuple, grid: FlatGrid, rank: int):
-    from oarlock.checkpoint.save import RankRecord
+    from oarlock.checkpoint.runtime.save import RankRecord
 
     rec = RankRecord()
     rec.tensors.append((key, shape, "float32", grid))
@@ -305,7 +305,7 @@ def test_flat_rules_of_disjoint_groups_record_one_copy_and_disagreeing_ranks_are
     recorded and the other group's ranks are told not to write the key. Ranks of one group that disagree on the
     partition: an error naming both ranks and FlatPartition (it was a tiling error naming one file twice)."""
     from oarlock.checkpoint.errors import CheckpointMismatchError
-    from oarlock.checkpoint.save import build_layout
+    from oarlock.checkpoint.runtime.save import build_layout
 
     n, shape = 20, (4, 5)
     g01, _ = FlatGrid.of_partition(n, 3, 12, base=0)  # shards [0, 9), [9, 20) on ranks 0, 1

@@ -7,7 +7,7 @@ import torch
 from safetensors import safe_open
 
 from oarlock.checkpoint import CheckpointError
-from oarlock.checkpoint.hf import parse_size, save_hf_checkpoint
+from oarlock.checkpoint.formats.huggingface_writer import parse_size, save_hf_checkpoint
 from oarlock.checkpoint.storage import open_checkpoint
 
 

@@ -72,7 +72,7 @@ def test_convert_refuses_source_overlap_and_foreign_directories(tmp_path, monkey
 
 def test_every_writer_refuses_a_directory_that_is_not_its_checkpoint(tmp_path):
     from oarlock.checkpoint.convert import convert_checkpoint, export_hf
-    from oarlock.checkpoint.hf import save_hf_checkpoint
+    from oarlock.checkpoint.formats.huggingface_writer import save_hf_checkpoint
 
     user = tmp_path / "user"
     user.mkdir()
@@ -415,7 +415,7 @@ def test_restricted_unpickler_still_reads_plain_arrays(tmp_path):
 
     import numpy as np
 
-    from oarlock.checkpoint.paddle import restricted_load
+    from oarlock.checkpoint.formats.paddle_pickle import restricted_load
 
     arrays = {"f": np.arange(12, dtype=np.float32).reshape(3, 4), "F": np.asfortranarray(np.arange(6.0).reshape(2, 3)),
               "u16": np.arange(5, dtype=np.uint16), "be": np.arange(3, dtype=">i4"), "b": np.array([True, False]),
@@ -466,7 +466,8 @@ def test_async_save_failing_in_the_background_is_reported_at_exit(tmp_path):
     ck = tmp_path / "ckpt"
     script = textwrap.dedent(f"""
         import errno, os, torch
-        from oarlock.checkpoint import save, save_state_dict
+        from oarlock.checkpoint import save_state_dict
+        from oarlock.checkpoint.runtime import save
         def full(*a, **k):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         save.write_safetensors = full
@@ -552,7 +553,7 @@ def test_overlapping_header_offsets_are_refused(tmp_path):
     import json
     import struct
 
-    from oarlock.checkpoint.safetensors_io import read_header
+    from oarlock.checkpoint.storage.safetensors import read_header
 
     hdr = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
            "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}
@@ -564,7 +565,7 @@ def test_overlapping_header_offsets_are_refused(tmp_path):
     with open(tmp_path / "model.safetensors", "rb") as fh:  # the own check, without the library's
         import unittest.mock
 
-        with unittest.mock.patch("oarlock.checkpoint.safetensors_io._library_check"):
+        with unittest.mock.patch("oarlock.checkpoint.storage.safetensors._library_check"):
             with pytest.raises(CheckpointFormatError, match="tensors 'a' and 'b' overlap"):
                 read_header(tmp_path / "model.safetensors", fh.fileno())
 
@@ -572,7 +573,7 @@ def test_overlapping_header_offsets_are_refused(tmp_path):
 def test_a_load_racing_a_replacement_sees_one_save_or_fails(tmp_path, monkeypatch):
     """The checkpoint is replaced by another save right after the load read its metadata: the load raises (the
     data files are of another save) and writes nothing; it never returns rows of both."""
-    from oarlock.checkpoint import load as load_mod
+    from oarlock.checkpoint.runtime import load as load_mod
     from oarlock.checkpoint.convert import convert_checkpoint
 
     ck = tmp_path / "ck"
@@ -602,7 +603,7 @@ def test_key_named_like_the_safetensors_metadata_block_saves_and_loads(tmp_path)
     from safetensors import safe_open
 
     from oarlock.checkpoint.convert import convert_checkpoint, export_hf
-    from oarlock.checkpoint.hf import save_hf_checkpoint
+    from oarlock.checkpoint.formats.huggingface_writer import save_hf_checkpoint
 
     m = torch.arange(12, dtype=torch.float32).reshape(4, 3)
     sd = {"__metadata__": m.clone(), "w": torch.full((2,), 7.0), "__metadata__.s": torch.tensor(3.5)}

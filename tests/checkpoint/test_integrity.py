@@ -16,9 +16,9 @@ from safetensors.torch import save_file
 import _integrity_scenarios as W
 from multirank import each_scenario, launch_fixture
 from oarlock.checkpoint import ShardedWeight, convert_checkpoint, load_state_dict, save_state_dict
-from oarlock.checkpoint.diff import diff_checkpoints
+from oarlock.checkpoint.convert.diff import diff_checkpoints
 from oarlock.checkpoint.integrity import BLOCK_SIZE, ChecksumError, file_checksums, verify_checkpoint
-from oarlock.checkpoint.safetensors_io import read_header
+from oarlock.checkpoint.storage.safetensors import read_header
 from oarlock.cli import main
 
 DATA = "rank-00000.safetensors"
@@ -297,7 +297,7 @@ def test_async_save_stages_cuda_tensors_in_pinned_memory(tmp_path):
 def test_threaded_reads_equal_sequential_reads(tmp_path, monkeypatch):
     import threading
 
-    from oarlock.checkpoint import executor
+    from oarlock.checkpoint.runtime import executor
 
     g = torch.Generator().manual_seed(5)
     sd = {f"w{i}": torch.randn(64, 96, generator=g) for i in range(6)}
@@ -328,7 +328,7 @@ def test_streamed_reads_of_one_file_run_on_the_pool(tmp_path, monkeypatch):
     read at a time cannot produce."""
     import threading
 
-    from oarlock.checkpoint import executor
+    from oarlock.checkpoint.runtime import executor
 
     g = torch.Generator().manual_seed(6)
     sd = {f"w{i}": torch.randn(1024, 256, generator=g) for i in range(6)}

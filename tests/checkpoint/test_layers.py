@@ -1,10 +1,9 @@
 """The checkpoint package laid out by role (issue 42): what each pure layer may import, read from the source with
 ``ast`` (function-level imports count). ``model/`` is data only: it imports nothing of the checkpoint package
-outside itself but the errors; ``planning/`` adds the data model, nothing with I/O or communication. The old module
-paths are aliases of the moved modules (one module object, so private names and monkeypatching reach it)."""
+outside itself but the errors; ``planning/`` adds the data model, nothing with I/O or communication. (That no module
+is left at an old path is tested in test_module_limits.py.)"""
 
 import ast
-import importlib
 from pathlib import Path
 
 import pytest
@@ -40,12 +39,3 @@ def test_pure_layers_import_only_what_is_below_them(layer):
            for p in sorted((PKG / layer).rglob("*.py")) for mod, line in _checkpoint_imports(p)
            if mod.split(".")[0] not in ALLOWED[layer]]
     assert not bad, f"{layer}/ may import only {ALLOWED[layer]}:\n" + "\n".join(bad)
-
-
-@pytest.mark.parametrize("old,new", [
-    ("sharded", "model.sharded"), ("metadata", "model.metadata"), ("grid", "model.grid"), ("mapping", "model.mapping"),
-    ("traversal", "model.traversal"), ("plan", "planning.load"), ("balance", "planning.assign"),
-    ("presets", "aoa.presets"), ("commands", "cli"), ("optim", "lifecycle.optim"), ("paddle", "formats.paddle_pickle"),
-])
-def test_old_paths_are_the_moved_modules(old, new):
-    assert importlib.import_module(f"oarlock.checkpoint.{old}") is importlib.import_module(f"oarlock.checkpoint.{new}")

@@ -9,7 +9,7 @@ import torch
 from multirank import each_scenario, launch_fixture
 from oarlock.checkpoint import (CheckpointError, CheckpointMismatchError, ShardedWeight, WeightSync,
                                 reshard_state_dict)
-from oarlock.checkpoint.transfer import Segment, cut_stream
+from oarlock.checkpoint.runtime.transfer import Segment, cut_stream
 
 launched = launch_fixture("_live_scenarios", worlds=(4,), timeout_s=300)
 

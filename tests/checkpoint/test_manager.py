@@ -17,7 +17,7 @@ import torch
 
 from oarlock.checkpoint import (CheckpointError, CheckpointManager, OptimizerState, RankLocal, RNGState,
                                 sharded_state_dict)
-from oarlock.checkpoint.manager import CRASH_ENV, CRASH_POINTS
+from oarlock.checkpoint.lifecycle.manager import CRASH_ENV, CRASH_POINTS
 
 
 def _state(step: int, n: int = 8) -> dict:
@@ -208,7 +208,7 @@ def test_one_committed_test_for_the_manager_and_the_commands(tmp_path):
     """The manager's step listing and the commands' manager-root resolution share one test of "committed": a step
     holding an incomplete-save marker and a step that is a symbolic link to a committed one are both skipped by
     both (a link could point anywhere: nothing outside the root is opened)."""
-    from oarlock.checkpoint.manager import CheckpointManager
+    from oarlock.checkpoint.lifecycle.manager import CheckpointManager
     from oarlock.checkpoint.storage import is_committed, resolve_manager_root
 
     m = CheckpointManager(tmp_path / "run")

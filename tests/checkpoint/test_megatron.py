@@ -174,7 +174,7 @@ def test_megatron_gpt_preset_to_hf_logits(written, tmp_path, capsys):
     tokens (first 128 logits: the rest are padding rows)."""
     from transformers import LlamaForCausalLM
 
-    from oarlock.checkpoint.presets import preset
+    from oarlock.checkpoint.aoa.presets import preset
 
     cfg = hf_config(tmp_path)
     ref = hf_reference(expected(written))
@@ -216,7 +216,7 @@ def test_megatron_gpt_preset_to_hf_logits(written, tmp_path, capsys):
 
 
 def test_megatron_gpt_preset_errors(written, tmp_path):
-    from oarlock.checkpoint.presets import PresetError, preset
+    from oarlock.checkpoint.aoa.presets import PresetError, preset
 
     cfg = json.loads(hf_config(tmp_path).read_text())
     with pytest.raises(PresetError, match="num_hidden_layers=3 but the checkpoint's stacked"):
@@ -273,7 +273,7 @@ def test_megatron_strict_model_load_hint(written, tmp_path, ckpt):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from oarlock.checkpoint.errors import CheckpointMismatchError
-    from oarlock.checkpoint.presets import preset
+    from oarlock.checkpoint.aoa.presets import preset
 
     cfg = hf_config(tmp_path)
     ref = hf_reference(expected(written))

@@ -18,7 +18,8 @@ import torch
 
 from oarlock.checkpoint import load_state_dict, save_state_dict
 from oarlock.checkpoint.errors import CheckpointDestinationError, CheckpointFormatError
-from oarlock.checkpoint.objectstore import ObjectPath, ObjectStoreError, UnsupportedLocationError, location
+from oarlock.checkpoint.storage.backend import ObjectStoreError, UnsupportedLocationError
+from oarlock.checkpoint.storage.location import ObjectPath, location
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -151,7 +152,7 @@ def test_kept_blocks_stay_within_their_budget(s3, monkeypatch):
     the blocks it could not keep a second time (to read them)."""
     from s3server import counted_fetches
 
-    from oarlock.checkpoint import objectstore
+    from oarlock.checkpoint.storage import s3 as s3_storage
 
     g = torch.Generator().manual_seed(12)
     state = {f"w{i}": torch.randn(256, 1024, generator=g) for i in range(10)}  # 10 MiB: three 4 MiB blocks
@@ -164,7 +165,7 @@ def test_kept_blocks_stay_within_their_budget(s3, monkeypatch):
         rep = load_state_dict(out, url)
     _assert_equal(out, state)
     assert rep.bytes_hashed == size
-    kept = objectstore._verified.peak
+    kept = s3_storage._verified.peak
     assert 0 < kept <= 4 * 1024 * 1024  # one block kept (whichever fetch finished first), never two
     # the blocks not kept are fetched again for the reads (less the file's header, which no tensor read covers)
     assert 2 * size - kept - 256 * 1024 <= sum(fetched) <= 2 * size - kept + 256 * 1024, (sum(fetched), size, kept)
@@ -376,7 +377,7 @@ def test_retries_through_a_proxy_that_drops_connections(s3, monkeypatch):
 
 
 def test_manager_keep_last_and_load_latest(s3):
-    from oarlock.checkpoint.manager import CheckpointManager
+    from oarlock.checkpoint.lifecycle.manager import CheckpointManager
 
     root = s3.url + "/run"
     m = CheckpointManager(root, keep_last=2)
@@ -509,7 +510,8 @@ def test_wrong_credentials_are_named_as_the_likely_cause(s3, monkeypatch):
 
 
 def test_storage_protocol_local_and_s3_agree(s3, tmp_path, monkeypatch):
-    from oarlock.checkpoint.objectstore import LocalStorage, S3Storage
+    from oarlock.checkpoint.storage.local import LocalStorage
+    from oarlock.checkpoint.storage.s3 import S3Storage
 
     monkeypatch.setenv("OARLOCK_S3_PART_BYTES", str(5 * 1024 * 1024))
     payload = os.urandom(11 * 1024 * 1024 + 3)  # three parts: two from memory, one gathered
@@ -534,7 +536,7 @@ def test_storage_protocol_local_and_s3_agree(s3, tmp_path, monkeypatch):
 def test_retry_policy_throttling_and_5xx_retried_4xx_not(monkeypatch):
     from botocore.exceptions import ClientError, EndpointConnectionError
 
-    from oarlock.checkpoint.objectstore import S3Storage
+    from oarlock.checkpoint.storage.s3 import S3Storage
 
     def answer(code: str, status: int) -> ClientError:
         return ClientError({"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}},

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from oarlock.checkpoint import (OptimizerHyperparameterWarning, OptimizerStateError, ShardDesc,
                                 load_sharded_optimizer_state_dict, plan_load, save_state_dict,
                                 sharded_optimizer_state_dict, sharded_state_dict)
-from oarlock.checkpoint.executor import execute_items
-from oarlock.checkpoint.metadata import CheckpointMetadata, ShardMeta, TensorMeta
+from oarlock.checkpoint.runtime.executor import execute_items
+from oarlock.checkpoint.model.metadata import CheckpointMetadata, ShardMeta, TensorMeta
 from oarlock.models.llama import Llama, LlamaConfig, causal_lm_loss, hf_aoa_config
 
 CFG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,

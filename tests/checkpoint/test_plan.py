@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from oarlock.checkpoint import CheckpointMismatchError, CheckpointTilingError, ShardDesc, plan_load
-from oarlock.checkpoint.executor import destination_view, execute_items
-from oarlock.checkpoint.mapping import box_slices, execute_on_full_tensors, full_box
-from oarlock.checkpoint.metadata import CheckpointMetadata, ShardMeta, TensorMeta
-from oarlock.checkpoint.reader import CheckpointReader
-from oarlock.checkpoint.sharded import flat_range_boxes
+from oarlock.checkpoint.runtime.executor import destination_view, execute_items
+from oarlock.checkpoint.model.mapping import box_slices, execute_on_full_tensors, full_box
+from oarlock.checkpoint.model.metadata import CheckpointMetadata, ShardMeta, TensorMeta
+from oarlock.checkpoint.formats.reader import CheckpointReader
+from oarlock.checkpoint.model.sharded import flat_range_boxes
 from oarlock.utils import torch_dtype
 from testkit import TransposeSplit
 
@@ -146,7 +146,7 @@ def test_program_with_transpose_split_and_cast():
             expect = ref[req.key][tuple(slice(o, o + n) for o, n in zip(req.global_offset, req.local_shape))]
             got = torch.zeros(req.local_shape, dtype=torch_dtype(req.dtype))
             items = [it for it in plans[r].items if it.dst_key == req.key]
-            from oarlock.checkpoint.plan import LoadPlan
+            from oarlock.checkpoint.planning.load import LoadPlan
             hits = execute(LoadPlan(items), meta, got, arrays)
             assert torch.equal(got, expect) and bool((hits == 1).all())
     assert any(it.permute == (1, 0) for it in plans[0].items)

@@ -13,7 +13,7 @@ from safetensors import safe_open
 from oarlock.checkpoint import load_state_dict
 from oarlock.checkpoint.aoa import AOAError
 from oarlock.checkpoint.convert import convert_checkpoint, export_hf
-from oarlock.checkpoint.presets import PresetError, preset
+from oarlock.checkpoint.aoa.presets import PresetError, preset
 from oarlock.checkpoint.storage import open_checkpoint
 from testkit import st_tensors
 
@@ -204,7 +204,7 @@ def test_wrong_architecture_fails_naming_the_mismatch(tmp_path):
 def test_aoa_statements_equal_the_table_run_in_plain_torch(arch, tmp_path):
     """Each table's AOA statements (through convert at TP=2, every rank file read back) give what the same
     table executed with plain torch ops gives (presets.reference_convert), tensor for tensor."""
-    from oarlock.checkpoint.presets import ARCHITECTURES, params_from_config, reference_convert
+    from oarlock.checkpoint.aoa.presets import ARCHITECTURES, params_from_config, reference_convert
 
     hf = tmp_path / "hf"
     make(arch, 2, hf)
@@ -229,7 +229,7 @@ def test_stacked_experts_round_trip_tp2(arch, tmp_path):
     ``[E, 2I, hidden]`` (expert e's [gate_e; up_e], built here with torch.stack) and ``...experts.down_proj.weight``
     ``[E, hidden, I]``, split over 2 ranks on the expert axis; exporting back (reverse mode: the reshape's
     ``src_shape`` restores HF's 2-D shapes) is bit-identical and transformers' logits are unchanged."""
-    from oarlock.checkpoint.presets import ARCHITECTURES, params_from_config, reference_convert
+    from oarlock.checkpoint.aoa.presets import ARCHITECTURES, params_from_config, reference_convert
 
     hf = tmp_path / "hf"
     model = make(arch, 2, hf)

@@ -13,11 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import oarlock.checkpoint.save as api
+import oarlock.checkpoint.runtime.save as api
 from oarlock.checkpoint import (CheckpointError, CheckpointFormatError, CheckpointMismatchError,
                                 CheckpointTilingError, ShardedWeight, TensorSpec, load_state_dict,
                                 save_state_dict, sharded_state_dict)
-from oarlock.checkpoint.mapping import execute_on_full_tensors
+from oarlock.checkpoint.model.mapping import execute_on_full_tensors
 from testkit import TransposeSplit, listed_metadata, tree_digest, write_paddle_checkpoint
 
 
@@ -245,7 +245,7 @@ def test_injected_failure_leaves_nothing_and_keeps_the_earlier_checkpoint(tmp_pa
 
 KILL_SCRIPT = r"""
 import os, signal, sys, torch
-import oarlock.checkpoint.save as api
+import oarlock.checkpoint.runtime.save as api
 from oarlock.checkpoint import save_state_dict
 real = api.write_safetensors
 def killed_mid_write(path, tensors, **kw):

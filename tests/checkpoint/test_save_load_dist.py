@@ -80,7 +80,8 @@ def worker(rank, port, root):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     from oarlock.checkpoint import ShardedWeight, load_state_dict, save_state_dict
-    asy = importlib.import_module("oarlock.checkpoint.async_save")  # the package's attribute of that name is the function
+    # the module (the package's attribute async_save is the function)
+    asy = importlib.import_module("oarlock.checkpoint.lifecycle.async_save")
     full = torch.arange(24.0).reshape(6, 4)
     sd = {"w": ShardedWeight("w", full[rank * 3:rank * 3 + 3].clone(), (3, 4), (6, 4), (rank * 3, 0)), "step": 7}
     save_state_dict(sd, root + "/async", async_save=True).wait()
@@ -130,7 +131,7 @@ def worker(rank, port, root):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     from oarlock.checkpoint import ShardedWeight, save_state_dict
-    asy = importlib.import_module("oarlock.checkpoint.async_save")
+    asy = importlib.import_module("oarlock.checkpoint.lifecycle.async_save")
     real = asy.write_and_commit
 
     def late(*a, **k):  # the write starts after the script destroyed the group (a slow disk, a big state)

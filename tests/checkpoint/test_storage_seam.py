@@ -87,7 +87,7 @@ def test_memory_store_destination_rule_keeps_foreign_objects():
 
 
 def test_manager_on_memory_store_keeps_last_and_resolves_latest():
-    from oarlock.checkpoint.manager import resolve_manager_root
+    from oarlock.checkpoint.lifecycle.manager import resolve_manager_root
 
     m = CheckpointManager("mem://bkt/runs", keep_last=2)
     for step in (1, 2, 3):
@@ -142,8 +142,7 @@ _FS_CALLS = {"os": {"open", "pread", "preadv", "pwrite", "pwritev", "replace", "
 
 
 def _outside_storage() -> list[Path]:
-    return sorted(p for p in PKG.rglob("*.py") if "storage" not in p.relative_to(PKG).parts
-                  and p.name != "objectstore.py")  # objectstore.py: the old path's re-exports, no code
+    return sorted(p for p in PKG.rglob("*.py") if "storage" not in p.relative_to(PKG).parts)
 
 
 def _calls(tree: ast.AST) -> list[tuple[int, str]]:

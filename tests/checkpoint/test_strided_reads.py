@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import save_file
 
 from oarlock.checkpoint import load_state_dict, save_state_dict
-from oarlock.checkpoint.safetensors_io import _BOUNCE_BYTES, SafetensorsFile
+from oarlock.checkpoint.storage.safetensors import _BOUNCE_BYTES, SafetensorsFile
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -58,7 +58,7 @@ def test_rows_longer_than_the_staging_buffer_are_read_and_not_kept(tmp_path, mon
     """A strided read whose single row (dim 0) exceeds the reused staging buffer (a 3-D tensor of 3 MiB rows, a
     short-run slice of the last dim) reads right through a buffer of its own, and the thread's kept buffer stays
     at its fixed size afterwards."""
-    from oarlock.checkpoint import safetensors_io
+    from oarlock.checkpoint.storage import safetensors as safetensors_io
 
     asked = []
     real = safetensors_io._bounce

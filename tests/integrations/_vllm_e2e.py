@@ -61,7 +61,7 @@ def main() -> None:
     from torch.distributed.fsdp import fully_shard
     from transformers import LlamaForCausalLM
 
-    import oarlock.checkpoint.transfer as transfer
+    import oarlock.checkpoint.runtime.transfer as transfer
     from oarlock.checkpoint import CheckpointError
     from oarlock.integrations.vllm import (LLMClient, OarlockTrainerInitInfo, TornWeightsError, register,
                                            worker_states)

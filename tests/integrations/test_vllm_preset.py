@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 
 from oarlock.checkpoint.convert import convert_checkpoint, export_hf
-from oarlock.checkpoint.presets import PresetError, preset
+from oarlock.checkpoint.aoa.presets import PresetError, preset
 from testkit import run_cli, st_tensors
 
 transformers = pytest.importorskip("transformers")

@@ -149,7 +149,7 @@ def test_aoa_import_and_export_equal_the_plain_converter(kind, tmp_path):
     """hf_aoa_config through FlexCheckpoint's AOA engine loads an HF directory exactly like
     convert_hf_state_dict; the export config and the reverse-mode import config both give to_hf_state_dict."""
     from oarlock.checkpoint import load_state_dict
-    from oarlock.checkpoint.full import full_state_dict
+    from oarlock.checkpoint.convert.full import full_state_dict
 
     if kind == "qwen2_moe":
         hc = transformers.Qwen2MoeConfig(vocab_size=101, hidden_size=48, intermediate_size=64,

@@ -291,6 +291,8 @@ class _ContextParallelAttention(torch.autograd.Function):
 _RING_TILE = 64
 _TAG_KV, _TAG_GRAD = 7, 8  # gloo matches messages per tag; NCCL ignores tags (every rank posts the same order)
 
+#: The ``method`` values of :func:`context_parallel_flashmask_attention`: ``"allgather"`` (every rank gathers all
+#: keys and values) or ``"ring"`` (K/V blocks passed around the ranks, dead blocks skipped).
 CP_METHODS = ("allgather", "ring")
 #: ``method`` of :func:`context_parallel_flashmask_attention` when none is given (and of the models' ``cp``
 #: degree): the ring, measured faster and never holding all ``S`` keys (docs/flashmask.md, "Context parallelism").

@@ -10,32 +10,37 @@ live resharding between running process groups (:func:`reshard_state_dict`, :cla
 """
 
 # The names import their submodule on first use (PEP 562; see oarlock.lazy): the CLI's checkpoint commands
-# import oarlock.checkpoint.commands, and through it this package, so an eager import of torch here would make
+# import oarlock.checkpoint.cli, and through it this package, so an eager import of torch here would make
 # `oarlock convert --help` wait seconds for it. The errors are light and stay eager.
 from oarlock.checkpoint.errors import (CheckpointDestinationError, CheckpointError, CheckpointFormatError,
                                        CheckpointMismatchError, CheckpointTilingError, UnsafePickleError)
 from oarlock.lazy import lazy_exports
 
 _LAZY = {
-    **dict.fromkeys(("LoadReport", "load_state_dict", "save_state_dict"), "api"),
-    **dict.fromkeys(("AsyncSaveHandle", "async_save"), "async_save"),
-    "COMM_METHODS": "comm",
-    **dict.fromkeys(("ConversionLayout", "ConversionPlan", "ParallelLayout", "convert_checkpoint", "export_hf",
-                     "export_hf_sharded", "iter_full_tensors", "plan_conversion"), "convert"),
-    "full_state_dict": "full",
-    "save_hf_checkpoint": "hf",
-    **dict.fromkeys(("CheckpointManager", "OptimizerState", "RankLocal", "RNGState"), "manager"),
+    **dict.fromkeys(("load_state_dict", "save_state_dict"), "api"),
+    "LoadReport": "runtime.executor",
+    **dict.fromkeys(("AsyncSaveHandle", "async_save"), "lifecycle.async_save"),
+    "COMM_METHODS": "runtime.comm",
+    **dict.fromkeys(("convert_checkpoint", "export_hf", "export_hf_sharded", "iter_full_tensors"), "convert.export"),
+    **dict.fromkeys(("ConversionLayout", "ConversionPlan", "ParallelLayout", "plan_conversion"), "convert.plan"),
+    "full_state_dict": "convert.full",
+    "save_hf_checkpoint": "formats.huggingface_writer",
+    **dict.fromkeys(("CheckpointManager", "OptimizerState", "RankLocal", "RNGState"), "lifecycle.manager"),
     **dict.fromkeys(("IdentityProgram", "MappingProgram", "SliceMapping", "TensorSpec"), "model.mapping"),
     **dict.fromkeys(("CheckpointMetadata", "ShardMeta", "TensorMeta"), "model.metadata"),
     **dict.fromkeys(("OptimizerHyperparameterWarning", "OptimizerStateError", "load_sharded_optimizer_state_dict",
                      "sharded_optimizer_state_dict"), "lifecycle.optim"),
     **dict.fromkeys(("LoadPlan", "ReadItem", "plan_load"), "planning.load"),
     **dict.fromkeys(("FlatPartition", "ShardDesc", "ShardedWeight", "sharded_state_dict"), "model.sharded"),
-    **dict.fromkeys(("CheckpointReader", "detect_format", "open_checkpoint", "read_metadata"), "storage"),
-    **dict.fromkeys(("ObjectPath", "ObjectStoreError", "UnsupportedLocationError", "location"), "objectstore"),
-    "ChecksumError": "integrity",
-    **dict.fromkeys(("ReshardReport", "WeightSync", "reshard_state_dict"), "live"),
-    **dict.fromkeys(("PeerGroup", "join_group"), "transfer"),
+    "CheckpointReader": "formats.reader",
+    **dict.fromkeys(("open_checkpoint", "read_metadata"), "formats.opening"),
+    "detect_format": "storage",
+    **dict.fromkeys(("ObjectStoreError", "UnsupportedLocationError"), "storage.backend"),
+    **dict.fromkeys(("ObjectPath", "location"), "storage.location"),
+    "ChecksumError": "integrity.hashing",
+    **dict.fromkeys(("WeightSync", "reshard_state_dict"), "runtime.live"),
+    "ReshardReport": "runtime.live_plan",
+    **dict.fromkeys(("PeerGroup", "join_group"), "runtime.transfer"),
 }
 
 __all__ = [

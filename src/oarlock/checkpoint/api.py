@@ -1,8 +1,9 @@
 """``save_state_dict`` / ``load_state_dict``: sharded checkpoints with automatic resharding.
 
-The public facade. The work happens in :mod:`oarlock.checkpoint.save` (prepare, write, commit),
-:mod:`oarlock.checkpoint.load` (gather, plan, execute), :mod:`oarlock.checkpoint.comm` (node-local disks, warm
-restart) and :mod:`oarlock.checkpoint.async_save`. The on-disk format is described in
+The public facade. The work happens in :mod:`oarlock.checkpoint.runtime.save` (prepare, write, commit),
+:mod:`oarlock.checkpoint.runtime.load` (gather, plan, execute), :mod:`oarlock.checkpoint.runtime.comm` (node-local
+disks, warm
+restart) and :mod:`oarlock.checkpoint.lifecycle.async_save`. The on-disk format is described in
 ``docs/checkpoint-format.md``.
 """
 
@@ -42,18 +43,18 @@ def save_state_dict(state_dict: Mapping[str, Any], path: str | os.PathLike, *, p
 
         save_replicas: every rank also writes the replicas it holds (``replica_id >= 1`` in the metadata), so a
             restart in the same layout reads only its own file with no communication (see
-            :func:`oarlock.checkpoint.comm.try_warm_start`). Costs disk space for every replica.
+            :func:`oarlock.checkpoint.runtime.comm.try_warm_start`). Costs disk space for every replica.
         async_save: return at once with an :class:`~oarlock.checkpoint.AsyncSaveHandle` and write in the
             background (see :func:`oarlock.checkpoint.async_save`).
 
     On disk: ``rank-XXXXX.safetensors`` data files (only ranks with something to write) and ``metadata.json``
-    (JSON, see :mod:`oarlock.checkpoint.metadata`). Everything is written into a hidden temporary directory
+    (JSON, see :mod:`oarlock.checkpoint.model.metadata`). Everything is written into a hidden temporary directory
     next to ``path`` holding an incomplete-marker file, fsynced, and renamed to ``path`` only when complete,
     so an interrupted save never leaves a directory that loads and never touches other checkpoints.
 
     Raises:
         CheckpointError: (on every rank alike) bad leaves, disagreeing shapes/dtypes, shards that do not tile a
-            tensor exactly (:class:`~oarlock.checkpoint.plan.CheckpointTilingError`), a refused ``path``
+            tensor exactly (:class:`~oarlock.checkpoint.planning.load.CheckpointTilingError`), a refused ``path``
             (:class:`~oarlock.checkpoint.errors.CheckpointDestinationError`: not an oarlock checkpoint, or holding
             entries oarlock did not write, without ``overwrite``), or an I/O failure on any rank (the temporary
             directory is removed).
@@ -86,16 +87,16 @@ def load_state_dict(state_dict: Mapping[str, Any], path: str | os.PathLike, *, p
             mapping program (renames, transposes, splits, concats, casts); language reference: ``docs/aoa.md``.
         strict: raise on missing or unexpected keys; else report them in the returned :class:`LoadReport`.
         model_only: the checkpoint's optimizer state (keys of
-            :meth:`~oarlock.checkpoint.metadata.CheckpointMetadata.optimizer_state_keys` and the ``optimizer.*``
+            :meth:`~oarlock.checkpoint.model.metadata.CheckpointMetadata.optimizer_state_keys` and the ``optimizer.*``
             objects) and the training-run records its reader marks
-            (:attr:`~oarlock.checkpoint.metadata.CheckpointMetadata.non_model_keys`: Megatron-Core's ``common.*``
+            (:attr:`~oarlock.checkpoint.model.metadata.CheckpointMetadata.non_model_keys`: Megatron-Core's ``common.*``
             values and ``*._extra_state*`` entries, DeepSpeed's engine counters) are not this load's: under
             ``strict`` they are not "unexpected". The way to load a model strictly from a training checkpoint.
             The ``model`` wrapper is matched to the checkpoint (without ``aoa_config``/``program``): a
             ``{"model": model.state_dict()}`` target loads from a checkpoint that stores the model's keys at the
             top level (torchtitan's flattened model states), a plain ``model.state_dict()`` from torch's
             ``{"model": ..., "optim": ...}`` layout, when none of the target's keys is stored as given and all
-            of them are stored the other way (:func:`oarlock.checkpoint.load.model_wrapper_fit`).
+            of them are stored the other way (:func:`oarlock.checkpoint.runtime.load.model_wrapper_fit`).
         ignore_unexpected: the general form of "the rest of the checkpoint is not mine": True (every stored key
             no rank requested), glob patterns (a string or a list, ``fnmatch`` syntax) or a predicate over stored
             keys. Matching keys do not fail ``strict`` (they are still listed in ``LoadReport.unexpected_keys``);
@@ -109,11 +110,12 @@ def load_state_dict(state_dict: Mapping[str, Any], path: str | os.PathLike, *, p
             raises on every rank, but the targets then hold unspecified contents (use it where a failed load
             is not retried into the same tensors, e.g. a job's start). ``LoadReport.phases`` shows where the
             time went.
-        program: an already-compiled :class:`~oarlock.checkpoint.mapping.MappingProgram` (instead of
+        program: an already-compiled :class:`~oarlock.checkpoint.model.mapping.MappingProgram` (instead of
             ``aoa_config``). Default: the identity (same keys, global shapes and dtypes).
         comm_method: ``"auto"`` (direct byte-range reads when every rank sees every file it needs, as on a
             shared filesystem; else grouped send/recv), ``"grouped_send_recv"`` or ``"broadcast"``: see
-            :mod:`oarlock.checkpoint.comm`. With node-local disks each rank passes its own directory as ``path``;
+            :mod:`oarlock.checkpoint.runtime.comm`. With node-local disks each rank passes its own directory as
+            ``path``;
             each needed file is then read by exactly one rank and slices travel to the ranks that need them.
             A same-layout restart (each rank's request equals what its own data file holds, e.g. after
             ``save_state_dict(..., save_replicas=True)``) reads only local files and moves no data.

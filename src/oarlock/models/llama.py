@@ -497,11 +497,11 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int
 # --------------------------------------------------------------------------------------------------------------
 # HF <-> oarlock key mapping: AOA statements (for FlexCheckpoint) and a plain torch converter (the reference).
 def _hf_table(config: LlamaConfig, prefix: str):
-    """The preset table (``oarlock.checkpoint.presets``) and parameters describing ``config``'s HF checkpoints:
+    """The preset table (``oarlock.checkpoint.aoa.presets``) and parameters describing ``config``'s HF checkpoints:
     Llama rows, plus Qwen2-MoE-style expert rows for an MoE config."""
     from dataclasses import replace
 
-    from oarlock.checkpoint import presets as P
+    from oarlock.checkpoint.aoa import presets as P
 
     arch = P.ARCHITECTURES["qwen2_moe" if config.is_moe else "llama"]
     features = set()
@@ -522,7 +522,7 @@ def hf_aoa_config(config: LlamaConfig, *, prefix: str = "model.") -> list[str]:
 
     Left of ``->`` are HF keys (``prefix`` = ``"model."`` for ``*ForCausalLM`` checkpoints), right the oarlock keys.
     HF and oarlock weights are both torch ``[out, in]``, so the fused macros run on ``axis=0`` and no ``^T`` is
-    needed. The statements come from the declarative preset tables of :mod:`oarlock.checkpoint.presets` (the
+    needed. The statements come from the declarative preset tables of :mod:`oarlock.checkpoint.aoa.presets` (the
     language: docs/aoa.md). Use with ``aoa_config_reverse=True`` or :func:`hf_export_aoa_config` for the other
     direction.
     """

@@ -10,7 +10,7 @@ import itertools
 import torch
 
 from oarlock.utils import torch_dtype
-from oarlock.checkpoint.mapping import cast_tensor
+from oarlock.checkpoint.model.mapping import cast_tensor
 
 
 def even_boxes(shape, axis, parts):

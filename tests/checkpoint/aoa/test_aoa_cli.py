@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from oarlock.checkpoint.aoa import compile_aoa, shard_counts, source_specs
-from oarlock.checkpoint.mapping import execute_on_full_tensors
+from oarlock.checkpoint.model.mapping import execute_on_full_tensors
 from oarlock.checkpoint.storage import read_metadata
 from oarlock.cli import main
 

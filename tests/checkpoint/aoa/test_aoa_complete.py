@@ -7,7 +7,7 @@ import torch
 
 from oarlock.checkpoint import load_state_dict, save_state_dict
 from oarlock.checkpoint.aoa import AOAError, compile_aoa
-from oarlock.checkpoint.mapping import TensorSpec, execute_on_full_tensors
+from oarlock.checkpoint.model.mapping import TensorSpec, execute_on_full_tensors
 
 
 def spec(t):
@@ -193,7 +193,7 @@ def test_prefix_rename_of_the_rest(reverse):
 
 @pytest.mark.parametrize("to_hf", [True, False])
 def test_rotary_permutation_meta_hf(to_hf):
-    from oarlock.checkpoint.presets import rotary_permutation_statements
+    from oarlock.checkpoint.aoa.presets import rotary_permutation_statements
 
     H, D, n_in = 3, 8, 5
     meta = rand(H * D, n_in, seed=7)

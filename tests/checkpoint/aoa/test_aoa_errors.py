@@ -7,7 +7,7 @@ import pytest
 
 from oarlock.checkpoint import CheckpointError
 from oarlock.checkpoint.aoa import AOAError, AOASyntaxError, compile_aoa
-from oarlock.checkpoint.mapping import TensorSpec
+from oarlock.checkpoint.model.mapping import TensorSpec
 from oarlock.errors import OarlockError
 
 F32 = "float32"

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from oarlock.checkpoint.aoa import AOAError, compile_aoa, expand_statements
-from oarlock.checkpoint.mapping import SliceMapping, TensorSpec, execute_on_full_tensors
+from oarlock.checkpoint.model.mapping import SliceMapping, TensorSpec, execute_on_full_tensors
 
 from aoa_shardsim import assert_shards_equal, even_boxes, load_shards, shard
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from oarlock.checkpoint.aoa import compile_aoa
-from oarlock.checkpoint.mapping import TensorSpec, execute_on_full_tensors
+from oarlock.checkpoint.model.mapping import TensorSpec, execute_on_full_tensors
 
 from aoa_shardsim import assert_shards_equal, even_boxes, load_shards, shard
 
@@ -196,7 +196,7 @@ def test_reverse_plain_cast_uses_destination_dtype():
 
 def test_shard_counts_from_metadata_drive_fused_ffn():
     from oarlock.checkpoint.aoa import shard_counts, source_specs
-    from oarlock.checkpoint.metadata import CheckpointMetadata, ShardMeta, TensorMeta
+    from oarlock.checkpoint.model.metadata import CheckpointMetadata, ShardMeta, TensorMeta
 
     gate, up = rand(3, 8, seed=1), rand(3, 8, seed=2)
     x = tp_blocked_ffn(gate, up, 2, 1)

@@ -12,7 +12,7 @@ from oarlock.checkpoint import load_state_dict
 from oarlock.checkpoint.aoa import AOAError, compile_aoa
 from oarlock.checkpoint.convert import convert_checkpoint
 from oarlock.checkpoint.errors import CheckpointError, CheckpointMismatchError
-from oarlock.checkpoint.mapping import TensorSpec
+from oarlock.checkpoint.model.mapping import TensorSpec
 from oarlock.checkpoint.storage import open_checkpoint
 
 

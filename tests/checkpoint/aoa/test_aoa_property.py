@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from oarlock.checkpoint.aoa import compile_aoa
-from oarlock.checkpoint.mapping import TensorSpec, execute_on_full_tensors
+from oarlock.checkpoint.model.mapping import TensorSpec, execute_on_full_tensors
 
 from aoa_shardsim import assert_shards_equal, grid_boxes, load_shards, shard
 

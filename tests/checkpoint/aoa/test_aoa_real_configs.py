@@ -4,7 +4,7 @@ synthetic checkpoints of the right key layout and checked against plain torch.""
 import torch
 
 from oarlock.checkpoint.aoa import compile_aoa
-from oarlock.checkpoint.mapping import TensorSpec, execute_on_full_tensors
+from oarlock.checkpoint.model.mapping import TensorSpec, execute_on_full_tensors
 
 from aoa_shardsim import assert_shards_equal, even_boxes, load_shards, shard
 

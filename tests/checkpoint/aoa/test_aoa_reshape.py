@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from oarlock.checkpoint import load_state_dict, save_state_dict
 from oarlock.checkpoint.aoa import AOAError, AOASyntaxError, compile_aoa
 from oarlock.checkpoint.aoa import engine as aoa_engine
-from oarlock.checkpoint.mapping import TensorSpec, execute_on_full_tensors
-from oarlock.checkpoint.sharded import ShardedWeight
+from oarlock.checkpoint.model.mapping import TensorSpec, execute_on_full_tensors
+from oarlock.checkpoint.model.sharded import ShardedWeight
 from oarlock.cli import main
 
 

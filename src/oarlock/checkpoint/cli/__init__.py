@@ -3,7 +3,6 @@
 
 Each module has a ``register(sub)`` adding its one subcommand; :data:`oarlock.cli.COMMANDS` names that module, so
 ``oarlock CMD`` imports only CMD's (no module here imports torch at the top). :func:`register` adds all five.
-``oarlock.checkpoint.commands`` is an alias of this package for one release.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from oarlock.checkpoint.cli.common import add_filters, fail, read_aoa_config, re
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    from oarlock.checkpoint.diff import diff_checkpoints
+    from oarlock.checkpoint.convert.diff import diff_checkpoints
     from oarlock.utils import print_report
 
     if args.rtol < 0 or args.atol < 0:

@@ -94,7 +94,7 @@ def iter_full_tensors(source: str | os.PathLike, aoa_config: Any = None, *, incl
                       verify_checksums: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(key, full_tensor)`` for every destination key of a checkpoint on disk (any format), one at a time,
     through ``aoa_config`` when given (e.g. a reverse config), filtered as :func:`select_keys` says. The offline
-    twin of :func:`~oarlock.checkpoint.full.full_state_dict`. A source with block checksums is verified whole
+    twin of :func:`~oarlock.checkpoint.convert.full.full_state_dict`. A source with block checksums is verified whole
     before the first tensor is yielded (ChecksumError on a corrupt block)."""
     with open_checkpoint(source) as reader:
         if verify_checksums:
@@ -188,15 +188,15 @@ def export_hf_sharded(sharded_state_dict: Mapping[str, Any], out_dir: str | os.P
                       extra_files: Mapping[str, str | os.PathLike] | None = None,
                       overwrite: bool = False, config: Any = None) -> Path | None:
     """Export the model a running job holds (sharded over ``process_group``) to a HuggingFace directory written by
-    group rank 0: the online merge of :func:`~oarlock.checkpoint.full.full_state_dict` with ``rank0_only=True``
+    group rank 0: the online merge of :func:`~oarlock.checkpoint.convert.full.full_state_dict` with ``rank0_only=True``
     (each tensor gathered once, point to point to rank 0) streamed into
-    :func:`~oarlock.checkpoint.hf.save_hf_checkpoint`. Collective: every rank must call it.
+    :func:`~oarlock.checkpoint.formats.huggingface_writer.save_hf_checkpoint`. Collective: every rank must call it.
 
     Args:
         sharded_state_dict: this rank's ``{key: ShardedWeight | DTensor | Tensor}``.
         aoa_config: e.g. the model's HF -> model statements with ``aoa_config_reverse: True``.
         extra_files: ``{name: path}`` copied into the export (``config.json``, tokenizer files).
-        overwrite: as for :func:`~oarlock.checkpoint.hf.save_hf_checkpoint`.
+        overwrite: as for :func:`~oarlock.checkpoint.formats.huggingface_writer.save_hf_checkpoint`.
         config: the model's HF config (a dict, or a transformers ``PretrainedConfig``), written as ``config.json``
             so that ``from_pretrained`` reads the export; without it (and without ``extra_files["config.json"]``)
             the directory holds the weights only.
@@ -253,7 +253,7 @@ def _segments(reader: CheckpointReader, planner: Planner, key: str, offset: Sequ
 def _write_streaming(path: Path, entries: list[tuple[str, tuple[int, ...], str]], produce: Any,
                      bar: Any = None) -> None:
     """One safetensors file; ``produce(index)`` gives each tensor or its byte runs (see
-    :meth:`~oarlock.checkpoint.safetensors_io.SafetensorsWriter.put`)."""
+    :meth:`~oarlock.checkpoint.storage.safetensors.SafetensorsWriter.put`)."""
     with SafetensorsWriter(path, entries) as out:
         for i, (name, _, _) in enumerate(entries):
             n = out.put(name, produce(i))

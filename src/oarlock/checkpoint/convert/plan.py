@@ -244,10 +244,10 @@ def select_keys(program: MappingProgram, metadata: CheckpointMetadata, *, includ
                 exclude: Sequence[str] | None = None, optimizer_state: bool = True
                 ) -> tuple[MappingProgram, list[str]]:
     """Restrict ``program`` to the destination keys that pass the ``include``/``exclude`` globs
-    (:func:`~oarlock.checkpoint.metadata.key_selected`) and, unless ``optimizer_state``, are not optimizer state:
+    (:func:`~oarlock.checkpoint.model.metadata.key_selected`) and, unless ``optimizer_state``, are not optimizer state:
     a destination key is optimizer state when every source key it reads is one
-    (:meth:`~oarlock.checkpoint.metadata.CheckpointMetadata.optimizer_state_keys`, and tensors among the run's
-    records, :attr:`~oarlock.checkpoint.metadata.CheckpointMetadata.non_model_keys`). Returns ``(program, dropped
+    (:meth:`~oarlock.checkpoint.model.metadata.CheckpointMetadata.optimizer_state_keys`, and tensors among the run's
+    records, :attr:`~oarlock.checkpoint.model.metadata.CheckpointMetadata.non_model_keys`). Returns ``(program, dropped
     optimizer keys)``; ``program`` itself when nothing is filtered."""
     opt = set() if optimizer_state else (set(metadata.optimizer_state_keys())
                                          | (set(metadata.non_model_keys) & set(metadata.tensors)))
@@ -266,7 +266,7 @@ def carried_objects(metadata: CheckpointMetadata, *, include: Sequence[str] | No
                     exclude: Sequence[str] | None = None, optimizer_state: bool = True) -> dict[str, Any]:
     """The source's non-tensor values a conversion to oarlock keeps, under their stored keys (an AOA mapping
     names tensors only): those the ``include``/``exclude`` globs keep, without the optimizer's records
-    (``param_groups`` and the like, :attr:`~oarlock.checkpoint.metadata.CheckpointMetadata.non_model_keys`)
+    (``param_groups`` and the like, :attr:`~oarlock.checkpoint.model.metadata.CheckpointMetadata.non_model_keys`)
     unless ``optimizer_state``, and only JSON values (what an oarlock checkpoint stores; a foreign format's other
     objects are left out)."""
     out: dict[str, Any] = {}
@@ -354,7 +354,7 @@ def strip_model_prefix(metadata: CheckpointMetadata, aoa_config: Any = None, mod
                        ) -> Any:
     """The AOA config of an HF export: ``aoa_config`` when given; else, when the model weights sit under a wrapper
     prefix, a config dropping it (``"<prefix>** -> **"``; other keys keep their names). ``model_prefix`` None
-    takes the prefix :func:`~oarlock.checkpoint.metadata.mark_training_layout` found (``"model."`` for torch's
+    takes the prefix :func:`~oarlock.checkpoint.model.metadata.mark_training_layout` found (``"model."`` for torch's
     ``{"model": ..., "optim": ...}`` training state, torchtitan's too), ``""`` keeps every key as stored, any
     other string is stripped from the keys that start with it.
 

@@ -1,5 +1,6 @@
 """Checkpoint source formats: one module per format, each registering one
-:class:`~oarlock.checkpoint.reader.CheckpointReader` subclass (see :mod:`oarlock.checkpoint.reader` for the
+:class:`~oarlock.checkpoint.formats.reader.CheckpointReader` subclass (see :mod:`oarlock.checkpoint.formats.reader`
+for the
 protocol). :func:`load_formats` imports every module of this package, so a new format is a new module here.
 """
 

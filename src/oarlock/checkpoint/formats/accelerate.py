@@ -14,8 +14,8 @@ The reader presents model 0 and optimizer 0 as one checkpoint: the DCP reader
 (:mod:`oarlock.checkpoint.formats.dcp`) reads each directory and their keys are merged (they cannot clash: one
 starts with ``model.``, the other with ``optimizer.``); data file names carry their directory
 (``pytorch_model_fsdp_0/__0_0.distcp``). The ``model.`` wrapper is the
-:attr:`~oarlock.checkpoint.metadata.CheckpointMetadata.model_prefix` (an HF export strips it) and the optimizer
-entries are marked as not model weights (:func:`~oarlock.checkpoint.metadata.mark_training_layout`). Further
+:attr:`~oarlock.checkpoint.model.metadata.CheckpointMetadata.model_prefix` (an HF export strips it) and the optimizer
+entries are marked as not model weights (:func:`~oarlock.checkpoint.model.metadata.mark_training_layout`). Further
 models and optimizers (``pytorch_model_fsdp_1``, ``optimizer_1``, ...) are named in
 ``metadata.extra["accelerate"]["not_read"]``; open such a directory itself to read one of them. The metadata is
 read from the sub-directories, so every rank must see them (a shared filesystem): nothing is shipped between

@@ -1,6 +1,6 @@
 """PaddlePaddle FlexCheckpoint directories: ``{uid}.metadata`` plus ``{rank}_{uid}.distcp`` pickles or
 ``{rank}_{uid}.safetensors`` files. Pickles (metadata and ``.distcp`` data) go through the restricted
-unpickler of :mod:`oarlock.checkpoint.paddle`, which builds only plain containers and numpy arrays."""
+unpickler of :mod:`oarlock.checkpoint.formats.paddle_pickle`, which builds only plain containers and numpy arrays."""
 
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ def _flat_range(obj: Any) -> tuple[int, int] | None:
 
 
 def _load_pickle(path: Any) -> Any:
-    """:func:`oarlock.checkpoint.paddle.restricted_load` of a file at any location: a local file is unpickled as
+    """:func:`oarlock.checkpoint.formats.paddle_pickle.restricted_load` of a file at any location: a local file is
+    unpickled as
     it streams from disk (a ``.distcp`` data file may hold gigabytes), an object in a store is fetched whole
     through the storage layer first."""
     if local_path(path) is not None:

@@ -47,10 +47,10 @@ built and again in :meth:`CheckpointReader.path_of`, so a format gets the rule b
 metadata and reaching data through ``path_of``; files a format reads in ``open`` (its metadata files, index
 files, listed files) go through :func:`checkpoint_file` too.
 
-The metadata model (:class:`~oarlock.checkpoint.metadata.CheckpointMetadata`: keys, global shapes, dtypes,
+The metadata model (:class:`~oarlock.checkpoint.model.metadata.CheckpointMetadata`: keys, global shapes, dtypes,
 shard boxes, data files, stored tensor names, flattened ranges) is the whole contract with the planner: a
 reader never plans. Readers never write into the source, never open a file outside it, and never build objects
-from file bytes with pickle (see :mod:`oarlock.checkpoint.paddle` for the restricted unpickler).
+from file bytes with pickle (see :mod:`oarlock.checkpoint.formats.paddle_pickle` for the restricted unpickler).
 On-disk formats are described in ``docs/checkpoint-format.md``.
 """
 
@@ -95,7 +95,7 @@ def checkpoint_file(root: Any, name: Any, entry: str) -> Path:
     """The path of file ``name`` named by the checkpoint directory ``root`` (in ``entry``, e.g.
     ``"metadata.json: tensor 'w'"``), after checking that it stays inside ``root``: a non-empty relative name
     without ``..`` components whose real path (symlinks resolved) lies inside the real path of ``root``. For a
-    checkpoint in an object store (``root`` an :class:`~oarlock.checkpoint.objectstore.ObjectPath`) the name must
+    checkpoint in an object store (``root`` an :class:`~oarlock.checkpoint.storage.location.ObjectPath`) the name must
     also not be a URL (another bucket) nor hold empty, ``.`` or ``\\`` components; the result is then the
     object under ``root``'s prefix. Files of
     a HuggingFace hub cache snapshot (``.../snapshots/REV/``) may also resolve into the repository's ``blobs/``.
@@ -306,7 +306,8 @@ class CheckpointReader:
 
     def check_items(self, items: Any) -> None:
         """:meth:`check_read` of every read item (``src_key``, ``file``, ``name``, ``src_flat_start``,
-        ``src_shape``): the load calls it (through :func:`oarlock.checkpoint.executor.prepare_work`) on the items
+        ``src_shape``): the load calls it (through :func:`oarlock.checkpoint.runtime.executor.prepare_work`) on the
+        items
         of files read item by item before the first target byte is written, and keeps the files open, so that the
         reads see the files it checked."""
         done = set()

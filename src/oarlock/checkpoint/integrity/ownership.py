@@ -92,7 +92,7 @@ def touched_blocks(reader: Any, items: Iterable[Any], checksums: dict[str, FileC
                    ) -> dict[str, dict[int, int]]:
     """The blocks this rank's read items touch in the data files it can see, with the bytes it reads from each:
     file -> block index -> bytes (summed over items, at most the block's length). Items are
-    :class:`~oarlock.checkpoint.plan.ReadItem` s (``file``, ``name``, ``src_flat_start``, ``src_shape``,
+    :class:`~oarlock.checkpoint.planning.load.ReadItem` s (``file``, ``name``, ``src_flat_start``, ``src_shape``,
     ``src_box``); files without recorded checksums and files this rank cannot see are left out. ``file_bytes``:
     the bytes the items need per file where already summed (the load's prepared reads), used for one-block
     files instead of summing the items again. ``files``: the files of ``items`` when known (``items`` is then
@@ -148,7 +148,7 @@ OWNER_RUN = 8
 
 def block_owners(touched: dict[str, dict[int, int]], checksums: dict[str, FileChecksums], dist: Any
                  ) -> dict[str, list[int]]:
-    """Collective over ``dist`` (a :class:`~oarlock.checkpoint.dist.DistWrapper`; every rank calls it, with
+    """Collective over ``dist`` (a :class:`~oarlock.checkpoint.runtime.dist.DistWrapper`; every rank calls it, with
     ``touched`` empty where it reads nothing): the blocks this rank hashes for the group, file -> block indices.
 
     The blocks of all files in ``checksums`` are numbered globally (files sorted, each file's blocks in order),

@@ -30,7 +30,7 @@ class BlockVerifier:
         self.checksums = checksums
         self.verified: set[tuple[str, int]] = set()
         self.bytes_verified = 0
-        #: hashing threads on a filesystem (None: :func:`~oarlock.checkpoint.executor.io_threads`); 1 where the
+        #: hashing threads on a filesystem (None: :func:`~oarlock.checkpoint.runtime.executor.io_threads`); 1 where the
         #: hashing runs beside the load's reads, which have the thread pool
         self.workers: int | None = None
 

@@ -76,12 +76,12 @@ def overlapped_error(err: BaseException | None) -> BaseException | None:
 def verify_group(reader: Any, items: Iterable[Any], dist: Any, file_bytes: dict[str, int] | None = None,
                  touched: dict[str, dict[int, int]] | None = None, phases: dict[str, float] | None = None,
                  during: Any = None) -> int:
-    """Collective over ``dist`` (a :class:`~oarlock.checkpoint.dist.DistWrapper`; every rank of the load calls
+    """Collective over ``dist`` (a :class:`~oarlock.checkpoint.runtime.dist.DistWrapper`; every rank of the load calls
     it, also one with no items): verify every block that the group's read items touch, each block hashed by one
     rank, before anything is written. This rank's ``items`` are
-    :class:`~oarlock.checkpoint.plan.ReadItem` s; :func:`block_owners` picks, for each touched block, the rank
+    :class:`~oarlock.checkpoint.planning.load.ReadItem` s; :func:`block_owners` picks, for each touched block, the rank
     that reads the largest share of it; each rank hashes the blocks it owns (:class:`BlockVerifier`), and one
-    :meth:`~oarlock.checkpoint.dist.DistWrapper.check` shares the verdicts. Files a rank cannot see are skipped
+    :meth:`~oarlock.checkpoint.runtime.dist.DistWrapper.check` shares the verdicts. Files a rank cannot see are skipped
     by it (another rank reads them). From an object store a rank also hashes the blocks it reads (almost) whole
     that another rank owns, within the budget of kept blocks (:func:`whole_blocks_read`): the fetch that
     verifies them then serves its reads. ``file_bytes``: see :func:`touched_blocks`; ``touched``: its
@@ -149,7 +149,7 @@ def verify_group(reader: Any, items: Iterable[Any], dist: Any, file_bytes: dict[
 def verify_reads_for_others(reader: Any, pieces: Iterable[tuple], own_items: Iterable[Any]) -> int:
     """Hash the blocks that ``pieces`` touch and this rank's own read items ``own_items`` do not: the pieces a rank
     reads only to ship them to ranks that cannot see their file (node-local disks, see
-    :mod:`oarlock.checkpoint.comm`). :func:`verify_group` counts a block only for ranks that see its file, so a
+    :mod:`oarlock.checkpoint.runtime.comm`). :func:`verify_group` counts a block only for ranks that see its file, so a
     block read solely for such ranks has no owner there; the blocks this rank's own items touch had one.
     ``pieces``: ``(file, name, key, flat_start, shape, box)``. Not collective (the caller agrees on the verdict
     before any piece is read). Returns the bytes hashed; 0 when the checkpoint records no checksums.
@@ -257,7 +257,7 @@ def verify_own_file(root: str | Path, file: str, workers: int | None = None) -> 
     """Verify every block of data file ``file`` of the oarlock checkpoint directory ``root`` against the checksums
     in its ``metadata.json`` (the warm restart reads whole own files: no other rank's bytes are hashed). Returns
     the bytes hashed: 0 when no checksums are recorded (nothing to do). ``workers``: hashing threads (None:
-    :func:`~oarlock.checkpoint.executor.io_threads`).
+    :func:`~oarlock.checkpoint.runtime.executor.io_threads`).
 
     Raises:
         ChecksumError: naming the file, the first corrupt block's byte range and index, and every key stored in

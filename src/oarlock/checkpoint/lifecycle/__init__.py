@@ -2,6 +2,5 @@
 
 * :mod:`.optim`: optimizer state as sharded checkpoint entries, and exact resume across layouts.
 
-Nothing here is re-exported: the public names stay those of :mod:`oarlock.checkpoint`, and the old path
-``oarlock.checkpoint.optim`` is an alias for one release.
+Nothing here is re-exported: the public names stay those of :mod:`oarlock.checkpoint`.
 """

@@ -5,7 +5,7 @@ save are fixed at the call: an entry rebound or added afterwards does not count;
 records every tensor's version counter and, per CUDA device, an event on the caller's current stream. The shards
 are described (DTensor boxes, keys) in the background. The caller's stall is that and nothing else: no
 collective, so it does not wait for the slowest rank. The
-collective planning of the save (:func:`oarlock.checkpoint.save.prepare_save`: a fixed-size fingerprint exchange
+collective planning of the save (:func:`oarlock.checkpoint.runtime.save.prepare_save`: a fixed-size fingerprint exchange
 and, when the keys, shapes, dtypes, placements and group equal those of the previous save, the reuse of its plan)
 runs in the background on a *separate* gloo group with the same ranks, created on the first async save, so its
 collectives never interleave with the training's own on the caller's group. A planning error (shapes that
@@ -33,7 +33,7 @@ The caller must not update the saved tensors in place before ``wait_staged()`` r
 version counter of every saved tensor (bumped by every in-place operation, ``optimizer.step()`` included) is
 compared after its copy with its value at the call; a tensor changed in between fails the save (its error
 raised by ``handle.wait()``; nothing is published). Writes the counter does not see (through ``.data`` or a numpy
-view) are not caught. :class:`~oarlock.checkpoint.manager.CheckpointManager` waits for the snapshot before its
+view) are not caught. :class:`~oarlock.checkpoint.lifecycle.manager.CheckpointManager` waits for the snapshot before its
 ``save`` returns, so a loop using the manager needs nothing else.
 
 A new save (async or not) first waits for the previous one to finish, so saves never overlap and the staging

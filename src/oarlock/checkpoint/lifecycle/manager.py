@@ -223,7 +223,8 @@ class CheckpointManager:
     # ------------------------------------------------------------ queries
 
     def path(self, step: int) -> Path | ObjectPath:
-        """The directory of ``step`` (an :class:`~oarlock.checkpoint.objectstore.ObjectPath` prefix when ``root`` is
+        """The directory of ``step`` (an :class:`~oarlock.checkpoint.storage.location.ObjectPath` prefix when
+        ``root`` is
         ``s3://...``)."""
         return self.root / f"{self.prefix}{int(step):08d}"
 
@@ -265,7 +266,7 @@ class CheckpointManager:
                 docstring), e.g. ``{"model": sharded_state_dict(model), "optim": sharded_optimizer_state_dict(
                 opt, msd), "scheduler": sched, "rng": RNGState(), "step": step}``.
             async_save: plan the save, take the snapshot of this rank's tensors in the background (into reused
-                buffers, pinned for CUDA tensors, see :mod:`oarlock.checkpoint.async_save`) and return once it
+                buffers, pinned for CUDA tensors, see :mod:`oarlock.checkpoint.lifecycle.async_save`) and return once it
                 is taken, so the loop may update the state right after; the write, the commit, the pointer and
                 the deletion of old steps run in the background (:meth:`wait` blocks for them and re-raises their
                 error; the next ``save`` waits first). A plan equal to the previous save's is reused.

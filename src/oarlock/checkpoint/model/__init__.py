@@ -9,6 +9,5 @@
 * :mod:`.mapping`: the contract between a mapping program (identity or compiled AOA) and the planner.
 * :mod:`.traversal`: walking nested state dicts.
 
-Nothing here is re-exported: the public names stay those of :mod:`oarlock.checkpoint`, and the modules' old paths
-(``oarlock.checkpoint.sharded``, ...) are kept as aliases for one release.
+Nothing here is re-exported: the public names stay those of :mod:`oarlock.checkpoint`.
 """

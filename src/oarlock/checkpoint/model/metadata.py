@@ -34,10 +34,10 @@ FORMAT_NAME = "oarlock.flexcheckpoint"
 FORMAT_VERSION = 4  # 2: grid records; 3: packed data files; 4: block checksums in digests files
 # (docs/checkpoint-format.md); 1 to 3 are still read
 READABLE_VERSIONS = (1, 2, 3, 4)
-#: JSON objects an optimizer checkpoint holds (see :mod:`oarlock.checkpoint.optim`).
+#: JSON objects an optimizer checkpoint holds (see :mod:`oarlock.checkpoint.lifecycle.optim`).
 ALGORITHM_KEY = "optimizer.algorithm"
 PARAM_GROUPS_KEY = "optimizer.param_groups"
-#: Suffixes of optimizer state keys: torch state names and Paddle's (see :mod:`oarlock.checkpoint.optim`).
+#: Suffixes of optimizer state keys: torch state names and Paddle's (see :mod:`oarlock.checkpoint.lifecycle.optim`).
 STATE_SUFFIXES = (".exp_avg", ".exp_avg_sq", ".max_exp_avg_sq", ".momentum_buffer", ".master_weight", ".step",
                   ".moment1_0", ".moment2_0", ".velocity_0", ".w_0", ".beta1_pow_acc_0", ".beta2_pow_acc_0")
 

@@ -113,7 +113,7 @@ class PackedEntries:
 
     def packed_begin(self, name: str, dtype: str, shape: tuple) -> int | None:
         """Where packed piece ``name`` begins in the data section when it is one, of ``dtype`` and of exactly
-        ``shape`` (what :meth:`~oarlock.checkpoint.safetensors_io.SafetensorsFile.check_array` accepts for a whole
+        ``shape`` (what :meth:`~oarlock.checkpoint.storage.safetensors.SafetensorsFile.check_array` accepts for a whole
         piece); None otherwise, for the full check and its error. The cheap path of a load that reads thousands of
         pieces: nothing is built or remembered per piece."""
         if name in self._named:

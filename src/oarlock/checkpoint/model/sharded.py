@@ -274,7 +274,7 @@ def _group_extents(key: str, process_group: Any, extent: int, gather: bool) -> t
     """This process's rank in ``process_group`` and, with ``gather``, every rank's ``extent`` in group-rank order
     (``[extent]`` without one): the one exchange the data model makes, an ``all_gather_object`` of an int that
     :meth:`ShardedWeight.shard_along_axis` documents as a collective. Made with torch.distributed itself: the
-    communication layer (:mod:`oarlock.checkpoint.dist`) builds on this package, not the other way round.
+    communication layer (:mod:`oarlock.checkpoint.runtime.dist`) builds on this package, not the other way round.
 
     Raises:
         CheckpointError: a ``process_group`` was given but torch.distributed is no longer initialised.

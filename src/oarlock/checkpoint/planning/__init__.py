@@ -3,6 +3,5 @@
 * :mod:`.load`: the load plan, (saved metadata, requested shards, mapping program) -> read items.
 * :mod:`.assign`: which rank reads which file (visibility-aware, byte-balanced, deterministic).
 
-Nothing here is re-exported: the public names stay those of :mod:`oarlock.checkpoint`, and the old paths
-``oarlock.checkpoint.plan`` and ``oarlock.checkpoint.balance`` are aliases for one release.
+Nothing here is re-exported: the public names stay those of :mod:`oarlock.checkpoint`.
 """

@@ -76,7 +76,8 @@ def new_save_id() -> str:
 def shard_header(shards: list[tuple], world: int, save_id: str | None = None, digest: bool = False
                  ) -> dict[str, str]:
     """The safetensors ``__metadata__`` entries of a data file: its shards (what a same-layout restart compares),
-    the size of the group that saved it, and the id of the save (:data:`~oarlock.checkpoint.metadata.SAVE_ID_HEADER`,
+    the size of the group that saved it, and the id of the save
+    (:data:`~oarlock.checkpoint.model.metadata.SAVE_ID_HEADER`,
     checked against ``metadata.json`` on load). ``shards``: ``(name, global_offset, local_shape, global_shape,
     dtype, flattened_range)``. The shards are recorded in full (:data:`SHARDS_HEADER`), or with ``digest`` (packed
     files, whose headers must not grow with the number of tensors) as the SHA-256 of that record
@@ -154,7 +155,7 @@ def assign_writes(per_rank: list[list[tuple]], replicas: bool = False
 def stored_name(key: str, offset: tuple[int, ...], flattened_range: tuple[int, int] | None) -> str:
     """Name of a shard's tensor in a data file that holds several shards of ``key`` (``key@o0,o1`` and
     ``#start-stop`` for a flattened one); a file holding one shard of a key names it ``key``, except for the key
-    ``__metadata__`` (:data:`~oarlock.checkpoint.safetensors_io.RESERVED_NAME`, which safetensors keeps for its
+    ``__metadata__`` (:data:`~oarlock.checkpoint.storage.safetensors.RESERVED_NAME`, which safetensors keeps for its
     header block), always stored under this name."""
     name = f"{key}@{','.join(str(o) for o in offset)}"
     return name + (f"#{flattened_range[0]}-{flattened_range[1]}" if flattened_range is not None else "")
@@ -176,7 +177,7 @@ class RankRecord:
     """What one rank contributes to the layout of a save (no tensor data).
 
     For states made of DTensors and replicated tensors the record is the same on every rank of a mesh: a DTensor
-    is described by its grid rule (:class:`~oarlock.checkpoint.grid.GridLayout`), a whole tensor by its box,
+    is described by its grid rule (:class:`~oarlock.checkpoint.model.grid.GridLayout`), a whole tensor by its box,
     neither by who holds it. Ranks with equal records form one *class*; only one member of each class sends its
     record to the coordinator (:func:`prepare_save`), so coordination costs O(tensors x classes), not
     O(tensors x ranks).
@@ -353,7 +354,7 @@ def _group_affine(group: Any, dist: DistWrapper) -> tuple[int, int, int] | None:
 
 
 def flat_partition_grid(sw: ShardedWeight, dist: DistWrapper, cache: dict) -> FlatGrid | None:
-    """The flat grid rule of a flattened shard with a :class:`~oarlock.checkpoint.sharded.FlatPartition`, made on
+    """The flat grid rule of a flattened shard with a :class:`~oarlock.checkpoint.model.sharded.FlatPartition`, made on
     this rank alone and cross-checked against its own range; None when the shard cannot be one (a box that is not
     the whole tensor, a group that does not map affinely onto the save's ranks): it is then listed."""
     fp, d = sw.flat_partition, sw.desc

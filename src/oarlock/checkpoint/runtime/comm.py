@@ -7,7 +7,7 @@ sees every file; with node-local disks each rank's directory holds only its node
 directory listings tells every rank who sees what.
 
 Readers. When some rank needs bytes from a file it cannot see (or ``comm_method`` forces communication), every
-needed file gets exactly one reader (:func:`oarlock.checkpoint.balance.assign_readers`: a rank that needs it if
+needed file gets exactly one reader (:func:`oarlock.checkpoint.planning.assign.assign_readers`: a rank that needs it if
 one sees it, byte-balanced, deterministic). A *piece* is one distinct stored slice some rank needs (its file,
 tensor, flat start, array shape and box); it is read once, by its file's reader, and shipped to every other
 rank that needs it.
@@ -62,6 +62,8 @@ from oarlock.checkpoint.runtime.view import View
 from oarlock.checkpoint.model.traversal import collect_leaves, set_path
 from oarlock.utils import dtype_itemsize, numel, submit, torch_dtype
 
+#: The ``comm_method`` values of :func:`oarlock.checkpoint.load_state_dict`: ``"auto"`` (byte-range reads where every
+#: rank sees the files it needs, else slices shipped between ranks), ``"grouped_send_recv"`` or ``"broadcast"``.
 COMM_METHODS = ("auto", "grouped_send_recv", "broadcast")
 BATCH_BYTES = 128 * 1024 * 1024  # bytes of pieces per grouped send/recv batch (bounds receive buffers)
 
@@ -304,14 +306,14 @@ def _warm_matches(meta: Any, leaves: Any, data_file: str) -> bool:
 def try_warm_start(state_dict: Any, path: str | os.PathLike, dist: DistWrapper, data_file: str, *,
                    verify_checksums: bool = True, leaves: Any = None) -> LoadReport | None:
     """Same-layout restart without planning or communication (see ``docs/checkpoint-format.md``, warm restart).
-    ``leaves``: the state's :func:`~oarlock.checkpoint.traversal.collect_leaves`, when the caller has them.
+    ``leaves``: the state's :func:`~oarlock.checkpoint.model.traversal.collect_leaves`, when the caller has them.
 
     Each rank compares its requested shards with the shard records in the header of its own data file
     ``data_file`` and with ``metadata.json`` (global shapes, dtypes, shard boxes, file; a rank whose node-local
     directory lacks ``metadata.json`` relies on the ranks that have it); one ``all_gather_object`` of the match
     flags and save ids decides for all: the path is taken only when every rank matched and every data file and
     ``metadata.json`` belong to the same save. On a match every rank reads its own
-    file straight into its targets and a :class:`~oarlock.checkpoint.executor.LoadReport` with
+    file straight into its targets and a :class:`~oarlock.checkpoint.runtime.executor.LoadReport` with
     ``comm_method="warm"`` is returned; otherwise None (nothing was written) and the normal load runs. With
     ``verify_checksums`` every rank first verifies all blocks of its own file (:mod:`oarlock.checkpoint.integrity`;
     ``LoadReport.bytes_hashed``) and the ranks agree on the verdict (one more ``all_reduce`` of a flag) before any

@@ -1,6 +1,6 @@
 """The load executor: run planned read items into destination tensors.
 
-A :class:`~oarlock.checkpoint.plan.ReadItem` says which box of which stored array lands where in a destination
+A :class:`~oarlock.checkpoint.planning.load.ReadItem` says which box of which stored array lands where in a destination
 shard (its box, or a flat range of a flattened shard), with an optional permutation and cast.
 :func:`destination_view` is the one definition of "where": the view of the target tensor an item writes. Reads
 go straight into that view when nothing needs permuting or casting (``os.preadv`` into the target's memory).
@@ -35,7 +35,8 @@ class LoadReport:
         unexpected_keys: stored keys that no rank requested (and no mapping read).
         bytes_read: bytes this rank read from the checkpoint's data files.
         comm_method: how data reached this rank: ``"direct"`` (own byte-range reads), ``"warm"`` (own file
-            only, no communication), ``"grouped_send_recv"`` or ``"broadcast"`` (see :mod:`oarlock.checkpoint.comm`).
+            only, no communication), ``"grouped_send_recv"`` or ``"broadcast"`` (see
+            :mod:`oarlock.checkpoint.runtime.comm`).
         files_read: data files this rank opened.
         bytes_sent, bytes_received: tensor bytes this rank sent to / received from other ranks.
         messages_sent: point-to-point sends (or broadcasts as the source) this rank issued.
@@ -199,7 +200,7 @@ def prepare_file(reader: CheckpointReader, file: str, work: list[tuple[Any, torc
     """Check the items of one data file (the file opens and belongs to this save, each stored array is there with
     its key's dtype and holds the array the item reads from) and work out where each item's bytes are, without
     reading data. Files read item by item whatever their items (few items, formats with data files of their own)
-    have their items checked with :meth:`~oarlock.checkpoint.reader.CheckpointReader.check_read` and only their
+    have their items checked with :meth:`~oarlock.checkpoint.formats.reader.CheckpointReader.check_read` and only their
     bytes counted. ``cache``: the :class:`Lookups` shared by the files of one load.
 
     Raises:
@@ -293,7 +294,8 @@ RETAIN_ITEMS = 1 << 18
 
 class FileWork:
     """A rank's ``(read item, target)`` pairs held as the planner's compact groups (each
-    :data:`~oarlock.checkpoint.plan.ItemGroup` with its target) plus listed pairs, made file by file on demand: a
+    :data:`~oarlock.checkpoint.planning.load.ItemGroup` with its target) plus listed pairs, made file by file on
+    demand: a
     rank that reads millions of stored pieces holds the pairs of one data file at a time, not all of them (a load
     from thousands of FSDP ranks). Memory: the templates (one per grid geometry) and one label per key, instead of
     ~400 bytes per read item.

@@ -1,13 +1,13 @@
 """The load pipeline behind :func:`oarlock.checkpoint.load_state_dict`: gather requests, open the checkpoint
 (this rank's view of it), compile the mapping, plan, check, then execute.
 
-Each rank reads the metadata itself, plans its reads with :mod:`oarlock.checkpoint.plan` (a pure function), and
+Each rank reads the metadata itself, plans its reads with :mod:`oarlock.checkpoint.planning.load` (a pure function), and
 reads exactly the byte ranges its own shards need, straight into the target tensors when no permutation or cast
-is involved (:mod:`oarlock.checkpoint.executor`). Ranks exchange only small descriptions, through
-:class:`~oarlock.checkpoint.dist.DistWrapper` so that errors (AOA errors included, with their class) are raised
+is involved (:mod:`oarlock.checkpoint.runtime.executor`). Ranks exchange only small descriptions, through
+:class:`~oarlock.checkpoint.runtime.dist.DistWrapper` so that errors (AOA errors included, with their class) are raised
 on every rank alike; on a shared filesystem tensor data never crosses the network. With node-local disks each
 file is read once and slices are shipped between ranks, and a same-layout restart reads only local files: see
-:mod:`oarlock.checkpoint.comm`.
+:mod:`oarlock.checkpoint.runtime.comm`.
 """
 
 from __future__ import annotations
@@ -69,9 +69,10 @@ def fmt_keys(keys: list[str], limit: int = 20) -> str:
 
 def not_model_weights(meta: CheckpointMetadata) -> set[str]:
     """Stored keys a ``model_only`` load ignores: optimizer state tensors
-    (:meth:`~oarlock.checkpoint.metadata.CheckpointMetadata.optimizer_state_keys`), the ``optimizer.*`` objects and
+    (:meth:`~oarlock.checkpoint.model.metadata.CheckpointMetadata.optimizer_state_keys`), the ``optimizer.*`` objects
+    and
     the entries the format's reader marked as records of the training run
-    (:attr:`~oarlock.checkpoint.metadata.CheckpointMetadata.non_model_keys`)."""
+    (:attr:`~oarlock.checkpoint.model.metadata.CheckpointMetadata.non_model_keys`)."""
     return (set(meta.optimizer_state_keys()) | ({ALGORITHM_KEY, PARAM_GROUPS_KEY} & set(meta.objects))
             | set(meta.non_model_keys))
 

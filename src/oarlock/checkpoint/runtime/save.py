@@ -6,9 +6,9 @@ assignment picks one writer per distinct shard box (replicas are written once, b
 the fewest bytes so far, so DP replicas spread the writes); each rank writes one safetensors file and fsyncs it
 into a hidden temporary directory holding an incomplete-marker; rank 0 writes ``metadata.json`` last and renames
 the directory to its final name (:func:`oarlock.checkpoint.storage.publish_directory`). Each data file records in
-its header the shard box of every tensor it holds, for the warm restart of :mod:`oarlock.checkpoint.comm`. The
+its header the shard box of every tensor it holds, for the warm restart of :mod:`oarlock.checkpoint.runtime.comm`. The
 layout on disk is described in ``docs/checkpoint-format.md``. Errors are agreed through
-:class:`~oarlock.checkpoint.dist.DistWrapper`: every rank raises the same one, and nothing is published.
+:class:`~oarlock.checkpoint.runtime.dist.DistWrapper`: every rank raises the same one, and nothing is published.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from oarlock.checkpoint.planning.save import (RankRecord, SHARDS_DIGEST_HEADER, 
                                               merge_tp_layouts, new_save_id, shard_header, shard_id, shard_record,
                                               sharded_weight_record, shards_digest, stored_name, write_order)
 
-# the old module's public names, planning's included (this module is oarlock.checkpoint.save)
+# the save pipeline's names, and the planning names it is built on
 __all__ = ['PlanCache', 'RankRecord', 'SHARDS_DIGEST_HEADER', 'SHARDS_HEADER', 'SaveLayout', 'SavePlan',
            'TP_LAYOUTS_KEY', 'WORLD_HEADER', 'assign_writes', 'build_layout', 'check_destination', 'data_file_name',
            'describe_rank', 'dtensor_grid', 'exchange_fingerprints', 'flat_partition_grid', 'local_tensors',
@@ -268,7 +268,8 @@ def _fp_from_words(words: Sequence[int]) -> str | None:
 
 
 def _agree_fingerprints(dist: DistWrapper, err: BaseException | None, fps: tuple | None) -> list[tuple] | None:
-    """The common case of :func:`exchange_fingerprints`: one :meth:`~oarlock.checkpoint.dist.DistWrapper.min_max`
+    """The common case of :func:`exchange_fingerprints`: one
+    :meth:`~oarlock.checkpoint.runtime.dist.DistWrapper.min_max`
     of 21 ints (42 int64s on the wire) whatever the number of ranks: a failure flag, the first four fingerprints as
     :func:`_fp_words`, and rank 0's nonce (the other ranks pass the largest int64, so the minimum is rank 0's).
     When no rank failed and every rank's first four fingerprints are equal (a regular layout: one class), returns

@@ -158,15 +158,16 @@ def open_read(p: "str | os.PathLike | ObjectPath") -> "io.BufferedIOBase":
 # Names that lived in the one-module ``storage`` and belong elsewhere now: resolved on first use (they import
 # the formats and the runtime, which import this package).
 _MOVED = {
-    "CheckpointReader": "oarlock.checkpoint.reader", "SafetensorsFile": "oarlock.checkpoint.safetensors_io",
-    "contiguous_run": "oarlock.checkpoint.safetensors_io", "np_prod": "oarlock.checkpoint.safetensors_io",
-    "safetensors_header": "oarlock.checkpoint.safetensors_io",
-    "write_safetensors": "oarlock.checkpoint.safetensors_io",
+    "CheckpointReader": "oarlock.checkpoint.formats.reader",
+    "SafetensorsFile": "oarlock.checkpoint.storage.safetensors",
+    "contiguous_run": "oarlock.checkpoint.storage.safetensors", "np_prod": "oarlock.checkpoint.storage.safetensors",
+    "safetensors_header": "oarlock.checkpoint.storage.safetensors",
+    "write_safetensors": "oarlock.checkpoint.storage.safetensors",
     "HF_INDEX": "oarlock.checkpoint.formats.huggingface", "HF_SINGLE": "oarlock.checkpoint.formats.huggingface",
     "PADDLE_HF_CACHE": "oarlock.checkpoint.formats.huggingface",
     "open_checkpoint": "oarlock.checkpoint.formats.opening", "read_metadata": "oarlock.checkpoint.formats.opening",
     "View": "oarlock.checkpoint.runtime.view", "gather_view": "oarlock.checkpoint.runtime.view",
-    "resolve_manager_root": "oarlock.checkpoint.manager",
+    "resolve_manager_root": "oarlock.checkpoint.lifecycle.manager",
 }
 
 

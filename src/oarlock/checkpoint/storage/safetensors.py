@@ -231,14 +231,14 @@ class SafetensorsFile:
 
     @property
     def packed(self) -> bool:
-        """True for a packed oarlock data file (:data:`~oarlock.checkpoint.grid.PACKED_ENTRY`)."""
+        """True for a packed oarlock data file (:data:`~oarlock.checkpoint.model.grid.PACKED_ENTRY`)."""
         from oarlock.checkpoint.model.grid import PACKED_ENTRY, PackedEntries
 
         return PACKED_ENTRY in self.entries and not isinstance(self.entries, PackedEntries)  # not yet resolved
 
     def use_packed(self, layout: Any, rank: int | None) -> None:
         """Resolve a packed data file's pieces from the checkpoint's metadata (``layout``, a
-        :class:`~oarlock.checkpoint.grid.PackedLayout`; ``rank``: the rank whose file this is): afterwards
+        :class:`~oarlock.checkpoint.model.grid.PackedLayout`; ``rank``: the rank whose file this is): afterwards
         ``entries`` names every piece by its key. A file that is not packed is left as it is.
 
         Raises:
@@ -266,7 +266,7 @@ class SafetensorsFile:
 
     def read_into(self, buf: memoryview, offset: int) -> None:
         """Fill ``buf`` with the file's bytes at ``offset``: ``os.preadv`` on a local file, ranged GETs of exactly
-        those bytes on an object (:meth:`oarlock.checkpoint.objectstore.S3Storage.read_into`)."""
+        those bytes on an object (:meth:`oarlock.checkpoint.storage.s3.S3Storage.read_into`)."""
         if self.fd >= 0:
             pread_into(self.fd, buf, offset, self.path)
         else:
@@ -428,7 +428,7 @@ class SafetensorsWriter:
     :class:`oarlock.checkpoint.integrity.BlockHasher`) is fed the bytes as they are written, and its record of the
     file (``hasher.finish(fd, size)`` at close) is left in ``checksum_record``.
 
-    ``path`` may be an :class:`~oarlock.checkpoint.objectstore.ObjectPath`: the file is then streamed as a
+    ``path`` may be an :class:`~oarlock.checkpoint.storage.location.ObjectPath`: the file is then streamed as a
     multipart upload with bounded memory (tensors must be put in file order), and appears only at :meth:`close`;
     leaving the context with an exception aborts the upload.
 
@@ -634,7 +634,8 @@ def write_safetensors(path: str | Path, tensors: Mapping[str, torch.Tensor], *, 
     result is then in ``hasher.record``). ``ready(name)``, when given, is called before each tensor's bytes are
     written and returns the tensor to write instead (same shape and dtype; ``tensors`` then only gives the header).
     ``packed``: pieces written back to back, in the given order, into the file's one
-    :data:`~oarlock.checkpoint.grid.PACKED_ENTRY`, before ``tensors`` (oarlock data files); ``ready`` covers them too.
+    :data:`~oarlock.checkpoint.model.grid.PACKED_ENTRY`, before ``tensors`` (oarlock data files); ``ready`` covers
+    them too.
 
     Raises:
         CheckpointFormatError: a dtype that safetensors cannot store (naming the tensor).

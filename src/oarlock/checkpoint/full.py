@@ -1,8 +1,0 @@
-"""Moved: this module is :mod:`oarlock.checkpoint.convert.full` now. The old path is the same module (names, private
-helpers and monkeypatching included) for one release."""
-
-import sys
-
-from oarlock.checkpoint.convert import full as _moved
-
-sys.modules[__name__] = _moved
