@@ -8,10 +8,13 @@ The pieces are those of a load through a checkpoint, with the sources' descripti
 1. *Describe the sources* as a save would (:func:`~oarlock.checkpoint.save.describe_rank`): a DTensor is one grid
    rule per mesh, ZeRO flat ranges one flat rule, other shards are listed; ranks with equal descriptions form one
    class and one member of each sends it to rank 0, which builds the layout
-   (:func:`~oarlock.checkpoint.save.build_layout`: one holder of each replicated box is picked, byte-balanced)
-   and broadcasts it. The "file" of a stored piece names the rank that sends it.
+   (:func:`~oarlock.checkpoint.save.build_layout`, with the holders of every replicated piece) and broadcasts it.
+   The "file" of a stored piece names a rank that holds it.
 2. *Plan* each rank's targets against it exactly as a load does (:class:`~oarlock.checkpoint.plan.Planner`,
-   through AOA when a config is given): every slice of a target gets one source slice and its sender.
+   through AOA when a config is given): every slice of a target gets one source slice; the receiver alone then
+   gives each slice of a replicated piece its senders
+   (:func:`~oarlock.checkpoint.runtime.live_plan.spread_over_holders`: itself when it holds the piece, else row
+   ranges over the holders or the holder it asked least).
 3. *Ask*: each receiver sends each of its senders the list of slices it wants (one ``all_to_all`` of counts,
    then one message per pair that has something to move); no rank learns the other ranks' plans.
 4. *Move* the bytes in bounded, double-buffered rounds (:mod:`oarlock.checkpoint.transfer`), cast to the
@@ -356,8 +359,9 @@ def reshard_state_dict(sources: Mapping[str, Any], targets: Mapping[str, Any], *
     ranges included); JSON values are left alone (tensors only move). Target keys are matched to source keys through
     AOA exactly as a load matches checkpoint keys (rename, fused qkv/ffn, split, transpose, cast, macros, presets).
     Bytes go from one holder straight to each rank that needs them (``batch_isend_irecv``: NCCL for CUDA, gloo for
-    CPU); no rank gathers a tensor it does not hold as a target; replicated sources are spread over their holders by
-    bytes. Staging is bounded by ``bucket_bytes`` plus the largest slice that straddles a chunk.
+    CPU); no rank gathers a tensor it does not hold as a target; each slice of a replicated source is sent by its
+    holders in turn or in row ranges, balanced by bytes. Staging is bounded by ``bucket_bytes`` plus the largest
+    slice that straddles a chunk.
 
     Args:
         sources, targets: this rank's state dicts (targets are written in place).

@@ -14,7 +14,7 @@ import torch
 from oarlock.checkpoint.runtime import transfer
 from oarlock.checkpoint.runtime.dist import DistWrapper, error_report
 from oarlock.checkpoint.errors import CheckpointError, CheckpointMismatchError
-from oarlock.checkpoint.model.grid import rank_of_file
+from oarlock.checkpoint.model.grid import GridLayout, rank_of_file
 from oarlock.checkpoint.model.mapping import MappingProgram, box_slices
 from oarlock.checkpoint.model.metadata import CheckpointMetadata
 from oarlock.checkpoint.planning.load import Planner, ReadItem, source_specs
@@ -197,8 +197,11 @@ def _describe_sources(src: Leaves, dw: DistWrapper) -> CheckpointMetadata:
                     classes[fp] = (RankRecord(t, listed, {}, nested, tpl), [])
                 classes[fp][1].append(r)
             layout = build_layout(list(classes.values()), dw.size)
-            meta = CheckpointMetadata("oarlock", tensors=layout.tensors,
-                                      extra={"tp_layouts": layout.tp_layouts} if layout.tp_layouts else {})
+            extra: dict[str, Any] = {"tp_layouts": layout.tp_layouts} if layout.tp_layouts else {}
+            holders = holder_sets(list(classes.values()), layout.tensors)
+            if holders:
+                extra["holders"] = holders
+            meta = CheckpointMetadata("oarlock", tensors=layout.tensors, extra=extra)
             out = (None, meta.to_json())
         except Exception as e:
             out = (error_report(e, dw.rank), None)
@@ -226,20 +229,19 @@ def aligned_to(buf: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return buf.clone() if buf.data_ptr() % t.element_size() else buf
 
 
-def _encode(items: list[tuple[ReadItem, torch.dtype]], key_ids: dict[str, int], shard_ids: Any) -> list[int]:
+def _encode(items: list[tuple[ReadItem, torch.dtype, int]], key_ids: dict[str, int]) -> list[int]:
     """A receiver's request to one sender, as int64s: per slice ``key, shard (-1: grid), flat start, wire dtype,
     ndim, shape..., box starts..., box stops...``."""
     out: list[int] = []
-    for it, dt in items:
+    for it, dt, sid in items:
         nd = len(it.src_shape)
-        out += [key_ids[it.src_key], shard_ids(it.src_key, it.name), it.src_flat_start,
-                _WIRE_DTYPES.index(dtype_name(dt)), nd, *it.src_shape]
+        out += [key_ids[it.src_key], sid, it.src_flat_start, _WIRE_DTYPES.index(dtype_name(dt)), nd, *it.src_shape]
         out += [a for a, _ in it.src_box] + [b for _, b in it.src_box]
     return out
 
 
 def _decode(words: list[int], peer: int, keys: list[str], meta: CheckpointMetadata, local: dict,
-            src: Leaves, me: int) -> list[Send]:
+            src: Leaves, me: int, holders: "Holders") -> list[Send]:
     """A request from receiver ``peer``, checked against what this rank holds (a peer is never trusted with an
     index: every key, shard, range and box is bounds-checked).
 
@@ -270,7 +272,8 @@ def _decode(words: list[int], peer: int, keys: list[str], meta: CheckpointMetada
             leaf = local.get((key, None))
         else:
             shards = tm.shards
-            if sid >= len(shards) or shards[sid].file != mine:
+            if sid >= len(shards) or (shards[sid].file != mine and me not in holders.listed.get(
+                    (key, rank_of_file(shards[sid].file), shards[sid].name), ())):
                 raise bad(f"key {key!r}: shard {sid} is not this rank's")
             s = shards[sid]
             leaf = local.get((key, (tuple(s.global_offset), s.flattened_range)))
@@ -335,29 +338,20 @@ def make_plan(src: Leaves, tgt: Leaves, dw: DistWrapper, aoa_config: Any, progra
                                       "strict=False to move the rest)")
     keys = sorted(meta.tensors)
     key_ids = {k: i for i, k in enumerate(keys)}
-    shard_index: dict[str, dict[str, int]] = {}
-
-    def shard_ids(key: str, name: str) -> int:
-        tm = meta.tensors[key]
-        if tm.grid is not None and tm._shards is None:
-            return -1
-        idx = shard_index.get(key)
-        if idx is None:
-            idx = shard_index[key] = {s.name: j for j, s in enumerate(tm.shards)}
-        return idx[name]
-
-    # what this rank receives, by sender; the slices it holds itself are copied
+    me = dw.rank
+    holders = Holders(meta)
+    # what this rank receives, by sender (replicated pieces spread over their holders); its own slices are copied
     recvs: dict[int, list[Recv]] = {}
-    wanted: dict[int, list[tuple[ReadItem, torch.dtype]]] = {}
-    for leaf, it in sorted(state["items"], key=lambda x: (rank_of_file(x[1].file), x[1].src_key, x[1].name,
-                                                          x[1].src_flat_start, x[1].src_box, x[0])):
+    wanted: dict[int, list[tuple[ReadItem, torch.dtype, int]]] = {}
+    spread = spread_over_holders(state["items"], holders, tgt, me)
+    for leaf, it, sid in sorted(spread, key=lambda x: (rank_of_file(x[1].file), x[1].src_key, x[1].name,
+                                                       x[1].src_flat_start, x[1].src_box, x[0])):
         sender = rank_of_file(it.file)
         dt = tgt.shards[leaf].local_tensor.dtype
         recvs.setdefault(sender, []).append(Recv(leaf, it._replace(dtype=None), it.numel * dt.itemsize))
-        wanted.setdefault(sender, []).append((it, dt))
-    words = {s: _encode(w, key_ids, shard_ids) for s, w in wanted.items()}
+        wanted.setdefault(sender, []).append((it, dt, sid))
+    words = {s: _encode(w, key_ids) for s, w in wanted.items()}
     local_index = _local_index(src, meta)
-    me = dw.rank
 
     def exchange() -> dict[int, list[Send]]:
         counts = transfer.all_to_all_counts(dw, [len(words.get(r, ())) if r != me else 0 for r in range(dw.size)])
@@ -367,9 +361,9 @@ def make_plan(src: Leaves, tgt: Leaves, dw: DistWrapper, aoa_config: Any, progra
         in_bufs = [(torch.empty(c, dtype=torch.int64, device=dev), r) for r, c in enumerate(counts) if c and r != me]
         for w in transfer.post(dw, out_bufs, in_bufs):
             w.wait()
-        sends = {r: _decode(b.cpu().tolist(), r, keys, meta, local_index, src, me) for b, r in in_bufs}
+        sends = {r: _decode(b.cpu().tolist(), r, keys, meta, local_index, src, me, holders) for b, r in in_bufs}
         if me in words:
-            sends[me] = _decode(words[me], me, keys, meta, local_index, src, me)
+            sends[me] = _decode(words[me], me, keys, meta, local_index, src, me, holders)
         return sends
 
     sends = dw.run(exchange)
@@ -378,6 +372,165 @@ def make_plan(src: Leaves, tgt: Leaves, dw: DistWrapper, aoa_config: Any, progra
     fan = int(dw.all_max_tensor(torch.tensor([fan], dtype=torch.int64))[0]) if dw.active else fan
     return LivePlan(fingerprint, sends, recvs, local, transfer.chunk_bytes_for(bucket_bytes, fan), missing,
                  unexpected, skipped)
+
+
+# ---------------------------------------------------------------- replicated pieces: one sender per requested slice
+
+#: A requested slice of a piece held by several ranks is cut into row ranges, one per holder, when each range would
+#: have at least this many bytes (slices of :data:`~oarlock.checkpoint.runtime.transfer.ALONE_BYTES` or more only
+#: into ranges of that size, which still travel without staging); smaller slices go whole to the holder this
+#: receiver has asked least so far.
+SPLIT_PART_BYTES = 4 << 10
+
+
+def holder_sets(classes: list[tuple[Any, list[int]]], tensors: dict) -> dict:
+    """(Coordinator) every listed piece held by more than one rank, for the metadata's ``extra["holders"]``:
+    ``{"sets": [[ranks], ...], "pieces": [[key, recorded sender, stored name, set index], ...]}`` (one entry per
+    replicated piece, each distinct holder set once); ``{}`` when no piece is replicated."""
+    held: dict[tuple, set[int]] = {}
+    for rec, members in classes:
+        for key, _, _, off, lshape, fr, nbytes in rec.listed:
+            if nbytes:
+                held.setdefault((key, tuple(off), tuple(lshape), None if fr is None else tuple(fr)),
+                                set()).update(members)
+    if not any(len(h) > 1 for h in held.values()):
+        return {}
+    sets: list[list[int]] = []
+    index: dict[tuple, int] = {}
+    pieces = []
+    for key, tm in tensors.items():
+        if tm.grid is not None:
+            continue
+        for s in tm.shards:
+            fr = None if s.flattened_range is None else tuple(s.flattened_range)
+            h = held.get((key, tuple(s.global_offset), tuple(s.local_shape), fr))
+            if h is not None and len(h) > 1:
+                hs = tuple(sorted(h))
+                if hs not in index:
+                    index[hs] = len(sets)
+                    sets.append(list(hs))
+                pieces.append([key, rank_of_file(s.file), s.name, index[hs]])
+    return {"sets": sets, "pieces": pieces}
+
+
+class Holders:
+    """Which ranks hold a stored piece of the live layout: the listed replicas of ``extra["holders"]``, and the
+    replicas of a DTensor grid rule (its ``Replicate`` mesh dims)."""
+
+    def __init__(self, meta: CheckpointMetadata):
+        h = meta.extra.get("holders") or {}
+        sets = [tuple(int(r) for r in x) for x in h.get("sets", ())]
+        self.listed: dict[tuple, tuple[int, ...]] = {(k, int(r), n): sets[i] for k, r, n, i in h.get("pieces", ())}
+        self.listed_keys = {k for k, _, _ in self.listed}
+        self.meta = meta
+        self._grid: dict[tuple[str, int], tuple[int, ...] | None] = {}
+        self._ids: dict[str, dict[tuple[str, str], int]] = {}
+
+    def of(self, it: ReadItem) -> tuple[int, ...] | None:
+        """The ranks holding the piece ``it`` reads (None: only its recorded sender)."""
+        w = rank_of_file(it.file)
+        if it.src_key in self.listed_keys:
+            return self.listed.get((it.src_key, w, it.name))
+        grid = self.meta.tensors[it.src_key].grid
+        if not isinstance(grid, GridLayout) or not grid.replicas:
+            return None
+        got = self._grid.get((it.src_key, w), False)
+        if got is False:
+            got = self._grid[(it.src_key, w)] = _grid_holders(grid, w)
+        return got
+
+    def shard_id(self, it: ReadItem) -> int:
+        """The index of the recorded shard ``it`` reads in its key's shard list (-1: a grid-recorded key)."""
+        tm = self.meta.tensors[it.src_key]
+        if tm.grid is not None and tm._shards is None:
+            return -1
+        idx = self._ids.get(it.src_key)
+        if idx is None:  # a stored name is unique within its sender's "file", not across them
+            idx = self._ids[it.src_key] = {(s.file, s.name): j for j, s in enumerate(tm.shards)}
+        return idx[(it.file, it.name)]
+
+
+def _grid_holders(grid: GridLayout, writer: int) -> tuple[int, ...] | None:
+    """The holders of the cell ``writer`` writes (a rank holds one cell of a DTensor): its digits read back from
+    the affine rank rule; None when they do not give back ``writer``."""
+    rel = writer - grid.base
+    cell, i = [], 0
+    for cs in grid.chunks:
+        e = 0
+        for n in cs:
+            e = e * n + (rel // grid.strides[i]) % n if grid.strides[i] > 0 else e * n
+            i += 1
+        cell.append(e)
+    try:
+        if grid.writer(cell) != writer:
+            return None
+        return tuple(sorted(grid.holders(cell)))
+    except (IndexError, ValueError):
+        return None
+
+
+def split_rows(it: ReadItem, k: int) -> list[ReadItem] | None:
+    """``it`` cut into ``k`` ranges of its outermost source dim of at least ``k`` elements (the matching
+    destination dim cut alike); None when the boxes do not correspond dim for dim."""
+    nd = len(it.src_box)
+    perm = tuple(it.permute) if it.permute is not None else tuple(range(nd))
+    if len(it.dst_box) != nd or sorted(perm) != list(range(nd)):
+        return None
+    d = next((j for j in range(nd) if it.src_box[j][1] - it.src_box[j][0] >= k), None)
+    if d is None:
+        return None
+    i = perm.index(d)
+    (a, b), (c, _) = it.src_box[d], it.dst_box[i]
+    if it.dst_box[i][1] - c != b - a:
+        return None
+    out = []
+    for j in range(k):
+        lo, hi = a + (b - a) * j // k, a + (b - a) * (j + 1) // k
+        sb, db = list(it.src_box), list(it.dst_box)
+        sb[d], db[i] = (lo, hi), (c + lo - a, c + hi - a)
+        out.append(it._replace(src_box=tuple(sb), dst_box=tuple(db)))
+    return out
+
+
+def spread_over_holders(items: list[tuple[int, ReadItem]], holders: Holders, tgt: Leaves, me: int
+                        ) -> list[tuple[int, ReadItem, int]]:
+    """``(target leaf, item, shard id)`` of this rank's read items, each replicated piece's slices sent by its
+    holders: by this rank itself when it holds one (a local copy); else a big slice in row ranges, one per holder,
+    and a small one whole by the holder this rank has asked fewest bytes of so far (ties broken by a rotation
+    seeded with the key and this rank, so that consecutive receivers start on different holders). Decided by each
+    receiver from its own slices only; the holders' totals even out over the receivers."""
+    import zlib
+
+    from oarlock.checkpoint.model.grid import data_file_name
+    from oarlock.checkpoint.runtime.transfer import ALONE_BYTES
+
+    out: list[tuple[int, ReadItem, int]] = []
+    asked: dict[int, int] = {}
+    todo = []
+    for leaf, it in items:
+        hs = holders.of(it)
+        sid = holders.shard_id(it)
+        if hs is None or len(hs) < 2:
+            out.append((leaf, it, sid))
+        elif me in hs:
+            out.append((leaf, it._replace(file=data_file_name(me)), sid))
+        else:
+            todo.append((it.numel * tgt.shards[leaf].local_tensor.element_size(), leaf, it, sid, hs))
+    todo.sort(key=lambda x: (-x[0], x[2].src_key, x[2].dst_box, x[1]))
+    for nbytes, leaf, it, sid, hs in todo:
+        n = len(hs)
+        start = (zlib.crc32(it.src_key.encode()) + me) % n
+        k = min(n, nbytes // (ALONE_BYTES if nbytes >= ALONE_BYTES else SPLIT_PART_BYTES))
+        parts = split_rows(it, k) if k > 1 else None
+        if parts is None:
+            h = min(range(n), key=lambda j: (asked.get(hs[j], 0), (j - start) % n))
+            parts, order = [it], [hs[h]]
+        else:
+            order = [hs[(start + j) % n] for j in range(k)]
+        for part, h in zip(parts, order):
+            asked[h] = asked.get(h, 0) + part.numel * (nbytes // max(it.numel, 1))
+            out.append((leaf, part._replace(file=data_file_name(h)), sid))
+    return out
 
 
 def _local_index(src: Leaves, meta: CheckpointMetadata) -> dict:
