@@ -17,6 +17,12 @@ plan caches of both libraries (DCP's ``DefaultSavePlanner(enable_plan_caching=Tr
 default, cleared before each uncached save); each save replaces the previous one of its library, so all write
 into freed space (see the comment in ``rank_main``).
 
+Correctness: every tensor saved is a function of its key and global index (:func:`source_tensor`, distinct bits
+at every position, no NaN); after every load of every library, every target is compared bit for bit
+(``torch.equal``) with the saved source sliced by plain torch indexing at the target's box (torch's own
+``compute_local_shape_and_global_offset``, not oarlock's box arithmetic). A mismatch is printed naming the load, the
+library, the rank and the key, and the script exits 1.
+
 Where a load's time goes: oarlock's ``LoadReport.phases`` (plan, verify = hashing this rank's share of the
 touched blocks, verdict = waiting for the group, read), with each process's CPU time and page faults over the
 call, per library. Peak RSS per rank during each load ("above targets": the peak minus the RSS after the targets
@@ -26,7 +32,7 @@ is printed beside the tables.
 
 Usage: python benchmarks/checkpoint_reshard.py [--dir DIR] [--reps N] [--save-reps N] [--quick] [--append-results]
 (``--quick``: 4 small tensors, one repetition, no planner benchmark: checks that the script works, times nothing
-worth reporting.)
+worth reporting.) Exits 1 when a loaded target differs from the saved values.
 """
 
 from __future__ import annotations
@@ -50,6 +56,19 @@ import torch
 N_TENSORS, ROWS, COLS = 32, 4096, 2048
 QUICK_SIZES = (4, 512, 256)
 LIBS = ("dcp", "oarlock", "oarlock-noverify")  # the last: oarlock with verify_checksums=False
+
+
+#: float32 bit pattern added to a position's index: exponents 100..131 for the 2**28 positions of the full workload
+#: (finite, normal, never NaN), so every (key, row, column) has its own value.
+_BITS_BASE = 100 << 23
+
+
+def source_tensor(i: int) -> torch.Tensor:
+    """The global value of tensor ``layers.{i}.weight`` as saved: element ``(r, c)`` holds the float32 whose bits
+    are ``_BITS_BASE + (i * ROWS + r) * COLS + c``, distinct at every position of every key (a misplaced element
+    never compares equal). The reference of every load check, computed without either library."""
+    rows = torch.arange(ROWS, dtype=torch.int32).mul_(COLS).add_(i * ROWS * COLS + _BITS_BASE)
+    return (rows[:, None] + torch.arange(COLS, dtype=torch.int32)[None, :]).view(torch.float32)
 
 
 def _find_sync_file_range():
@@ -175,7 +194,8 @@ def _needed_files(layout: str, rank: int) -> list[int]:
     return [rank]
 
 
-def rank_main(rank: int, world: int, port: int, root: str, reps: int, quick: bool = False, save_reps: int = 8) -> None:
+def rank_main(rank: int, world: int, port: int, root: str, reps: int, quick: bool = False, save_reps: int = 8,
+              corrupt: bool = False) -> None:
     import resource
 
     import torch.distributed as dist
@@ -197,7 +217,8 @@ def rank_main(rank: int, world: int, port: int, root: str, reps: int, quick: boo
     mesh = init_device_mesh("cpu", (2, 2))
     mesh1 = init_device_mesh("cpu", (4,))
     src_pl, dst_pl = [Shard(0), Shard(1)], [Shard(1), Replicate()]
-    res: dict = {"rank": rank, "rows": {}, "rss": {}, "phases": {}, "usage": {}}
+    res: dict = {"rank": rank, "rows": {}, "rss": {}, "phases": {}, "usage": {}, "mismatches": [], "checked": 0,
+                 "corrupted": False}
 
     def timed(fn):
         dist.barrier()
@@ -206,14 +227,34 @@ def rank_main(rank: int, world: int, port: int, root: str, reps: int, quick: boo
         dist.barrier()
         return time.perf_counter() - t0
 
-    g = torch.Generator().manual_seed(rank)
-
     def dtensors(m, pl, fill):
-        return {f"layers.{i}.weight": DTensor.from_local(fill(_local_shape(pl, m)), m, pl,
+        """``fill(i, box)`` -> the local tensor of key ``i`` at ``box`` (row and column slices)."""
+        return {f"layers.{i}.weight": DTensor.from_local(fill(i, _local_box(pl, m)), m, pl,
                                                         shape=torch.Size((ROWS, COLS)), stride=(COLS, 1))
                 for i in range(N_TENSORS)}
 
-    src = dtensors(mesh, src_pl, lambda shp: torch.randn(*shp, generator=g))
+    def saved(i, box):  # the source slice, by plain indexing
+        return source_tensor(i)[box].clone()
+
+    def zeros(i, box):
+        return torch.zeros(box[0].stop - box[0].start, box[1].stop - box[1].start)
+
+    def mismatches(tgt, m, pl) -> list[dict]:
+        """Every target compared bit for bit with the saved source at its box; one record per differing key."""
+        box = _local_box(pl, m)
+        out = []
+        for i in range(N_TENSORS):
+            key = f"layers.{i}.weight"
+            got, want = tgt[key].to_local().view(torch.int32), source_tensor(i)[box].view(torch.int32)
+            if got.shape == want.shape and torch.equal(got, want):
+                continue
+            diff = (got != want).nonzero() if got.shape == want.shape else None
+            out.append({"key": key, "rank": rank, "box": [[box[0].start, box[0].stop], [box[1].start, box[1].stop]],
+                        "elements": int(len(diff)) if diff is not None else f"all (shape {list(got.shape)})",
+                        "first": [int(x) for x in diff[0]] if diff is not None and len(diff) else None})
+        return out
+
+    src = dtensors(mesh, src_pl, saved)
 
     def raw_save(d: Path, early_writeback: bool) -> None:
         """A floor of any save with the same durability: this rank's tensor bytes written into one file with
@@ -258,7 +299,7 @@ def rank_main(rank: int, world: int, port: int, root: str, reps: int, quick: boo
                 t = timed(lambda: save_state_dict(src, d))
             res["rows"].setdefault(("save", lib), []).append(t)
     # the column reshard reads a checkpoint saved from a 1-D mesh as row blocks (untimed)
-    src1 = dtensors(mesh1, [Shard(0)], lambda shp: torch.randn(*shp, generator=g))
+    src1 = dtensors(mesh1, [Shard(0)], saved)
     save_state_dict(src1, root / "oarlock_col")
     dcp.save(src1, checkpoint_id=str(root / "dcp_col"))
     src = src1 = None  # freed before the loads
@@ -306,7 +347,7 @@ def rank_main(rank: int, world: int, port: int, root: str, reps: int, quick: boo
                     row = (f"{layout} ({temp})", lib)
                     gc.collect()
                     base0 = PeakRSS().now()
-                    tgt = dtensors(m, pl, lambda shp: torch.zeros(*shp))
+                    tgt = dtensors(m, pl, zeros)
                     if temp == "cold":
                         cold_ok = _drop_caches(rank, root, whole_machine=not quick) and cold_ok
                     elif lib == libs[k]:  # a hot row starts with both checkpoints wholly in the page cache
@@ -335,23 +376,30 @@ def rank_main(rank: int, world: int, port: int, root: str, reps: int, quick: boo
                     tb = sum(v.to_local().numel() * 4 for v in tgt.values())
                     res["rss"].setdefault(row, []).append(
                         {"peak": rss.peak - base0, "above_targets": rss.peak - base, "target_bytes": tb})
-                    if r == 0 and temp == "hot" and lib != "raw":  # correctness: equal data in both libraries
-                        res.setdefault("checksums", {})[(layout, lib)] = float(
-                            sum(v.to_local().double().sum() for v in tgt.values()))
+                    if lib != "raw":  # correctness: every target, bit for bit, against the saved source
+                        if corrupt and rank == 0 and lib == "oarlock" and not res["corrupted"]:
+                            flat = tgt["layers.1.weight"].to_local().view(-1).view(torch.int32)
+                            flat[0] ^= 1  # the self-test: one bit of one element of one target
+                            res["corrupted"] = True
+                        for bad in mismatches(tgt, m, pl):
+                            res["mismatches"].append({"load": row[0], "lib": lib, "rep": r, **bad})
+                        res["checked"] += 1
                     tgt = None
     res["cold_ok"] = cold_ok
     for name in ("rows", "rss", "phases", "usage"):
         res[name] = {f"{k[0]}|{k[1]}": v for k, v in res[name].items()}
-    res["checksums"] = {f"{k[0]}|{k[1]}": v for k, v in res.get("checksums", {}).items()}
     (root / f"result-{rank}.json").write_text(json.dumps(res))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _local_shape(pl, mesh):
+def _local_box(pl, mesh) -> tuple[slice, slice]:
+    """This rank's box of a ``(ROWS, COLS)`` DTensor with placements ``pl`` on ``mesh``, as row and column slices
+    (torch's own arithmetic: the reference of the load checks does not use oarlock's)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    return compute_local_shape_and_global_offset((ROWS, COLS), mesh, pl)[0]
+    shape, off = compute_local_shape_and_global_offset((ROWS, COLS), mesh, pl)
+    return slice(off[0], off[0] + shape[0]), slice(off[1], off[1] + shape[1])
 
 
 # ---------------------------------------------------------------- planner benchmark
@@ -467,6 +515,8 @@ def main(argv=None) -> int:
     ap.add_argument("--append-results", action="store_true", help="append the tables to benchmarks/RESULTS.md")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, one repetition, no planner benchmark: only "
                                                          "checks that the script runs")
+    # the check's own test: one bit of one target flipped after a load, which the check must report (exit 1)
+    ap.add_argument("--self-test-corrupt", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.quick:
         args.reps = args.save_reps = 1
@@ -478,8 +528,8 @@ def main(argv=None) -> int:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     try:
-        mp.start_processes(rank_main, args=(4, port, str(scratch), args.reps, args.quick, args.save_reps), nprocs=4,
-                           start_method="spawn")
+        mp.start_processes(rank_main, args=(4, port, str(scratch), args.reps, args.quick, args.save_reps,
+                                            args.self_test_corrupt), nprocs=4, start_method="spawn")
         results = [json.loads((scratch / f"result-{r}.json").read_text()) for r in range(4)]
         floor = verification_floor(scratch / "oarlock_save")
     finally:
@@ -557,9 +607,11 @@ def main(argv=None) -> int:
             above = max(max(x["above_targets"] for x in r["rss"][f"{op}|{lib}"]) for r in results) / 2**20
             tb = results[0]["rss"][f"{op}|{lib}"][0]["target_bytes"] / 2**20
             mem.append(f"| {op} | {lib} | {tb:.0f} | {above:.1f} |")
-    same = all(r["checksums"][f"{layout}|{lib}"] == r["checksums"][f"{layout}|dcp"]
-               for r in results for layout in ("same-layout load", "reshard load", "column reshard load")
-               for lib in ("oarlock", "oarlock-overlap", "oarlock-noverify"))
+    mismatches = [x for r in results for x in r["mismatches"]]
+    checked = sum(r["checked"] for r in results)
+    exact = not mismatches and checked > 0
+    verdict = (f"Every loaded target equal, bit for bit, to the saved source at its box ({checked} loads of a rank x "
+               f"{QUICK_SIZES[0] if args.quick else N_TENSORS} tensors, every library and repetition): {exact}")
     goals = []
     if not args.quick:
         m = med
@@ -583,7 +635,7 @@ def main(argv=None) -> int:
             plan.append(f"| {case} | {o:.2f} | {d:.2f} | {o / d:.2f} | {note_} |")
     load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
     text = "\n".join([f"Load average (1/5/15 min) at the end of the run: {load} on {os.cpu_count()} cores", ""]
-                     + lines + ["", f"Loaded data identical between oarlock and DCP (per-rank checksums): {same}", ""]
+                     + lines + ["", verdict, ""]
                      + goals + ["Where the time goes (seconds; phases from `LoadReport.phases`, the slowest rank's "
                                 "median; CPU time and faults of that rank's process):", ""]
                      + phase + [""] + ver + [""] + mem + [""] + plan)
@@ -597,7 +649,14 @@ def main(argv=None) -> int:
                     f"{os.cpu_count()} cores, torch {torch.__version__}; median of {args.reps} per load row, {args.save_reps} saves per library). "
                     "1 GiB fp32, 32 x [4096, 2048], saved as 2x2 mesh [Shard(0), Shard(1)]; reshard load into "
                     "[Shard(1), Replicate()].\n\n" + text + "\n")
-    return 0
+    for x in mismatches:
+        print(f"MISMATCH: {x['load']}, {x['lib']}, repetition {x['rep']}, rank {x['rank']}: key {x['key']!r} "
+              f"differs from the saved values in {x['elements']} element(s) of its box {x['box']} (first at local "
+              f"index {x['first']})", file=sys.stderr)
+    if not exact:
+        print(f"checkpoint_reshard: the correctness check FAILED ({len(mismatches)} mismatching target(s), "
+              f"{checked} loads checked)", file=sys.stderr)
+    return 0 if exact else 1
 
 
 if __name__ == "__main__":

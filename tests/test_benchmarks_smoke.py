@@ -5,7 +5,9 @@ so a new benchmark is picked up without editing this file: it is run with :data:
 markdown table row expected) unless :data:`SMOKE` names its smallest configuration. Each run is a fresh process;
 the test asserts it exits 0 and prints its table, and where the benchmark checks loaded or converted bytes against
 the originals, that the check passed (some checks are assertions inside the script, which then exits non-zero;
-others print a verdict, asserted here).
+others print a verdict, asserted here), and that no section the benchmark exists for was skipped (issue 48 item 5:
+the run fails; only a missing environment, named, skips the test). A correctness check is itself tested by
+breaking what it checks (:func:`test_checkpoint_reshard_check_fails_on_a_corrupted_target`).
 Benchmarks that need a GPU, or an optional service or environment that is absent, skip with the reason. Figures
 from these runs mean nothing and nothing is timed.
 """
@@ -37,6 +39,11 @@ class Smoke:
     rows_end: tuple[tuple[str, str], ...] = ()
     needs_cuda: bool = False
     needs: tuple[str, ...] = field(default_factory=tuple)  # importable modules the run needs
+    # files (relative to the repository) the run needs, such as another virtual environment's interpreter: the
+    # test skips naming the missing one (``make test`` builds them, docs/development.md)
+    needs_paths: tuple[str, ...] = ()
+    # text that must not appear in the output (stdout and stderr): a section the benchmark exists for, skipped
+    forbid: tuple[str, ...] = ()
 
 
 SMOKE: dict[str, Smoke] = {
@@ -47,7 +54,9 @@ SMOKE: dict[str, Smoke] = {
                         rows_end=((r"^\| (oarlock|dcp-)", "| True |"),)),
     "checkpoint_comm": Smoke(("--smoke",), ("| node-local | oarlock broadcast |",
                                             "identical across all oarlock and DCP rows (per-rank checksums): True.")),
-    "checkpoint_reshard": Smoke(("--quick",), ("| ",)),
+    # every target of every load, every library, compared bit for bit with the saved values (exits 1 otherwise)
+    "checkpoint_reshard": Smoke(("--quick",), ("| reshard load (cold) |", "| column reshard load (hot) |"),
+                                rows_end=((r"^Every loaded target equal, bit for bit", ": True"),)),
     "context_parallel": Smoke(("--quick", "--no-write", "--world", "2"),
                               ("| mask | S | plan |", "| mask | S | implementation |", "| mask | S | method |")),
     "convert_smollm2": Smoke(("--tiny",), ("| HF -> TP=3 |", "| TP=3 -> HF |",
@@ -60,6 +69,11 @@ SMOKE: dict[str, Smoke] = {
     "debug_overhead": Smoke(("--rounds", "1", "--dim", "32", "--seq", "16", "--batch", "1"), ("plain step",)),
     "flashmask_cpu": Smoke(("--seqlens", "256", "--reps", "1", "--no-flex", "--no-write"), ("| ",)),
     "flashmask_gpu": Smoke(("--seqlens", "1024", "--no-write"), ("| ",), needs_cuda=True),
+    # Megatron-Core is what this benchmark exists for: without .foreign-venv the test skips naming it; with it, the
+    # Megatron part must run (never "skipped") and every load of both libraries equal the saved values
+    "megatron": Smoke(("--smoke",),
+                      ("| operation | Megatron-Core median s |", "both libraries, every rank: True"),
+                      needs_paths=(".foreign-venv/bin/python",), forbid=("Megatron-Core: skipped",)),
     "memory_fragmentation": Smoke(("--smoke",), ("| trace | peak alloc |",)),
     "memory_gpu": Smoke(("--scale", "0.25"), ("| caching |", "| expandable |", "| remap |"), needs_cuda=True),
     # every load is checked bit-exact inside the ranks (an assertion)
@@ -97,6 +111,11 @@ def _skip_reason(name: str, smoke: Smoke) -> str | None:
     for mod in smoke.needs:
         if importlib.util.find_spec(mod) is None:
             return f"benchmarks/{name}.py needs {mod}, not installed (the test extras; scripts/setup.sh)"
+    for rel in smoke.needs_paths:
+        if not (ROOT / rel).exists():
+            venv = rel.split("/")[0]
+            return (f"benchmarks/{name}.py needs {venv}, which is missing ({rel}; make test's set-up builds it, "
+                    "scripts/setup_tests.sh)")
     if name == "object_store":
         sys.path.insert(0, str(ROOT / "tests"))
         from s3server import weed_binary
@@ -129,8 +148,26 @@ def test_benchmark_smallest_configuration(name, tmp_path):
                                f"{p.stderr[-4000:]}")
     missing = [s for s in smoke.expect if s not in p.stdout]
     assert not missing, f"{' '.join(cmd[1:])}: its output lacks {missing}:\n{p.stdout[-3000:]}"
+    skipped = [s for s in smoke.forbid if s in p.stdout or s in p.stderr]
+    assert not skipped, f"{' '.join(cmd[1:])}: a section it exists for did not run: {skipped}:\n{p.stdout[-3000:]}"
     for pattern, suffix in smoke.rows_end:
         rows = [ln.rstrip() for ln in p.stdout.splitlines() if re.search(pattern, ln)]
         assert rows, f"{' '.join(cmd[1:])}: no table row matches {pattern!r}:\n{p.stdout[-3000:]}"
         bad = [r for r in rows if not r.endswith(suffix)]
         assert not bad, f"{' '.join(cmd[1:])}: rows not ending with {suffix!r}: {bad}"
+
+
+@pytest.mark.multiproc
+def test_checkpoint_reshard_check_fails_on_a_corrupted_target(tmp_path):
+    """The benchmark's correctness check can fail: with one bit of one target flipped after a load (the hidden
+    ``--self-test-corrupt``), the smallest run exits non-zero and names the key, the load and the rank."""
+    env = dict(os.environ, TMPDIR=str(tmp_path), OARLOCK_PROGRESS="0", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, str(BENCH / "checkpoint_reshard.py"), "--quick", "--self-test-corrupt"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert p.returncode == 1, (p.returncode, p.stdout[-2000:], p.stderr[-4000:])
+    mism = [ln for ln in p.stderr.splitlines() if ln.startswith("MISMATCH: ")]
+    assert len(mism) == 1, p.stderr[-4000:]  # one element of one target on one rank, nothing else
+    assert "key 'layers.1.weight'" in mism[0] and "oarlock, repetition 0, rank 0" in mism[0], mism
+    assert "in 1 element(s)" in mism[0] and "first at local index [0, 0]" in mism[0], mism
+    assert "the correctness check FAILED" in p.stderr
+    assert re.search(r"^Every loaded target equal, bit for bit, .*: False$", p.stdout, re.M), p.stdout[-2000:]
