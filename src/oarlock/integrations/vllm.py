@@ -16,7 +16,16 @@ their own (:func:`oarlock.checkpoint.join_group`, a rendezvous at ``host:port``)
 jobs alone; each :meth:`~OarlockTrainerWeightTransferEngine.send_weights` is one collective
 :meth:`WeightSync.run` over it: trainer ranks pass their (FSDP2 / DTensor / plain) parameters as sources, workers
 pass vLLM's parameters as targets, and an AOA config (by default the ``vllm_*`` preset of the model's
-architecture, :func:`oarlock.checkpoint.presets.preset`) maps HF names onto vLLM's fused layout.
+architecture, :func:`oarlock.checkpoint.aoa.presets.preset`) maps HF names onto vLLM's fused tensors.
+
+What a worker asks for: each of vLLM's fused tensors has a global layout that does not depend on the TP degree,
+HF's tensors concatenated (``qkv_proj`` = ``[q; k; v]``, ``gate_up_proj`` = ``[gate; up]``, the experts of an
+MoE layer stacked as ``w13_weight`` ``[E, 2I, hidden]`` and ``w2_weight`` ``[E, hidden, I]``), and a worker
+describes its tensor as the boxes of that global tensor it holds (:func:`describe_targets`: :func:`qkv_parts`,
+:func:`merged_parts`, :func:`fused_moe_layout`): its q heads and the KV heads it holds (replicated over several
+ranks when the TP degree exceeds the KV heads), its gate and up rows, its experts (all of them, each cut on the
+intermediate size, or whole ones under expert parallelism). So one AOA config serves every TP and EP degree, and
+a worker receives exactly the bytes it holds.
 
 Landing the bytes: on CPU (and for quantised layers) vLLM repacks weights after loading, so the tensors it computes
 with are not the parameters it loaded. A round therefore runs inside vLLM's layer-wise reload:
@@ -24,7 +33,9 @@ with are not the parameters it loaded. A round therefore runs inside vLLM's laye
 each worker receives its slices into buffers of exactly that layout, and each buffer is handed to its parameter
 through the parameter's weight loader, replaced for the round by a plain copy (the slice is already this rank's);
 a layer is processed (repacked) as soon as all of its parameters arrived, and
-``finalize_layerwise_reload(model, model_config)`` (in ``finish_weight_update``) finishes the rest.
+``finalize_layerwise_reload(model, model_config)`` (in ``finish_weight_update``) finishes the rest. MoE layers
+whose kernel repacks its weights (vLLM's CPU kernels) are processed as on a first load
+(:func:`_reprocess_experts_on_load`): vLLM 0.32's weight-update path would leave them unpacked.
 
 A sync that fails part-way raises on every rank and leaves the engine *torn*: its workers refuse to run the model
 (:class:`TornWeightsError`) until a later sync succeeds, rather than serve a mix of two versions.
@@ -84,14 +95,16 @@ def register() -> None:
 
 # ---------------------------------------------------------------------------------------------------- AOA config
 
-def aoa_config_for(config: Any) -> dict[str, Any]:
+def aoa_config_for(config: Any, sources: Any = None) -> dict[str, Any]:
     """The AOA config that maps HF parameter names onto vLLM's parameters for the model described by ``config``
     (an HF ``config.json`` path or directory, a dict, or a transformers config): the ``vllm_*`` preset of its
     ``model_type`` (``oarlock aoa explain --preset vllm_llama ...`` shows it), as the plain
-    ``{"aoa_statements": [...], "aoa_config_reverse": False}`` both sides of a sync use."""
+    ``{"aoa_statements": [...], "aoa_config_reverse": False}`` both sides of a sync use. ``sources``: the
+    trainer's parameter names (or state dict), from which an MoE preset reads how the experts are held (one
+    module per expert, transformers 5's stacked ``gate_up_proj``, or grouped-GEMM ``w1``/``w2``/``w3``)."""
     from oarlock.checkpoint.aoa.presets import preset
 
-    cfg = preset("vllm", config)
+    cfg = preset("vllm", config, source=None if sources is None else list(sources))
     return {"aoa_statements": list(cfg["aoa_statements"]), "aoa_config_reverse": False}
 
 
@@ -161,25 +174,173 @@ def _engine_rank(parallel_config: Any) -> int:
         get_world_group().rank_in_group
 
 
-def _placement(module: torch.nn.Module, pname: str, param: torch.Tensor) -> tuple[int | None, int, int]:
-    """``(split dim or None, tp rank, tp size)`` of one of vLLM's parameters, from the layer that owns it."""
-    from vllm.model_executor.layers.linear import (ColumnParallelLinear, LinearBase, QKVParallelLinear,
-                                                   RowParallelLinear)
+# ------------------------------------------------------------------------------ what each worker holds: boxes
+
+#: one piece of an axis: ``(start in this rank's tensor, length, start in the global tensor)``
+Part = tuple[int, int, int]
+#: how a tensor is cut: ``{axis: ([Part, ...], global length of the axis)}``; axes not named are held whole
+Layout = dict[int, tuple[list[Part], int]]
+
+
+def qkv_parts(tp_rank: int, tp_size: int, total_heads: int, total_kv_heads: int, head_size: int,
+              v_head_size: int | None = None) -> tuple[list[Part], int]:
+    """The rows of vLLM's ``QKVParallelLinear`` on TP rank ``tp_rank``, as parts of the global ``[q; k; v]``
+    (HF's tensors concatenated; the ``vllm_*`` presets' layout): its q heads, then its k and v heads. With a TP
+    degree above the KV heads vLLM replicates them: rank r holds KV head ``r // (tp_size / total_kv_heads)``,
+    so ``tp_size / total_kv_heads`` ranks ask for the same k and v rows. Returns ``(parts, global rows)``.
+
+    Raises:
+        CheckpointError: head counts the degree does not divide (vLLM refuses them too).
+    """
+    vd = head_size if v_head_size is None else v_head_size
+    if total_heads % tp_size or (tp_size >= total_kv_heads and tp_size % total_kv_heads) or \
+            (tp_size < total_kv_heads and total_kv_heads % tp_size):
+        raise CheckpointError(f"oarlock vLLM back end: {total_heads} q heads and {total_kv_heads} KV heads cannot be "
+                              f"split over {tp_size} TP ranks")
+    nh = total_heads // tp_size
+    nkv, replicas = (1, tp_size // total_kv_heads) if tp_size >= total_kv_heads else (total_kv_heads // tp_size, 1)
+    kv_rank = tp_rank // replicas
+    q_rows, k_rows, v_rows = nh * head_size, nkv * head_size, nkv * vd
+    kq, vq = total_heads * head_size, (total_heads + total_kv_heads) * head_size
+    return ([(0, q_rows, tp_rank * q_rows), (q_rows, k_rows, kq + kv_rank * k_rows),
+             (q_rows + k_rows, v_rows, vq + kv_rank * v_rows)], vq + total_kv_heads * vd)
+
+
+def merged_parts(output_sizes: list[int], tp_rank: int, tp_size: int) -> tuple[list[Part], int]:
+    """The rows of a column-parallel layer that fuses tensors of ``output_sizes`` rows (vLLM's
+    ``MergedColumnParallelLinear``: gate and up), on TP rank ``tp_rank``: its rows of each, as parts of the
+    tensors concatenated (``[gate; up]``)."""
+    parts, local, glob = [], 0, 0
+    for size in output_sizes:
+        n = size // tp_size
+        parts.append((local, n, glob + tp_rank * n))
+        local += n
+        glob += size
+    return parts, glob
+
+
+def expert_parts(experts: list[int]) -> list[Part]:
+    """Runs of consecutive global expert ids among this rank's experts (``experts[i]``: the global id of its i-th
+    local expert), as parts of the expert axis."""
+    parts: list[Part] = []
+    for i, e in enumerate(experts):
+        if parts and parts[-1][0] + parts[-1][1] == i and parts[-1][2] + parts[-1][1] == e:
+            parts[-1] = (parts[-1][0], parts[-1][1] + 1, parts[-1][2])
+        else:
+            parts.append((i, 1, e))
+    return parts
+
+
+def fused_moe_layout(pname: str, shape: tuple[int, ...], experts: list[int], num_experts: int, tp_rank: int,
+                     tp_size: int, gated: bool = True) -> Layout:
+    """How vLLM's stacked expert tensors of one worker sit in the global ones of the ``vllm_*`` MoE presets:
+    ``w13_weight`` ``[E, 2 * I, hidden]`` (expert e's ``[gate_e; up_e]``), ``w2_weight`` ``[E, hidden, I]`` (and
+    the biases ``w13_bias`` ``[E, 2 * I]``, ``w2_bias`` ``[E, hidden]``). A worker holds the experts ``experts``
+    (global ids; all of them unless the engine runs expert parallel) and of each its TP rank's share of the
+    intermediate size: ``I / tp`` gate rows and ``I / tp`` up rows (vLLM's ``w1`` then ``w3`` halves) of
+    ``w13``, ``I / tp`` columns of ``w2``. ``shape``: this worker's tensor.
+
+    Raises:
+        CheckpointError: another expert tensor (quantisation scales): the back end moves unquantised weights.
+    """
+    layout: Layout = {0: (expert_parts(experts), num_experts)}
+    if pname in ("w13_weight", "w13_bias"):
+        n = shape[1] // 2 if gated else shape[1]
+        layout[1] = merged_parts([n * tp_size] * (2 if gated else 1), tp_rank, tp_size)
+    elif pname == "w2_weight":
+        layout[2] = ([(0, shape[2], tp_rank * shape[2])], shape[2] * tp_size)
+    elif pname != "w2_bias":
+        raise CheckpointError(f"oarlock vLLM back end: the expert tensor {pname!r} is not an unquantised weight; the "
+                              f"back end moves w13_weight, w2_weight and their biases")
+    return layout
+
+
+def layout_boxes(shape: tuple[int, ...], layout: Layout) -> list[tuple[tuple[slice, ...], tuple[int, ...],
+                                                                       tuple[int, ...]]]:
+    """The boxes of a tensor of ``shape`` cut as ``layout`` says: ``[(index into the tensor, global shape,
+    global offset)]``, one per combination of parts (a tensor held whole is one box)."""
+    gshape = [layout[d][1] if d in layout else shape[d] for d in range(len(shape))]
+    boxes: list = [((), ())]
+    for d in range(len(shape)):
+        parts = layout[d][0] if d in layout else [(0, shape[d], 0)]
+        boxes = [(idx + (slice(lo, lo + n),), off + (g,)) for idx, off in boxes for lo, n, g in parts]
+    return [(idx, tuple(gshape), off) for idx, off in boxes]
+
+
+def _local_experts(module: torch.nn.Module) -> list[int]:
+    """The global ids of a vLLM expert layer's local experts, in local order (``expert_map``: global -> local id,
+    -1 elsewhere; None: every expert is local)."""
+    manager = getattr(module, "expert_map_manager", None)
+    emap = getattr(manager, "expert_map", None) if manager is not None else getattr(module, "_expert_map", None)
+    n = int(module.global_num_experts)
+    if emap is None:
+        return list(range(n))
+    local = {int(lid): g for g, lid in enumerate(emap.tolist()[:n]) if int(lid) >= 0}
+    return [local[i] for i in range(len(local))]
+
+
+def _layout(module: torch.nn.Module, pname: str, param: torch.Tensor) -> tuple[Layout, int | None]:
+    """How one of vLLM's parameters (``param``: in its loadable shape) sits in the global tensor the ``vllm_*``
+    presets produce, from the layer that owns it; and for a vocabulary-parallel embedding the rows that are real
+    (the rest is padding). ``({}, None)``: held whole (replicated).
+
+    Raises:
+        CheckpointError: a layout the back end cannot describe (quantised experts, redundant experts, padded
+            expert shards), naming the layer.
+    """
+    from vllm.model_executor.layers.linear import (ColumnParallelLinear, LinearBase, MergedColumnParallelLinear,
+                                                   QKVParallelLinear, RowParallelLinear)
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
+    shape = tuple(param.shape)
     if isinstance(module, VocabParallelEmbedding):
-        return (0 if pname == "weight" else None), module.tp_rank, module.tp_size
+        if pname != "weight" or module.tp_size == 1 and module.org_vocab_size == shape[0]:
+            return {}, None
+        si = module.shard_indices
+        rows = si.org_vocab_end_index - si.org_vocab_start_index
+        return {0: ([(0, rows, si.org_vocab_start_index)], module.org_vocab_size)}, rows
+    if hasattr(module, "w13_weight") and hasattr(module, "moe_config"):  # vLLM's RoutedExperts (FusedMoE)
+        moe = module.moe_config
+        pc = moe.moe_parallel_config
+        if getattr(moe, "tp_shard_with_padding", False) or \
+                int(getattr(moe, "num_logical_experts", module.global_num_experts) or module.global_num_experts) != \
+                int(module.global_num_experts):
+            raise CheckpointError(f"oarlock vLLM back end: {type(module).__name__} of {module.layer_name!r} pads its "
+                                  f"expert shards or holds redundant experts (EPLB); not supported")
+        return fused_moe_layout(pname, shape, _local_experts(module), int(module.global_num_experts),
+                                int(pc.tp_rank), int(pc.tp_size), bool(getattr(moe, "is_act_and_mul", True))), None
     if not isinstance(module, LinearBase) or module.tp_size == 1:
-        return None, 0, 1
-    if isinstance(module, QKVParallelLinear) and getattr(module, "num_kv_head_replicas", 1) != 1:
-        raise CheckpointError(f"oarlock vLLM back end: {type(module).__name__} replicates KV heads over "
-                              f"{module.num_kv_head_replicas} TP ranks (tensor_parallel_size > num_key_value_heads); "
-                              f"use a TP degree that divides the KV heads")
+        return {}, None
+    rank, size = module.tp_rank, module.tp_size
     if isinstance(module, ColumnParallelLinear):
-        return int(getattr(param, "output_dim", 0)), module.tp_rank, module.tp_size
-    if isinstance(module, RowParallelLinear):
-        return (int(getattr(param, "input_dim", 1)) if pname == "weight" else None), module.tp_rank, module.tp_size
-    return None, 0, 1
+        dim = int(getattr(param, "output_dim", 0))
+        if isinstance(module, QKVParallelLinear):
+            parts = qkv_parts(rank, size, module.total_num_heads, module.total_num_kv_heads, module.head_size,
+                              getattr(module, "v_head_size", None))
+        elif isinstance(module, MergedColumnParallelLinear):
+            parts = merged_parts(list(module.output_sizes), rank, size)
+        else:
+            parts = ([(0, shape[dim], rank * shape[dim])], shape[dim] * size)
+        if sum(n for _, n, _ in parts[0]) != shape[dim]:
+            raise CheckpointError(f"oarlock vLLM back end: {type(module).__name__}.{pname} holds {shape[dim]} rows "
+                                  f"on TP rank {rank}, its layout {parts[0]} says otherwise")
+        return {dim: parts}, None
+    if isinstance(module, RowParallelLinear) and pname == "weight":
+        dim = int(getattr(param, "input_dim", 1))
+        return {dim: ([(0, shape[dim], rank * shape[dim])], shape[dim] * size)}, None
+    return {}, None
+
+
+def _loadable(module: torch.nn.Module, pname: str, param: torch.Tensor) -> torch.Tensor:
+    """The parameter as vLLM loads it: the layer-wise reload's record (a meta tensor in the loadable shape, with
+    the parameter's attributes) when there is one, else the parameter (on CPU a packed weight reads as size 0)."""
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    except ImportError:  # pragma: no cover - another vLLM
+        return param
+    info = LAYERWISE_INFO.get(module)
+    meta = info.restore_metadata[0].get(pname) if info is not None else None
+    return meta if isinstance(meta, torch.Tensor) else param
 
 
 @dataclass
@@ -194,18 +355,22 @@ class _Target:
     rows: int | None = None
 
 
-def describe_targets(model: torch.nn.Module, names: set[str] | None = None) -> tuple[dict, list[_Target]]:
-    """vLLM's parameters of ``model`` as WeightSync targets: ``({name: ShardedWeight}, [_Target])``.
+def describe_targets(model: torch.nn.Module, names: set[str] | None = None, *, device: Any = None,
+                     allocate: bool = True) -> tuple[dict, list[_Target]]:
+    """vLLM's parameters of ``model`` as WeightSync targets: ``({name: ShardedWeight or [ShardedWeight, ...]},
+    [_Target])``.
 
-    Called after ``initialize_layerwise_reload(model)``: every parameter then has the shape vLLM loads into (this
-    rank's part of the fused, TP-split layout), which the CPU path's repacking otherwise hides. Each gets a fresh
-    buffer of that shape and dtype, described by its box in the global tensor (the global tensor of ``qkv_proj``
-    is the ranks' parts one after the other, AOA's ``fused_qkv_old``; of ``gate_up_proj``, AOA's ``fused_ffn``);
-    a vocabulary-parallel embedding's padding rows are left out of the box. ``names``: the parameters to fill
-    (default: all).
+    Each parameter gets a fresh buffer in the shape vLLM loads into (this rank's part, which the CPU path's
+    repacking otherwise hides; the layer-wise reload's record gives it), described by its boxes in the global
+    tensor the ``vllm_*`` presets produce (:func:`qkv_parts`, :func:`merged_parts`, :func:`fused_moe_layout`):
+    one box for a tensor split on one axis or held whole, several for fused ones (q, k, v; gate, up; runs of
+    experts). A vocabulary-parallel embedding's padding rows are left out. ``names``: the parameters to fill
+    (default: all); ``device``: where buffers of meta parameters go (default CPU); ``allocate=False``: meta
+    buffers (a check of the layout, nothing allocated).
+
+    Raises:
+        CheckpointError: a parameter the back end cannot describe, naming it.
     """
-    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-
     from oarlock.checkpoint import ShardedWeight
 
     sharded: dict[str, Any] = {}
@@ -215,19 +380,16 @@ def describe_targets(model: torch.nn.Module, names: set[str] | None = None) -> t
             name = f"{mname}.{pname}" if mname else pname
             if name in sharded or (names is not None and name not in names):
                 continue
-            dim, rank, size = _placement(module, pname, param)
-            buf = torch.empty(tuple(param.shape), dtype=param.dtype, device="cpu" if param.is_meta else param.device)
-            local, rows = buf, None
-            gshape, offset = list(buf.shape), [0] * buf.dim()
-            if isinstance(module, VocabParallelEmbedding) and dim == 0:
-                si = module.shard_indices
-                rows = si.org_vocab_end_index - si.org_vocab_start_index
-                local = buf[:rows]
-                gshape[0], offset[0] = module.org_vocab_size, si.org_vocab_start_index
-            elif dim is not None:
-                gshape[dim] = buf.shape[dim] * size
-                offset[dim] = buf.shape[dim] * rank
-            sharded[name] = ShardedWeight(name, local, tuple(local.shape), tuple(gshape), tuple(offset))
+            ref = _loadable(module, pname, param)
+            try:
+                layout, rows = _layout(module, pname, ref)
+            except CheckpointError as e:
+                raise CheckpointError(f"{e} (parameter {name!r})") from None
+            dev = "meta" if not allocate else (device or "cpu") if ref.is_meta else ref.device
+            buf = torch.empty(tuple(ref.shape), dtype=ref.dtype, device=dev)
+            sws = [ShardedWeight(name, buf[idx], tuple(buf[idx].shape), gshape, off)
+                   for idx, gshape, off in layout_boxes(tuple(buf.shape), layout)]
+            sharded[name] = sws[0] if len(sws) == 1 else sws
             targets.append(_Target(name, module, pname, buf, rows))
     return sharded, targets
 
@@ -244,6 +406,28 @@ def _copy_loader(rows: int | None) -> Callable:
                 param.data[rows:].zero_()
 
     return load_received_slice
+
+
+def _reprocess_experts_on_load(module: torch.nn.Module) -> Any:
+    """For a vLLM expert layer whose kernel repacks its weights after loading (the CPU kernels, some others):
+    make vLLM's processing of the coming reload its first-load path, which repacks, instead of its weight-update
+    path, which in vLLM 0.32 copies the new values into the packed tensors unpacked. Returns the kernel to put
+    back if the round fails before the layer is processed (None: nothing changed)."""
+    qm = getattr(module, "quant_method", None)
+    kernel = getattr(qm, "moe_kernel", None)
+    if kernel is None:
+        return None
+    try:
+        from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExperts
+        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    except ImportError:  # pragma: no cover - another vLLM
+        return None
+    experts = getattr(kernel, "fused_experts", None)
+    if not isinstance(qm, UnquantizedFusedMoEMethod) or experts is None or \
+            type(experts).process_weights_after_loading is FusedMoEExperts.process_weights_after_loading:
+        return None  # nothing is repacked: the weight-update path is right
+    qm.moe_kernel = None
+    return kernel
 
 
 class OarlockWeightTransferEngine(WeightTransferEngine):
@@ -286,9 +470,9 @@ class OarlockWeightTransferEngine(WeightTransferEngine):
     def init_transfer_engine(self, init_info: OarlockWorkerInitInfo) -> None:
         from oarlock.checkpoint import WeightSync, join_group
 
-        for module in self.model.modules():  # a layout the back end cannot describe fails here, not mid-round
-            for pname, param in module.named_parameters(recurse=False):
-                _placement(module, pname, param)
+        # a layout the back end cannot describe fails here, not mid-round (described, nothing allocated)
+        sharded, _ = describe_targets(self.model, self._names, allocate=False)
+        self.target_bytes = _target_bytes(sharded)
         self.rank = init_info.rank_offset + _engine_rank(self.parallel_config)
         self.group = join_group(init_info.host, int(init_info.port), int(init_info.world_size), self.rank,
                                 backend=init_info.comm_backend, timeout=float(init_info.timeout),
@@ -317,10 +501,10 @@ class OarlockWeightTransferEngine(WeightTransferEngine):
         if not self._active:
             raise RuntimeError("oarlock weight transfer: update_weights outside start/finish_weight_update")
         try:
-            sharded, targets = describe_targets(self.model, self._names)
+            sharded, targets = describe_targets(self.model, self._names, device=self.device)
             self._targets.clear()
             self._targets.update(sharded)
-            self.target_bytes = sum(t.local_tensor.numel() * t.local_tensor.element_size() for t in sharded.values())
+            self.target_bytes = _target_bytes(sharded)
             report = self.sync.run()
             self._land(targets)
         except Exception as e:
@@ -348,13 +532,18 @@ class OarlockWeightTransferEngine(WeightTransferEngine):
             by_module.setdefault(id(t.module), []).append(t)
         for group in by_module.values():
             module = group[0].module
-            for t in group:
-                getattr(module, t.pname).weight_loader = _copy_loader(t.rows)
-            initialize_online_processing(module)  # counts what arrives, processes the layer when it is complete
-            for t in group:
-                param = getattr(module, t.pname)
-                param.weight_loader(param, t.buffer)
-                t.buffer = None  # type: ignore[assignment]
+            kernel = _reprocess_experts_on_load(module)  # expert layers: repacked by vLLM's first-load processing
+            try:
+                for t in group:
+                    getattr(module, t.pname).weight_loader = _copy_loader(t.rows)
+                initialize_online_processing(module)  # counts what arrives, processes the layer when it is complete
+                for t in group:
+                    param = getattr(module, t.pname)
+                    param.weight_loader(param, t.buffer)
+                    t.buffer = None  # type: ignore[assignment]
+            finally:
+                if kernel is not None and module.quant_method.moe_kernel is None:  # not processed: as it was
+                    module.quant_method.moe_kernel = kernel
 
     def _fail(self, error: BaseException) -> None:
         """A round failed: the model is marked torn (it refuses to run) and vLLM's kernel tensors are put back in
@@ -389,6 +578,12 @@ class OarlockWeightTransferEngine(WeightTransferEngine):
             self.group.close()
             self.group = None
         self.sync = None
+
+
+def _target_bytes(sharded: Mapping[str, Any]) -> int:
+    """Bytes of a worker's target boxes."""
+    return sum(sw.local_tensor.numel() * sw.local_tensor.element_size()
+               for v in sharded.values() for sw in (v if isinstance(v, list) else [v]))
 
 
 def _worker_state(worker: Any) -> dict[str, Any]:
@@ -488,14 +683,14 @@ class OarlockTrainerWeightTransferEngine(TrainerWeightTransferEngine):
         t, e = int(init_info.trainer_world_size), int(init_info.engine_world_size)
         if not 0 <= init_info.rank < t:
             raise ValueError(f"trainer rank {init_info.rank} is not in 0..{t - 1}")
+        engine = cls(client=client, source=source, is_sender=init_info.is_sender)
         aoa = init_info.aoa_config
         if aoa is None:
             config = init_info.model_config if init_info.model_config is not None else getattr(source, "config", None)
             if config is None:
                 raise ValueError("OarlockTrainerInitInfo needs aoa_config or model_config (the HF config) when the "
                                  "source is not a transformers model")
-            aoa = aoa_config_for(config)
-        engine = cls(client=client, source=source, is_sender=init_info.is_sender)
+            aoa = aoa_config_for(config, engine._read())
         if init_info.dtype is not None:
             aoa = with_casts(aoa, engine._read(), init_info.dtype)
         aoa = _plain_config(aoa)
@@ -617,4 +812,5 @@ class LLMClient:
 
 __all__ = ["BACKEND", "register", "aoa_config_for", "with_casts", "describe_targets", "worker_states", "LLMClient",
            "OarlockWeightTransferEngine", "OarlockTrainerWeightTransferEngine", "OarlockWorkerInitInfo",
-           "OarlockTrainerInitInfo", "OarlockUpdateInfo", "TornWeightsError", "HAVE_VLLM"]
+           "OarlockTrainerInitInfo", "OarlockUpdateInfo", "TornWeightsError", "HAVE_VLLM", "qkv_parts",
+           "merged_parts", "expert_parts", "fused_moe_layout", "layout_boxes"]

@@ -37,16 +37,18 @@ from oarlock.checkpoint.aoa.preset_megatron import (MEGATRON_ALIASES, MEGATRON_G
                                                     MEGATRON_PRESETS, MegatronRow, megatron_preset,
                                                     megatron_statements)
 from oarlock.checkpoint.aoa.preset_tables import (ALIASES, ARCHITECTURES, ATTENTION, BERT, DECODER_BASE, DEEPSEEK_V3,
-                                                  DENSE_MLP, GPT2, MIXTRAL_MOE, PHI3, QWEN_MOE, QWEN_SHARED, TP_RULES,
-                                                  VLLM_AUTO, VLLM_DECODER, Architecture, Params, PresetError, Row,
-                                                  params_from_config, read_model_config)
+                                                  DENSE_MLP, EXPERT_FORMATS, GPT2, MIXTRAL_MOE, PHI3, QWEN_MOE,
+                                                  QWEN_SHARED, TP_RULES, VLLM_AUTO, VLLM_DECODER, VLLM_MIXTRAL,
+                                                  VLLM_QWEN3_MOE, VLLM_TP_RULES, Architecture, Params, PresetError,
+                                                  Row, experts_format, params_from_config, read_model_config)
 
 __all__ = ["ALIASES", "ARCHITECTURES", "ATTENTION", "Architecture", "BERT", "DECODER_BASE", "DEEPSEEK_V3", "DENSE_MLP",
-           "GPT2", "MEGATRON_ALIASES", "MEGATRON_GPT", "MEGATRON_MODEL_TYPES", "MEGATRON_PRESETS", "MIXTRAL_MOE",
-           "MegatronRow", "PHI3", "Params", "PresetError", "QWEN_MOE", "QWEN_SHARED", "Row", "TP_RULES", "VLLM_AUTO",
-           "VLLM_DECODER", "architecture", "export_statements", "megatron_preset", "megatron_statements",
-           "params_from_config", "preset", "reference_convert", "rotary_permutation_statements",
-           "row_export_statements", "row_statements", "statements"]
+           "EXPERT_FORMATS", "GPT2", "MEGATRON_ALIASES", "MEGATRON_GPT", "MEGATRON_MODEL_TYPES", "MEGATRON_PRESETS",
+           "MIXTRAL_MOE", "MegatronRow", "PHI3", "Params", "PresetError", "QWEN_MOE", "QWEN_SHARED", "Row", "TP_RULES",
+           "VLLM_AUTO", "VLLM_DECODER", "VLLM_MIXTRAL", "VLLM_QWEN3_MOE", "VLLM_TP_RULES", "architecture",
+           "experts_format", "export_statements", "megatron_preset", "megatron_statements", "params_from_config",
+           "preset", "reference_convert", "rotary_permutation_statements", "row_export_statements", "row_statements",
+           "statements"]
 
 
 def _expand(template: str, prefix: str) -> str:
@@ -70,17 +72,19 @@ def _gqa_pieces(base: str, p: Params) -> tuple[list[str], list[str]]:
 
 #: ops whose statement is one statement both ways -> the fused macro they name ("" for none)
 _ONE_STATEMENT_OPS = {"rename": "", "T": "", "qkv": "fused_qkv", "qkv_tp": "fused_qkv_old", "ffn": "fused_ffn",
-                      "ffn_fused": "fused_ffn"}
+                      "ffn_fused": "fused_ffn", "cat": "", "grouped": ""}
+#: the attributes of the one-statement ops that are no fused macro
+_PLAIN_ATTRS = {"cat": ", axis=0", "grouped": ", permute='[0, 2, 1]'"}
 
 
 def _one_statement(row: Row, prefix: str, p: Params, export: bool) -> str:
     """The statement of a row in :data:`_ONE_STATEMENT_OPS`: HF -> training layout, or with ``export`` its inverse
     (the sides swapped; a ``T`` row transposes whichever side it reads)."""
-    hf = ", ".join(_expand(n, prefix) for n in (row.hf if row.op in ("qkv", "qkv_tp", "ffn") else row.hf[:1]))
+    hf = ", ".join(_expand(n, prefix) for n in (row.hf if row.op in ("qkv", "qkv_tp", "ffn", "cat") else row.hf[:1]))
     m = _model_name(row.model)
     macro = _ONE_STATEMENT_OPS[row.op]
     attrs = f", {macro}, num_heads={p.h}, num_key_value_groups={p.g}, axis=0" if macro.startswith("fused_qkv") \
-        else f", {macro}, axis=0" if macro else ""
+        else f", {macro}, axis=0" if macro else _PLAIN_ATTRS.get(row.op, "")
     src, dst = (m, hf) if export else (hf, m)
     return f"{src}{'^T' if row.op == 'T' else ''} -> {dst}{attrs}"
 
@@ -96,7 +100,28 @@ def row_statements(row: Row, prefix: str, p: Params) -> list[str]:
                 f"{', '.join(order)} -> {_model_name(row.model)}, axis=0"]
     if row.op in ("experts_ffn", "experts"):
         return _stacked_statements(row, prefix, p)
+    if row.op == "qkv_cat3":
+        return _qkv_cat3_statements(row, prefix, p)
+    if row.op == "grouped_ffn":  # [E, hidden, I] each -> [E, I, hidden] each -> [E, 2I, hidden], [gate_e; up_e]
+        m = _model_name(row.model)
+        (w1, w3) = (_expand(n, prefix) for n in row.hf)
+        return [f"{w1} -> {m}.gate, permute='[0, 2, 1]'", f"{w3} -> {m}.up, permute='[0, 2, 1]'",
+                f"{m}.gate, {m}.up -> {m}, axis=1"]
     raise AssertionError(row.op)
+
+
+def _qkv_cat3_statements(row: Row, prefix: str, p: Params) -> list[str]:
+    """Separate q, k, v -> HF's ``[q; k; v]`` concatenation. q, k and v are cut into head pieces (equal sizes)
+    and the pieces concatenated, so that reverse mode (a concatenation inverts into a split in equal parts) gives
+    q, k and v back; one head needs no split."""
+    m = _model_name(row.model)
+    out, pieces = [], []
+    for name, tag, n in zip(row.hf, "qkv", (p.h, p.g, p.g)):
+        parts = [f"{m}.{tag}_{i}" for i in range(n)]
+        out.append(f"{_expand(name, prefix)} -> {', '.join(parts)}" + (", axis=0" if n > 1 else ""))
+        pieces += parts
+    out.append(f"{', '.join(pieces)} -> {m}, axis=0")
+    return out
 
 
 def _stacked_statements(row: Row, prefix: str, p: Params) -> list[str]:
@@ -106,7 +131,7 @@ def _stacked_statements(row: Row, prefix: str, p: Params) -> list[str]:
     out = []
     ffn = row.op == "experts_ffn"
     shape = [2 * p.expert_ffn, p.hidden] if ffn else [p.hidden, p.expert_ffn]
-    for layer in range(p.layers):
+    for layer in p.moe_layers or range(p.layers):
         m = row.model.replace("{L}", str(layer))
         parts = []
         for e in range(p.experts):
@@ -131,7 +156,7 @@ def row_export_statements(row: Row, prefix: str, p: Params) -> list[str]:
         out = []
         ffn = row.op == "experts_ffn"
         shape = [2 * p.expert_ffn, p.hidden] if ffn else [p.hidden, p.expert_ffn]
-        for layer in range(p.layers):
+        for layer in p.moe_layers or range(p.layers):
             ml = row.model.replace("{L}", str(layer))
             parts = [f"{ml}.expert_{e}" for e in range(p.experts)]
             out.append(f"{ml} -> {', '.join(parts)}, axis=0" if len(parts) > 1 else f"{ml} -> {parts[0]}")
@@ -175,7 +200,7 @@ def architecture(name: str) -> Architecture:
 
 
 def preset(name: str | os.PathLike, config: Any = None, *, reverse: bool = False,
-           source: Any = None, stacked_experts: bool = False) -> dict[str, Any]:
+           source: Any = None, stacked_experts: bool = False, experts: str | None = None) -> dict[str, Any]:
     """An AOA config for an HF architecture, built from the model's ``config.json``.
 
     Args:
@@ -188,10 +213,17 @@ def preset(name: str | os.PathLike, config: Any = None, *, reverse: bool = False
         config: ``config.json`` as a path (file or its directory), a dict, or a transformers config.
         reverse: the export direction (training layout -> HF): ``aoa_config_reverse`` set.
         source: the checkpoint the config will read (path or metadata); used by ``megatron_gpt`` for the
-            padded vocabulary and the stacked layer count, ignored by the HF presets.
+            padded vocabulary and the stacked layer count; the vLLM MoE presets read how its experts are held
+            from its keys (a mapping or a list of key names, e.g. a trainer's ``named_parameters``) when
+            ``experts`` is not given; the other HF presets ignore it.
         stacked_experts: ``qwen2_moe``, ``mixtral``: stack each layer's experts into
             ``layers.N.mlp.experts.gate_up_proj.weight`` ``[E, 2 * I, hidden]`` (expert e's ``[gate; up]``) and
             ``layers.N.mlp.experts.down_proj.weight`` ``[E, hidden, I]``, split on the expert axis by the TP rules.
+        experts: ``vllm_qwen3_moe``, ``vllm_mixtral``: how the HF side holds its experts: ``"modules"`` (one
+            module per expert, as checkpoints store them; the default), ``"stacked"`` (transformers >= 5 in memory:
+            ``mlp.experts.gate_up_proj`` ``[E, 2 * I, hidden]``, ``down_proj``) or ``"grouped"`` (grouped-GEMM
+            ``mlp.experts.w1``, ``w3`` ``[E, hidden, I]``, ``w2`` ``[E, I, hidden]``). The vLLM side always holds
+            them stacked (``w13_weight``, ``w2_weight``; docs/vllm.md).
 
     Returns:
         ``{"aoa_statements": [...], "aoa_config_reverse": reverse, "tp_rules": [[glob, axis], ...],
@@ -232,7 +264,9 @@ def preset(name: str | os.PathLike, config: Any = None, *, reverse: bool = False
             fits = [a.name for a in ARCHITECTURES.values() if model_type in a.model_types]
             raise PresetError(f"preset {arch.name!r} is for model_type {', '.join(arch.model_types)}, but the config "
                               f"says model_type={model_type!r}" + (f": use preset {fits[0]!r}" if fits else ""))
-    p = params_from_config(arch, cfg, stacked_experts)
+    if experts is None:
+        experts = experts_format(source) if isinstance(source, (Mapping, list, tuple, set)) else "modules"
+    p = params_from_config(arch, cfg, stacked_experts, experts)
     return {"aoa_statements": statements(arch, p), "aoa_config_reverse": bool(reverse),
             "tp_rules": [list(r) for r in arch.tp_rules], "preset": arch.name}
 
@@ -318,6 +352,12 @@ def reference_convert(arch: Architecture, p: Params, hf_state_dict: Mapping[str,
                 val = gqa(*src)
             elif row.op == "qkv_tp":  # per rank its own q, k, v rows
                 val = torch.cat([x.chunk(tp)[r] for r in range(tp) for x in src])
+            elif row.op in ("qkv_cat3", "cat"):  # vLLM's TP-independent [q; k; v], [gate; up]
+                val = torch.cat(src)
+            elif row.op == "grouped_ffn":
+                val = torch.cat([x.transpose(1, 2) for x in src], 1)
+            elif row.op == "grouped":
+                val = src[0].transpose(1, 2)
             elif row.op == "ffn":
                 val = blocked(*src)
             elif row.op == "ffn_fused":

@@ -94,8 +94,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                                      "smollm2, qwen2, qwen2_moe, mixtral, deepseek_v3, gemma, gemma2, "
                                                      "phi3, gpt2, bert, or auto), built from the source's config.json; "
                                                      "megatron_gpt: Megatron-Core GPT/Llama -> HF Llama keys; "
-                                                     "vllm_llama, vllm_qwen2 (or vllm): HF keys -> vLLM's fused "
-                                                     "parameters (docs/vllm.md)")
+                                                     "vllm_llama, vllm_qwen2, vllm_qwen3_moe, vllm_mixtral (or "
+                                                     "vllm): HF keys -> vLLM's fused parameters (docs/vllm.md)")
     ex.add_argument("--model-config", metavar="CONFIG.json", help="the model's config.json for --preset (default: "
                                                                   "the one in --source)")
     ex.add_argument("--stacked-experts", action="store_true",

@@ -1,0 +1,154 @@
+"""One trainer rank of the vLLM MoE / replicated-KV-head tests (tests/integrations/test_vllm_layouts.py), run by
+``.vllm-venv``'s Python:
+
+    python _vllm_sync_e2e.py RANK TRAINER_PORT SYNC_PORT MODEL_DIR OUT_JSON
+
+Two trainer ranks (gloo) take one FSDP2 training step of the transformers model in MODEL_DIR (a tiny Qwen3-MoE,
+Mixtral or 1-KV-head Llama); rank 0 also holds a vLLM engine (TP=2, CPU) built from the same initial weights with
+``WeightTransferConfig(backend="oarlock")``. Rank 0 records vLLM's greedy tokens and logprobs before the sync and
+after it, transformers' on the trainer's new weights, the workers' states, and each worker's parameter names and
+shapes; both ranks' reports.
+"""
+
+import json
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+PROMPTS = [[5, 17, 99, 200, 3], [7, 8, 9], [300, 301, 302, 303, 304, 305, 306]]
+NEW_TOKENS = 6
+TP = 2
+
+
+def vllm_outputs(generate, prompts):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sp = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=0, detokenize=False, ignore_eos=True)
+    outs = generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+    tokens, logprobs = [], []
+    for o in outs:
+        c = o.outputs[0]
+        tokens.append(list(c.token_ids))
+        logprobs.append([step[t].logprob for t, step in zip(c.token_ids, c.logprobs)])
+    return {"tokens": tokens, "logprobs": logprobs}
+
+
+def hf_outputs(model, prompts):
+    """Greedy decoding by transformers, with the log-softmax of the raw logits of each chosen token."""
+    tokens, logprobs = [], []
+    with torch.no_grad():
+        for p in prompts:
+            out = model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                 do_sample=False, output_logits=True, return_dict_in_generate=True,
+                                 eos_token_id=None, pad_token_id=0)
+            new = out.sequences[0, len(p):].tolist()
+            lp = [torch.log_softmax(step[0].double(), -1)[t].item() for t, step in zip(new, out.logits)]
+            tokens.append(new)
+            logprobs.append(lp)
+    return {"tokens": tokens, "logprobs": logprobs}
+
+
+def worker_params(worker):
+    """Each of a worker's parameters in the shape vLLM loads it (the layer-wise reload's record)."""
+    from oarlock.integrations.vllm import _loadable
+
+    model = worker.weight_transfer_engine.model
+    out = {}
+    for mname, module in model.named_modules():
+        for pname, param in module.named_parameters(recurse=False):
+            out[f"{mname}.{pname}" if mname else pname] = list(_loadable(module, pname, param).shape)
+    return out
+
+
+def main() -> None:
+    rank, tport, sport, model_dir, out_json = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], \
+        sys.argv[5]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{tport}", rank=rank, world_size=2)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    from oarlock.integrations.vllm import LLMClient, OarlockTrainerInitInfo, register, worker_states
+
+    register()
+    res: dict = {"times": {}}
+    t0 = time.perf_counter()
+    llm = client = None
+    if rank == 0:  # the engine starts from the checkpoint the trainer starts from
+        from vllm import LLM
+        from vllm.config import WeightTransferConfig
+
+        llm = LLM(model=model_dir, skip_tokenizer_init=True, tensor_parallel_size=TP, dtype="float32",
+                  enforce_eager=True, max_model_len=64, max_num_seqs=4, kv_cache_memory_bytes=32 << 20, seed=0,
+                  weight_transfer_config=WeightTransferConfig(backend="oarlock"))
+        client = LLMClient(llm)
+        res["times"]["engine_start"] = time.perf_counter() - t0
+        res["before"] = vllm_outputs(client.generate, PROMPTS)
+        res["worker_params"] = llm.collective_rpc(worker_params)
+
+    # -- one FSDP2 training step on 2 gloo ranks
+    t1 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    shapes = {n: list(p.shape) for n, p in model.named_parameters()}
+    mesh = init_device_mesh("cpu", (2,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(100 + rank)  # each rank its own batch
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=g)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    res["loss"] = loss.item()
+    res["fsdp_placements"] = sorted({str(p.placements) for p in model.parameters()})
+    res["times"]["train_step"] = time.perf_counter() - t1
+
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+    # -- the sync: trainer ranks 0, 1 and the engine's workers 2, 3 meet at 127.0.0.1:sport
+    t1 = time.perf_counter()
+    info = OarlockTrainerInitInfo(host="127.0.0.1", port=sport, trainer_world_size=2, engine_world_size=TP,
+                                  timeout=120.0, rank=rank)
+    engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=model)
+    res["times"]["trainer_init"] = time.perf_counter() - t1
+    t1 = time.perf_counter()
+    rep = engine.send_weights(step=1)
+    res["times"]["sync"] = time.perf_counter() - t1
+    reports = [None, None]
+    dist.all_gather_object(reports, {"bytes_sent": rep.bytes_sent, "bytes_received": rep.bytes_received})
+    res["trainer_reports"] = reports
+
+    # the reference: transformers on the trainer's new weights, gathered on every rank
+    full = {n: p.full_tensor() for n, p in model.named_parameters()}
+    if rank == 0:
+        res["after"] = vllm_outputs(client.generate, PROMPTS)
+        res["workers"] = worker_states(llm)
+        ref_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        missing, unexpected = ref_model.load_state_dict(full, strict=False)
+        assert not unexpected and all(k == "lm_head.weight" and ref_model.config.tie_word_embeddings
+                                      for k in missing), (missing, unexpected)
+        res["reference"] = hf_outputs(ref_model.eval(), PROMPTS)
+        res["shapes"] = shapes
+        res["times"]["total"] = time.perf_counter() - t0
+        with open(out_json, "w") as f:
+            json.dump(res, f)
+    engine.shutdown()
+    dist.barrier()
+    dist.destroy_process_group()
+    if llm is not None:
+        del llm
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except BaseException:
+        traceback.print_exc()
+        sys.exit(1)  # a normal exit: vLLM's exit handlers stop the engine's processes
