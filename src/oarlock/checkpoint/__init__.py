@@ -13,7 +13,8 @@ live resharding between running process groups (:func:`reshard_state_dict`, :cla
 # import oarlock.checkpoint.cli, and through it this package, so an eager import of torch here would make
 # `oarlock convert --help` wait seconds for it. The errors are light and stay eager.
 from oarlock.checkpoint.errors import (CheckpointDestinationError, CheckpointError, CheckpointFormatError,
-                                       CheckpointMismatchError, CheckpointTilingError, UnsafePickleError)
+                                       CheckpointMismatchError, CheckpointTilingError, PlanError, RendezvousError,
+                                       UnsafePickleError)
 from oarlock.lazy import lazy_exports
 
 _LAZY = {
@@ -58,7 +59,7 @@ __all__ = [
     "CheckpointMetadata", "ShardMeta", "TensorMeta",
     "CheckpointReader", "detect_format", "open_checkpoint", "read_metadata",
     "CheckpointManager", "OptimizerState", "RankLocal", "RNGState",
-    "reshard_state_dict", "WeightSync", "ReshardReport", "join_group", "PeerGroup",
+    "reshard_state_dict", "WeightSync", "ReshardReport", "join_group", "PeerGroup", "PlanError", "RendezvousError",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())

@@ -180,6 +180,14 @@ def _compile(aoa_config: object, source: Mapping[str, TensorSpec], destination: 
     return prog
 
 
+def _mismatch(err: AOAError, key: str, shape: Sequence[int], dtype: str, d: TensorDesc) -> AOAError:
+    """``err`` with ``err.mismatch`` set: ``(destination key, its (shape, dtype), the computed (shape, dtype),
+    [(source key, source box, permutation), ...])``, so that a caller can say it in its own terms."""
+    err.mismatch = (key, (tuple(shape), dtype), (tuple(d.shape), d.dtype),  # type: ignore[attr-defined]
+                    [(r.src_key, r.src_box, r.perm) for r in d.refs])
+    return err
+
+
 def _sink_keys(ex: Interpreter, source: Mapping[str, TensorSpec], model_src: Mapping[str, TensorSpec],
                states: Mapping[str, list[str]]) -> list[tuple[str, str, str]]:
     """``(key, model key, optimizer suffix)`` of every destination of a program compiled without destination keys:
@@ -254,18 +262,19 @@ def _add_destination(prog: AOAProgram, ex: Interpreter, key: str, model_key: str
     cast_all = None
     if destination is not None:
         spec = destination[key]
+        dtype = dtype_name(spec.dtype)
         if tuple(spec.shape) != tuple(d.shape):
-            raise AOAError(
+            raise _mismatch(AOAError(
                 f"destination {key!r} does not match the tensor AOA computes for it: current model param slice "
                 f"range: {_fmt_range(spec.shape)}, preloaded weights param slice range: {_fmt_range(d.shape)}. "
                 "Please check the AOA statements (a missing '^T', a wrong split/concat axis?)",
-                d.expr, name=model_key)
-        dtype = dtype_name(spec.dtype)
+                d.expr, name=model_key), key, spec.shape, dtype, d)
         if not suf and dtype != d.dtype:
             if not (prog.reverse or allow_cast):
-                raise AOAError(f"{key!r}: the source is {d.dtype} but the destination is {dtype}; direct "
-                               "assignment of tensors of different types is prohibited, add an AOA cast "
-                               f"(\"{model_key} -> {model_key}, dtype='{dtype}'\")", d.expr, name=model_key)
+                raise _mismatch(AOAError(f"{key!r}: the source is {d.dtype} but the destination is {dtype}; direct "
+                                         "assignment of tensors of different types is prohibited, add an AOA cast "
+                                         f"(\"{model_key} -> {model_key}, dtype='{dtype}'\")", d.expr, name=model_key),
+                                key, spec.shape, dtype, d)
             cast_all = dtype
     else:
         dtype = state_dtype if suf else d.dtype

@@ -33,6 +33,7 @@ import torch
 from oarlock.checkpoint.runtime import transfer
 from oarlock.checkpoint.runtime.dist import DistWrapper
 from oarlock.checkpoint.errors import CheckpointError
+from oarlock.checkpoint.runtime.live_errors import as_plan_error
 from oarlock.checkpoint.runtime.executor import destination_view, place, source_shaped_view
 from oarlock.checkpoint.model.mapping import MappingProgram, box_extent
 from oarlock.checkpoint.model.traversal import Leaves, collect_leaves
@@ -287,14 +288,49 @@ class WeightSync:
             this rank's :class:`ReshardReport`.
 
         Raises:
-            CheckpointMismatchError: (every rank, before any byte moves) a target's global shape or dtype differs
-                from what its sources give, or missing/unexpected keys under ``strict``.
-            AOAError: a bad AOA config.
+            PlanError: (every rank, before any byte moves; no target written, :attr:`torn` not set by it) always
+                also an instance of the error's own class:
+                ``CheckpointMismatchError``: a target's global shape or dtype differs from what its sources give
+                (naming the target key, the source keys it is made from, both shapes and dtypes, and the AOA
+                statement only when the user wrote it), or missing/unexpected keys under ``strict``;
+                ``AOAError``: a bad AOA config; ``CheckpointError``: the group broken before the run.
             CheckpointError: the transfer failed on some rank (a peer died, a timeout, a chunk whose hash did not
-                match with ``verify=True``, naming the keys): raised on every rank, :attr:`torn` set where targets
-                may hold a mix of old and new values.
+                match with ``verify=True``, naming the keys): raised on every rank with ``phase = "transfer"``,
+                :attr:`torn` set where targets may hold a mix of old and new values.
         """
         t0 = time.perf_counter()
+        try:
+            dw, plan, src, tgt, reuse = self._prepare()
+        except Exception as e:  # before any byte moved: the targets hold their old values
+            raise as_plan_error(e)
+        rep = ReshardReport(list(plan.missing), list(plan.unexpected), list(plan.skipped), plan_reused=reuse)
+        rep.plan_seconds = time.perf_counter() - t0
+        self.plan_reused = reuse
+        if plan.recvs or plan.local:
+            self.torn = True
+        mover = _Mover(plan, src, tgt, dw, self.verify, rep, self.bucket_bytes)
+        err: BaseException | None = None
+        try:
+            mover.run()
+            if mover.bad:
+                raise CheckpointError(f"live reshard: chunks received by rank {dw.rank} do not match the hash their "
+                                      f"sender took (verify=True): keys {sorted(mover.bad)} hold corrupted bytes")
+        except Exception as e:
+            err = e
+        try:
+            dw.check(err)
+        except CheckpointError as e:
+            raise _transfer_error(f"{e}{self._torn_note()}") from e
+        except Exception as e:  # the group itself failed (a dead peer, a timeout)
+            raise _transfer_error(f"live reshard failed on rank {dw.rank}: {type(e).__name__}: {e}"
+                                  f"{self._torn_note()}") from e
+        self.torn = False
+        rep.seconds = time.perf_counter() - t0
+        return rep
+
+    def _prepare(self) -> tuple:
+        """Steps 1-3 (or the fingerprint check of a replay): ``(dist wrapper, plan, source leaves, target leaves,
+        reused)``. Collective; raises alike on every rank, before any byte moves."""
         dw = transfer.wrapper_for(self.process_group)
         with gc_paused():
             settings = (repr(self.aoa_config), id(self.program), self.strict, self.bucket_bytes, self.verify)
@@ -319,34 +355,16 @@ class WeightSync:
                 self._plan = None
                 self._plan = make_plan(src, tgt, dw, self.aoa_config, self.program, self.strict, self.bucket_bytes,
                                        fp)
-        plan = self._plan
-        rep = ReshardReport(list(plan.missing), list(plan.unexpected), list(plan.skipped), plan_reused=reuse)
-        rep.plan_seconds = time.perf_counter() - t0
-        self.plan_reused = reuse
-        if plan.recvs or plan.local:
-            self.torn = True
-        mover = _Mover(plan, src, tgt, dw, self.verify, rep, self.bucket_bytes)
-        err: BaseException | None = None
-        try:
-            mover.run()
-            if mover.bad:
-                raise CheckpointError(f"live reshard: chunks received by rank {dw.rank} do not match the hash their "
-                                      f"sender took (verify=True): keys {sorted(mover.bad)} hold corrupted bytes")
-        except Exception as e:
-            err = e
-        try:
-            dw.check(err)
-        except CheckpointError as e:
-            raise CheckpointError(f"{e}{self._torn_note()}") from e
-        except Exception as e:  # the group itself failed (a dead peer, a timeout)
-            raise CheckpointError(f"live reshard failed on rank {dw.rank}: {type(e).__name__}: {e}"
-                                  f"{self._torn_note()}") from e
-        self.torn = False
-        rep.seconds = time.perf_counter() - t0
-        return rep
+        return dw, self._plan, src, tgt, reuse
 
     def _torn_note(self) -> str:
         return " (this rank's targets are torn: part old, part new values; run again)" if self.torn else ""
+
+
+def _transfer_error(message: str) -> CheckpointError:
+    err = CheckpointError(message)
+    err.phase = "transfer"  # type: ignore[attr-defined]
+    return err
 
 
 def reshard_state_dict(sources: Mapping[str, Any], targets: Mapping[str, Any], *, process_group: Any = None,

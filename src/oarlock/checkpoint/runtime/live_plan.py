@@ -13,6 +13,7 @@ import torch
 
 from oarlock.checkpoint.runtime import transfer
 from oarlock.checkpoint.runtime.dist import DistWrapper, error_report
+from oarlock.checkpoint.runtime.live_errors import identity_mismatch, mismatch_error
 from oarlock.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from oarlock.checkpoint.model.grid import GridLayout, rank_of_file
 from oarlock.checkpoint.model.mapping import MappingProgram, box_slices
@@ -307,8 +308,17 @@ def make_plan(src: Leaves, tgt: Leaves, dw: DistWrapper, aoa_config: Any, progra
         cfg = aoa_config
         if cfg is None and program is None and meta.extra.get("tp_layouts"):
             cfg = []
+        specs = source_specs(meta)
         if cfg is not None:
-            program = compile_aoa_for_load(cfg, source_specs(meta), dest_all, meta, counts)
+            try:
+                program = compile_aoa_for_load(cfg, specs, dest_all, meta, counts)
+            except CheckpointError as e:  # a shape or dtype mismatch: said with both sides' keys and shapes
+                plain = mismatch_error(e, cfg, specs)
+                if plain is None:
+                    raise
+                raise plain from None
+        elif program is None:
+            identity_mismatch(dest_all, specs)
         planner = Planner(meta, program)
         missing: set[str] = set()
         items: list[tuple[int, ReadItem]] = []

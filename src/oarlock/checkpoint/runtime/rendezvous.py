@@ -43,7 +43,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from oarlock.checkpoint.errors import CheckpointError
+from oarlock.checkpoint.errors import CheckpointError, RendezvousError
 
 #: The environment variable :func:`~oarlock.checkpoint.join_group` reads the group's secret from when ``token`` is
 #: not given.
@@ -57,11 +57,6 @@ _TAG = 16
 _MAX_FRAME = 64 << 20  # store values are addresses and ids: far below this
 _ADMIT_S = 20.0  # the most one joiner may take to answer the challenge
 _warned_open = False
-
-
-class RendezvousError(CheckpointError):
-    """The rendezvous of :func:`~oarlock.checkpoint.join_group` failed: refused (no or another secret), a rank
-    claimed twice, a peer that does not speak the protocol, a timeout. The message names the address at fault."""
 
 
 def resolve_token(token: str | bytes | None) -> bytes | None:
