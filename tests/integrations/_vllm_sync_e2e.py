@@ -1,13 +1,15 @@
 """One trainer rank of the vLLM MoE / replicated-KV-head tests (tests/integrations/test_vllm_layouts.py), run by
 ``.vllm-venv``'s Python:
 
-    python _vllm_sync_e2e.py RANK TRAINER_PORT SYNC_PORT MODEL_DIR OUT_JSON
+    python _vllm_sync_e2e.py RANK TRAINER_PORT SYNC_PORT MODEL_DIR OUT_JSON [REFUSAL_PORT]
 
 Two trainer ranks (gloo) take one FSDP2 training step of the transformers model in MODEL_DIR (a tiny Qwen3-MoE,
 Mixtral or 1-KV-head Llama); rank 0 also holds a vLLM engine (TP=2, CPU) built from the same initial weights with
 ``WeightTransferConfig(backend="oarlock")``. Rank 0 records vLLM's greedy tokens and logprobs before the sync and
 after it, transformers' on the trainer's new weights, the workers' states, and each worker's parameter names and
-shapes; both ranks' reports.
+shapes; both ranks' reports. With REFUSAL_PORT, it first asks the engine to join with an init request carrying a
+field its workers do not know: every trainer rank must raise the workers' refusal within seconds (recorded with
+its time), then the real sync follows on SYNC_PORT.
 """
 
 import json
@@ -64,9 +66,33 @@ def worker_params(worker):
     return out
 
 
+def refusal_round(rank, sport, client, model):
+    """An init request whose worker part carries an unknown field: the workers join, refuse, and every trainer
+    rank raises why."""
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+    from oarlock.checkpoint import CheckpointError
+    from oarlock.integrations.vllm import OarlockTrainerInitInfo
+
+    class NewerClient:  # a trainer whose oarlock adds an init field the engine's does not know
+        def init_weight_transfer_engine(self, info):
+            client.init_weight_transfer_engine({**info, "a_future_field": 1})
+
+    info = OarlockTrainerInitInfo(host="127.0.0.1", port=sport, trainer_world_size=2, engine_world_size=TP,
+                                  timeout=120.0, rank=rank)
+    t0 = time.perf_counter()
+    try:
+        WeightTransferTrainerFactory.trainer_init(info, client=NewerClient() if rank == 0 else None, source=model)
+        error = "no error"
+    except CheckpointError as e:
+        error = f"CheckpointError: {e}"
+    return {"error": error, "seconds": time.perf_counter() - t0}
+
+
 def main() -> None:
     rank, tport, sport, model_dir, out_json = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], \
         sys.argv[5]
+    refusal_port = int(sys.argv[6]) if len(sys.argv) > 6 else None
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{tport}", rank=rank, world_size=2)
     from torch.distributed.device_mesh import init_device_mesh
@@ -111,6 +137,12 @@ def main() -> None:
     res["times"]["train_step"] = time.perf_counter() - t1
 
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+    if refusal_port is not None:
+        res["refusal"] = refusal_round(rank, refusal_port, client, model)
+        all_refusals = [None, None]
+        dist.all_gather_object(all_refusals, res["refusal"])
+        res["refusals"] = all_refusals
 
     # -- the sync: trainer ranks 0, 1 and the engine's workers 2, 3 meet at 127.0.0.1:sport
     t1 = time.perf_counter()

@@ -1,13 +1,14 @@
 """The vLLM back end on the layouts RL policies use beyond a dense GQA Llama (issue 49): MoE experts (Qwen3-MoE,
-Mixtral), in ``.vllm-venv`` (scripts/vllm_env.sh; skipped without it).
+Mixtral) and a TP degree above the KV heads, in ``.vllm-venv`` (scripts/vllm_env.sh; skipped without it).
 
 Each test: two trainer ranks (gloo) take one FSDP2 step of a tiny random transformers model (transformers 5 holds
 the experts stacked: ``mlp.experts.gate_up_proj`` ``[E, 2I, H]``); trainer rank 0 also runs a vLLM engine at TP=2 on
 CPU built from the initial weights; ``trainer_init`` + ``send_weights`` push the FSDP2 shards into the workers.
 Checked against transformers itself on the trainer's new weights: vLLM's greedy tokens equal and its logprobs within
 1e-4; before the sync they differ; each worker received exactly the bytes of its slices, computed here from the HF
-shapes (experts: I/2 gate and up rows of every expert, I/2 columns of every down projection), and the trainers
-sent no more.
+shapes (experts: I/2 gate and up rows of every expert, I/2 columns of every down projection; KV heads: a 1-KV-head
+model's k and v whole on both ranks), and the trainers sent no more. The 1-KV-head run first asks the engine to
+join with an init request its workers cannot take: both trainer ranks raise the workers' reason within seconds.
 """
 
 import json
@@ -40,6 +41,11 @@ MODELS = {
                 dict(vocab_size=512, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
                      max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)),
+    # one KV head at TP=2: vLLM replicates it, each rank's qkv_proj holds 2 q heads and the k and v head
+    "llama_1kv": ("LlamaConfig", "LlamaForCausalLM",
+                  dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=256,
+                       tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)),
 }
 
 
@@ -159,3 +165,20 @@ def test_mixtral_fsdp2_into_vllm_tp2(cache_dir, tmp_path):
     for params in res["worker_params"]:  # Mixtral's block is block_sparse_moe in vLLM (mlp in transformers 5)
         assert params["model.layers.1.block_sparse_moe.experts.routed_experts.w13_weight"] == [8, 128, 128]
         assert params["model.layers.1.block_sparse_moe.experts.routed_experts.w2_weight"] == [8, 128, 64]
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_one_kv_head_llama_into_vllm_tp2_and_a_refusal_within_seconds(cache_dir, tmp_path):
+    res = run_ranks(build_model("llama_1kv", cache_dir / "vllm-tiny-llama-1kv-v1"), tmp_path, str(free_port()))
+    # a worker that cannot take part (an init field its oarlock does not know) refuses once the group formed, and
+    # both trainer ranks raise its reason at once, not at the rendezvous timeout (120 s here)
+    print(json.dumps({"refusal_seconds": [round(r["seconds"], 2) for r in res["refusals"]]}))
+    for r in res["refusals"]:
+        assert r["error"].startswith("CheckpointError: oarlock vLLM back end: the engine cannot take part"), r
+        assert "vLLM worker 2: this worker's oarlock does not know the init fields ['a_future_field']" in r["error"]
+        assert "vLLM worker 3:" in r["error"]
+        assert r["seconds"] < 30, r
+    check_sync(res, kv_heads=1)
+    for params in res["worker_params"]:  # 2 of the 4 q heads and the one k and v head (replicated), head dim 32
+        assert params["model.layers.0.self_attn.qkv_proj.weight"] == [128, 128]

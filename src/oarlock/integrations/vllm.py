@@ -37,6 +37,9 @@ a layer is processed (repacked) as soon as all of its parameters arrived, and
 whose kernel repacks its weights (vLLM's CPU kernels) are processed as on a first load
 (:func:`_reprocess_experts_on_load`): vLLM 0.32's weight-update path would leave them unpacked.
 
+A worker that cannot take part (a layout the back end cannot describe, another oarlock version) still joins the
+sync group and says why there; every trainer rank's ``trainer_init`` raises that reason within seconds.
+
 A sync that fails part-way raises on every rank and leaves the engine *torn*: its workers refuse to run the model
 (:class:`TornWeightsError`) until a later sync succeeds, rather than serve a mix of two versions.
 
@@ -47,7 +50,7 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, ClassVar, Mapping
 
 import torch
@@ -459,6 +462,8 @@ class OarlockWeightTransferEngine(WeightTransferEngine):
         # must be loaded and processed; the vllm_* presets fan the embedding out to lm_head for tied models
         self._names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
         self._active = False
+        self._init_problem: str | None = None
+        self.refused = ""  # why the sync group did not form (this worker or another member could not take part)
         self._guard = model.register_forward_pre_hook(self._refuse_when_torn)
 
     def _refuse_when_torn(self, module: torch.nn.Module, args: Any) -> None:
@@ -467,16 +472,46 @@ class OarlockWeightTransferEngine(WeightTransferEngine):
                                    f"sync failed part-way: {self.torn_reason}); refusing to run the model until a "
                                    f"later sync succeeds")
 
+    def parse_init_info(self, init_dict: dict[str, Any]) -> OarlockWorkerInitInfo:
+        """vLLM's parse, tolerant of fields this oarlock does not know (the trainer runs another version): the
+        worker still joins the sync group and refuses there, so that every trainer rank learns why at once."""
+        known = {f.name for f in fields(OarlockWorkerInitInfo)}
+        extra = sorted(k for k in init_dict if k not in known)
+        self._init_problem = (f"this worker's oarlock does not know the init fields {extra} (the trainer runs "
+                              f"another oarlock version)") if extra else None
+        try:
+            return OarlockWorkerInitInfo(**{k: v for k, v in init_dict.items() if k in known})
+        except TypeError as e:
+            raise ValueError(f"Invalid init_info for {type(self).__name__}: {e}") from e
+
     def init_transfer_engine(self, init_info: OarlockWorkerInitInfo) -> None:
+        """Join the sync group, then check that this worker can take part (every parameter's layout described,
+        nothing allocated) and agree on it with every member: a worker that cannot take part says why, in the
+        group, so that every trainer rank raises that reason within seconds (:func:`_agree`); this worker then
+        leaves the group and refuses later rounds (``refused``) without raising (see :meth:`receive_weights`)."""
         from oarlock.checkpoint import WeightSync, join_group
 
-        # a layout the back end cannot describe fails here, not mid-round (described, nothing allocated)
-        sharded, _ = describe_targets(self.model, self._names, allocate=False)
-        self.target_bytes = _target_bytes(sharded)
+        problem, self._init_problem = self._init_problem, None
         self.rank = init_info.rank_offset + _engine_rank(self.parallel_config)
+        self.refused = ""
         self.group = join_group(init_info.host, int(init_info.port), int(init_info.world_size), self.rank,
                                 backend=init_info.comm_backend, timeout=float(init_info.timeout),
                                 token=init_info.token)
+        if problem is None:
+            try:
+                sharded, _ = describe_targets(self.model, self._names, allocate=False)
+                self.target_bytes = _target_bytes(sharded)
+            except Exception as e:  # noqa: BLE001 - any reason is the refusal's reason
+                problem = f"{type(e).__name__}: {e}"
+        refusals = _agree(self.group, problem, init_info.rank_offset)
+        if refusals:
+            self.refused = "; ".join(refusals)
+            self.group.close()
+            self.group = None
+            from vllm.logger import init_logger
+
+            init_logger(__name__).error("oarlock weight transfer: the sync group did not form: %s", self.refused)
+            return
         self.sync = WeightSync({}, self._targets, process_group=self.group,
                                aoa_config=_plain_config(init_info.aoa_config), bucket_bytes=init_info.bucket_bytes,
                                verify=bool(init_info.verify))
@@ -496,12 +531,17 @@ class OarlockWeightTransferEngine(WeightTransferEngine):
         normally: the failure is collective, so every trainer rank raises it, and a worker RPC that raises on
         several workers leaves vLLM 0.32's multiprocess executor one stale error reply behind per extra worker
         (its next RPCs would read them), which would break the round that repairs the engine."""
+        if self.refused:
+            raise RuntimeError(f"oarlock weight transfer: the sync group did not form: {self.refused}")
         if self.sync is None:
             raise RuntimeError("oarlock weight transfer: init_weight_transfer_engine was not called")
         if not self._active:
             raise RuntimeError("oarlock weight transfer: update_weights outside start/finish_weight_update")
         try:
-            sharded, targets = describe_targets(self.model, self._names, device=self.device)
+            try:
+                sharded, targets = describe_targets(self.model, self._names, device=self.device)
+            except Exception as e:  # noqa: BLE001 - take part anyway: every rank then fails now, naming why
+                sharded, targets = _refusal_target(self.rank, e), []
             self._targets.clear()
             self._targets.update(sharded)
             self.target_bytes = _target_bytes(sharded)
@@ -569,7 +609,8 @@ class OarlockWeightTransferEngine(WeightTransferEngine):
     def state(self) -> dict[str, Any]:
         """This worker's view, for :func:`worker_states`."""
         rep = self.last_report
-        return {"rank": self.rank, "torn": self.torn, "torn_reason": self.torn_reason, "rounds": self.rounds,
+        return {"rank": self.rank, "torn": self.torn, "torn_reason": self.torn_reason, "refused": self.refused,
+                "rounds": self.rounds,
                 "target_bytes": self.target_bytes,
                 "report": None if rep is None else {k: v for k, v in asdict(rep).items()}}
 
@@ -584,6 +625,24 @@ def _target_bytes(sharded: Mapping[str, Any]) -> int:
     """Bytes of a worker's target boxes."""
     return sum(sw.local_tensor.numel() * sw.local_tensor.element_size()
                for v in sharded.values() for sw in (v if isinstance(v, list) else [v]))
+
+
+def _refusal_target(rank: int, error: BaseException) -> dict[str, Any]:
+    """A target no source provides, named after why this worker cannot describe its parameters: the worker takes
+    part in the round with it, so that the plan fails on every rank at once naming the reason (instead of the
+    others waiting for this worker until the group's timeout)."""
+    reason = f"{type(error).__name__}: {error}".splitlines()[0][:300]
+    return {f"<vLLM worker {rank} cannot receive: {reason}>": torch.zeros(1)}
+
+
+def _agree(group: Any, problem: str | None, trainer_world_size: int) -> list[str]:
+    """Collective over the sync group (trainer ranks and workers, right after they joined): every member says
+    whether it can take part (``problem``: None, or why not). Returns every member's reason (empty: all can)."""
+    from oarlock.checkpoint.runtime.transfer import PeerDistWrapper
+
+    said = PeerDistWrapper(group).all_gather_object(problem)
+    return [f"{'trainer rank' if r < trainer_world_size else 'vLLM worker'} {r}: {p}"
+            for r, p in enumerate(said) if p]
 
 
 def _worker_state(worker: Any) -> dict[str, Any]:
@@ -650,6 +709,97 @@ def _source_mapping(source: Any) -> Callable[[], Mapping[str, Any]]:
                     f"one; got {type(source).__name__}")
 
 
+#: the tag of rank 0's per-round word to the other trainer ranks (distinct from the transfer's tags)
+_GO_TAG = 0x6F61
+
+
+def _send_go(group: Any, trainers: int, refusal: str) -> None:
+    """Rank 0, before a round: tell trainer ranks ``1..trainers-1`` whether the engine started it (``refusal``
+    empty) or why not."""
+    if trainers <= 1:
+        return
+    data = refusal.encode()
+    msgs = [torch.tensor([len(data)], dtype=torch.int64)]
+    if data:
+        msgs.append(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    works = [group.pg.send([m], r, _GO_TAG) for r in range(1, trainers) for m in msgs]
+    for w in works:
+        w.wait()
+
+
+def _recv_go(group: Any) -> str:
+    """A trainer rank other than 0, before a round: rank 0's word (empty: the engine started the round)."""
+    n = torch.zeros(1, dtype=torch.int64)
+    group.pg.recv([n], 0, _GO_TAG).wait()
+    if not int(n.item()):
+        return ""
+    buf = torch.empty(int(n.item()), dtype=torch.uint8)
+    group.pg.recv([buf], 0, _GO_TAG).wait()
+    return bytes(buf.numpy()).decode(errors="replace")
+
+
+def _trainer_side_channel(trainers: int, rank: int) -> Any:
+    """The trainer's default ``torch.distributed`` group when it is exactly the trainer ranks of the sync (rank
+    ``r`` of the sync is rank ``r`` there): rank 0 uses it to tell the others that the engine failed before its
+    workers joined. None otherwise."""
+    import torch.distributed as dist
+
+    if trainers > 1 and dist.is_available() and dist.is_initialized() and dist.get_world_size() == trainers \
+            and dist.get_rank() == rank:
+        return dist.group.WORLD
+    return None
+
+
+def _join_watching(join: Callable[[], Any], init: Any, side: Any, timeout: float) -> Any:
+    """``join()`` (the rendezvous of the sync group), while rank 0 watches the engine's init request ``init``:
+    a request that fails before the group has formed means the workers will not join, so rank 0 raises its
+    error at once instead of at the rendezvous timeout, and tells the other trainer ranks through ``side`` (the
+    trainer's default group, :func:`_trainer_side_channel`) if there is one. The abandoned rendezvous thread
+    ends at its timeout."""
+    import threading
+
+    import torch.distributed as dist
+
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["group"] = join()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+
+    th = threading.Thread(target=run, name="oarlock-vllm-join", daemon=True)
+    th.start()
+    failure = ""
+    if init is not None:  # rank 0
+        while th.is_alive():
+            th.join(0.05)
+            if init.done() and init.exception() is not None and th.is_alive():
+                err = init.exception()
+                failure = (f"oarlock vLLM back end: the engine's init_weight_transfer_engine failed before its "
+                           f"workers joined the sync group: {type(err).__name__}: {err}")
+                break
+        if side is not None:
+            err = box.get("error")
+            word = [failure or (f"oarlock vLLM back end: trainer rank 0 could not join the sync group: "
+                                f"{type(err).__name__}: {err}" if err is not None else None)]
+            dist.broadcast_object_list(word, src=0, group=side)
+        if failure:
+            raise CheckpointError(failure) from init.exception()
+    elif side is not None:
+        word = [None]
+        dist.broadcast_object_list(word, src=0, group=side)  # rank 0 speaks once its rendezvous ended
+        if word[0]:
+            raise CheckpointError(word[0])
+    th.join(timeout + 60)
+    if "error" in box:
+        raise box["error"]
+    if "group" not in box:
+        raise CheckpointError(f"oarlock vLLM back end: the rendezvous of the sync group did not end within "
+                              f"{timeout + 60:.0f} s")
+    return box["group"]
+
+
 class OarlockTrainerWeightTransferEngine(TrainerWeightTransferEngine):
     """Trainer side of the ``oarlock`` back end: every trainer rank builds one with
     ``WeightTransferTrainerFactory.trainer_init(OarlockTrainerInitInfo(..., rank=r), client=..., source=...)`` and
@@ -672,10 +822,20 @@ class OarlockTrainerWeightTransferEngine(TrainerWeightTransferEngine):
         self.timeout = 300.0
         self._read: Callable[[], Mapping[str, Any]] = _source_mapping(source)
         self._sources: dict[str, Any] = {}
+        self._trainers = 1
 
     @classmethod
     def trainer_init(cls, init_info: OarlockTrainerInitInfo, *, client: Any, source: Any = None
                      ) -> "OarlockTrainerWeightTransferEngine":
+        """Join the sync group with the engine's workers (every trainer rank). A worker that cannot take part
+        (a layout the back end cannot describe, another oarlock version) says why once the group has formed,
+        and every trainer rank raises that reason here within seconds; an init request the engine fails before
+        its workers join (an engine built without ``weight_transfer_config``) raises on rank 0 at once and, when
+        the trainer's default process group is initialised (torchrun), on the other ranks through it.
+
+        Raises:
+            CheckpointError: the engine refused or could not join (naming the workers and why).
+        """
         from oarlock.checkpoint import WeightSync, join_group
 
         if source is None:
@@ -699,39 +859,62 @@ class OarlockTrainerWeightTransferEngine(TrainerWeightTransferEngine):
             host=init_info.host, port=int(init_info.port), world_size=t + e, rank_offset=t, aoa_config=aoa,
             comm_backend=init_info.comm_backend, timeout=float(init_info.timeout),
             bucket_bytes=init_info.bucket_bytes, verify=bool(init_info.verify), token=init_info.token))
-        if engine.is_sender:  # the workers join inside their init RPC, while the trainer ranks join here
-            with ThreadPoolExecutor(max_workers=1) as exe:
+
+        def join() -> Any:
+            return join_group(init_info.host, int(init_info.port), t + e, init_info.rank,
+                              backend=init_info.comm_backend, timeout=float(init_info.timeout), token=init_info.token)
+
+        side = _trainer_side_channel(t, init_info.rank)
+        future = None
+        exe = ThreadPoolExecutor(max_workers=1)
+        try:
+            if engine.is_sender:  # the workers join inside their init RPC, while the trainer ranks join here
                 future = exe.submit(client.init_weight_transfer_engine, worker_info)
-                try:
-                    engine.group = join_group(init_info.host, int(init_info.port), t + e, init_info.rank,
-                                              backend=init_info.comm_backend, timeout=float(init_info.timeout),
-                                              token=init_info.token)
-                finally:
-                    future.result(timeout=float(init_info.timeout) + 60)
-        else:
-            engine.group = join_group(init_info.host, int(init_info.port), t + e, init_info.rank,
-                                      backend=init_info.comm_backend, timeout=float(init_info.timeout),
-                                      token=init_info.token)
+            engine.group = _join_watching(join, future, side, float(init_info.timeout))
+            refusals = _agree(engine.group, None, t)
+            if future is not None:
+                future.result(timeout=float(init_info.timeout) + 60)  # the workers answer after the agreement
+        finally:
+            exe.shutdown(wait=False)
+        if refusals:
+            engine.shutdown()
+            raise CheckpointError("oarlock vLLM back end: the engine cannot take part in the weight sync: "
+                                  + "; ".join(refusals))
         engine.sync = WeightSync(engine._sources, {}, process_group=engine.group, aoa_config=aoa,
                                  bucket_bytes=init_info.bucket_bytes, verify=bool(init_info.verify))
+        engine._trainers = t
         return engine
 
     def send_weights(self, step: int | None = None) -> Any:
         """Push the source's current values into the engine (every trainer rank; collective with the workers).
-        Rank 0 runs the engine's ``start_weight_update`` / ``update_weights`` / ``finish_weight_update``.
+        Rank 0 runs the engine's ``start_weight_update`` / ``update_weights`` / ``finish_weight_update``; when
+        the engine refuses to start a round, rank 0 tells the other trainer ranks before they wait for it, so that
+        every rank raises that reason at once.
 
         Returns:
             this rank's :class:`~oarlock.checkpoint.ReshardReport`.
 
         Raises:
-            CheckpointError: the sync failed (on every rank, workers included; the engine is then torn).
+            CheckpointError: the sync failed (on every rank, workers included; the engine is then torn), or the
+                engine refused to start the round (on every trainer rank; nothing moved).
         """
+        if self.sync is None:
+            raise CheckpointError("oarlock vLLM back end: trainer_init did not complete; no sync group")
         self._sources.clear()
         self._sources.update(self._read())
         if not self.is_sender:
+            refusal = _recv_go(self.group)
+            if refusal:
+                raise CheckpointError(f"oarlock vLLM back end: the engine refused to start the round: {refusal}")
             self.last_report = self.sync.run()
             return self.last_report
-        self.client.start_weight_update()
+        try:
+            self.client.start_weight_update()
+        except Exception as e:
+            _send_go(self.group, self._trainers, f"{type(e).__name__}: {e}".splitlines()[0][:2000])
+            raise CheckpointError(f"oarlock vLLM back end: the engine refused to start the round: "
+                                  f"{type(e).__name__}: {e}") from e
+        _send_go(self.group, self._trainers, "")
         exe = ThreadPoolExecutor(max_workers=1)
         try:
             future = exe.submit(self.client.update_weights, asdict(OarlockUpdateInfo(step=step)))
