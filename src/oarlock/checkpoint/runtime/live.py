@@ -5,19 +5,19 @@ in FSDP/TP/EP pushes its new weights into an inference engine in another TP layo
 
 The pieces are those of a load through a checkpoint, with the sources' description playing the metadata's role:
 
-1. *Describe the sources* as a save would (:func:`~oarlock.checkpoint.save.describe_rank`): a DTensor is one grid
-   rule per mesh, ZeRO flat ranges one flat rule, other shards are listed; ranks with equal descriptions form one
-   class and one member of each sends it to rank 0, which builds the layout
-   (:func:`~oarlock.checkpoint.save.build_layout`, with the holders of every replicated piece) and broadcasts it.
-   The "file" of a stored piece names a rank that holds it.
-2. *Plan* each rank's targets against it exactly as a load does (:class:`~oarlock.checkpoint.plan.Planner`,
+1. *Describe the sources* as a save would (:func:`~oarlock.checkpoint.planning.save.describe_rank`): a DTensor is
+   one grid rule per mesh, ZeRO flat ranges one flat rule, other shards are listed; ranks with equal descriptions
+   form one class and one member of each sends it to rank 0, which builds the layout
+   (:func:`~oarlock.checkpoint.planning.save.build_layout`, with the holders of every replicated piece) and
+   broadcasts it. The "file" of a stored piece names a rank that holds it.
+2. *Plan* each rank's targets against it exactly as a load does (:class:`~oarlock.checkpoint.planning.load.Planner`,
    through AOA when a config is given): every slice of a target gets one source slice; the receiver alone then
    gives each slice of a replicated piece its senders
    (:func:`~oarlock.checkpoint.runtime.live_plan.spread_over_holders`: itself when it holds the piece, else row
    ranges over the holders or the holder it asked least).
 3. *Ask*: each receiver sends each of its senders the list of slices it wants (one ``all_to_all`` of counts,
    then one message per pair that has something to move); no rank learns the other ranks' plans.
-4. *Move* the bytes in bounded, double-buffered rounds (:mod:`oarlock.checkpoint.transfer`), cast to the
+4. *Move* the bytes in bounded, double-buffered rounds (:mod:`oarlock.checkpoint.runtime.transfer`), cast to the
    target dtype by the sender, permuted into place by the receiver; slices a rank sends itself are copied.
 
 :class:`WeightSync` keeps the plan (steps 1-3) and replays step 4 after a fixed-size fingerprint check.
@@ -44,7 +44,7 @@ from oarlock.utils import gc_paused
 
 
 class _Mover:
-    """Step 4 on one rank: local copies, then the rounds (see :mod:`oarlock.checkpoint.transfer`)."""
+    """Step 4 on one rank: local copies, then the rounds (see :mod:`oarlock.checkpoint.runtime.transfer`)."""
 
     def __init__(self, plan: LivePlan, src: Leaves, tgt: Leaves, dw: DistWrapper, verify: bool,
                  report: ReshardReport, bucket_bytes: int):
@@ -384,10 +384,10 @@ def reshard_state_dict(sources: Mapping[str, Any], targets: Mapping[str, Any], *
     Args:
         sources, targets: this rank's state dicts (targets are written in place).
         process_group: a ``torch.distributed`` group (None: the default group, or one process), or a
-            :class:`~oarlock.checkpoint.transfer.PeerGroup` from :func:`~oarlock.checkpoint.join_group`.
+            :class:`~oarlock.checkpoint.runtime.transfer.PeerGroup` from :func:`~oarlock.checkpoint.join_group`.
         aoa_config / program: how target keys map to source keys (docs/aoa.md); default: same keys.
         strict: raise on missing or unexpected keys (before any byte moves).
-        bucket_bytes: staging bound in bytes (default :data:`~oarlock.checkpoint.transfer.DEFAULT_BUCKET_BYTES`,
+        bucket_bytes: staging bound in bytes (default :data:`~oarlock.checkpoint.runtime.transfer.DEFAULT_BUCKET_BYTES`,
             256 MiB): two rounds of chunks in flight stay within it.
         verify: hash every chunk on both sides (XXH3-64; over a :func:`~oarlock.checkpoint.join_group` group with
             a secret, BLAKE2b keyed by it) and fail naming the keys of a chunk that differs.

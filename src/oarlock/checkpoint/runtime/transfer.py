@@ -14,7 +14,7 @@ before waiting, and the two ends of a stream post its chunks in the same rounds.
 
 Also here: :class:`PeerGroup` / :func:`join_group`, a process group of its own between separately launched jobs
 (a trainer under torchrun and an inference engine) that leaves each job's default group alone, and
-:class:`PeerDistWrapper`, the :class:`~oarlock.checkpoint.dist.DistWrapper` contract over it.
+:class:`PeerDistWrapper`, the :class:`~oarlock.checkpoint.runtime.dist.DistWrapper` contract over it.
 """
 
 from __future__ import annotations
@@ -147,8 +147,8 @@ class _Done:
 
 
 class PeerDistWrapper(DistWrapper):
-    """:class:`~oarlock.checkpoint.dist.DistWrapper` over a :class:`PeerGroup` (its ``ProcessGroup`` methods instead
-    of ``torch.distributed``'s module functions, which only know registered groups)."""
+    """:class:`~oarlock.checkpoint.runtime.dist.DistWrapper` over a :class:`PeerGroup` (its ``ProcessGroup``
+    methods instead of ``torch.distributed``'s module functions, which only know registered groups)."""
 
     def __init__(self, group: PeerGroup):
         self.group = group
