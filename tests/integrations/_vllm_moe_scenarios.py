@@ -6,10 +6,11 @@ slices (values against the trainer's full tensors cut by hand, ``bytes_received`
 trainer ranks send no more than the workers' bytes, shared between them.
 
 * an expert-parallel trainer (rank r holds experts 4r..4r+3, one module per expert; the rest replicated) into a
-  TP=2 engine (each worker: half of every expert's gate/up rows and down columns);
+  TP=2 engine (each worker: half of every expert's gate/up rows and down columns), for Qwen3-MoE;
 * an FSDP2 trainer (transformers 5's stacked ``gate_up_proj`` / ``down_proj``; every parameter in row shards on
-  dim 0 over the trainer ranks, as FSDP2 holds it, the experts' on the expert axis) into an expert-parallel engine (each worker: 4 whole experts; the engine's EP layout, which vLLM runs on GPUs
-  only).
+  dim 0 over the trainer ranks, as FSDP2 holds it, the experts' on the expert axis) into an expert-parallel
+  engine (each worker: 4 whole experts; the engine's EP layout, which vLLM runs on GPUs only), for Qwen3-MoE;
+* and the other two pairings (EP trainer into EP workers, FSDP2 trainer into TP workers), for Mixtral.
 """
 
 from __future__ import annotations
