@@ -10,6 +10,9 @@ import torch
 
 from oarlock.cli import main
 from oarlock.models.demo import DemoSettings, run_demo
+from oarlock.models.rl import RLSettings
+
+NO_RL = RLSettings(steps=0)  # these cases are about the file phases; tests/models/test_demo_rl.py runs the RL phase
 
 
 def _check_report(r: dict, settings: DemoSettings) -> None:
@@ -29,7 +32,7 @@ def _check_report(r: dict, settings: DemoSettings) -> None:
 @pytest.mark.multiproc
 def test_tiny_demo_end_to_end(tmp_path, cache_dir):
     s = DemoSettings(out_dir=str(tmp_path / "out"), cache_dir=str(cache_dir), tiny=True, steps_a=2, steps_b=2,
-                     seq_len=32, max_new_tokens=8)
+                     seq_len=32, max_new_tokens=8, rl=NO_RL)
     r = run_demo(s)
     _check_report(r, s)
     out = tmp_path / "out"
@@ -57,7 +60,7 @@ def test_tiny_demo_resumes_in_context_parallel(tmp_path, cache_dir, cp_method):
     and with the all-gather; the report names the method layout B ran with."""
     kw = {} if cp_method is None else {"cp_method": cp_method}
     s = DemoSettings(out_dir=str(tmp_path / "out"), cache_dir=str(cache_dir), tiny=True, steps_a=2, steps_b=2,
-                     seq_len=32, max_new_tokens=8, layout_b="c2", **kw)
+                     seq_len=32, max_new_tokens=8, layout_b="c2", rl=NO_RL, **kw)
     r = run_demo(s)
     _check_report(r, s)
     assert r["phase_b"]["world_size"] == 2
@@ -82,7 +85,7 @@ def test_cp_method_flag_reaches_the_settings(tmp_path, monkeypatch, args, want):
 @pytest.mark.multiproc
 def test_real_smollm2_demo_reduced(tmp_path, cache_dir):
     s = DemoSettings(out_dir=str(tmp_path / "out"), cache_dir=str(cache_dir), steps_a=1, steps_b=1, seq_len=32,
-                     max_new_tokens=12, eval_batches=1)
+                     max_new_tokens=12, eval_batches=1, rl=NO_RL)
     r = run_demo(s)
     _check_report(r, s)
     assert r["model"] == "SmolLM2-135M-Instruct"

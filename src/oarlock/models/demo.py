@@ -13,7 +13,11 @@
    loss must equal layout A's reference loss.
 5. Layout B exports the model to HF format through the reverse AOA config (online merge, rank 0 writes);
    ``transformers`` loads the export, its logits are compared with oarlock's, and it answers a fixed prompt.
-6. A report (JSON + text) and a loss plot (PNG) are written to the output directory.
+6. Serve and reinforce (:mod:`oarlock.models.rl`): a vLLM engine starts from the export and answers the prompt
+   (greedy tokens equal transformers'); then GRPO, rollouts in the engine, an FSDP2 trainer on 2 ranks, the new
+   weights pushed into the engine through the ``oarlock`` weight-transfer back end after every step, with an
+   on-policy check of the engine's log-probabilities against the trainer's at every step.
+7. A report (JSON + text) and plots (PNG) are written to the output directory.
 
 Processes are started with ``torch.multiprocessing`` (gloo on CPU, NCCL when there are enough GPUs).
 """
@@ -35,6 +39,7 @@ import torch
 from oarlock.attention import CP_METHODS, DEFAULT_CP_METHOD
 from oarlock.models.errors import ModelError
 from oarlock.models.llama import LlamaConfig
+from oarlock.models.rl import RLSettings
 
 DEFAULT_PROMPT = "What is a Python dictionary? Answer in one sentence."
 TINY_VOCAB = 384  # 256 bytes + specials, divisible by every TP degree the tests use
@@ -60,6 +65,8 @@ class DemoSettings:
     seed: int = 0
     max_docs: int | None = None
     cp_method: str = DEFAULT_CP_METHOD  # K/V exchange of context-parallel layouts: "ring" or "allgather"
+    rl: RLSettings = field(default_factory=RLSettings)  # the RL phase; rl.steps == 0 skips it
+    rl_only: str = ""  # an HF directory: run only the RL phase, on that model
 
     def __post_init__(self) -> None:
         if not self.cache_dir:
@@ -86,15 +93,16 @@ class ByteTokenizer:
 
 
 def _tiny_hf_dir(cache: Path, seed: int) -> Path:
-    """A random tiny HF Llama (tied embeddings, GQA 6/3 heads) saved once under ``cache``."""
-    d = cache / f"tiny-llama-{seed}"
+    """A random tiny HF Llama (tied embeddings, GQA 6/3 heads of 32 dimensions: the smallest head vLLM's CPU
+    attention takes) saved once under ``cache``."""
+    d = cache / f"tiny-llama-h32-{seed}"
     if (d / "model.safetensors").is_file() and (d / "config.json").is_file():
         return d
     from transformers import LlamaConfig as HFLlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = HFLlamaConfig(vocab_size=TINY_VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-                        num_attention_heads=6, num_key_value_heads=3, max_position_embeddings=4096,
+                        num_attention_heads=6, num_key_value_heads=3, head_dim=32, max_position_embeddings=4096,
                         rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=None, eos_token_id=256,
                         pad_token_id=None)
     model = LlamaForCausalLM(cfg).to(torch.float32)
@@ -525,9 +533,28 @@ def _plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _rl_phase(settings: DemoSettings, model_dir: Path, out: Path) -> dict:
+    """The RL phase on ``model_dir``, its report object with the learning margin added."""
+    from oarlock.models.rl import learning_margin, run_rl_phase
+
+    rl = settings.rl
+    if rl.lr is None:  # a random 2-layer model needs far larger steps than a trained one to move in 8 steps
+        rl.lr = 5e-3 if settings.tiny else 2e-5
+    print(f"[demo] RL: vLLM engine (TP={rl.engine_tp}) from {model_dir.name}, GRPO for {rl.steps} steps, FSDP2 "
+          f"trainer on 2 ranks, weights synced live every step", flush=True)
+    r = run_rl_phase(rl, model_dir, out, prompt=settings.prompt, tiny=settings.tiny)
+    r["learning_margin"] = learning_margin(r["steps"])
+    return r
+
+
 def run_demo(settings: DemoSettings) -> dict:
     """Run the whole demo; returns the report (also written to ``<out_dir>/report.json`` and ``report.txt``,
-    with ``loss.png``). Raises :class:`ModelError` with a one-line message on bad settings or a failed phase."""
+    with ``loss.png`` and ``rl.png``). Raises :class:`ModelError` with a one-line message on bad settings or a
+    failed phase (the RL phase's on-policy check names its step)."""
+    if settings.rl.steps:
+        settings.rl.validate()
+    if settings.rl_only:
+        return run_rl_only(settings)
     for name in ("layout_a", "layout_b"):  # syntax first: fail before converting a model
         try:
             parse_layout(getattr(settings, name))
@@ -563,12 +590,65 @@ def run_demo(settings: DemoSettings) -> dict:
               "resume_check": {"reference_loss": phase_a["reference_next_loss"],
                                "resumed_loss": phase_b["losses"][0], "abs_diff": resume_diff},
               "export": check, "times": times}
-    (out / "report.json").write_text(json.dumps(report, indent=1))
     _plot(report, out / "loss.png")
+    if settings.rl.steps:
+        t0 = time.perf_counter()
+        try:
+            report["rl"] = _rl_phase(settings, out / "hf-export", out)
+        finally:
+            times["rl_s"] = time.perf_counter() - t0
+            (out / "report.json").write_text(json.dumps(report, indent=1))  # the phases so far, also on failure
+        _plot_rl(report["rl"], out / "rl.png", report["model"])
+    return _write_report(report, out)
+
+
+def run_rl_only(settings: DemoSettings) -> dict:
+    """``oarlock demo --rl-only HF_DIR``: only the RL phase, on a Llama-family HF directory (with its tokenizer)."""
+    model_dir = Path(settings.rl_only).resolve()
+    if not (model_dir / "config.json").is_file():
+        raise ModelError(f"demo: --rl-only {settings.rl_only}: no config.json there (an HF model directory)")
+    out = Path(settings.out_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    report = {"model": model_dir.name, "hf_dir": str(model_dir), "settings": asdict(settings),
+              "rl": _rl_phase(settings, model_dir, out)}
+    report["times"] = {"rl_s": time.perf_counter() - t0}
+    _plot_rl(report["rl"], out / "rl.png", report["model"])
+    return _write_report(report, out)
+
+
+def _write_report(report: dict, out: Path) -> dict:
+    (out / "report.json").write_text(json.dumps(report, indent=1))
     text = format_report(report)
     (out / "report.txt").write_text(text)
     print(text, flush=True)
     return report
+
+
+def _plot_rl(rl: dict, path: Path, model: str) -> None:
+    """Reward per step (mean with the spread) and each sync's share of its step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = rl["steps"]
+    x = [s["step"] for s in steps]
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(9, 3.5), dpi=120)
+    mean = [s["reward_mean"] for s in steps]
+    std = [s["reward_std"] for s in steps]
+    ax.errorbar(x, mean, yerr=std, fmt="o-", capsize=3)
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel("reward (mean, +- std over the batch)")
+    ax.set_title(f"{model}: reward")
+    bx.bar(x, [100 * s["sync_seconds"] / s["step_seconds"] for s in steps])
+    bx.axhline(5, color="gray", linestyle=":")
+    bx.set_xlabel("GRPO step")
+    bx.set_ylabel("sync share of the step (%)")
+    bx.set_title("weight sync into vLLM")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
 
 
 def _cp_note(phase: dict) -> str:
@@ -577,20 +657,58 @@ def _cp_note(phase: dict) -> str:
 
 def format_report(r: dict) -> str:
     s = r["settings"]
-    lines = [f"oarlock demo: {r['model']}",
-             f"  data: standard-library docstrings, {r['data']['train_sequences']} train / "
-             f"{r['data']['heldout_sequences']} held-out sequences of {s['seq_len']} tokens (FlashMask causal "
-             "document mask)",
-             f"  layout A {s['layout_a']}{_cp_note(r['phase_a'])}: losses "
-             + " ".join(f"{x:.4f}" for x in r["phase_a"]["losses"]),
-             f"  layout B {s['layout_b']}{_cp_note(r['phase_b'])}: losses "
-             + " ".join(f"{x:.4f}" for x in r["phase_b"]["losses"]),
-             f"  resume check: layout A's next loss {r['resume_check']['reference_loss']:.6f}, layout B's first "
-             f"{r['resume_check']['resumed_loss']:.6f} (|diff| {r['resume_check']['abs_diff']:.2e})",
-             f"  held-out perplexity: {r['phase_a']['ppl_before']:.2f} before -> {r['phase_b']['ppl_after']:.2f} after",
-             f"  HF export: transformers vs oarlock logits max |diff| {r['export']['logits_max_abs_diff']:.2e}",
-             f"  prompt: {s['prompt']!r}",
-             f"  reply:  {r['export']['reply']!r}",
-             "  time: " + ", ".join(f"{k[:-2]} {v:.1f} s" for k, v in r["times"].items()),
-             f"  files: {s['out_dir']}/report.json, report.txt, loss.png, checkpoint-A/, hf-export/"]
+    lines = [f"oarlock demo: {r['model']}"]
+    if "phase_a" in r:
+        lines += [
+            f"  data: standard-library docstrings, {r['data']['train_sequences']} train / "
+            f"{r['data']['heldout_sequences']} held-out sequences of {s['seq_len']} tokens (FlashMask causal "
+            "document mask)",
+            f"  layout A {s['layout_a']}{_cp_note(r['phase_a'])}: losses "
+            + " ".join(f"{x:.4f}" for x in r["phase_a"]["losses"]),
+            f"  layout B {s['layout_b']}{_cp_note(r['phase_b'])}: losses "
+            + " ".join(f"{x:.4f}" for x in r["phase_b"]["losses"]),
+            f"  resume check: layout A's next loss {r['resume_check']['reference_loss']:.6f}, layout B's first "
+            f"{r['resume_check']['resumed_loss']:.6f} (|diff| {r['resume_check']['abs_diff']:.2e})",
+            f"  held-out perplexity: {r['phase_a']['ppl_before']:.2f} before -> {r['phase_b']['ppl_after']:.2f} after",
+            f"  HF export: transformers vs oarlock logits max |diff| {r['export']['logits_max_abs_diff']:.2e}",
+            f"  prompt: {s['prompt']!r}",
+            f"  reply:  {r['export']['reply']!r}"]
+    if "rl" in r:
+        lines += format_rl(r["rl"], s["prompt"])
+    lines += ["  time: " + ", ".join(f"{k[:-2]} {v:.1f} s" for k, v in r["times"].items()),
+              f"  files: {s['out_dir']}/report.json, report.txt"
+              + (", loss.png, checkpoint-A/, hf-export/" if "phase_a" in r else "")
+              + (", rl.png" if "rl" in r else "")]
     return "\n".join(lines) + "\n"
+
+
+def format_rl(rl: dict, prompt: str) -> list[str]:
+    """The RL phase's lines of report.txt: one row per GRPO step, then the totals."""
+    steps = rl["steps"]
+    lines = [f"  RL (GRPO, vLLM engine TP={rl['engine_tp']}, trainer {rl['trainer']}):",
+             f"    reward: {rl['reward']}",
+             f"    on-policy bound: max |trainer - engine| log-probability of a sampled token <= {rl['bound']:g}",
+             "    step  reward mean+-std   loss      max|dlogp|  mean|dlogp|  sync s  step s  sync %  "
+             "MiB received per worker (slice)"]
+    for x in steps:
+        mib = "/".join(f"{b / 2**20:.1f}" for b in x["bytes_received"])
+        lines.append(f"    {x['step']:>4}  {x['reward_mean']:.3f} +- {x['reward_std']:.3f}   {x['loss']:+.4f}  "
+                     f"{x['logprob_max_abs_diff']:10.2e}  {x['logprob_mean_abs_diff']:11.2e}  "
+                     f"{x['sync_seconds']:6.2f}  {x['step_seconds']:6.1f}  {100 * x['sync_seconds'] / x['step_seconds']:5.1f}%  "
+                     f"{mib} ({x['slice_bytes'][0] / 2**20:.1f})")
+    k = min(3, len(steps) // 2)
+    if k:
+        first = sum(x["reward_mean"] for x in steps[:k]) / k
+        last = sum(x["reward_mean"] for x in steps[-k:]) / k
+        lines.append(f"    reward, mean of the first {k} steps {first:.3f} -> last {k} {last:.3f} "
+                     f"(margin {last - first:+.3f})")
+    shares = [x["sync_seconds"] / x["step_seconds"] for x in steps if x["synced"]]
+    if shares:
+        lines.append(f"    sync share of a step: {100 * min(shares):.1f}-{100 * max(shares):.1f}% (median "
+                     f"{100 * sorted(shares)[len(shares) // 2]:.1f}%)")
+    exact = all(x["bytes_received"] == x["slice_bytes"] for x in steps if x["synced"])
+    lines.append(f"    bytes: each engine worker received {'exactly its slice' if exact else 'NOT its slice'} of the "
+                 "model at every sync")
+    lines += [f"    prompt: {prompt!r}", f"    engine reply before RL: {rl.get('reply_before', '')!r}",
+              f"    engine reply after RL:  {rl.get('reply_after', '')!r}"]
+    return lines
