@@ -1,13 +1,16 @@
 """One trainer rank of the vLLM end-to-end test (tests/integrations/test_vllm.py), run by ``.vllm-venv``'s Python:
 
-    python _vllm_e2e.py RANK TRAINER_PORT SYNC_PORT MODEL_DIR OUT_JSON
+    python _vllm_e2e.py RANK TRAINER_PORT SYNC_PORT MODEL_DIR OUT_JSON WRONG_SYNC_PORT
 
 Two trainer ranks (gloo) fine-tune a transformers Llama wrapped in FSDP2 for one step; rank 0 also holds a vLLM
-engine (TP=2, CPU) built from the same initial weights with ``WeightTransferConfig(backend="oarlock")``. Rank 0
-records vLLM's greedy tokens and logprobs before the sync, after it, after a replayed sync, after a sync whose
-bytes were tampered with (verify=True catches it: torn) and after a repaired sync; and the same greedy decoding
-by transformers on the trainer's new weights (gathered with ``full_tensor()``), the workers' states and both
-trainer ranks' reports. The test asserts on OUT_JSON.
+engine (TP=2, CPU) built from the same initial weights with ``WeightTransferConfig(backend="oarlock")``. First a
+trainer whose ``intermediate_size`` is wrong (768 instead of 512, FSDP2 too, through ``dtype="float32"``'s
+generated casts) joins at WRONG_SYNC_PORT: its round fails while it is planned (PlanError on both ranks), the
+engine is not torn and still answers with its old tokens, and that trainer leaves. Rank 0 then records vLLM's
+greedy tokens and logprobs before the sync, after it, after a replayed sync, after a sync whose bytes were
+tampered with (verify=True catches it: torn), after a plan-time error while torn (still torn) and after a
+repaired sync; and the same greedy decoding by transformers on the trainer's new weights (gathered with
+``full_tensor()``), the workers' states and both trainer ranks' reports. The test asserts on OUT_JSON.
 """
 
 import json
@@ -55,14 +58,15 @@ def hf_outputs(model, prompts):
 def main() -> None:
     rank, tport, sport, model_dir, out_json = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], \
         sys.argv[5]
+    wport = int(sys.argv[6])
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{tport}", rank=rank, world_size=2)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from transformers import LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     import oarlock.checkpoint.runtime.transfer as transfer
-    from oarlock.checkpoint import CheckpointError
+    from oarlock.checkpoint import CheckpointError, CheckpointMismatchError, PlanError
     from oarlock.integrations.vllm import (LLMClient, OarlockTrainerInitInfo, TornWeightsError, register,
                                            worker_states)
 
@@ -99,11 +103,38 @@ def main() -> None:
     res["loss"] = loss.item()
     res["fsdp_placements"] = sorted({str(p.placements) for p in model.parameters()})
     res["times"]["train_step"] = time.perf_counter() - t1
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+    # -- a trainer of another size (intermediate_size 768, the engine's is 512): the round cannot be planned
+    wrong = LlamaForCausalLM(LlamaConfig(**{**model.config.to_dict(), "intermediate_size": 768}))
+    for layer in wrong.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(wrong, mesh=mesh)
+    t1 = time.perf_counter()
+    wrong_engine = WeightTransferTrainerFactory.trainer_init(
+        OarlockTrainerInitInfo(host="127.0.0.1", port=wport, trainer_world_size=2, engine_world_size=TP,
+                               dtype="float32", timeout=120.0, rank=rank), client=client, source=wrong)
+    try:
+        wrong_engine.send_weights(step=0)
+        said = {"error": "no error"}
+    except Exception as e:  # noqa: BLE001 - recorded for the test
+        said = {"error": f"{type(e).__name__}: {e}", "plan_error": isinstance(e, PlanError),
+                "mismatch": isinstance(e, CheckpointMismatchError), "phase": getattr(e, "phase", None)}
+    said["trainer_torn"] = wrong_engine.sync.torn
+    said["seconds"] = time.perf_counter() - t1
+    errors = [None, None]
+    dist.all_gather_object(errors, said)
+    res["plan_errors"] = errors
+    res["wrong_aoa_generated"] = wrong_engine.sync.aoa_config.get("generated_statements")
+    wrong_engine.shutdown()
+    if rank == 0:
+        res["client_torn_after_plan_error"] = client.torn
+        res["workers_after_plan_error"] = worker_states(llm)
+        res["after_plan_error"] = vllm_outputs(client.generate, PROMPTS)  # still the old weights
+        client.shutdown_weight_transfer_engine()  # the workers leave that trainer's group
 
     # -- the sync: trainer ranks 0, 1 and the engine's workers 2, 3 meet at 127.0.0.1:sport
     t1 = time.perf_counter()
-    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
-
     info = OarlockTrainerInitInfo(host="127.0.0.1", port=sport, trainer_world_size=2, engine_world_size=TP,
                                   verify=True, timeout=120.0, rank=rank)
     engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=model)
@@ -156,6 +187,20 @@ def main() -> None:
         except TornWeightsError as e:
             res["generate_when_torn"] = f"TornWeightsError: {e}"
         res["workers_torn"] = [w["torn"] for w in worker_states(llm)]
+
+    # -- a round that cannot be planned while the engine is torn (the wrong trainer's shapes): it stays torn
+    read = engine._read
+    engine._read = lambda: dict(wrong.named_parameters())
+    try:
+        engine.send_weights(step=3)
+        res["plan_error_when_torn"] = "no error"
+    except PlanError as e:
+        res["plan_error_when_torn"] = f"PlanError: {e}"
+    finally:
+        engine._read = read
+    if rank == 0:
+        res["client_torn_after_second_plan_error"] = client.torn
+        res["workers_torn_after_plan_error"] = [w["torn"] for w in worker_states(llm)]
 
     # -- a later sync succeeds: the engine serves the new weights again
     engine.send_weights(step=4)

@@ -9,7 +9,10 @@ push the trainer's sharded (DTensor) parameters into the engine's workers. Check
 logprobs within 1e-4; before the sync they differ; each worker received exactly the bytes of its TP slice of every
 parameter (computed here from the HF shapes: every matrix halved, norms whole) and the trainers sent no more; a
 replayed sync reuses its plan; a sync whose bytes are corrupted on the way (verify=True) fails on every rank and
-the engine refuses to generate (TornWeightsError) until a later sync succeeds.
+the engine refuses to generate (TornWeightsError) until a later sync succeeds. Before all that, a trainer whose
+intermediate_size is wrong (768 vs 512) gets a PlanError on both ranks naming its keys and shapes (not the
+generated cast statements), and the engine is not torn: it answers with exactly its old tokens and logprobs; a
+plan-time error while the engine is torn leaves it torn.
 """
 
 import json
@@ -62,7 +65,7 @@ def tiny_llama(cache_dir):
 @pytest.mark.multiproc
 def test_fsdp2_step_synced_into_vllm_tp2(tiny_llama, tmp_path):
     out = tmp_path / "result.json"
-    tport, sport = free_port(), free_port()
+    tport, sport, wport = free_port(), free_port(), free_port()
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
            "DO_NOT_TRACK": "1", "PYTHONPATH": str(REPO / "src"), "TOKENIZERS_PARALLELISM": "false"}
@@ -72,7 +75,7 @@ def test_fsdp2_step_synced_into_vllm_tp2(tiny_llama, tmp_path):
         log = open(tmp_path / f"rank{rank}.log", "w")
         logs.append(log)
         procs.append(subprocess.Popen([str(VPY), str(SCRIPT), str(rank), str(tport), str(sport), str(tiny_llama),
-                                       str(out)], env=env, stdout=log, stderr=subprocess.STDOUT,
+                                       str(out), str(wport)], env=env, stdout=log, stderr=subprocess.STDOUT,
                                       start_new_session=True))
     try:
         for p in procs:
@@ -104,6 +107,21 @@ def test_fsdp2_step_synced_into_vllm_tp2(tiny_llama, tmp_path):
 
     assert res["fsdp_placements"] == ["(Shard(dim=0),)"]  # the trainer really held FSDP2 shards
     ref, before, after = res["reference"], res["before"], res["after"]
+
+    # a trainer of another size: a PlanError on every trainer rank, in the user's terms, and the engine untouched
+    print(json.dumps({"plan_error_seconds": [round(e["seconds"], 2) for e in res["plan_errors"]]}))
+    for e in res["plan_errors"]:
+        assert e["plan_error"] and e["mismatch"] and e["phase"] == "plan" and e["trainer_torn"] is False, e
+        msg = e["error"]
+        assert msg.startswith("CheckpointMismatchError: live reshard: target 'model.layers."), msg
+        assert "[768, 256] float32" in msg or "[256, 768] float32" in msg, msg  # the trainer's shape
+        assert "'model.layers.0.mlp." in msg or "'model.layers.1.mlp." in msg, msg  # the trainer's key
+        assert "slice" not in msg and "dtype='float32'" not in msg and "your AOA statement" not in msg, msg
+    gen = res["wrong_aoa_generated"]  # with_casts lists the casts it appended (never quoted in errors)
+    assert len(gen) == 1 and gen[0][2] == "with_casts(dtype='float32')" and gen[0][1] > gen[0][0], gen
+    assert res["client_torn_after_plan_error"] is False
+    assert [w["torn"] for w in res["workers_after_plan_error"]] == [False, False]
+    assert res["after_plan_error"] == before  # the old weights, bit for bit: same tokens, same logprobs
     # the sync carried the training step: before it, vLLM's output is not the trained model's
     assert before["tokens"] != ref["tokens"]
     assert diffs["before"] > 1e-2
@@ -130,5 +148,8 @@ def test_fsdp2_step_synced_into_vllm_tp2(tiny_llama, tmp_path):
     assert res["trainer_sync_torn"] is False  # the trainers' sources are never torn: they only send
     assert res["generate_when_torn"].startswith("TornWeightsError: ") and "torn" in res["generate_when_torn"]
     assert res["workers_torn"] == [True, True]
+    assert res["plan_error_when_torn"].startswith("PlanError: live reshard: target "), res["plan_error_when_torn"]
+    assert res["client_torn_after_second_plan_error"] is True  # a plan-time error does not untear
+    assert res["workers_torn_after_plan_error"] == [True, True]
     assert res["workers_after_repair"] == [False, False]
     assert res["after_repair"]["tokens"] == ref["tokens"]

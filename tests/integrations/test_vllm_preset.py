@@ -247,6 +247,10 @@ def test_with_casts_fp32_master_weights_into_bf16_vllm_targets():
     cfg = with_casts(preset("vllm", model.config), src, "bfloat16")
     assert "model.layers.1.self_attn.qkv_proj.weight -> model.layers.1.self_attn.qkv_proj.weight, " \
            "dtype='bfloat16'" in cfg["aoa_statements"]
+    # the appended casts are listed as generated (an error never quotes them as the user's)
+    start = len(preset("vllm", model.config)["aoa_statements"])
+    assert cfg["generated_statements"] == [[start, len(cfg["aoa_statements"]), "with_casts(dtype='bfloat16')"]]
+    assert all(", dtype='bfloat16'" in st for st in cfg["aoa_statements"][start:])
     want = {}
     for k, v in src.items():
         if "q_proj" in k or "gate_proj" in k:
@@ -269,3 +273,25 @@ def test_moe_trainers_into_moe_workers_on_four_ranks(multirank):
     """Expert-parallel and FSDP2 trainers (2 ranks) into TP-split and expert-parallel vLLM-shaped workers (2 ranks)
     through WeightSync: each worker receives exactly its experts' slices (_vllm_moe_scenarios.py)."""
     multirank("_vllm_moe_scenarios", world=4, timeout_s=300).check()
+
+
+def test_a_mismatch_in_a_preset_statement_names_the_preset_not_the_user():
+    """aoa_config_for keeps the preset's name: a trainer whose intermediate_size differs from the engine's is told
+    which preset statement fused its keys, not "your AOA statement" (issue 49 item 6)."""
+    from oarlock.checkpoint import PlanError, WeightSync
+    from oarlock.integrations.vllm import aoa_config_for
+
+    T = transformers
+    base = dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                tie_word_embeddings=False)
+    trainer = T.LlamaForCausalLM(T.LlamaConfig(**base, intermediate_size=96))
+    aoa = aoa_config_for(trainer.config)
+    assert aoa["preset"] == "vllm_llama"
+    targets = {"model.layers.0.mlp.gate_up_proj.weight": torch.zeros(128, 32)}  # an engine with intermediate 64
+    with pytest.raises(PlanError) as got:
+        WeightSync(dict(trainer.named_parameters()), targets, aoa_config=aoa, strict=False).run()
+    msg = str(got.value)
+    assert "'model.layers.0.mlp.gate_proj.weight' [96, 32] float32" in msg and "[64, 32]" in msg, msg
+    assert "of AOA preset 'vllm_llama': model.layers.0.mlp.gate_proj.weight, model.layers.0.mlp.up_proj.weight " \
+           "-> model.layers.0.mlp.gate_up_proj.weight" in msg and "your AOA statement" not in msg, msg
+    assert bool((targets["model.layers.0.mlp.gate_up_proj.weight"] == 0).all())

@@ -41,7 +41,9 @@ A worker that cannot take part (a layout the back end cannot describe, another o
 sync group and says why there; every trainer rank's ``trainer_init`` raises that reason within seconds.
 
 A sync that fails part-way raises on every rank and leaves the engine *torn*: its workers refuse to run the model
-(:class:`TornWeightsError`) until a later sync succeeds, rather than serve a mix of two versions.
+(:class:`TornWeightsError`) until a later sync succeeds, rather than serve a mix of two versions. A sync that
+cannot be planned (:class:`~oarlock.checkpoint.PlanError`: a shape mismatch, a bad AOA config) raises on every
+rank before any byte moves and leaves the engine serving its old weights.
 
 The module imports without vLLM (the engines then cannot be built: ``pip install 'oarlock[vllm]'``).
 """
@@ -108,13 +110,17 @@ def aoa_config_for(config: Any, sources: Any = None) -> dict[str, Any]:
     from oarlock.checkpoint.aoa.presets import preset
 
     cfg = preset("vllm", config, source=None if sources is None else list(sources))
-    return {"aoa_statements": list(cfg["aoa_statements"]), "aoa_config_reverse": False}
+    # "preset": an error blaming one of these statements names the preset, not "your AOA statement"
+    return {"aoa_statements": list(cfg["aoa_statements"]), "aoa_config_reverse": False, "preset": cfg["preset"]}
 
 
 def with_casts(aoa_config: Any, sources: Mapping[str, Any], dtype: str) -> dict[str, Any]:
     """``aoa_config`` followed by a cast to ``dtype`` of every key it produces from ``sources`` (the trainer's
     state dict: fp32 master weights into a bf16 engine). The cast happens on the way (each sender casts the slices
-    it sends); no full tensor is converted."""
+    it sends); no full tensor is converted. The appended statements are listed under the config's
+    ``generated_statements`` (``[[start, stop, "with_casts(...)"]]``), so an error never quotes them as the
+    user's."""
+    from oarlock.checkpoint.runtime.live_errors import GENERATED_KEY
     from oarlock.checkpoint.aoa import compile_aoa
     from oarlock.checkpoint.model.mapping import TensorSpec
     from oarlock.utils import dtype_name
@@ -129,8 +135,11 @@ def with_casts(aoa_config: Any, sources: Mapping[str, Any], dtype: str) -> dict[
              if isinstance(v, torch.Tensor)}
     keys = compile_aoa(cfg, specs, None).destination_keys()
     name = dtype_name(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
-    cfg["aoa_statements"] = list(cfg.get("aoa_statements") or []) + [f"{k} -> {k}, dtype='{name}'"
-                                                                     for k in sorted(keys)]
+    statements = list(cfg.get("aoa_statements") or [])
+    start = len(statements)
+    cfg["aoa_statements"] = statements + [f"{k} -> {k}, dtype='{name}'" for k in sorted(keys)]
+    cfg[GENERATED_KEY] = [list(g) for g in cfg.get(GENERATED_KEY) or ()] + \
+        [[start, len(cfg["aoa_statements"]), f"with_casts(dtype={name!r})"]]
     return cfg
 
 
@@ -527,10 +536,12 @@ class OarlockWeightTransferEngine(WeightTransferEngine):
         self.receive_weights(self.parse_update_info(update_info))
 
     def receive_weights(self, update_info: OarlockUpdateInfo) -> None:
-        """One round (collective with the trainer ranks). A failed round marks this worker torn and returns
-        normally: the failure is collective, so every trainer rank raises it, and a worker RPC that raises on
-        several workers leaves vLLM 0.32's multiprocess executor one stale error reply behind per extra worker
-        (its next RPCs would read them), which would break the round that repairs the engine."""
+        """One round (collective with the trainer ranks). A round that fails once bytes move marks this worker
+        torn; one that fails while it is planned (:class:`~oarlock.checkpoint.PlanError`: a shape mismatch, a bad
+        AOA config; no byte moved) leaves the model serving its old weights (and a torn model torn). Either way
+        it returns normally: the failure is collective, so every trainer rank raises it, and a worker RPC that
+        raises on several workers leaves vLLM 0.32's multiprocess executor one stale error reply behind per extra
+        worker (its next RPCs would read them), which would break the round that repairs the engine."""
         if self.refused:
             raise RuntimeError(f"oarlock weight transfer: the sync group did not form: {self.refused}")
         if self.sync is None:
@@ -548,12 +559,21 @@ class OarlockWeightTransferEngine(WeightTransferEngine):
             report = self.sync.run()
             self._land(targets)
         except Exception as e:
-            self._fail(e)
             from vllm.logger import init_logger
 
-            init_logger(__name__).error("oarlock weight transfer: round %s failed on worker %d, which now refuses "
-                                        "to run the model until a sync succeeds: %s", update_info.step, self.rank,
-                                        self.torn_reason)
+            from oarlock.checkpoint.errors import PlanError
+
+            planned = isinstance(e, PlanError)
+            self._fail(e, torn=not planned)
+            reason = f"{type(e).__name__}: {e}".splitlines()[0][:500]
+            if planned:
+                init_logger(__name__).error("oarlock weight transfer: round %s could not be planned (no byte "
+                                            "moved; worker %d keeps its weights%s): %s", update_info.step,
+                                            self.rank, ", which are torn" if self.torn else "", reason)
+            else:
+                init_logger(__name__).error("oarlock weight transfer: round %s failed on worker %d, which now "
+                                            "refuses to run the model until a sync succeeds: %s",
+                                            update_info.step, self.rank, reason)
             return
         finally:
             self._targets.clear()  # the buffers are the parameters' now (or garbage): drop this reference
@@ -585,13 +605,17 @@ class OarlockWeightTransferEngine(WeightTransferEngine):
                 if kernel is not None and module.quant_method.moe_kernel is None:  # not processed: as it was
                     module.quant_method.moe_kernel = kernel
 
-    def _fail(self, error: BaseException) -> None:
-        """A round failed: the model is marked torn (it refuses to run) and vLLM's kernel tensors are put back in
-        place, so that the next round starts from a consistent reload state."""
+    def _fail(self, error: BaseException, torn: bool = True) -> None:
+        """A round failed: vLLM's kernel tensors are put back in place (``finalize_layerwise_reload`` restores
+        the tensors of every layer that received nothing), so that the next round starts from a consistent
+        reload state, and with ``torn`` the model is marked torn (it refuses to run). ``torn=False``: nothing was
+        handed to any layer (a plan-time error), so the model computes with its old weights; its torn state
+        stays as it was."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        self.torn = True
-        self.torn_reason = f"{type(error).__name__}: {error}".splitlines()[0][:500]
+        if torn:
+            self.torn = True
+            self.torn_reason = f"{type(error).__name__}: {error}".splitlines()[0][:500]
         if self._active:
             self._active = False
             try:
@@ -895,9 +919,15 @@ class OarlockTrainerWeightTransferEngine(TrainerWeightTransferEngine):
             this rank's :class:`~oarlock.checkpoint.ReshardReport`.
 
         Raises:
-            CheckpointError: the sync failed (on every rank, workers included; the engine is then torn), or the
-                engine refused to start the round (on every trainer rank; nothing moved).
+            PlanError: the round could not be planned (a shape or dtype mismatch naming the trainer keys, a bad AOA
+                config), on every trainer rank before any byte moved: the engine keeps serving its old weights
+                (not torn). Also an instance of the error's own class (``CheckpointMismatchError``, ...).
+            CheckpointError: the sync failed once bytes moved (on every rank, workers included; the engine is
+                then torn until a later round succeeds), or the engine refused to start the round (on every trainer
+                rank; nothing moved).
         """
+        from oarlock.checkpoint.errors import PlanError
+
         if self.sync is None:
             raise CheckpointError("oarlock vLLM back end: trainer_init did not complete; no sync group")
         self._sources.clear()
@@ -918,19 +948,24 @@ class OarlockTrainerWeightTransferEngine(TrainerWeightTransferEngine):
         exe = ThreadPoolExecutor(max_workers=1)
         try:
             future = exe.submit(self.client.update_weights, asdict(OarlockUpdateInfo(step=step)))
+            was_torn = bool(getattr(self.client, "torn", False))
+            was_reason = str(getattr(self.client, "torn_reason", ""))
             try:
                 report = self.sync.run()
             except BaseException as e:
-                # the workers' part failed too (within the group's timeout): they are torn and refuse to run the
-                # model; the session is closed so that a later round can start
+                # the workers' part failed too (within the group's timeout); the session is closed so that a later
+                # round can start. Once bytes moved they are torn and refuse to run the model; a plan-time error
+                # (PlanError: no byte moved) leaves them serving their old weights, torn only if they were
                 try:
                     future.result(timeout=self.timeout + 60)
                     self.client.finish_weight_update()
                 except Exception:
                     pass
                 mark = getattr(self.client, "mark_torn", None)
-                if mark is not None:
+                if mark is not None and not isinstance(e, PlanError):
                     mark(f"{type(e).__name__}: {e}")
+                elif mark is not None and was_torn:
+                    mark(was_reason)
                 raise
             future.result(timeout=self.timeout + 60)
         finally:
@@ -985,7 +1020,8 @@ class LLMClient:
         self.torn_reason = ""
 
     def mark_torn(self, reason: str) -> None:
-        """Called by the trainer engine when a round failed (after it closed the round)."""
+        """Called by the trainer engine when a round failed once bytes moved (after it closed the round); a round
+        that failed while it was planned (``PlanError``) leaves the torn state as it was."""
         self.torn = True
         self.torn_reason = reason.splitlines()[0][:500] if reason else "unknown"
 
