@@ -87,8 +87,10 @@ SMOKE: dict[str, Smoke] = {
     # every loaded tensor is compared with the saved values in the ranks (an assertion)
     "scale_ranks": Smoke(("--smoke",), ("| load 2 -> 3 ranks, slowest rank (s) |",)),
     "strategy_matrix": Smoke(("--smoke",), ("| **all 2** |",), rows_end=((r"^\| (d2->t2|t2->e2) \|", "| True |"),)),
-    # every method's targets are checked equal to the dense reference slices in the ranks (an assertion)
-    "weight_sync": Smoke(("--smoke",), ("| D WeightSync.run |",)),
+    # every method's targets are compared bit for bit with the dense reference slices after every repetition
+    # (exits 1 otherwise); the two-engine round runs too
+    "weight_sync": Smoke(("--smoke",), ("| D WeightSync.run |", "| D WeightSync.run, 2 engines |"),
+                         rows_end=((r"^Every checked method's targets equal, bit for bit", ": True"),)),
     "zero_adamw": Smoke(("--layers", "1", "--steps", "1"), ("optimizer state per rank:",)),
 }
 
@@ -171,3 +173,19 @@ def test_checkpoint_reshard_check_fails_on_a_corrupted_target(tmp_path):
     assert "in 1 element(s)" in mism[0] and "first at local index [0, 0]" in mism[0], mism
     assert "the correctness check FAILED" in p.stderr
     assert re.search(r"^Every loaded target equal, bit for bit, .*: False$", p.stdout, re.M), p.stdout[-2000:]
+
+
+@pytest.mark.multiproc
+def test_weight_sync_check_fails_on_a_corrupted_target(tmp_path):
+    """weight_sync's check can fail: one bit of one WeightSync target flipped after the first timed run (the hidden
+    ``--self-test-corrupt``) makes the smallest run exit 1, naming the method, the rank and the key."""
+    env = dict(os.environ, TMPDIR=str(tmp_path), OARLOCK_PROGRESS="0", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, str(BENCH / "weight_sync.py"), "--smoke", "--only", "disagg", "--methods", "WeightSync",
+           "--self-test-corrupt"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert p.returncode == 1, (p.returncode, p.stdout[-2000:], p.stderr[-4000:])
+    mism = [ln for ln in p.stderr.splitlines() if ln.startswith("MISMATCH: ")]
+    assert len(mism) == 1, p.stderr[-4000:]
+    assert "D WeightSync.run, repetition 0, rank 2" in mism[0] and "in 1 element(s)" in mism[0], mism
+    assert "key 'layers.0.self_attn.q_proj.weight'" in mism[0], mism
+    assert re.search(r"^Every checked method's targets equal, bit for bit, .*: False$", p.stdout, re.M), p.stdout
