@@ -541,6 +541,16 @@ def summarize(runs: list[dict[str, list[dict]]]) -> list[str]:
                         f"({min(each):.2f}-{max(each):.2f})")
             lines.append(f"| {n} | {statistics.median(meds[n]):.3f} | {_spread(meds[n])} | {ratio(ref)} | "
                          f"{ratio(flo)} |")
+        if config == "two-engines":
+            nbytes = {row["method"]: row["engine_bytes_total"] for row in per_run[0]}
+            for n in names:
+                one = n.replace("2 engines", "1 engine")
+                if n == one or one not in meds:
+                    continue
+                each = [(a / nbytes[n]) / (b / nbytes[one]) for a, b in zip(meds[n], meds[one])]
+                med = (statistics.median(meds[n]) / nbytes[n]) / (statistics.median(meds[one]) / nbytes[one])
+                lines.append(f"{n}: seconds per engine byte x the 1-engine round's = {med:.2f} "
+                             f"(per run {min(each):.2f}-{max(each):.2f})")
     return lines
 
 
