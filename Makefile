@@ -1,5 +1,5 @@
 # The two set-up-and-go commands of README.md.
-.PHONY: setup setup-tests setup-vllm demo test
+.PHONY: setup setup-tests demo test
 VENV := .venv
 
 # .venv with oarlock and what the demo needs (scripts/setup.sh)
@@ -10,15 +10,17 @@ setup:
 setup-tests: setup
 	@bash scripts/setup_tests.sh
 
-# .vllm-venv: vLLM for CPU, the RL phase's rollout engine (scripts/vllm_env.sh; its own venv, see docs/vllm.md)
-setup-vllm:
-	@bash scripts/vllm_env.sh
-
 # The main job: fine-tune SmolLM2-135M in layout A (DP2, ZeRO-1), resume in layout B (TP3), export to HF, then
-# serve the export in vLLM and reinforce it with GRPO, the weights synced into the engine every step.
-demo: setup setup-vllm
+# serve the export in vLLM and reinforce it with GRPO, the weights synced into the engine every step. .vllm-venv
+# is built while the file phases run (a first run saves the two minutes of its install); the RL phase waits for
+# the exit status the set-up writes.
+VLLM_SETUP := $(CURDIR)/.cache/setup-logs/vllm-demo
+demo: setup
+	@mkdir -p $(dir $(VLLM_SETUP)) && rm -f $(VLLM_SETUP).rc
+	@(bash scripts/vllm_env.sh > $(VLLM_SETUP).log 2>&1; echo $$? > $(VLLM_SETUP).tmp; mv $(VLLM_SETUP).tmp $(VLLM_SETUP).rc) & \
+	OARLOCK_VLLM_SETUP_RC=$(VLLM_SETUP).rc OARLOCK_VLLM_SETUP_LOG=$(VLLM_SETUP).log \
 	OARLOCK_CACHE=$${OARLOCK_CACHE:-$(CURDIR)/.cache} OARLOCK_VLLM_PYTHON=$(CURDIR)/.vllm-venv/bin/python \
-		$(VENV)/bin/oarlock demo $(ARGS)
+		$(VENV)/bin/oarlock demo $(ARGS); rc=$$?; wait; exit $$rc
 
 test: setup-tests
 	$(VENV)/bin/python -m pytest -n 2 $(PYTEST_ARGS)

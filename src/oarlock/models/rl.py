@@ -497,7 +497,11 @@ def trainer_main(rank: int, config_path: str) -> int:
 
 def vllm_python() -> str:
     """An interpreter with vLLM: ``$OARLOCK_VLLM_PYTHON``, this one when it imports vLLM, or the clone's
-    ``.vllm-venv`` (``scripts/vllm_env.sh``). Raises :class:`ModelError` saying how to get one."""
+    ``.vllm-venv`` (``scripts/vllm_env.sh``). Raises :class:`ModelError` saying how to get one.
+
+    ``make demo`` builds ``.vllm-venv`` while the file phases run and names a file that receives the set-up's exit
+    status in ``OARLOCK_VLLM_SETUP_RC`` (its log in ``OARLOCK_VLLM_SETUP_LOG``): this waits for it."""
+    _wait_for_setup()
     env = os.environ.get("OARLOCK_VLLM_PYTHON")
     if env:
         if not os.access(env, os.X_OK):
@@ -514,6 +518,26 @@ def vllm_python() -> str:
     raise ModelError("demo: the RL phase needs vLLM: run `bash scripts/vllm_env.sh` in the clone (builds "
                      ".vllm-venv), or set OARLOCK_VLLM_PYTHON to a Python with vllm (pip install 'oarlock[vllm]'); "
                      "--rl-steps 0 skips the phase")
+
+
+def _wait_for_setup() -> None:
+    rc_file = os.environ.get("OARLOCK_VLLM_SETUP_RC")
+    if not rc_file:
+        return
+    log = os.environ.get("OARLOCK_VLLM_SETUP_LOG", "")
+    rc_path = Path(rc_file)
+    if not rc_path.is_file():
+        print(f"[demo] waiting for the vLLM set-up (scripts/vllm_env.sh{', log: ' + log if log else ''})", flush=True)
+        t0 = time.monotonic()
+        while not rc_path.is_file():
+            if time.monotonic() - t0 > 1800:
+                raise ModelError(f"demo: the vLLM set-up did not finish in 30 minutes (log: {log})")
+            time.sleep(1)
+    code = rc_path.read_text().strip()
+    if code != "0":
+        tail = "\n".join(Path(log).read_text(errors="replace").splitlines()[-15:]) if log and Path(log).is_file() else ""
+        raise ModelError(f"demo: the vLLM set-up (scripts/vllm_env.sh) failed with exit status {code} (log: {log})"
+                         + (f"; its last lines:\n{tail}" if tail else ""))
 
 
 def _free_port() -> int:
