@@ -72,7 +72,10 @@ SMOKE: dict[str, Smoke] = {
     # Megatron-Core is what this benchmark exists for: without .foreign-venv the test skips naming it; with it, the
     # Megatron part must run (never "skipped") and every load of both libraries equal the saved values
     "megatron": Smoke(("--smoke",),
-                      ("| operation | Megatron-Core median s |", "both libraries, every rank: True"),
+                      ("| operation | Megatron-Core median s (min-max) |",
+                       "| operation | Megatron-Core default median s (min-max) | Megatron-Core fully parallel median s",
+                       "| save, --ckpt-assume-constant-structure (cached, not validated) |",
+                       "both libraries, every rank: True"),
                       needs_paths=(".foreign-venv/bin/python",), forbid=("Megatron-Core: skipped",)),
     "memory_fragmentation": Smoke(("--smoke",), ("| trace | peak alloc |",)),
     "memory_gpu": Smoke(("--scale", "0.25"), ("| caching |", "| expandable |", "| remap |"), needs_cuda=True),
