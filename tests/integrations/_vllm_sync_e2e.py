@@ -20,38 +20,9 @@ import traceback
 import torch
 import torch.distributed as dist
 
-PROMPTS = [[5, 17, 99, 200, 3], [7, 8, 9], [300, 301, 302, 303, 304, 305, 306]]
-NEW_TOKENS = 6
+from _vllm_e2e import PROMPTS, hf_outputs, vllm_outputs  # the same probes as the dense test
+
 TP = 2
-
-
-def vllm_outputs(generate, prompts):
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    sp = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=0, detokenize=False, ignore_eos=True)
-    outs = generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
-    tokens, logprobs = [], []
-    for o in outs:
-        c = o.outputs[0]
-        tokens.append(list(c.token_ids))
-        logprobs.append([step[t].logprob for t, step in zip(c.token_ids, c.logprobs)])
-    return {"tokens": tokens, "logprobs": logprobs}
-
-
-def hf_outputs(model, prompts):
-    """Greedy decoding by transformers, with the log-softmax of the raw logits of each chosen token."""
-    tokens, logprobs = [], []
-    with torch.no_grad():
-        for p in prompts:
-            out = model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                                 do_sample=False, output_logits=True, return_dict_in_generate=True,
-                                 eos_token_id=None, pad_token_id=0)
-            new = out.sequences[0, len(p):].tolist()
-            lp = [torch.log_softmax(step[0].double(), -1)[t].item() for t, step in zip(new, out.logits)]
-            tokens.append(new)
-            logprobs.append(lp)
-    return {"tokens": tokens, "logprobs": logprobs}
 
 
 def worker_params(worker):

