@@ -466,6 +466,7 @@ class OarlockWeightTransferEngine(WeightTransferEngine):
         self.last_report: Any = None
         self.target_bytes = 0
         self.rounds = 0
+        self._rank_offset = 0
         self._targets: dict[str, Any] = {}  # the same dict every round: WeightSync re-reads it, its plan is kept
         # tied parameters under each name: on CPU each layer packs its own copy (a tied lm_head too), so each
         # must be loaded and processed; the vllm_* presets fan the embedding out to lm_head for tied models
@@ -502,6 +503,7 @@ class OarlockWeightTransferEngine(WeightTransferEngine):
 
         problem, self._init_problem = self._init_problem, None
         self.rank = init_info.rank_offset + _engine_rank(self.parallel_config)
+        self._rank_offset = int(init_info.rank_offset)
         self.refused = ""
         self.group = join_group(init_info.host, int(init_info.port), int(init_info.world_size), self.rank,
                                 backend=init_info.comm_backend, timeout=float(init_info.timeout),
@@ -557,30 +559,43 @@ class OarlockWeightTransferEngine(WeightTransferEngine):
             self._targets.update(sharded)
             self.target_bytes = _target_bytes(sharded)
             report = self.sync.run()
-            self._land(targets)
         except Exception as e:
-            from vllm.logger import init_logger
-
-            from oarlock.checkpoint.errors import PlanError
-
-            planned = isinstance(e, PlanError)
-            self._fail(e, torn=not planned)
-            reason = f"{type(e).__name__}: {e}".splitlines()[0][:500]
-            if planned:
-                init_logger(__name__).error("oarlock weight transfer: round %s could not be planned (no byte "
-                                            "moved; worker %d keeps its weights%s): %s", update_info.step,
-                                            self.rank, ", which are torn" if self.torn else "", reason)
-            else:
-                init_logger(__name__).error("oarlock weight transfer: round %s failed on worker %d, which now "
-                                            "refuses to run the model until a sync succeeds: %s",
-                                            update_info.step, self.rank, reason)
+            self._targets.clear()
+            self._round_failed(e, update_info.step)
             return
+        try:
+            self._land(targets)
+        except Exception as e:  # the bytes arrived, vLLM's loading failed: torn; the trainer learns it below
+            landed: Exception | None = e
+        else:
+            landed = None
         finally:
             self._targets.clear()  # the buffers are the parameters' now (or garbage): drop this reference
         self.last_report = report
         self.rounds += 1
-        self.torn = False
-        self.torn_reason = ""
+        if landed is None:
+            self.torn = False
+            self.torn_reason = ""
+        else:
+            self._round_failed(landed, update_info.step)
+        # every member's state to every member (the trainer's ``worker_states``; it raises if a worker is torn)
+        _exchange_states(self.group, self.state())
+
+    def _round_failed(self, error: Exception, step: int | None) -> None:
+        from vllm.logger import init_logger
+
+        from oarlock.checkpoint.errors import PlanError
+
+        planned = isinstance(error, PlanError)
+        self._fail(error, torn=not planned)
+        reason = f"{type(error).__name__}: {error}".splitlines()[0][:500]
+        if planned:
+            init_logger(__name__).error("oarlock weight transfer: round %s could not be planned (no byte moved; "
+                                        "worker %d keeps its weights%s): %s", step, self.rank,
+                                        ", which are torn" if self.torn else "", reason)
+        else:
+            init_logger(__name__).error("oarlock weight transfer: round %s failed on worker %d, which now refuses "
+                                        "to run the model until a sync succeeds: %s", step, self.rank, reason)
 
     def _land(self, targets: list[_Target]) -> None:
         """Hand every buffer to its parameter through vLLM's layer-wise loading (a layer is processed once all of
@@ -631,9 +646,12 @@ class OarlockWeightTransferEngine(WeightTransferEngine):
             finalize_layerwise_reload(self.model, self.model_config)
 
     def state(self) -> dict[str, Any]:
-        """This worker's view, for :func:`worker_states`."""
+        """This worker's view, for :func:`worker_states` and the trainer's ``worker_states``."""
         rep = self.last_report
-        return {"rank": self.rank, "torn": self.torn, "torn_reason": self.torn_reason, "refused": self.refused,
+        pc = self.parallel_config
+        return {"rank": self.rank, "engine_rank": self.rank - self._rank_offset if self.rank >= 0 else None,
+                "data_parallel_index": int(getattr(pc, "data_parallel_index", 0) or 0),
+                "torn": self.torn, "torn_reason": self.torn_reason, "refused": self.refused,
                 "rounds": self.rounds,
                 "target_bytes": self.target_bytes,
                 "report": None if rep is None else {k: v for k, v in asdict(rep).items()}}
@@ -659,6 +677,14 @@ def _refusal_target(rank: int, error: BaseException) -> dict[str, Any]:
     return {f"<vLLM worker {rank} cannot receive: {reason}>": torch.zeros(1)}
 
 
+def _exchange_states(group: Any, state: dict[str, Any] | None) -> list[Any]:
+    """Collective over the sync group after a round whose bytes all arrived: every worker's :meth:`state` (trainer
+    ranks give None) to every member."""
+    from oarlock.checkpoint.runtime.transfer import PeerDistWrapper
+
+    return PeerDistWrapper(group).all_gather_object(state)
+
+
 def _agree(group: Any, problem: str | None, trainer_world_size: int) -> list[str]:
     """Collective over the sync group (trainer ranks and workers, right after they joined): every member says
     whether it can take part (``problem``: None, or why not). Returns every member's reason (empty: all can)."""
@@ -675,8 +701,14 @@ def _worker_state(worker: Any) -> dict[str, Any]:
 
 
 def worker_states(llm: Any) -> list[dict[str, Any]]:
-    """Each worker's state of an offline ``vllm.LLM`` built with the ``oarlock`` back end: its joint-group rank,
-    ``torn``, the bytes of its targets and its last :class:`~oarlock.checkpoint.ReshardReport` (as a dict)."""
+    """Each worker's state of an offline ``vllm.LLM`` built with the ``oarlock`` back end, one dict per worker:
+    ``rank`` (its joint-group rank), ``engine_rank`` (its rank among the engine's workers, data-parallel replicas
+    one after the other), ``data_parallel_index``, ``torn`` and ``torn_reason``, ``refused`` (why the sync group did
+    not form, else ``""``), ``rounds`` (rounds it took part in whose bytes arrived), ``target_bytes`` (the bytes of
+    its slices) and ``report``, its last :class:`~oarlock.checkpoint.ReshardReport` as a dict (None before the
+    first round). It calls a function on the workers, which vLLM allows only with
+    ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``; the trainer engine's ``worker_states`` attribute has the same dicts
+    after each round, with any client."""
     return llm.collective_rpc(_worker_state)
 
 
@@ -833,6 +865,9 @@ class OarlockTrainerWeightTransferEngine(TrainerWeightTransferEngine):
 
     Attributes:
         last_report: this rank's :class:`~oarlock.checkpoint.ReshardReport` of the last round.
+        worker_states: after each round that succeeded, every worker's state (one dict per worker, in joint-rank
+            order, the fields of :func:`worker_states`), gathered over the sync group: it works with any client
+            (an HTTP server, data-parallel replicas), on every trainer rank.
         sync: the :class:`~oarlock.checkpoint.WeightSync` (``plan_reused``, ``torn``).
     """
 
@@ -843,6 +878,7 @@ class OarlockTrainerWeightTransferEngine(TrainerWeightTransferEngine):
         self.group: Any = None
         self.sync: Any = None
         self.last_report: Any = None
+        self.worker_states: list[dict[str, Any]] = []
         self.timeout = 300.0
         self._read: Callable[[], Mapping[str, Any]] = _source_mapping(source)
         self._sources: dict[str, Any] = {}
@@ -923,8 +959,9 @@ class OarlockTrainerWeightTransferEngine(TrainerWeightTransferEngine):
                 config), on every trainer rank before any byte moved: the engine keeps serving its old weights
                 (not torn). Also an instance of the error's own class (``CheckpointMismatchError``, ...).
             CheckpointError: the sync failed once bytes moved (on every rank, workers included; the engine is
-                then torn until a later round succeeds), or the engine refused to start the round (on every trainer
-                rank; nothing moved).
+                then torn until a later round succeeds), the bytes arrived but a worker could not load them (torn,
+                naming the worker), or the engine refused to start the round (on every trainer rank; nothing
+                moved).
         """
         from oarlock.checkpoint.errors import PlanError
 
@@ -936,8 +973,9 @@ class OarlockTrainerWeightTransferEngine(TrainerWeightTransferEngine):
             refusal = _recv_go(self.group)
             if refusal:
                 raise CheckpointError(f"oarlock vLLM back end: the engine refused to start the round: {refusal}")
-            self.last_report = self.sync.run()
-            return self.last_report
+            report = self.sync.run()
+            self._landed(_exchange_states(self.group, None), report)
+            return report
         try:
             self.client.start_weight_update()
         except Exception as e:
@@ -952,6 +990,7 @@ class OarlockTrainerWeightTransferEngine(TrainerWeightTransferEngine):
             was_reason = str(getattr(self.client, "torn_reason", ""))
             try:
                 report = self.sync.run()
+                states = _exchange_states(self.group, None)
             except BaseException as e:
                 # the workers' part failed too (within the group's timeout); the session is closed so that a later
                 # round can start. Once bytes moved they are torn and refuse to run the model; a plan-time error
@@ -971,8 +1010,22 @@ class OarlockTrainerWeightTransferEngine(TrainerWeightTransferEngine):
         finally:
             exe.shutdown(wait=False)
         self.client.finish_weight_update()
-        self.last_report = report
+        self._landed(states, report)
         return report
+
+    def _landed(self, states: list[Any], report: Any) -> None:
+        """After a round whose bytes all arrived: keep every worker's state (``worker_states``) and raise on every
+        trainer rank if a worker could not load what it received (it is torn; rank 0 marks the client torn)."""
+        self.worker_states = [s for s in states[self._trainers:] if s is not None]
+        self.last_report = report
+        torn = [f"vLLM worker {s['rank']}: {s['torn_reason']}" for s in self.worker_states if s.get("torn")]
+        if torn:
+            reason = "; ".join(torn)
+            mark = getattr(self.client, "mark_torn", None) if self.is_sender else None
+            if mark is not None:
+                mark(reason)
+            raise CheckpointError(f"oarlock vLLM back end: the bytes arrived but the engine could not load them "
+                                  f"(its weights are torn until a later round succeeds): {reason}")
 
     def shutdown(self) -> None:
         if self.group is not None:
