@@ -1024,8 +1024,10 @@ class OarlockTrainerWeightTransferEngine(TrainerWeightTransferEngine):
             mark = getattr(self.client, "mark_torn", None) if self.is_sender else None
             if mark is not None:
                 mark(reason)
-            raise CheckpointError(f"oarlock vLLM back end: the bytes arrived but the engine could not load them "
+            err = CheckpointError(f"oarlock vLLM back end: the bytes arrived but the engine could not load them "
                                   f"(its weights are torn until a later round succeeds): {reason}")
+            err.phase = "transfer"  # type: ignore[attr-defined]
+            raise err
 
     def shutdown(self) -> None:
         if self.group is not None:
