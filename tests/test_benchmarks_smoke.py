@@ -63,8 +63,12 @@ SMOKE: dict[str, Smoke] = {
                                            "round trips equal to the original: oarlock TP=3 -> HF, oarlock TP=3 -> "
                                            "HF no-verify, torch-only TP=3 -> HF, torch-only+fsync TP=3 -> HF"),
                              needs=("transformers",)),
-    # the two routes' outputs are compared tensor by tensor before the table is printed (an assertion)
-    "convert_tp": Smoke(("--tiny",), ("| oarlock |", "keys' shards equal the source boxes")),
+    # every step's output is compared tensor by tensor with the source before the table is printed (assertions);
+    # the three pairings (as shipped, equal work with and without checksums) are printed
+    "convert_tp": Smoke(("--tiny", "--repeat", "1"),
+                        ("| oarlock |", "| oarlock, no checksums |", "| torch script + checksums |",
+                         "| oarlock / torch script + checksums: equal work, with checksums |",
+                         "keys' shards equal the source boxes")),
     "dcp_to_hf": Smoke(("--quick", "--reps", "1"), ("oarlock / dcp: time x",), needs=("transformers",)),
     "debug_overhead": Smoke(("--rounds", "1", "--dim", "32", "--seq", "16", "--batch", "1"), ("plain step",)),
     "flashmask_cpu": Smoke(("--seqlens", "256", "--reps", "1", "--no-flex", "--no-write"), ("| ",)),
