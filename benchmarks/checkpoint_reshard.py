@@ -524,6 +524,8 @@ def main(argv=None) -> int:
         args.reps = args.save_reps = 1
     import torch.multiprocessing as mp
 
+    load_start = " / ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"Load average (1/5/15 min) at the start of the run: {load_start}", flush=True)
     scratch = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="oarlock-bench-"))
     scratch.mkdir(parents=True, exist_ok=True)
     with socket.socket() as s:
@@ -654,7 +656,8 @@ def main(argv=None) -> int:
         for case, o, d, note_ in planner_benchmark():
             plan.append(f"| {case} | {o:.2f} | {d:.2f} | {o / d:.2f} | {note_} |")
     load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
-    text = "\n".join([f"Load average (1/5/15 min) at the end of the run: {load} on {os.cpu_count()} cores", ""]
+    text = "\n".join([f"Load average (1/5/15 min) at the start of the run: {load_start}, at the end: {load} on "
+                      f"{os.cpu_count()} cores", ""]
                      + lines + ["", verdict, ""]
                      + goals + ["Where the time goes (seconds; phases from `LoadReport.phases`, the slowest rank's "
                                 "median; CPU time and faults of that rank's process):", ""]

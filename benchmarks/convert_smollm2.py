@@ -219,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="one run per step (checks the script works)")
     ap.add_argument("--tiny", action="store_true", help="a random 2-layer model, one run per step: a smoke run")
     args = ap.parse_args(argv)
+    load_start = " / ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"Load average (1/5/15 min) at the start of the run: {load_start}", flush=True)
     if args.quick or args.tiny:
         args.repeat = 1
 
@@ -310,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     nv = best["oarlock TP=3 -> HF no-verify"][1]
     load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
     table = "\n".join([
-        f"Load average (1/5/15 min) at the end of the run: {load} on {os.cpu_count()} cores. Checksum verification "
+        f"Load average (1/5/15 min) at the start of the run: {load_start}, at the end: {load} on {os.cpu_count()} "
+        "cores. Checksum verification "
         f"of the TP=3 source: {best['oarlock TP=3 -> HF'][1]:.2f} s with, {nv:.2f} s without "
         f"({best['oarlock TP=3 -> HF'][1] / nv:.2f}x).",
         "",
