@@ -396,8 +396,6 @@ class _Trainer:
     def run(self) -> None:
         import torch.distributed as dist
 
-        from oarlock.integrations.vllm import worker_states
-
         s = self.s
         if self.rank == 0:
             self.start_engine()
@@ -431,8 +429,8 @@ class _Trainer:
                    batch["completion_tokens"], "slice_bytes": slice_bytes}
             sent, = _all_reduce([float(self.sync.last_report.bytes_sent if synced else 0)], dist.ReduceOp.SUM)
             rec["bytes_sent_by_trainers"] = int(sent)
-            if self.rank == 0:
-                states = sorted(worker_states(self.llm), key=lambda w: w["rank"])
+            if self.rank == 0:  # every worker's report of the round, gathered over the sync group by the back end
+                states = self.sync.worker_states
                 rec["bytes_received"] = [int(w["report"]["bytes_received"]) if synced and w["report"] else 0
                                          for w in states]
                 self.result["steps"].append(rec)
@@ -575,7 +573,6 @@ def run_rl_phase(settings: RLSettings, model_dir: Path, out: Path, *, prompt: st
 
     env = {**os.environ, "OARLOCK_SYNC_TOKEN": secrets.token_hex(16),  # only these processes may join the sync
            "VLLM_CPU_OMP_THREADS_BIND": _core_binding(settings.engine_tp),
-           "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # worker_states: a function run on the workers, our own
            "VLLM_CONFIGURE_LOGGING": "0", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
     procs, logs = [], []
