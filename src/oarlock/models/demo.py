@@ -28,7 +28,6 @@ import json
 import math
 import os
 import socket
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -702,10 +701,13 @@ def format_rl(rl: dict, prompt: str) -> list[str]:
         last = sum(x["reward_mean"] for x in steps[-k:]) / k
         lines.append(f"    reward, mean of the first {k} steps {first:.3f} -> last {k} {last:.3f} "
                      f"(margin {last - first:+.3f})")
-    shares = [x["sync_seconds"] / x["step_seconds"] for x in steps if x["synced"]]
-    if shares:
-        lines.append(f"    sync share of a step: {100 * min(shares):.1f}-{100 * max(shares):.1f}% (median "
-                     f"{100 * sorted(shares)[len(shares) // 2]:.1f}%)")
+    synced = [x for x in steps if x["synced"]]
+    if synced:
+        first, rest = synced[0], [x["sync_seconds"] / x["step_seconds"] for x in synced[1:]]
+        lines.append(f"    sync share of a step: {100 * first['sync_seconds'] / first['step_seconds']:.1f}% at step "
+                     f"{first['step']} (which includes the one-time plan, {first.get('sync_plan_seconds', 0):.2f} s)"
+                     + (f", {100 * min(rest):.1f}-{100 * max(rest):.1f}% after it (median "
+                        f"{100 * sorted(rest)[len(rest) // 2]:.1f}%)" if rest else ""))
     exact = all(x["bytes_received"] == x["slice_bytes"] for x in steps if x["synced"])
     lines.append(f"    bytes: each engine worker received {'exactly its slice' if exact else 'NOT its slice'} of the "
                  "model at every sync")

@@ -59,6 +59,10 @@ PROMPTS = (
 )
 
 
+#: The system message of the RL prompts (chat models only).
+SYSTEM = "Be brief."
+
+
 def reward(text: str) -> float:
     """The demo's verifiable reward (:data:`REWARD`) of one decoded completion: a float in [0, 1]."""
     text = text.strip()
@@ -70,7 +74,7 @@ class RLSettings:
     """Settings of the RL phase (``oarlock demo --rl-*`` flags map one to one)."""
 
     steps: int = 8
-    prompts_per_step: int = 4
+    prompts_per_step: int = 3
     group_size: int = 8
     max_new_tokens: int = 24
     lr: float | None = None  # AdamW learning rate; None: 2e-5 for a real model, 5e-3 for --tiny's random one
@@ -166,7 +170,10 @@ def _tokenizer(model_dir: str, tiny: bool) -> Any:
 def _prompt_ids(tok: Any, text: str, tiny: bool) -> list[int]:
     if tiny:
         return tok.encode(text)
-    chat = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    # a short system message: the template's default one (about 20 tokens) would be most of every sequence the
+    # trainer runs, and the trainer's work grows with every token
+    chat = tok.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}],
+                                   tokenize=False, add_generation_prompt=True)
     return [int(t) for t in tok(chat, add_special_tokens=False).input_ids]
 
 
@@ -429,6 +436,8 @@ class _Trainer:
                    batch["completion_tokens"], "slice_bytes": slice_bytes}
             sent, = _all_reduce([float(self.sync.last_report.bytes_sent if synced else 0)], dist.ReduceOp.SUM)
             rec["bytes_sent_by_trainers"] = int(sent)
+            # the first sync also plans (describes both sides, agrees, plans); later ones replay the plan
+            rec["sync_plan_seconds"] = float(self.sync.last_report.plan_seconds) if synced else 0.0
             if self.rank == 0:  # every worker's report of the round, gathered over the sync group by the back end
                 states = self.sync.worker_states
                 rec["bytes_received"] = [int(w["report"]["bytes_received"]) if synced and w["report"] else 0
@@ -577,6 +586,12 @@ def run_rl_phase(settings: RLSettings, model_dir: Path, out: Path, *, prompt: st
            "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
     procs, logs = [], []
     t0 = time.monotonic()
+    import threading
+
+    # the ranks run in sessions of their own (so that their vLLM processes can be killed with them): a SIGTERM to
+    # this driver must still reach the clean-up below, which Python's default handler would skip
+    main_thread = threading.current_thread() is threading.main_thread()
+    old_term = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143)) if main_thread else None
     try:
         for rank in range(TRAINER_RANKS):
             log = open(out / f"rl-rank{rank}.log", "w")
@@ -598,6 +613,8 @@ def run_rl_phase(settings: RLSettings, model_dir: Path, out: Path, *, prompt: st
                 p.wait()
         for log in logs:
             log.close()
+        if main_thread:
+            signal.signal(signal.SIGTERM, old_term)
     errors = [(out / f"rl-error-{r}.txt") for r in range(TRAINER_RANKS)]
     for e in errors:
         if e.is_file():
