@@ -145,3 +145,15 @@ def stdlib_corpus(tokenize: Callable[[str], list[int]], eos_id: int, seq_len: in
     held = [tokenize(d) + [eos_id] for i, d in enumerate(docs) if i % every == 0]
     return (PackedBatch(*pack_documents(train, seq_len, pad_id=eos_id)),
             PackedBatch(*pack_documents(held, seq_len, pad_id=eos_id)))
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens 0..255, end-of-sequence 256. Used by ``--tiny``."""
+
+    eos_token_id = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")

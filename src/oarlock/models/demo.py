@@ -37,6 +37,7 @@ import torch
 
 from oarlock.attention import CP_METHODS, DEFAULT_CP_METHOD
 from oarlock.models.errors import ModelError
+from oarlock.models.data import ByteTokenizer
 from oarlock.models.llama import LlamaConfig
 from oarlock.models.rl import RLSettings
 
@@ -78,19 +79,7 @@ class DemoSettings:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Tokenisers: SmolLM2's for the real model, bytes for --tiny (no download, no 30 s conversion).
-class ByteTokenizer:
-    """UTF-8 bytes as tokens 0..255, end-of-sequence 256. Used by ``--tiny``."""
-
-    eos_token_id = 256
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: list[int]) -> str:
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
-
-
+# The tiny model (--tiny): no download, no 30 s conversion.
 def _tiny_hf_dir(cache: Path, seed: int) -> Path:
     """A random tiny HF Llama (tied embeddings, GQA 6/3 heads of 32 dimensions: the smallest head vLLM's CPU
     attention takes) saved once under ``cache``."""

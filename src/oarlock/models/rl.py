@@ -91,13 +91,13 @@ class RLSettings:
         for name in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "minibatches", "engine_tp"):
             if getattr(self, name) < 1:
                 raise ModelError(f"demo: --rl-{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.group_size < 2:
+            raise ModelError("demo: --rl-group-size must be >= 2 (advantages are normalised within a group)")
         n = self.prompts_per_step * self.group_size
         if n % (TRAINER_RANKS * self.minibatches):
             raise ModelError(f"demo: the {n} completions of a step ({self.prompts_per_step} prompts x "
                              f"{self.group_size}) do not split into {self.minibatches} minibatches on "
                              f"{TRAINER_RANKS} trainer ranks")
-        if self.group_size < 2:
-            raise ModelError("demo: --rl-group-size must be >= 2 (advantages are normalised within a group)")
         if not self.bound > 0:
             raise ModelError(f"demo: --rl-bound must be > 0, got {self.bound}")
 
@@ -159,7 +159,7 @@ def _log(rank: int, msg: str) -> None:
 
 def _tokenizer(model_dir: str, tiny: bool) -> Any:
     if tiny:
-        from oarlock.models.demo import ByteTokenizer
+        from oarlock.models.data import ByteTokenizer
 
         return ByteTokenizer()
     from transformers import AutoTokenizer
