@@ -40,12 +40,12 @@ def vllm_outputs(generate, prompts):
     return {"tokens": tokens, "logprobs": logprobs}
 
 
-def hf_outputs(model, prompts):
+def hf_outputs(model, prompts, new_tokens=NEW_TOKENS):
     """Greedy decoding by transformers, with the log-softmax of the raw logits of each chosen token."""
     tokens, logprobs = [], []
     with torch.no_grad():
         for p in prompts:
-            out = model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+            out = model.generate(torch.tensor([p]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                  do_sample=False, output_logits=True, return_dict_in_generate=True,
                                  eos_token_id=None, pad_token_id=0)
             new = out.sequences[0, len(p):].tolist()
@@ -53,6 +53,32 @@ def hf_outputs(model, prompts):
             tokens.append(new)
             logprobs.append(lp)
     return {"tokens": tokens, "logprobs": logprobs}
+
+
+def fsdp2_step(model_cls, model_dir, rank, res):
+    """One FSDP2 training step of ``model_cls`` loaded from ``model_dir`` on the 2 gloo ranks (each rank its own
+    random batch); returns the model and its HF parameter shapes, records the loss, placements and time."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    t1 = time.perf_counter()
+    model = model_cls.from_pretrained(model_dir, dtype=torch.float32)
+    shapes = {n: list(p.shape) for n, p in model.named_parameters()}
+    mesh = init_device_mesh("cpu", (2,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(100 + rank)
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=g)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    res["loss"] = loss.item()
+    res["fsdp_placements"] = sorted({str(p.placements) for p in model.parameters()})
+    res["times"]["train_step"] = time.perf_counter() - t1
+    return model, shapes
 
 
 def main() -> None:
@@ -86,27 +112,12 @@ def main() -> None:
         res["before"] = vllm_outputs(client.generate, PROMPTS)
 
     # -- one FSDP2 training step on 2 gloo ranks
-    t1 = time.perf_counter()
-    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    shapes = {n: list(p.shape) for n, p in model.named_parameters()}
-    mesh = init_device_mesh("cpu", (2,))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    g = torch.Generator().manual_seed(100 + rank)  # each rank its own batch
-    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=g)
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    res["loss"] = loss.item()
-    res["fsdp_placements"] = sorted({str(p.placements) for p in model.parameters()})
-    res["times"]["train_step"] = time.perf_counter() - t1
+    model, shapes = fsdp2_step(LlamaForCausalLM, model_dir, rank, res)
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
     # -- a trainer of another size (intermediate_size 768, the engine's is 512): the round cannot be planned
     wrong = LlamaForCausalLM(LlamaConfig(**{**model.config.to_dict(), "intermediate_size": 768}))
+    mesh = init_device_mesh("cpu", (2,))
     for layer in wrong.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(wrong, mesh=mesh)

@@ -64,3 +64,23 @@ def run_trainer_ranks(script: Path, args: list[str], tmp_path: Path, out: Path, 
     res = json.loads(out.read_text())
     res["seconds"] = seconds
     return res
+
+
+def tiny_llama_dir(cache_dir: Path) -> Path:
+    """A random Llama (hidden 256, 2 layers, 8 heads, 4 KV heads, vocabulary 512, untied lm_head) saved once. With
+    4 KV heads over TP=2, vLLM's per-rank [q_r; k_r; v_r] rows differ from a per-KV-group order, so a wrong fused
+    layout shows."""
+    d = cache_dir / "vllm-tiny-llama-v2"
+    if not (d / "model.safetensors").is_file():
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                          num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
+                          tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+        tmp = d.with_name(d.name + f".partial-{os.getpid()}")
+        LlamaForCausalLM(cfg).float().save_pretrained(tmp)
+        if not d.exists():
+            os.replace(tmp, d)
+    return d

@@ -30,8 +30,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-PROMPTS = [[5, 17, 99, 200, 3], [7, 8, 9], [300, 301, 302, 303, 304, 305, 306]]
-NEW_TOKENS = 6
+from _vllm_e2e import NEW_TOKENS, PROMPTS, hf_outputs  # the probes of the offline test
 LONG_TOKENS = 40
 IN_FLIGHT_TOKENS = 240  # long enough to be still running when the pause comes (most likely)
 
@@ -86,21 +85,6 @@ def replica_outputs(base, model, replicas):
         after = prompt_tokens(base)
         counted[r] = {e: after.get(e, 0.0) - before.get(e, 0.0) for e in after}
     return outs, counted
-
-
-def hf_outputs(model, prompts, new_tokens=NEW_TOKENS):
-    """Greedy decoding by transformers, with the log-softmax of the raw logits of each chosen token."""
-    tokens, logprobs = [], []
-    with torch.no_grad():
-        for p in prompts:
-            out = model.generate(torch.tensor([p]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                 do_sample=False, output_logits=True, return_dict_in_generate=True,
-                                 eos_token_id=None, pad_token_id=0)
-            new = out.sequences[0, len(p):].tolist()
-            lp = [torch.log_softmax(step[0].double(), -1)[t].item() for t, step in zip(new, out.logits)]
-            tokens.append(new)
-            logprobs.append(lp)
-    return {"tokens": tokens, "logprobs": logprobs}
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from _vllm_e2e import PROMPTS, hf_outputs, vllm_outputs  # the same probes as the dense test
+from _vllm_e2e import PROMPTS, fsdp2_step, hf_outputs, vllm_outputs  # the same probes as the dense test
 
 TP = 2
 
@@ -66,8 +66,6 @@ def main() -> None:
     refusal_port = int(sys.argv[6]) if len(sys.argv) > 6 else None
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{tport}", rank=rank, world_size=2)
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
 
     from oarlock.integrations.vllm import LLMClient, OarlockTrainerInitInfo, register, worker_states
@@ -89,23 +87,7 @@ def main() -> None:
         res["worker_params"] = llm.collective_rpc(worker_params)
 
     # -- one FSDP2 training step on 2 gloo ranks
-    t1 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    shapes = {n: list(p.shape) for n, p in model.named_parameters()}
-    mesh = init_device_mesh("cpu", (2,))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    g = torch.Generator().manual_seed(100 + rank)  # each rank its own batch
-    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=g)
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    res["loss"] = loss.item()
-    res["fsdp_placements"] = sorted({str(p.placements) for p in model.parameters()})
-    res["times"]["train_step"] = time.perf_counter() - t1
+    model, shapes = fsdp2_step(AutoModelForCausalLM, model_dir, rank, res)
 
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 

@@ -17,11 +17,10 @@ plan-time error while the engine is torn leaves it torn.
 
 import json
 import math
-import os
 from pathlib import Path
 
 import pytest
-from _vllm_launch import SKIP_REASON, VPY, free_port, run_trainer_ranks
+from _vllm_launch import SKIP_REASON, VPY, free_port, run_trainer_ranks, tiny_llama_dir
 
 SCRIPT = Path(__file__).with_name("_vllm_e2e.py")
 LIMIT_S = 600
@@ -30,23 +29,7 @@ pytestmark = pytest.mark.skipif(not VPY.is_file(), reason=SKIP_REASON)
 
 @pytest.fixture(scope="module")
 def tiny_llama(cache_dir):
-    """A random Llama (hidden 256, 2 layers, 8 heads, 4 KV heads, vocabulary 512, untied lm_head) saved once. With
-    4 KV heads over TP=2, vLLM's per-rank [q_r; k_r; v_r] rows differ from a per-KV-group order, so a wrong fused
-    layout shows."""
-    d = cache_dir / "vllm-tiny-llama-v2"
-    if not (d / "model.safetensors").is_file():
-        import torch
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        torch.manual_seed(0)
-        cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                          num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
-                          tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
-        tmp = d.with_name(d.name + f".partial-{os.getpid()}")
-        LlamaForCausalLM(cfg).float().save_pretrained(tmp)
-        if not d.exists():
-            os.replace(tmp, d)
-    return d
+    return tiny_llama_dir(cache_dir)
 
 
 @pytest.mark.slow

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _vllm_launch import REPO, SKIP_REASON, VPY, free_port, run_trainer_ranks, vllm_env
+from _vllm_launch import REPO, SKIP_REASON, VPY, free_port, run_trainer_ranks, tiny_llama_dir, vllm_env
 
 SCRIPT = Path(__file__).with_name("_vllm_server_e2e.py")
 START_LIMIT_S = 420
@@ -41,24 +41,6 @@ def server_env(token: str) -> dict:
     return {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_OMP_THREADS_BIND": "|".join(["0|1"] * DP),
             "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
             "PYTHONPATH": str(REPO / "src"), "OARLOCK_SYNC_TOKEN": token}
-
-
-def tiny_llama(cache_dir: Path) -> Path:
-    """The random Llama of test_vllm.py (hidden 256, 2 layers, 8 heads, 4 KV heads, vocabulary 512), saved once."""
-    d = cache_dir / "vllm-tiny-llama-v2"
-    if not (d / "model.safetensors").is_file():
-        import torch
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        torch.manual_seed(0)
-        cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                          num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
-                          tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
-        tmp = d.with_name(d.name + f".partial-{os.getpid()}")
-        LlamaForCausalLM(cfg).float().save_pretrained(tmp)
-        if not d.exists():
-            os.replace(tmp, d)
-    return d
 
 
 def listeners(port: int) -> list[str]:
@@ -98,7 +80,7 @@ def tail(path: Path, n: int = 60) -> str:
 
 @pytest.fixture(scope="module")
 def server(cache_dir, tmp_path_factory):
-    model_dir = tiny_llama(cache_dir)
+    model_dir = tiny_llama_dir(cache_dir)
     logdir = tmp_path_factory.mktemp("vllm-server")
     port, token = free_port(), secrets.token_hex(16)
     env = server_env(token)
